@@ -1,0 +1,33 @@
+"""kernelgen: readable, specialized FlashAttention kernels from declarative tiling specs.
+
+spec (YAML, Pydantic) -> render (Jinja2) -> compile (NVRTC) -> launch (CuPy) -> attention().
+"""
+
+__version__ = "0.1.0"
+
+from kernelgen.api import attention, default_spec
+from kernelgen.errors import (
+    CompileError,
+    InputError,
+    InputTypeError,
+    KernelgenError,
+    SpecError,
+    ToolchainMissingError,
+)
+from kernelgen.render import render
+from kernelgen.spec import KernelSpec, load_spec
+
+__all__ = [
+    "CompileError",
+    "InputError",
+    "InputTypeError",
+    "KernelSpec",
+    "KernelgenError",
+    "SpecError",
+    "ToolchainMissingError",
+    "__version__",
+    "attention",
+    "default_spec",
+    "load_spec",
+    "render",
+]

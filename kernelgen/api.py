@@ -1,0 +1,328 @@
+"""``kernelgen.attention``: input checks, layout handling, default spec choice, launch.
+
+Every check runs on metadata before anything is launched or allocated, so bad input raises a
+typed error naming the argument and leaves the GPU untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kernelgen.arch import ARCHS
+from kernelgen.errors import InputError, InputTypeError, KernelgenError
+from kernelgen.launch import Problem, import_cupy, runtime_kernel
+from kernelgen.spec import MAX_HEAD_DIM, KernelSpec
+
+Layout = Literal["bhsd", "bshd"]
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+_TYPESTR_DTYPES = {"<f4": "float32", "<f2": "float16", "<f8": "float64"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What attention() needs to know about an array before touching it."""
+
+    name: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str
+    source: Any  # the object as given
+
+    def permuted(self, order: tuple[int, ...]) -> TensorInfo:
+        return TensorInfo(
+            self.name,
+            tuple(self.shape[i] for i in order),
+            tuple(self.strides[i] for i in order),
+            self.dtype,
+            self.source,
+        )
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(getattr(dtype, "name", dtype))
+    return name.removeprefix("torch.")
+
+
+def describe(array: Any, name: str) -> TensorInfo:
+    """Shape, strides and dtype of a device array, read without copying or launching anything."""
+    module = type(array).__module__.split(".")[0]
+    if module == "numpy":
+        raise InputTypeError(
+            f"{name} is a host (NumPy) array; kernelgen runs on the GPU: pass a CuPy array "
+            f"(cupy.asarray({name})) or a CUDA torch tensor"
+        )
+    if module == "cupy":
+        itemsize = array.dtype.itemsize
+        return TensorInfo(
+            name,
+            tuple(array.shape),
+            tuple(s // itemsize for s in array.strides),
+            _dtype_name(array.dtype),
+            array,
+        )
+    if module == "torch":
+        if not array.is_cuda:
+            raise InputTypeError(
+                f"{name} is a torch tensor on {array.device}; move it to a CUDA device first"
+            )
+        return TensorInfo(
+            name, tuple(array.shape), tuple(array.stride()), _dtype_name(array.dtype), array
+        )
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if interface is not None:
+        typestr = interface["typestr"]
+        dtype = _TYPESTR_DTYPES.get(typestr, typestr)
+        itemsize = int(typestr[2:])
+        shape = tuple(interface["shape"])
+        strides = interface.get("strides")
+        if strides is None:
+            strides, running = [], 1
+            for size in reversed(shape):
+                strides.insert(0, running)
+                running *= size
+        else:
+            strides = [s // itemsize for s in strides]
+        return TensorInfo(name, shape, tuple(strides), dtype, array)
+    if hasattr(array, "__dlpack__"):
+        device_type = array.__dlpack_device__()[0] if hasattr(array, "__dlpack_device__") else 0
+        if int(device_type) != 2:  # kDLCUDA
+            raise InputTypeError(
+                f"{name} lives on DLPack device type {int(device_type)}, not a CUDA device (2)"
+            )
+        return describe(import_cupy().from_dlpack(array), name)
+    raise InputTypeError(
+        f"{name} has type {type(array).__name__}; expected a CuPy array or an object exposing "
+        "__cuda_array_interface__ or __dlpack__ (e.g. a CUDA torch tensor)"
+    )
+
+
+@dataclass(frozen=True)
+class CheckedCall:
+    """A validated call: metadata in (batch, head, seq, dim) order."""
+
+    q: TensorInfo
+    k: TensorInfo
+    v: TensorInfo
+    mask: TensorInfo | None
+    dtype: str
+    scale: float
+
+
+def check_inputs(
+    q: TensorInfo,
+    k: TensorInfo,
+    v: TensorInfo,
+    mask: TensorInfo | None,
+    *,
+    layout: str,
+    scale: float | None,
+    spec: KernelSpec | None,
+    causal: bool,
+) -> CheckedCall:
+    """All argument checks of attention(), on metadata only."""
+    if layout not in ("bhsd", "bshd"):
+        raise InputError(f"layout={layout!r} is not allowed; use 'bhsd' or 'bshd'")
+    for t in (q, k, v):
+        if len(t.shape) != 4:
+            raise InputError(
+                f"{t.name} has rank {len(t.shape)} (shape {t.shape}); expected rank 4, "
+                f"({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'})"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise InputTypeError(
+                f"{t.name} has dtype {t.dtype}; allowed: {', '.join(SUPPORTED_DTYPES)}"
+            )
+        if 0 in t.shape:
+            raise InputError(f"{t.name} has a zero-size dimension (shape {t.shape})")
+    if layout == "bshd":
+        q, k, v = (t.permuted((0, 2, 1, 3)) for t in (q, k, v))
+    for t in (k, v):
+        if t.dtype != q.dtype:
+            raise InputTypeError(
+                f"{t.name} has dtype {t.dtype} but q has {q.dtype}; they must match"
+            )
+    batch, heads, _, head_dim = q.shape
+    if k.shape != v.shape:
+        raise InputError(f"k has shape {k.shape} but v has {v.shape}; they must match")
+    if k.shape[0] != batch:
+        raise InputError(f"k has batch {k.shape[0]} but q has batch {batch}")
+    if k.shape[3] != head_dim:
+        raise InputError(f"k has head_dim {k.shape[3]} but q has head_dim {head_dim}")
+    if heads % k.shape[1]:
+        raise InputError(
+            f"q has {heads} heads, not divisible by the {k.shape[1]} key/value heads of k"
+        )
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise InputError(
+            f"q has head_dim {head_dim}; allowed: a multiple of 8 from 8 to {MAX_HEAD_DIM}"
+        )
+    for t in (q, k, v):
+        if t.strides[3] != 1:
+            raise InputError(
+                f"{t.name}'s last dimension is not contiguous (stride {t.strides[3]}); "
+                f"pass {t.name} with stride 1 along head_dim (e.g. a .copy())"
+            )
+    if mask is not None:
+        mask = _check_mask(mask, (batch, heads, q.shape[2], k.shape[2]))
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise InputError(f"scale={scale!r} is not allowed; use a finite number or None")
+    if spec is not None:
+        if not isinstance(spec, KernelSpec):
+            raise InputTypeError(f"spec has type {type(spec).__name__}; expected a KernelSpec")
+        for field, wanted in (("dtype", q.dtype), ("head_dim", head_dim), ("causal", causal)):
+            if getattr(spec, field) != wanted:
+                raise InputError(
+                    f"spec {spec.uri} has {field}={getattr(spec, field)!r} but the call needs "
+                    f"{field}={wanted!r}"
+                )
+    return CheckedCall(q, k, v, mask, q.dtype, float(scale))
+
+
+def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo:
+    if mask.dtype not in ("float32", "float16", "bfloat16", "float64"):
+        raise InputTypeError(f"mask has dtype {mask.dtype}; expected a floating-point array")
+    if len(mask.shape) > 4:
+        raise InputError(f"mask has rank {len(mask.shape)}; at most 4 (B, H, Sq, Sk)")
+    shape = (1,) * (4 - len(mask.shape)) + mask.shape
+    for size, want, axis in zip(
+        shape, full, ("batch", "heads", "seqlen_q", "seqlen_k"), strict=True
+    ):
+        if size not in (1, want):
+            raise InputError(
+                f"mask has shape {mask.shape}, not broadcastable to {full} (B, H, Sq, Sk): "
+                f"its {axis} size is {size}, allowed 1 or {want}"
+            )
+    return mask
+
+
+def default_spec(dtype: str, head_dim: int, causal: bool, arch: str | None = None) -> KernelSpec:
+    """A sensible spec for a shape until the autotuner chooses: v2, the largest tiles that fit."""
+    archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
+    block_m = 64 if head_dim <= 128 else 32
+    for block_n in (32, 16):
+        try:
+            return KernelSpec(
+                loop_order="v2",
+                dtype=dtype,
+                head_dim=head_dim,
+                block_m=block_m,
+                block_n=block_n,
+                num_warps=4,
+                causal=causal,
+                archs=archs,
+            )
+        except ValueError:
+            continue
+    raise InputError(f"no default kernel fits head_dim={head_dim}, dtype={dtype} on {archs}")
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    mask: Any = None,
+    spec: KernelSpec | None = None,
+    return_lse: bool = False,
+    layout: Layout = "bhsd",
+) -> Any:
+    """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
+
+    q is (B, H, Sq, D), k and v (B, Hkv, Sk, D) with H % Hkv == 0 (or (B, S, H, D) with
+    ``layout="bshd"``); mask is an additive float array broadcastable to (B, H, Sq, Sk).
+    Returns out (same layout and dtype as q), and with ``return_lse`` also the fp32 log-sum-exp
+    of shape (B, H, Sq). CuPy inputs give CuPy outputs, torch tensors give torch tensors.
+    """
+    infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    mask_info = describe(mask, "mask") if mask is not None else None
+    call = check_inputs(
+        *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=bool(causal)
+    )
+    cupy = import_cupy()
+    if spec is None:
+        major, minor = cupy.cuda.Device().compute_capability
+        spec = default_spec(call.dtype, call.q.shape[3], bool(causal), f"sm_{major}{minor}")
+    kernel = runtime_kernel(spec)
+    arrays = {name: _as_cupy(t.source) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
+    mask_array = None
+    if call.mask is not None:
+        mask_array = _as_cupy(call.mask.source)
+        if mask_array.dtype != cupy.float32:
+            mask_array = mask_array.astype(cupy.float32)  # documented: a copy for other dtypes
+        mask_array = cupy.broadcast_to(mask_array, mask_shape(call))
+        mask_info = TensorInfo(
+            "mask",
+            mask_array.shape,
+            tuple(s // 4 for s in mask_array.strides),
+            "float32",
+            mask_array,
+        )
+        call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
+    problem, out_shape = plan(call, layout)
+    out = _empty(out_shape, arrays["q"].dtype)
+    lse = _empty(call.q.shape[:3], cupy.float32)
+    kernel({**arrays, "out": out, "lse": lse, "mask": mask_array}, problem, call.scale)
+    if type(q).__module__.split(".")[0] == "torch":
+        import torch
+
+        out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+    return (out, lse) if return_lse else out
+
+
+def mask_shape(call: CheckedCall) -> tuple[int, int, int, int]:
+    batch, heads, seqlen_q, _ = call.q.shape
+    return (batch, heads, seqlen_q, call.k.shape[2])
+
+
+def plan(call: CheckedCall, layout: str) -> tuple[Problem, tuple[int, ...]]:
+    """Kernel sizes and strides for a checked call, and the shape of ``out`` (q's layout).
+
+    ``call.mask``, when present, must already be broadcast to (B, H, Sq, Sk) (strides 0 where
+    broadcast)."""
+    batch, heads, seqlen_q, head_dim = call.q.shape
+    if layout == "bhsd":
+        out_shape = (batch, heads, seqlen_q, head_dim)
+        out_strides = (heads * seqlen_q * head_dim, seqlen_q * head_dim, head_dim)
+    else:
+        out_shape = (batch, seqlen_q, heads, head_dim)
+        out_strides = (seqlen_q * heads * head_dim, head_dim, heads * head_dim)
+    problem = Problem(
+        batch=batch,
+        num_heads=heads,
+        num_kv_heads=call.k.shape[1],
+        seqlen_q=seqlen_q,
+        seqlen_k=call.k.shape[2],
+        head_dim=head_dim,
+        q_strides=call.q.strides[:3],
+        k_strides=call.k.strides[:3],
+        v_strides=call.v.strides[:3],
+        out_strides=out_strides,
+        mask_strides=call.mask.strides if call.mask is not None else (0, 0, 0, 0),
+    )
+    return problem, out_shape
+
+
+def _empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """Output allocation (tests replace it to poison outputs with NaN)."""
+    return import_cupy().empty(shape, dtype=dtype)
+
+
+def _as_cupy(array: Any) -> Any:
+    cupy = import_cupy()
+    if isinstance(array, cupy.ndarray):
+        return array
+    if (
+        hasattr(array, "__cuda_array_interface__")
+        and type(array).__module__.split(".")[0] != "torch"
+    ):
+        return cupy.asarray(array)
+    return cupy.from_dlpack(array)
+
+
+__all__ = ["KernelgenError", "attention", "check_inputs", "default_spec", "describe"]

@@ -1,0 +1,112 @@
+"""Build generated/: readable sources named by URI plus a manifest of resources per architecture."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kernelgen import __version__
+from kernelgen.compile import Resources, compile_offline
+from kernelgen.errors import SpecError
+from kernelgen.fileio import atomic_write_text
+from kernelgen.render import render, template_hash
+from kernelgen.spec import KernelSpec, load_spec
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class BuiltKernel:
+    spec: KernelSpec
+    source: str
+    resources: list[Resources] = field(default_factory=list)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    def manifest_entry(self) -> dict[str, object]:
+        return {
+            "spec": self.spec.model_dump(mode="json"),
+            "source": f"{self.spec.uri}.cu",
+            "source_sha256": self.sha256,
+            "smem_bytes": self.spec.smem_bytes,
+            "threads": self.spec.threads,
+            "resources": {r.arch: r.as_dict() for r in self.resources},
+        }
+
+
+def load_specs(paths: list[Path]) -> list[KernelSpec]:
+    """Load every spec, collecting all problems (one line each) before raising."""
+    specs, problems, seen = [], [], {}
+    for path in paths:
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            problems += [f"{path}: {p}" for p in exc.problems]
+            continue
+        if spec.uri in seen:
+            problems.append(f"{path}: same kernel ({spec.uri}) as {seen[spec.uri]}")
+            continue
+        seen[spec.uri] = path
+        specs.append(spec)
+    if problems:
+        raise SpecError(problems)
+    return specs
+
+
+def build_kernels(specs: list[KernelSpec], archs: list[str] | None) -> list[BuiltKernel]:
+    """Render and compile each spec for its archs (or ``archs`` when given)."""
+    built = []
+    for spec in specs:
+        kernel = BuiltKernel(spec, render(spec))
+        for arch in archs or spec.archs:
+            kernel.resources.append(compile_offline(kernel.source, spec.uri, arch).resources)
+        built.append(kernel)
+    return built
+
+
+def _read_manifest(out_dir: Path) -> dict:
+    try:
+        data = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {"kernels": {}}
+    return data if isinstance(data.get("kernels"), dict) else {"kernels": {}}
+
+
+def write_generated(built: list[BuiltKernel], out_dir: Path) -> None:
+    """Write each source and merge the kernels into the manifest, every file atomically."""
+    manifest = _read_manifest(out_dir)
+    for kernel in built:
+        atomic_write_text(out_dir / f"{kernel.spec.uri}.cu", kernel.source)
+        manifest["kernels"][kernel.spec.uri] = kernel.manifest_entry()
+    manifest["generator_version"] = __version__
+    manifest["template_hash"] = template_hash()
+    manifest["kernels"] = dict(sorted(manifest["kernels"].items()))
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+def stale_files(specs: list[KernelSpec], out_dir: Path) -> list[str]:
+    """What in ``out_dir`` does not match the specs (no compile needed): one line per problem."""
+    problems = []
+    kernels = _read_manifest(out_dir)["kernels"]
+    wanted = set()
+    for spec in specs:
+        source = render(spec)
+        path = out_dir / f"{spec.uri}.cu"
+        wanted.add(path.name)
+        if not path.exists():
+            problems.append(f"{path}: missing")
+        elif path.read_text() != source:
+            problems.append(f"{path}: out of date with the spec or the templates")
+        entry = kernels.get(spec.uri)
+        if entry is None:
+            problems.append(f"{out_dir / MANIFEST}: no entry for {spec.uri}")
+        elif entry.get("source_sha256") != hashlib.sha256(source.encode()).hexdigest():
+            problems.append(f"{out_dir / MANIFEST}: entry for {spec.uri} is out of date")
+    for path in sorted(out_dir.glob("*.cu")):
+        if path.name not in wanted:
+            problems.append(f"{path}: no spec produces it (delete it or add its spec)")
+    return problems

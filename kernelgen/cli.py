@@ -1,0 +1,166 @@
+"""The ``kernelgen`` command: build, show, check, schema.
+
+Problems with specs or tools print one line each and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kernelgen.arch import ARCHS
+from kernelgen.errors import CompileError, KernelgenError, SpecError
+from kernelgen.spec import spec_json_schema
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Generate specialized FlashAttention CUDA kernels from tiling specs.",
+)
+out_console = Console()
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+_ARCH_NAME = re.compile(r"^sm_\d+a?$")
+
+SpecPaths = Annotated[list[Path], typer.Argument(help="Spec YAML files.", show_default=False)]
+ArchOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--arch",
+        help="Architectures to compile for (repeat, or list after it: --arch sm_80 sm_90). "
+        "Default: each spec's archs.",
+    ),
+]
+
+
+def _fail(lines: list[str], code: int = 2) -> typer.Exit:
+    for line in lines:
+        err_console.print(line, markup=False)
+    return typer.Exit(code)
+
+
+def _split_archs(paths: list[Path], archs: list[str] | None) -> tuple[list[Path], list[str] | None]:
+    """Let ``--arch sm_80 sm_90`` work: arch names among the paths join --arch."""
+    if archs is None:
+        return paths, None
+    extra = [p for p in paths if _ARCH_NAME.match(str(p)) and not p.exists()]
+    names = [a for value in archs for a in value.replace(",", " ").split()]
+    names += [str(p) for p in extra]
+    unknown = [a for a in names if a not in ARCHS]
+    if unknown:
+        raise _fail(
+            [f"--arch {a}: unknown architecture; allowed: {', '.join(ARCHS)}" for a in unknown]
+        )
+    return [p for p in paths if p not in extra], names
+
+
+def _load(paths: list[Path]):
+    from kernelgen.build import load_specs
+
+    try:
+        return load_specs(paths)
+    except SpecError as exc:
+        raise _fail(exc.problems) from None
+
+
+def _resource_table(built) -> Table:
+    table = Table(title="kernelgen build")
+    for column in ("kernel", "arch", "regs", "spill B", "stack B", "smem B", "SASS"):
+        table.add_column(column, justify="left" if column in ("kernel", "SASS") else "right")
+    for kernel in built:
+        for r in kernel.resources:
+            sass = ", ".join(f"{k} {v}" for k, v in r.sass_instructions.items() if v) or "-"
+            table.add_row(
+                kernel.spec.uri,
+                r.arch,
+                str(r.registers),
+                str(r.spill_store_bytes + r.spill_load_bytes),
+                str(r.stack_bytes),
+                str(kernel.spec.smem_bytes + r.static_smem_bytes),
+                sass,
+            )
+    return table
+
+
+def _compile(specs, archs):
+    from kernelgen.build import build_kernels
+
+    try:
+        return build_kernels(specs, archs)
+    except CompileError as exc:
+        raise _fail([str(exc)], 1) from None
+    except KernelgenError as exc:
+        raise _fail([str(exc)]) from None
+
+
+@app.command()
+def build(
+    specs: SpecPaths,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")] = Path("generated"),
+    arch: ArchOption = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Only check that the output folder is up to date.")
+    ] = False,
+) -> None:
+    """Render, compile offline and write OUT/<uri>.cu plus OUT/manifest.json."""
+    from kernelgen.build import stale_files, write_generated
+
+    paths, archs = _split_archs(specs, arch)
+    loaded = _load(paths)
+    if check:
+        problems = stale_files(loaded, out)
+        if problems:
+            raise _fail([*problems, "run `kernelgen build` on the same specs to refresh"], 1)
+        out_console.print(f"{out}/ is up to date with {len(loaded)} specs")
+        return
+    built = _compile(loaded, archs)
+    write_generated(built, out)
+    out_console.print(_resource_table(built))
+    out_console.print(f"wrote {len(built)} kernels and {out / 'manifest.json'}")
+
+
+@app.command()
+def show(spec: Annotated[Path, typer.Argument(help="A spec YAML file.")]) -> None:
+    """Print the CUDA source a spec generates."""
+    from kernelgen.render import render
+
+    (loaded,) = _load([spec])
+    sys.stdout.write(render(loaded))
+
+
+@app.command()
+def check(specs: SpecPaths, arch: ArchOption = None) -> None:
+    """Compile specs offline and print registers, spills, stack, shared memory and SASS facts."""
+    paths, archs = _split_archs(specs, arch)
+    built = _compile(_load(paths), archs)
+    out_console.print(_resource_table(built))
+    spilling = [
+        f"{k.spec.uri} on {r.arch}: {r.spill_store_bytes + r.spill_load_bytes} spill bytes, "
+        f"{r.stack_bytes} stack bytes"
+        for k in built
+        for r in k.resources
+        if r.spill_store_bytes or r.spill_load_bytes or r.stack_bytes
+    ]
+    if spilling:
+        raise _fail(spilling, 1)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of spec files (for editor validation)."""
+    sys.stdout.write(json.dumps(spec_json_schema(), indent=2) + "\n")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Offline compilation through NVRTC (cuda-bindings): cubin, ptxas resource report, SASS facts.
+
+No GPU is needed. The CUDA headers and tools are located with cuda-pathfinder; nothing is a
+hard-coded path. (cupy_backends' nvrtc.getCUBIN drops the cubin's last byte, so the offline path
+uses cuda-bindings' NVRTC, which does not.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+
+from kernelgen.errors import CompileError, ToolchainMissingError
+
+COMMON_OPTIONS: tuple[str, ...] = ("-std=c++17", "--use_fast_math", "-default-device")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reported for one kernel on one architecture."""
+
+    arch: str
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+    static_smem_bytes: int
+    sass_instructions: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    name: str
+    arch: str
+    cubin: bytes
+    log: str
+    resources: Resources
+
+
+@cache
+def cuda_include_dir() -> str:
+    """Directory holding cuda_fp16.h and friends (from the nvidia-cuda-runtime wheel or a CTK)."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError as exc:
+        raise ToolchainMissingError(
+            "cuda-pathfinder is not installed; install kernelgen[nvrtc] or kernelgen[cuda]"
+        ) from exc
+    path = find_nvidia_header_directory("cudart")
+    if path is None:
+        raise ToolchainMissingError(
+            "CUDA headers (cuda_fp16.h) not found; install nvidia-cuda-runtime (kernelgen[nvrtc])"
+        )
+    return path
+
+
+def nvrtc_options(arch: str) -> list[str]:
+    return [f"-arch={arch}", *COMMON_OPTIONS, f"-I{cuda_include_dir()}"]
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise ToolchainMissingError(
+            "cuda-bindings (NVRTC) is not installed; install kernelgen[nvrtc]"
+        ) from exc
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as exc:  # the library itself failed to load
+        raise ToolchainMissingError(f"NVRTC could not be loaded: {exc}") from exc
+    return nvrtc
+
+
+def nvrtc_available() -> bool:
+    try:
+        _nvrtc()
+        cuda_include_dir()
+    except ToolchainMissingError:
+        return False
+    return True
+
+
+def _check(nvrtc, result) -> None:
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise ToolchainMissingError(f"NVRTC call failed: {result}")
+
+
+def save_failed_source(name: str, source: str) -> str:
+    """Keep a source NVRTC rejected where the user can open it."""
+    folder = Path(os.environ.get("KERNELGEN_FAILED_DIR", tempfile.gettempdir())) / "kernelgen"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.failed.cu"
+    path.write_text(source)
+    return str(path)
+
+
+def compile_offline(source: str, name: str, arch: str) -> CompiledKernel:
+    """Compile ``source`` for ``arch`` (e.g. ``sm_90``) and parse ptxas' resource report."""
+    nvrtc = _nvrtc()
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
+    _check(nvrtc, err)
+    try:
+        options = [*nvrtc_options(arch), "--ptxas-options=-v"]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        _check(nvrtc, err)
+        log_buf = b" " * size
+        _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, log_buf)[0])
+        log = log_buf.rstrip(b"\x00 ").decode(errors="replace")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(name, log, save_failed_source(name, source))
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(nvrtc, err)
+        cubin = b" " * size
+        _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin)[0])
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    resources = parse_ptxas_report(log, name, arch)
+    sass = sass_instruction_counts(cubin)
+    if sass:
+        resources = Resources(**{**resources.as_dict(), "sass_instructions": sass})
+    return CompiledKernel(name, arch, cubin, log, resources)
+
+
+_FUNCTION = re.compile(r"Compiling entry function '(?P<name>\w+)' for '(?P<arch>\w+)'")
+_FRAME = re.compile(
+    r"(?P<stack>\d+) bytes stack frame, (?P<store>\d+) bytes spill stores, "
+    r"(?P<load>\d+) bytes spill loads"
+)
+_USAGE = re.compile(r"Used (?P<regs>\d+) registers(?P<rest>.*)")
+_SMEM = re.compile(r"(?P<smem>\d+) bytes smem")
+
+
+def parse_ptxas_report(log: str, name: str, arch: str) -> Resources:
+    """Pull registers, spills, stack and static shared memory of ``name`` out of a ptxas -v log."""
+    current = None
+    found: dict[str, int] = {}
+    for line in log.splitlines():
+        if m := _FUNCTION.search(line):
+            current = m["name"]
+            continue
+        if current != name:
+            continue
+        if m := _FRAME.search(line):
+            found.update(stack=int(m["stack"]), store=int(m["store"]), load=int(m["load"]))
+        elif m := _USAGE.search(line):
+            found["regs"] = int(m["regs"])
+            smem = _SMEM.search(m["rest"])
+            found["smem"] = int(smem["smem"]) if smem else 0
+    if "regs" not in found or "stack" not in found:
+        raise ValueError(f"ptxas report for {name} on {arch} not found in the NVRTC log:\n{log}")
+    return Resources(
+        arch=arch,
+        registers=found["regs"],
+        spill_store_bytes=found["store"],
+        spill_load_bytes=found["load"],
+        stack_bytes=found["stack"],
+        static_smem_bytes=found["smem"],
+    )
+
+
+# ---- SASS (optional: needs the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels) --------
+SASS_OPCODES: tuple[str, ...] = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDL", "STL")
+
+
+@cache
+def cuobjdump_path() -> str | None:
+    """cuobjdump, with nvdisasm beside it (cuobjdump needs nvdisasm on PATH)."""
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+    except ImportError:
+        return shutil.which("cuobjdump")
+    tool = find_nvidia_binary_utility("cuobjdump")
+    if tool and find_nvidia_binary_utility("nvdisasm"):
+        return tool
+    return None
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """SASS text of a cubin, or None when cuobjdump/nvdisasm are not installed."""
+    tool = cuobjdump_path()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(tool) + os.pathsep + env.get("PATH", "")
+        done = subprocess.run(
+            [tool, "-sass", handle.name], capture_output=True, text=True, env=env, check=False
+        )
+    return done.stdout if done.returncode == 0 else None
+
+
+def sass_instruction_counts(cubin: bytes) -> dict[str, int]:
+    """How often each opcode family of interest appears in the SASS ({} without the tools)."""
+    sass = disassemble(cubin)
+    if sass is None:
+        return {}
+    counts = dict.fromkeys(SASS_OPCODES, 0)
+    for opcode in re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.M):
+        if opcode in counts:
+            counts[opcode] += 1
+    return counts

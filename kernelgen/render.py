@@ -1,0 +1,119 @@
+"""Render a spec into CUDA source with Jinja2. C++ spellings live in the tables below."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from kernelgen import __version__
+from kernelgen.spec import KernelSpec
+
+
+@dataclass(frozen=True)
+class CxxElement:
+    """How one element type is spelled in CUDA C++."""
+
+    name: str  # the C++ type
+    header: str | None  # header that declares it
+    to_float: str  # conversion to fp32 (empty: already float)
+    from_float: str  # round-to-nearest-even conversion from fp32
+
+
+CXX_ELEMENT: dict[str, CxxElement] = {
+    "float32": CxxElement("float", None, "", ""),
+    "float16": CxxElement("__half", "cuda_fp16.h", "__half2float", "__float2half_rn"),
+    "bfloat16": CxxElement(
+        "__nv_bfloat16", "cuda_bf16.h", "__bfloat162float", "__float2bfloat16_rn"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter; ``launch`` packs arguments in this order."""
+
+    name: str
+    ctype: str
+
+
+def _strides(tensor: str, axes: str) -> list[Param]:
+    return [Param(f"{tensor}_stride_{axis}", "long long") for axis in axes]
+
+
+def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
+    """The generated kernel's parameter list (the contract between render and launch)."""
+    elem = CXX_ELEMENT[spec.dtype].name
+    params = [
+        Param("q", f"const {elem}*"),
+        Param("k", f"const {elem}*"),
+        Param("v", f"const {elem}*"),
+        Param("out", f"{elem}*"),
+        Param("lse", "float*"),
+        Param("mask", "const float*"),
+    ]
+    if spec.loop_order == "v1":
+        params.append(Param("workspace", "float*"))
+    params += [
+        Param(name, "int")
+        for name in ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k")
+    ]
+    params += _strides("q", "bhs") + _strides("k", "bhs") + _strides("v", "bhs")
+    params += _strides("out", "bhs") + _strides("mask", "bhqk")
+    params.append(Param("scale_log2", "float"))
+    return tuple(params)
+
+
+def workspace_floats(spec: KernelSpec, batch: int, num_heads: int, seqlen_q: int) -> int:
+    """fp32 scratch a launch needs: v1 keeps (o, m, l) of every query row in global memory."""
+    if spec.loop_order != "v1":
+        return 0
+    return batch * num_heads * seqlen_q * (spec.head_dim + 2)
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def template_dir() -> Path:
+    return Path(str(resources.files("kernelgen.templates")))
+
+
+@cache
+def template_hash() -> str:
+    """sha256 over every template file: part of every cache key."""
+    digest = hashlib.sha256()
+    for path in sorted(template_dir().glob("*.j2")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def template_name(spec: KernelSpec) -> str:
+    return f"fa_fwd_{spec.loop_order}.cu.j2"
+
+
+def render(spec: KernelSpec) -> str:
+    """CUDA source of the spec's kernel, named by its URI."""
+    template = _environment().get_template(template_name(spec))
+    return template.render(
+        spec=spec,
+        uri=spec.uri,
+        elem=CXX_ELEMENT[spec.dtype],
+        params=kernel_params(spec),
+        spec_yaml=spec.to_yaml().rstrip("\n").splitlines(),
+        generator_version=__version__,
+        template_hash=template_hash()[:16],
+    )

@@ -1,0 +1,255 @@
+"""Kernel specs: a frozen Pydantic model, its validation, derived tile geometry and canonical name.
+
+A spec is everything that is a compile-time constant of a generated kernel. Its canonical name
+(``uri``) is the kernel symbol, the file name under generated/ and the cache identity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kernelgen.arch import ARCHS, DEFAULT_ARCHS
+from kernelgen.errors import SpecError
+
+DType = Literal["float32", "float16", "bfloat16"]
+LoopOrder = Literal["v1", "v2"]
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_SHORT: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+TILE_SIZES = (16, 32, 64, 128)
+WARP_COUNTS = (1, 2, 4, 8)
+MAX_HEAD_DIM = 256
+# fp32 registers a thread may devote to its slice of the output row and of the score row;
+# beyond this the CUDA-core kernels spill (checked for real by ptxas in the compile tier).
+MAX_ACCUMULATORS_PER_THREAD = 128
+
+
+def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
+    if value not in allowed:
+        raise ValueError(
+            f"{field}={value} is not allowed; use one of {', '.join(map(str, allowed))}"
+        )
+    return value
+
+
+class KernelSpec(BaseModel):
+    """A FlashAttention forward kernel, fully determined (all fields are compile-time)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    loop_order: LoopOrder = Field(
+        description="v1: FA1 order (outer loop over K/V tiles, running state in global memory); "
+        "v2: FA2 order (a thread block per Q tile, state in registers)."
+    )
+    dtype: DType = Field(description="Element type of q, k, v and out (accumulation is fp32).")
+    head_dim: int = Field(description="Head dimension D: a multiple of 8, at most 256.")
+    block_m: int = Field(description="Query rows per tile (16, 32, 64 or 128).")
+    block_n: int = Field(description="Key rows per tile (16, 32, 64 or 128).")
+    num_warps: int = Field(4, description="Warps per thread block (1, 2, 4 or 8).")
+    causal: bool = Field(False, description="Bottom-right aligned causal mask.")
+    smem_pad: int = Field(
+        1,
+        description="Extra 32-bit words at the end of each shared-memory row of Q, K and V. "
+        "An odd row stride in words puts the rows of a tile in different banks (0 to 8).",
+    )
+    archs: tuple[str, ...] = Field(
+        DEFAULT_ARCHS,
+        description="GPU architectures the spec must fit (shared memory is checked against each).",
+    )
+
+    # ---- field checks -------------------------------------------------------------------
+    @field_validator("head_dim")
+    @classmethod
+    def _check_head_dim(cls, value: int) -> int:
+        if value <= 0 or value % 8 or value > MAX_HEAD_DIM:
+            raise ValueError(
+                f"head_dim={value} is not allowed; use a multiple of 8 from 8 to {MAX_HEAD_DIM}"
+            )
+        return value
+
+    @field_validator("block_m")
+    @classmethod
+    def _check_block_m(cls, value: int) -> int:
+        return _power_of_two_choice("block_m", value, TILE_SIZES)
+
+    @field_validator("block_n")
+    @classmethod
+    def _check_block_n(cls, value: int) -> int:
+        return _power_of_two_choice("block_n", value, TILE_SIZES)
+
+    @field_validator("num_warps")
+    @classmethod
+    def _check_num_warps(cls, value: int) -> int:
+        return _power_of_two_choice("num_warps", value, WARP_COUNTS)
+
+    @field_validator("smem_pad")
+    @classmethod
+    def _check_smem_pad(cls, value: int) -> int:
+        if not 0 <= value <= 8:
+            raise ValueError(f"smem_pad={value} is not allowed; use 0 to 8 (32-bit words)")
+        return value
+
+    @field_validator("archs")
+    @classmethod
+    def _check_archs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [a for a in value if a not in ARCHS]
+        if unknown or not value:
+            raise ValueError(
+                f"archs={list(value)} is not allowed; use a non-empty list of {', '.join(ARCHS)}"
+            )
+        return tuple(value)
+
+    # ---- whole-spec checks ----------------------------------------------------------------
+    @model_validator(mode="after")
+    def _check_geometry(self) -> KernelSpec:
+        problems = []
+        if self.threads < self.block_m:
+            problems.append(
+                f"num_warps={self.num_warps} gives {self.threads} threads, fewer than "
+                f"block_m={self.block_m} rows; use num_warps >= {max(1, self.block_m // 32)}"
+            )
+        elif self.accumulators_per_thread > MAX_ACCUMULATORS_PER_THREAD:
+            problems.append(
+                f"block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim} with "
+                f"num_warps={self.num_warps} need {self.accumulators_per_thread} fp32 "
+                f"accumulators per thread; at most {MAX_ACCUMULATORS_PER_THREAD} fit in registers "
+                "(raise num_warps or lower the tiles)"
+            )
+        for name in self.archs:
+            limit = ARCHS[name].max_smem_per_block
+            if self.smem_bytes > limit:
+                problems.append(
+                    f"shared memory {self.smem_bytes} bytes exceeds the {limit}-byte limit of "
+                    f"{name}; lower block_m/block_n or drop {name} from archs"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # ---- derived geometry (single source for render, launch and validation) --------------
+    @property
+    def threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def threads_per_row(self) -> int:
+        """Lanes of one warp that share a query row (its scores and its output columns).
+
+        With the allowed tiles and warps this is 1 to 16, never more than block_n."""
+        return max(1, self.threads // self.block_m)
+
+    @property
+    def keys_per_thread(self) -> int:
+        return self.block_n // self.threads_per_row
+
+    @property
+    def cols_per_thread(self) -> int:
+        return math.ceil(self.head_dim / self.threads_per_row)
+
+    @property
+    def accumulators_per_thread(self) -> int:
+        return self.keys_per_thread + self.cols_per_thread
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def smem_row_elems(self) -> int:
+        """Row stride of the Q, K and V tiles in shared memory, in elements."""
+        return self.head_dim + self.smem_pad * 4 // self.elem_bytes
+
+    @property
+    def prob_row_floats(self) -> int:
+        """Row stride of the fp32 probability tile: one extra word keeps its rows in other banks."""
+        return self.block_n + 1
+
+    @property
+    def smem_bytes(self) -> int:
+        tiles = (self.block_m + 2 * self.block_n) * self.smem_row_elems * self.elem_bytes
+        return tiles + self.block_m * self.prob_row_floats * 4
+
+    @property
+    def uri(self) -> str:
+        """Canonical readable name, e.g. ``fa_fwd_v2_f16_d128_m64_n64_w4_p1_causal``."""
+        parts = [
+            "fa_fwd",
+            self.loop_order,
+            DTYPE_SHORT[self.dtype],
+            f"d{self.head_dim}",
+            f"m{self.block_m}",
+            f"n{self.block_n}",
+            f"w{self.num_warps}",
+            f"p{self.smem_pad}",
+        ]
+        if self.causal:
+            parts.append("causal")
+        return "_".join(parts)
+
+    def canonical_json(self) -> str:
+        """The spec as sorted, compact JSON: the content that identifies the kernel."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---- loading ----------------------------------------------------------------------------
+def format_validation_error(exc: ValidationError) -> list[str]:
+    """One readable line per problem: the field, the value and what is allowed."""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "spec"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(KernelSpec.model_fields)
+            message = f"unknown field {field!r} (value {err['input']!r}); allowed fields: {allowed}"
+        elif err["type"] == "missing":
+            message = f"missing required field {field!r}"
+        elif err["type"] == "literal_error":
+            message = f"{field}={err['input']!r} is not allowed; {message}"
+        elif field != "spec" and not message.startswith(field.split(".")[0]):
+            message = f"{field}={err['input']!r}: {message}"
+        lines.append(message)
+    return lines
+
+
+def spec_from_dict(data: Any, source: str | None = None) -> KernelSpec:
+    """Validate a mapping into a spec, raising :class:`SpecError` with one line per problem."""
+    if not isinstance(data, dict):
+        raise SpecError([f"expected a mapping of spec fields, got {type(data).__name__}"], source)
+    try:
+        return KernelSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc), source) from None
+
+
+def load_spec(path: str | Path) -> KernelSpec:
+    """Read one spec from a YAML file (safe loading)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError([f"cannot read spec file: {exc.strerror}"], str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([f"invalid YAML: {where}{problem}"], str(path)) from None
+    return spec_from_dict(data, str(path))
+
+
+def spec_json_schema() -> dict[str, Any]:
+    """JSON Schema of a spec file, for editors."""
+    schema = KernelSpec.model_json_schema()
+    schema["title"] = "kernelgen kernel spec"
+    return schema

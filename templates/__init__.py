@@ -1,0 +1,1 @@
+"""Jinja2 templates of the generated CUDA kernels (shipped in the wheel as ``kernelgen.templates``)."""

@@ -1,0 +1,47 @@
+"""Test tiers (DESIGN.md): CPU always; compile always in CI (fails, never skips, when CI=true);
+GPU (`-m gpu`) skipped where there is no CUDA device."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_PATHS = sorted((ROOT / "specs").glob("*.yaml"))
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@cache
+def cuda_device_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def require_toolchain(available: bool, what: str) -> None:
+    """Skip outside CI when a tool is missing; in CI a missing tool is a failure."""
+    if available:
+        return
+    if IN_CI:
+        pytest.fail(f"{what} is missing in CI (CI=true): the tier must run, not skip")
+    pytest.skip(f"{what} is not installed")
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_device_count() > 0:
+        return
+    skip_gpu = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def spec_paths() -> list[Path]:
+    return SPEC_PATHS

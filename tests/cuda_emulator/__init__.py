@@ -1,0 +1,524 @@
+"""Run generated CUDA kernels on the CPU: a test-only host emulator.
+
+The CUDA source of a kernel is compiled as ordinary C++20 by ``g++`` together with a small shim
+header (``include/kg_emulator.h``, force-included) that supplies the CUDA subset our kernels use,
+then loaded with :mod:`ctypes` and launched over numpy arrays::
+
+    kern = build_kernel(source, "attn_fwd", [("const __half*", "q"), ..., ("int", "n")])
+    kern(grid=(gx, gy, gz), block=(128, 1, 1), shared_mem=nbytes, args=[q, ..., n])
+
+What is modelled
+----------------
+* Threads: every CUDA thread of a block is a real OS thread (pthread), so ``__syncthreads``,
+  ``__syncwarp``, shuffles and ballots really block until the other threads get there.
+  ``threadIdx``/``blockIdx``/``blockDim``/``gridDim`` are thread-locals; warps are 32
+  consecutive linear thread ids (x fastest, then y, then z), lanes are ``linear % 32``.
+* Blocks run one at a time, in order (x fastest, then y, then z), reusing the same threads.
+  Hence ``__shared__`` is ``static``: static shared arrays are plain static storage, and they
+  keep the previous block's contents (they are zero only before the first block of the
+  process, not garbage-filled).
+* Dynamic shared memory: the declaration ``extern __shared__ <align> <type> NAME[];`` is
+  rewritten into a pointer to a per-launch buffer of ``shared_mem`` bytes (128-byte aligned).
+  Before every block the buffer is filled with a garbage byte (default 0xFF, i.e. NaN for
+  float32, float16 and bfloat16, and -1 for integers; env ``KG_EMULATOR_SMEM_FILL`` changes it)
+  so reading shared memory nobody wrote shows up. Guard zones on both sides are checked after
+  each block: writing outside the buffer raises ``RuntimeError`` from the launch.
+* ``__syncthreads()`` is a block-wide barrier, ``__syncwarp()`` a per-warp barrier. A thread
+  that returns from the kernel drops out of both (like ``std::barrier::arrive_and_drop``), so
+  the remaining threads do not deadlock.
+* ``__shfl_sync`` / ``__shfl_xor_sync`` / ``__shfl_down_sync`` / ``__shfl_up_sync`` (any
+  trivially copyable type up to 8 bytes, optional ``width`` with the PTX lane rules),
+  ``__ballot_sync`` / ``__any_sync`` / ``__all_sync``: each lane publishes its value in a
+  per-warp slot, warp barrier, reads its source lane's slot, warp barrier.
+* ``__half`` / ``__nv_bfloat16``: 2-byte structs; float conversions are bit-exact
+  round-to-nearest-even like the GPU (subnormals, overflow to inf, NaN -> canonical 0x7FFF).
+  float16 data goes in as numpy ``float16`` arrays, bfloat16 as ``uint16`` bit patterns.
+* Math: <cmath> plus the CUDA spellings (``rsqrtf``, ``__expf``, ``__fdividef``, ...),
+  ``min``/``max`` for mixed arithmetic types, ``__ldg`` and friends, integer/float atomics,
+  ``__trap()`` (raises ``RuntimeError`` from the launch).
+* A per-block watchdog (default 120 s, env ``KG_EMULATOR_TIMEOUT`` or ``timeout=`` on the call)
+  turns a deadlocked block into ``RuntimeError`` instead of a hang; the stuck threads are left
+  behind (blocked, not spinning), so prefer a subprocess when deadlock is expected.
+
+What is NOT modelled
+--------------------
+* No memory model beyond the barriers: between barriers threads really race (as on the GPU,
+  but with x86 ordering); no fences other than ``__threadfence*`` = full fence, no ``volatile``
+  tricks, no memory spaces (a "shared" pointer is an ordinary pointer).
+* No warp divergence semantics: shuffles, ``__syncwarp`` and ballots assume all 32 lanes of the
+  warp take part (the ``mask`` argument is ignored); a partial warp deadlocks (watchdog) or
+  reads stale values of lanes that already exited.
+* No concurrency between blocks (inter-block communication through global memory spin-waits
+  deadlocks), no streams, no launch limits beyond a 1024-thread block (multiple of 32) and
+  227 KiB of dynamic shared memory.
+* No inline PTX (``asm``), tensor cores (``mma``/``wmma``/``ldmatrix``), ``cp.async``/TMA,
+  ``__half2`` vector math, cooperative groups, textures.
+* Floating point is the CPU's: no FMA contraction, ``expf``/``exp2f``/... from glibc
+  (correctly rounded or nearly), the ``__``-fast-math intrinsics are the accurate functions,
+  and subnormals are never flushed. Compare against references with tolerances.
+* Out-of-bounds global memory accesses are not checked (they may crash the process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["EmulatorUnavailable", "EmulatedKernel", "build_kernel", "transform_source"]
+
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+SHIM = INCLUDE_DIR / "kg_emulator.h"
+
+CXX_FLAGS = (
+    "-std=c++20",
+    "-O1",
+    "-pthread",
+    "-shared",
+    "-fPIC",
+    "-fno-strict-aliasing",
+)
+MAX_DYNAMIC_SMEM = 227 * 1024
+DEFAULT_FILL_BYTE = 0xFF
+DEFAULT_TIMEOUT_S = 120.0
+_CODEGEN_VERSION = "1"
+
+
+class EmulatorUnavailable(RuntimeError):
+    """The host C++ compiler needed by the emulator is not installed."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter types
+# --------------------------------------------------------------------------------------------
+
+_SCALAR_CTYPES: dict[str, Any] = {
+    "int": ctypes.c_int32,
+    "signed": ctypes.c_int32,
+    "signed int": ctypes.c_int32,
+    "int32_t": ctypes.c_int32,
+    "unsigned": ctypes.c_uint32,
+    "unsigned int": ctypes.c_uint32,
+    "uint32_t": ctypes.c_uint32,
+    "long long": ctypes.c_int64,
+    "long long int": ctypes.c_int64,
+    "signed long long": ctypes.c_int64,
+    "int64_t": ctypes.c_int64,
+    "long": ctypes.c_long,
+    "unsigned long long": ctypes.c_uint64,
+    "unsigned long long int": ctypes.c_uint64,
+    "uint64_t": ctypes.c_uint64,
+    "unsigned long": ctypes.c_ulong,
+    "size_t": ctypes.c_size_t,
+    "short": ctypes.c_int16,
+    "unsigned short": ctypes.c_uint16,
+    "bool": ctypes.c_bool,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+
+# Element type of a pointer parameter -> numpy dtypes accepted for it (None: anything).
+_POINTEE_DTYPES: dict[str, tuple[str, ...] | None] = {
+    "__half": ("float16", "uint16"),
+    "half": ("float16", "uint16"),
+    "__nv_bfloat16": ("uint16", "bfloat16"),
+    "nv_bfloat16": ("uint16", "bfloat16"),
+    "float": ("float32",),
+    "double": ("float64",),
+    "int": ("int32",),
+    "int32_t": ("int32",),
+    "unsigned": ("uint32",),
+    "unsigned int": ("uint32",),
+    "uint32_t": ("uint32",),
+    "long long": ("int64",),
+    "int64_t": ("int64",),
+    "unsigned long long": ("uint64",),
+    "uint64_t": ("uint64",),
+    "short": ("int16",),
+    "unsigned short": ("uint16",),
+    "uint16_t": ("uint16",),
+    "int8_t": ("int8",),
+    "signed char": ("int8",),
+    "bool": ("bool",),
+    "float2": ("float32",),
+    "float4": ("float32",),
+    "int4": ("int32",),
+    "uint4": ("uint32",),
+}
+
+_TYPE_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9\s\*]*$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
+
+
+@dataclass(frozen=True)
+class _Param:
+    c_type: str  # as spelled in the wrapper (restrict qualifiers removed)
+    name: str
+    is_pointer: bool
+    scalar: Any  # ctypes type for scalars
+    dtypes: tuple[str, ...] | None  # accepted dtypes for pointers (None: any)
+
+
+def _normalize_type(c_type: str) -> str:
+    t = re.sub(r"\b(__restrict__|__restrict|restrict)\b", " ", c_type)
+    t = t.replace("*", " * ")
+    return " ".join(t.split()).replace(" *", "*")
+
+
+def _parse_param(c_type: str, name: str) -> _Param:
+    if not isinstance(c_type, str) or not _TYPE_RE.match(c_type.strip()):
+        raise ValueError(f"unsupported parameter type {c_type!r} for {name!r}")
+    if not isinstance(name, str) or not _IDENT_RE.match(name):
+        raise ValueError(f"bad parameter name {name!r}")
+    t = _normalize_type(c_type)
+    if t.endswith("*"):
+        base = " ".join(w for w in t.rstrip("*").split() if w not in ("const", "volatile"))
+        if "*" in base:
+            raise ValueError(f"pointer-to-pointer parameter {c_type!r} is not supported")
+        return _Param(t, name, True, None, _POINTEE_DTYPES.get(base))
+    base = " ".join(w for w in t.split() if w != "const")
+    if base not in _SCALAR_CTYPES:
+        raise ValueError(f"unsupported scalar parameter type {c_type!r} for {name!r}")
+    return _Param(t, name, False, _SCALAR_CTYPES[base], None)
+
+
+# --------------------------------------------------------------------------------------------
+# Source transformation
+# --------------------------------------------------------------------------------------------
+
+_DYN_SMEM_RE = re.compile(r"\bextern\s+__shared__\s+(?P<body>[^;{}\[\]]+?)\[\s*\]\s*;")
+_ALIGN_RE = re.compile(
+    r"__align__\s*\(\s*\w+\s*\)|alignas\s*\(\s*\w+\s*\)|__attribute__\s*\(\(.*?\)\)"
+)
+# `extern "C" {` reads `extern " " {` once string contents are blanked.
+_NS_OPENER_RE = re.compile(r'(?:\bnamespace\b[\w\s:]*|\bextern\s*"[^"]*"\s*)$')
+
+
+def _blank_comments_and_strings(src: str) -> str:
+    """The source with comments and string/char literal contents replaced by spaces."""
+    out = list(src)
+    i, n = 0, len(src)
+    while i < n:
+        c = src[i]
+        if src.startswith("//", i):
+            j = src.find("\n", i)
+            j = n if j < 0 else j
+            out[i:j] = " " * (j - i)
+            i = j
+        elif src.startswith("/*", i):
+            j = src.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out[i:j] = [ch if ch == "\n" else " " for ch in src[i:j]]
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and src[j] != c:
+                j += 2 if src[j] == "\\" else 1
+            out[i + 1 : min(j, n)] = " " * (min(j, n) - i - 1)
+            i = j + 1
+        else:
+            i += 1
+    return "".join(out)
+
+
+def _at_namespace_scope(code: str, pos: int) -> bool:
+    """Whether ``pos`` of comment/string-blanked ``code`` is outside any function body."""
+    stack: list[bool] = []  # True: a namespace / extern "C" brace
+    last = 0
+    for m in re.finditer(r"[{};]", code[:pos]):
+        ch = m.group()
+        if ch == "{":
+            head = code[last : m.start()].strip()
+            stack.append(bool(_NS_OPENER_RE.search(head)))
+        elif ch == "}" and stack:
+            stack.pop()
+        last = m.end()
+    return all(stack)
+
+
+def transform_source(source: str) -> str:
+    """Rewrite ``extern __shared__ T NAME[];`` into a pointer to the emulated buffer."""
+    code = _blank_comments_and_strings(source)  # same offsets as `source`
+    pieces: list[str] = []
+    last = 0
+    for k, m in enumerate(_DYN_SMEM_RE.finditer(code)):
+        body = _ALIGN_RE.sub(" ", source[m.start("body") : m.end("body")])
+        words = body.split()
+        if len(words) < 2 or not _IDENT_RE.match(words[-1]):
+            raise ValueError(f"cannot parse dynamic shared memory declaration {m.group()!r}")
+        name, ctype = words[-1], " ".join(words[:-1])
+        if _at_namespace_scope(code, m.start()):
+            repl = (
+                f"static {ctype}* {name} = nullptr; "
+                f"static const bool kg_dyn_smem_hook_{k} = ::kg_emu::register_dyn_smem_hook("
+                f"+[](unsigned char* p) {{ {name} = reinterpret_cast<{ctype}*>(p); }});"
+            )
+        else:
+            repl = f"{ctype}* const {name} = reinterpret_cast<{ctype}*>(::kg_emu::dynamic_smem());"
+        pieces += [source[last : m.start()], repl]
+        last = m.end()
+    pieces.append(source[last:])
+    out = "".join(pieces)
+    if re.search(r"\bextern\s+__shared__\b", _blank_comments_and_strings(out)):
+        raise ValueError("unrecognised `extern __shared__` declaration left in the source")
+    return out
+
+
+def _wrapper(kernel_name: str, params: Sequence[_Param]) -> str:
+    args = ",\n      ".join(
+        f"::kg_emu::arg<{p.c_type}>(a[{i}]) /* {p.name} */" for i, p in enumerate(params)
+    )
+    return f"""
+// ---- generated by tests/cuda_emulator: launch wrapper ----
+namespace kg_emu_generated {{
+static void thunk(void** a) {{
+  (void)a;
+  ::{kernel_name}(
+      {args});
+}}
+}}  // namespace kg_emu_generated
+
+extern "C" int kg_emulator_launch(void** args, const long long* cfg, char* err, int errlen) {{
+  return ::kg_emu::launch(&kg_emu_generated::thunk, args, cfg, err, errlen);
+}}
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation and cache
+# --------------------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("KG_EMULATOR_CACHE")
+    if env:
+        d = Path(env)
+    else:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        d = Path(tempfile.gettempdir()) / f"kg_emulator_cache-{uid}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("KG_EMULATOR_CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise EmulatorUnavailable(
+            f"the CUDA emulator needs a C++20 compiler ({cxx!r} is not on PATH)"
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_version(path: str) -> str:
+    res = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+    return res.stdout.splitlines()[0] if res.stdout else ""
+
+
+def _shim_text() -> str:
+    parts = []
+    for f in sorted(INCLUDE_DIR.iterdir()):
+        if f.is_file():
+            parts.append(f"== {f.name}\n{f.read_text()}")
+    return "\n".join(parts)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+_loaded: dict[str, ctypes.CDLL] = {}
+_loaded_lock = threading.Lock()
+
+
+class EmulatedKernel:
+    """A compiled kernel; call it like a launch: ``kern(grid=, block=, shared_mem=, args=)``."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        kernel_name: str,
+        params: Sequence[_Param],
+        so_path: Path,
+        compile_seconds: float,
+    ):
+        self.kernel_name = kernel_name
+        self.params = tuple((p.c_type, p.name) for p in params)
+        self.so_path = so_path
+        self.source_path = so_path.with_suffix(".cpp")
+        self.compile_seconds = compile_seconds  # 0.0 when the library came from the cache
+        self._params = tuple(params)
+        self._lib = lib
+        self._launch = lib.kg_emulator_launch
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_longlong),
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+
+    def __repr__(self) -> str:
+        return f"EmulatedKernel({self.kernel_name!r}, {self.so_path})"
+
+    def _convert(self, p: _Param, value: Any) -> ctypes._SimpleCData:
+        if p.is_pointer:
+            if value is None:
+                return ctypes.c_void_p(None)
+            if not isinstance(value, np.ndarray):
+                raise TypeError(
+                    f"{self.kernel_name}: argument {p.name!r} ({p.c_type}) needs a numpy array "
+                    f"or None, got {type(value).__name__}"
+                )
+            if p.dtypes is not None and value.dtype.name not in p.dtypes:
+                raise TypeError(
+                    f"{self.kernel_name}: argument {p.name!r} ({p.c_type}) needs dtype "
+                    f"{' or '.join(p.dtypes)}, got {value.dtype}"
+                )
+            return ctypes.c_void_p(value.ctypes.data)
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value[()]
+        is_bool = isinstance(value, (bool, np.bool_))
+        if p.scalar is ctypes.c_bool:
+            if not isinstance(value, (bool, np.bool_, int, np.integer)):
+                raise TypeError(f"{self.kernel_name}: {p.name!r} ({p.c_type}) needs a bool")
+            return ctypes.c_bool(bool(value))
+        if p.scalar in (ctypes.c_float, ctypes.c_double):
+            if is_bool or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(
+                    f"{self.kernel_name}: {p.name!r} ({p.c_type}) needs a number, "
+                    f"got {type(value).__name__}"
+                )
+            return p.scalar(float(value))
+        if is_bool or not isinstance(value, (int, np.integer)):
+            raise TypeError(
+                f"{self.kernel_name}: {p.name!r} ({p.c_type}) needs an integer, "
+                f"got {type(value).__name__}"
+            )
+        v = int(value)
+        bits = ctypes.sizeof(p.scalar) * 8
+        signed = p.scalar(-1).value < 0
+        lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+        if not lo <= v <= hi:
+            raise OverflowError(f"{self.kernel_name}: {p.name!r} = {v} does not fit {p.c_type}")
+        return p.scalar(v)
+
+    def __call__(
+        self,
+        grid: Sequence[int] | int = (1, 1, 1),
+        block: Sequence[int] | int = (32, 1, 1),
+        shared_mem: int = 0,
+        args: Sequence[Any] = (),
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        g, b = _dims(grid, "grid"), _dims(block, "block")
+        if b[0] > 1024 or b[1] > 1024 or b[2] > 64:
+            raise ValueError(f"block {b} exceeds the CUDA limits (1024, 1024, 64)")
+        nthreads = b[0] * b[1] * b[2]
+        if nthreads % 32 or nthreads > 1024:
+            raise ValueError(
+                f"block {b} has {nthreads} threads; the emulator needs a multiple of 32, "
+                "at most 1024"
+            )
+        if g[1] > 65535 or g[2] > 65535 or g[0] > 2**31 - 1:
+            raise ValueError(f"grid {g} exceeds the CUDA limits")
+        shared_mem = int(shared_mem)
+        if not 0 <= shared_mem <= MAX_DYNAMIC_SMEM:
+            raise ValueError(f"shared_mem={shared_mem} outside [0, {MAX_DYNAMIC_SMEM}]")
+        if len(args) != len(self._params):
+            raise TypeError(
+                f"{self.kernel_name} takes {len(self._params)} arguments "
+                f"({', '.join(n for _, n in self.params)}), got {len(args)}"
+            )
+        values = [self._convert(p, v) for p, v in zip(self._params, args)]
+        argv = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        if timeout is None:
+            timeout = float(os.environ.get("KG_EMULATOR_TIMEOUT", DEFAULT_TIMEOUT_S))
+        fill = int(os.environ.get("KG_EMULATOR_SMEM_FILL", str(DEFAULT_FILL_BYTE)), 0) & 0xFF
+        cfg = (ctypes.c_longlong * 9)(*g, *b, shared_mem, fill, int(timeout * 1000))
+        err = ctypes.create_string_buffer(1024)
+        rc = self._launch(argv, cfg, err, len(err))
+        if rc != 0:
+            raise RuntimeError(f"emulated launch of {self.kernel_name}: {err.value.decode()}")
+
+
+def _dims(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:
+    t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
+    if not 1 <= len(t) <= 3:
+        raise ValueError(f"{what} must have 1 to 3 dimensions, got {v!r}")
+    t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
+    if any(x < 1 for x in t):
+        raise ValueError(f"{what} dimensions must be >= 1, got {v!r}")
+    return t  # type: ignore[return-value]
+
+
+def build_kernel(
+    source: str, kernel_name: str, params: Sequence[tuple[str, str]]
+) -> EmulatedKernel:
+    """Compile ``kernel_name`` from CUDA ``source`` for the CPU (cached) and return a launcher.
+
+    ``params`` are the kernel's ``(c_type, name)`` parameters, in order. Raises
+    :class:`EmulatorUnavailable` without a compiler, ``RuntimeError`` (with the compiler's
+    output) when the source does not compile, ``ValueError`` for unsupported parameters.
+    """
+    if not _IDENT_RE.match(kernel_name):
+        raise ValueError(f"bad kernel name {kernel_name!r}")
+    parsed = [_parse_param(t, n) for t, n in params]
+    cxx = _compiler()
+    cpp = (
+        f'#line 1 "{kernel_name}.cu"\n'
+        + transform_source(source)
+        + "\n#line 1 \"kg_emulator_wrapper.cpp\"\n"
+        + _wrapper(kernel_name, parsed)
+    )
+    flags = [*CXX_FLAGS, "-include", str(SHIM), "-I", str(INCLUDE_DIR)]
+    key = hashlib.sha256(
+        "\0".join(
+            [_CODEGEN_VERSION, _compiler_version(cxx), " ".join(CXX_FLAGS), _shim_text(), cpp]
+        ).encode()
+    ).hexdigest()[:32]
+    cache = _cache_dir()
+    so_path = cache / f"{kernel_name}-{key}.so"
+    compile_seconds = 0.0
+    if not so_path.exists():
+        cpp_path = cache / f"{kernel_name}-{key}.cpp"
+        _write_atomic(cpp_path, cpp.encode())
+        tmp_so = so_path.with_name(f".{so_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        t0 = time.perf_counter()
+        res = subprocess.run(
+            [cxx, *flags, "-o", str(tmp_so), str(cpp_path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        compile_seconds = time.perf_counter() - t0
+        if res.returncode != 0:
+            tmp_so.unlink(missing_ok=True)
+            raise RuntimeError(
+                f"g++ failed to compile kernel {kernel_name!r} for the CPU emulator "
+                f"(source: {cpp_path}):\n{res.stdout}{res.stderr}"
+            )
+        os.replace(tmp_so, so_path)
+    with _loaded_lock:
+        lib = _loaded.get(str(so_path))
+        if lib is None:
+            lib = ctypes.CDLL(str(so_path))
+            _loaded[str(so_path)] = lib
+    return EmulatedKernel(lib, kernel_name, parsed, so_path, compile_seconds)

@@ -1,0 +1,712 @@
+// kg_emulator.h -- host (CPU) emulation of the CUDA C++ subset used by kernelgen kernels.
+//
+// Force-included (g++ -include) in front of a kernel's CUDA source, which is then compiled as
+// ordinary C++20 for the host. One OS thread (pthread) runs each CUDA thread of a block; the
+// blocks of a grid run one after another. See tests/cuda_emulator/__init__.py for the model
+// and its limits. Linux only (futex based barriers).
+#ifndef KG_EMULATOR_H
+#define KG_EMULATOR_H
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include <atomic>
+#include <type_traits>
+
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <sched.h>
+#include <unistd.h>
+
+
+
+// ---------------------------------------------------------------------------------------------
+// Qualifiers and attributes
+// ---------------------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__
+#define __noinline__
+#define __constant__
+#define __managed__
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+// Blocks run one at a time, so a block's static shared memory can be ordinary static storage.
+// (`extern __shared__` dynamic shared memory is rewritten by the Python side before compiling.)
+#define __shared__ static
+// __restrict__ is a GNU C++ keyword already.
+
+// Lets a kernel source tell it is being emulated (__CUDACC__ / __CUDA_ARCH__ stay undefined).
+#define KG_EMULATOR 1
+
+// ---------------------------------------------------------------------------------------------
+// Built-in vector types and thread coordinates
+// ---------------------------------------------------------------------------------------------
+struct uint3 {
+  unsigned int x, y, z;
+};
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
+      : x(vx), y(vy), z(vz) {}
+  constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+  constexpr operator uint3() const { return uint3{x, y, z}; }
+};
+
+struct alignas(8) float2 {
+  float x, y;
+};
+struct float3 {
+  float x, y, z;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) int2 {
+  int x, y;
+};
+struct alignas(16) int4 {
+  int x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+struct alignas(16) double2 {
+  double x, y;
+};
+
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+inline float3 make_float3(float x, float y, float z) { return float3{x, y, z}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return int2{x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned int x, unsigned int y) { return uint2{x, y}; }
+inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) { return uint3{x, y, z}; }
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
+  return uint4{x, y, z, w};
+}
+
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline thread_local dim3 blockDim;
+inline thread_local dim3 gridDim;
+constexpr int warpSize = 32;
+
+// ---------------------------------------------------------------------------------------------
+// Runtime: barriers, per-thread context, launch
+// ---------------------------------------------------------------------------------------------
+namespace kg_emu {
+
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word layout");
+
+inline void futex_wait(std::atomic<uint32_t>& word, uint32_t expected,
+                       const struct timespec* rel_timeout = nullptr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected,
+          rel_timeout, nullptr, 0);
+}
+inline void futex_wake_all(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Central counting barrier with "drop" support (a thread that leaves the kernel stops being
+// expected), in the spirit of std::barrier::arrive_and_drop. There are usually far more CUDA
+// threads than CPU cores, so a waiter yields the CPU a few times (letting the late threads
+// arrive) before it sleeps on a futex; the futex wake is skipped when nobody sleeps.
+class Barrier {
+ public:
+  void reset(uint32_t n) {
+    participants_.store(n);
+    count_.store(n);
+    sleepers_.store(0);
+    gen_.store(0);
+  }
+  void arrive_and_wait() {
+    const uint32_t g = gen_.load();
+    if (count_.fetch_sub(1) == 1) {
+      complete();
+      return;
+    }
+    for (int i = 0; i < 4; ++i) {
+      if (gen_.load() != g) return;
+      sched_yield();
+    }
+    sleepers_.fetch_add(1);
+    while (gen_.load() == g) futex_wait(gen_, g);
+    sleepers_.fetch_sub(1);
+  }
+  void arrive_and_drop() {
+    participants_.fetch_sub(1);
+    if (count_.fetch_sub(1) == 1) complete();
+  }
+
+ private:
+  // Sequentially consistent throughout: the sleepers_/gen_ handshake needs it.
+  void complete() {
+    count_.store(participants_.load());
+    gen_.fetch_add(1);
+    if (sleepers_.load() != 0) futex_wake_all(gen_);
+  }
+  alignas(64) std::atomic<uint32_t> count_{0};
+  std::atomic<uint32_t> participants_{0};
+  alignas(64) std::atomic<uint32_t> gen_{0};
+  std::atomic<uint32_t> sleepers_{0};
+};
+
+struct Warp {
+  Barrier bar;
+  alignas(64) uint64_t slots[2][32];  // double buffered: one warp barrier per exchange
+};
+
+struct Trap {};
+
+struct Launch {
+  void (*thunk)(void**) = nullptr;
+  void** args = nullptr;
+  dim3 grid, block;
+  uint32_t nthreads = 0, nwarps = 0;
+  unsigned char* smem = nullptr;  // block's dynamic shared memory (16-byte aligned)
+  Barrier block_bar;
+  Warp* warps = nullptr;
+  uint3 cur_block{0, 0, 0};
+  bool stop = false;
+  alignas(64) std::atomic<uint32_t> start_seq{0};  // bumped once per block (and to stop)
+  alignas(64) std::atomic<uint32_t> remaining{0};  // threads still running the current block
+  std::atomic<int> trapped{0};
+  uint3 trap_thread{0, 0, 0};
+};
+
+struct ThreadCtx {
+  Launch* launch;
+  Warp* warp;
+  uint32_t lane;
+  uint32_t parity;  // which slot buffer the warp's next exchange uses (lanes stay in step)
+};
+inline thread_local ThreadCtx tctx;
+
+// Dynamic shared memory declared at namespace scope: pointers registered at load time and
+// pointed at the buffer before every launch.
+using SmemHook = void (*)(unsigned char*);
+inline SmemHook smem_hooks[64];
+inline int n_smem_hooks = 0;
+inline bool register_dyn_smem_hook(SmemHook h) {
+  if (n_smem_hooks >= 64) std::abort();
+  smem_hooks[n_smem_hooks++] = h;
+  return true;
+}
+inline unsigned char* dynamic_smem() { return tctx.launch->smem; }
+
+template <class T>
+inline T arg(void* p) {
+  if constexpr (std::is_pointer_v<T>) {
+    return static_cast<T>(*static_cast<void**>(p));
+  } else {
+    T v;
+    std::memcpy(&v, p, sizeof(T));
+    return v;
+  }
+}
+
+template <class T>
+inline T warp_exchange(T v, uint32_t src_lane) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "shuffle of this type");
+  // Writing buffer p is safe: every lane finished reading it (two exchanges ago) before it
+  // arrived at the barrier of the previous exchange, which this lane has passed.
+  ThreadCtx& c = tctx;
+  Warp& w = *c.warp;
+  uint64_t* slots = w.slots[c.parity];
+  c.parity ^= 1u;
+  std::memcpy(&slots[c.lane], &v, sizeof(T));
+  w.bar.arrive_and_wait();
+  T r;
+  std::memcpy(&r, &slots[src_lane & 31u], sizeof(T));
+  return r;
+}
+
+struct WorkerArg {
+  Launch* launch;
+  uint32_t linear;
+};
+
+inline void* worker_main(void* p) {
+  WorkerArg wa = *static_cast<WorkerArg*>(p);
+  Launch& L = *wa.launch;
+  const uint32_t t = wa.linear;
+  threadIdx = uint3{t % L.block.x, (t / L.block.x) % L.block.y, t / (L.block.x * L.block.y)};
+  blockDim = L.block;
+  gridDim = L.grid;
+  tctx.launch = &L;
+  tctx.warp = &L.warps[t / 32];
+  tctx.lane = t % 32;
+  uint32_t seen = 0;
+  for (;;) {
+    uint32_t s;
+    while ((s = L.start_seq.load(std::memory_order_acquire)) == seen) futex_wait(L.start_seq, s);
+    seen = s;
+    if (L.stop) break;
+    blockIdx = L.cur_block;
+    tctx.parity = 0;
+    try {
+      L.thunk(L.args);
+    } catch (const Trap&) {
+      if (L.trapped.exchange(1) == 0) L.trap_thread = threadIdx;
+    }
+    // Leaving the kernel: no longer expected at block or warp barriers.
+    L.block_bar.arrive_and_drop();
+    tctx.warp->bar.arrive_and_drop();
+    if (L.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) futex_wake_all(L.remaining);
+  }
+  return nullptr;
+}
+
+inline double now_s() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+constexpr size_t kGuard = 128;  // guard bytes before/after dynamic shared memory
+constexpr unsigned char kGuardByte = 0xA5;
+
+inline pthread_mutex_t launch_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+inline int fail(char* err, int errlen, const char* msg) {
+  if (err && errlen > 0) snprintf(err, static_cast<size_t>(errlen), "%s", msg);
+  return 1;
+}
+
+// cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-block timeout in ms (<=0: none)
+inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char* err,
+                  int errlen) {
+  char msg[512];
+  const dim3 grid(static_cast<unsigned>(cfg[0]), static_cast<unsigned>(cfg[1]),
+                  static_cast<unsigned>(cfg[2]));
+  const dim3 block(static_cast<unsigned>(cfg[3]), static_cast<unsigned>(cfg[4]),
+                   static_cast<unsigned>(cfg[5]));
+  const size_t smem_bytes = static_cast<size_t>(cfg[6]);
+  const int fill = static_cast<int>(cfg[7]);
+  const long long timeout_ms = cfg[8];
+  const uint32_t n = block.x * block.y * block.z;
+  if (n == 0 || n % 32 != 0 || n > 1024) return fail(err, errlen, "bad block size");
+
+  pthread_mutex_lock(&launch_mutex);
+  // Heap allocated and deliberately leaked on timeout (stuck threads still reference it).
+  Launch* Lp = new Launch();
+  Launch& L = *Lp;
+  L.thunk = thunk;
+  L.args = args;
+  L.grid = grid;
+  L.block = block;
+  L.nthreads = n;
+  L.nwarps = n / 32;
+  L.warps = new Warp[L.nwarps];
+  const size_t buf_bytes = ((kGuard + smem_bytes + kGuard + 127) / 128) * 128;
+  unsigned char* buf = static_cast<unsigned char*>(std::aligned_alloc(128, buf_bytes));
+  unsigned char* guard_after = buf + kGuard + smem_bytes;  // up to the end of buf
+  L.smem = buf + kGuard;
+  for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
+
+  pthread_t* threads = new pthread_t[n];
+  WorkerArg* wargs = new WorkerArg[n];
+  uint32_t started = 0;
+  int rc = 0;
+  for (; started < n; ++started) {
+    wargs[started] = WorkerArg{Lp, started};
+    if (pthread_create(&threads[started], nullptr, worker_main, &wargs[started]) != 0) {
+      snprintf(msg, sizeof msg, "pthread_create failed after %u threads", started);
+      rc = fail(err, errlen, msg);
+      break;
+    }
+  }
+
+  bool timed_out = false;
+  for (unsigned bz = 0; rc == 0 && bz < grid.z; ++bz) {
+    for (unsigned by = 0; rc == 0 && by < grid.y; ++by) {
+      for (unsigned bx = 0; rc == 0 && bx < grid.x; ++bx) {
+        std::memset(buf, kGuardByte, kGuard);
+        std::memset(L.smem, fill, smem_bytes);
+        std::memset(guard_after, kGuardByte, static_cast<size_t>(buf + buf_bytes - guard_after));
+        L.block_bar.reset(n);
+        for (uint32_t w = 0; w < L.nwarps; ++w) L.warps[w].bar.reset(32);
+        L.cur_block = uint3{bx, by, bz};
+        L.remaining.store(n, std::memory_order_relaxed);
+        L.start_seq.fetch_add(1, std::memory_order_acq_rel);
+        futex_wake_all(L.start_seq);
+        const double deadline = now_s() + static_cast<double>(timeout_ms) / 1000.0;
+        uint32_t r;
+        while ((r = L.remaining.load(std::memory_order_acquire)) != 0) {
+          if (timeout_ms > 0) {
+            const double left = deadline - now_s();
+            if (left <= 0) {
+              timed_out = true;
+              break;
+            }
+            struct timespec ts;
+            ts.tv_sec = static_cast<time_t>(left);
+            ts.tv_nsec = static_cast<long>((left - static_cast<double>(ts.tv_sec)) * 1e9);
+            futex_wait(L.remaining, r, &ts);
+          } else {
+            futex_wait(L.remaining, r);
+          }
+        }
+        if (timed_out) {
+          snprintf(msg, sizeof msg,
+                   "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads still "
+                   "running (deadlock at a barrier or shuffle, or an endless loop)",
+                   bx, by, bz, timeout_ms, r, n);
+          rc = fail(err, errlen, msg);
+          break;
+        }
+        if (L.trapped.load()) {
+          snprintf(msg, sizeof msg, "__trap() in block (%u,%u,%u) thread (%u,%u,%u)", bx, by, bz,
+                   L.trap_thread.x, L.trap_thread.y, L.trap_thread.z);
+          rc = fail(err, errlen, msg);
+          break;
+        }
+        for (size_t i = 0; i < kGuard; ++i) {
+          const bool before = buf[i] != kGuardByte;
+          const bool after = guard_after[i] != kGuardByte;
+          if (before || after) {
+            snprintf(msg, sizeof msg,
+                     "block (%u,%u,%u) wrote %s its %zu bytes of dynamic shared memory", bx, by,
+                     bz, before ? "before the start of" : "past the end of", smem_bytes);
+            rc = fail(err, errlen, msg);
+            break;
+          }
+        }
+      }
+    }
+  }
+
+  if (timed_out) {
+    // Threads are stuck: leave them (and everything they can touch) alive, detached.
+    for (uint32_t i = 0; i < started; ++i) pthread_detach(threads[i]);
+    delete[] threads;
+    pthread_mutex_unlock(&launch_mutex);
+    return rc;
+  }
+  L.stop = true;
+  L.start_seq.fetch_add(1, std::memory_order_acq_rel);
+  futex_wake_all(L.start_seq);
+  for (uint32_t i = 0; i < started; ++i) pthread_join(threads[i], nullptr);
+  delete[] threads;
+  delete[] wargs;
+  std::free(buf);
+  delete[] L.warps;
+  delete Lp;
+  pthread_mutex_unlock(&launch_mutex);
+  return rc;
+}
+
+}  // namespace kg_emu
+
+// ---------------------------------------------------------------------------------------------
+// Synchronization, warp primitives
+// ---------------------------------------------------------------------------------------------
+inline void __syncthreads() { kg_emu::tctx.launch->block_bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned int /*mask*/ = 0xffffffffu) {
+  kg_emu::tctx.warp->bar.arrive_and_wait();
+}
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned int __activemask() { return 0xffffffffu; }
+[[noreturn]] inline void __trap() { throw kg_emu::Trap{}; }
+
+// Lane selection follows the PTX shfl.sync rules for a segment of `width` lanes.
+template <class T>
+inline T __shfl_sync(unsigned int /*mask*/, T var, int src_lane, int width = 32) {
+  const uint32_t lane = kg_emu::tctx.lane;
+  const uint32_t w = static_cast<uint32_t>(width);
+  const uint32_t lo = lane & ~(w - 1);
+  return kg_emu::warp_exchange(var, lo | (static_cast<uint32_t>(src_lane) & (w - 1)));
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned int /*mask*/, T var, int lane_mask, int width = 32) {
+  const uint32_t lane = kg_emu::tctx.lane;
+  const uint32_t w = static_cast<uint32_t>(width);
+  const uint32_t hi = (lane & ~(w - 1)) + w - 1;
+  const uint32_t j = lane ^ (static_cast<uint32_t>(lane_mask) & 31u);
+  return kg_emu::warp_exchange(var, j <= hi ? j : lane);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned int /*mask*/, T var, unsigned int delta, int width = 32) {
+  const uint32_t lane = kg_emu::tctx.lane;
+  const uint32_t w = static_cast<uint32_t>(width);
+  const uint32_t hi = (lane & ~(w - 1)) + w - 1;
+  const uint32_t j = lane + delta;
+  return kg_emu::warp_exchange(var, j <= hi ? j : lane);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned int /*mask*/, T var, unsigned int delta, int width = 32) {
+  const int lane = static_cast<int>(kg_emu::tctx.lane);
+  const int lo = lane & ~(width - 1);
+  const int j = lane - static_cast<int>(delta);
+  return kg_emu::warp_exchange(var, static_cast<uint32_t>(j >= lo ? j : lane));
+}
+
+inline unsigned int __ballot_sync(unsigned int /*mask*/, int pred) {
+  kg_emu::ThreadCtx& c = kg_emu::tctx;
+  kg_emu::Warp& w = *c.warp;
+  uint64_t* slots = w.slots[c.parity];  // same double buffering as kg_emu::warp_exchange
+  c.parity ^= 1u;
+  slots[c.lane] = pred ? 1u : 0u;
+  w.bar.arrive_and_wait();
+  unsigned int bits = 0;
+  for (uint32_t i = 0; i < 32; ++i) bits |= (slots[i] ? 1u : 0u) << i;
+  return bits;
+}
+inline int __any_sync(unsigned int mask, int pred) { return __ballot_sync(mask, pred) != 0; }
+inline int __all_sync(unsigned int mask, int pred) { return __ballot_sync(mask, pred) == ~0u; }
+
+// ---------------------------------------------------------------------------------------------
+// Atomics (blocks are sequential, but the threads of a block are real threads)
+// ---------------------------------------------------------------------------------------------
+template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline T atomicAdd(T* p, T v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+template <class T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+inline T atomicAdd(T* p, T v) {
+  T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  for (;;) {
+    T next = old + v;
+    if (__atomic_compare_exchange(p, &old, &next, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+      return old;
+    }
+  }
+}
+template <class T>
+inline T atomicSub(T* p, T v) {
+  return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST);
+}
+template <class T>
+inline T atomicExch(T* p, T v) {
+  T old;
+  __atomic_exchange(p, &v, &old, __ATOMIC_SEQ_CST);
+  return old;
+}
+template <class T>
+inline T atomicCAS(T* p, T compare, T v) {
+  __atomic_compare_exchange(p, &compare, &v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return compare;
+}
+template <class T>
+inline T atomicMax(T* p, T v) {
+  T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST,
+                                                 __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
+template <class T>
+inline T atomicMin(T* p, T v) {
+  T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST,
+                                                 __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Math
+// ---------------------------------------------------------------------------------------------
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __exp10f(float x) { return powf(10.0f, x); }
+inline float __logf(float x) { return logf(x); }
+inline float __log2f(float x) { return log2f(x); }
+inline float __powf(float x, float y) { return powf(x, y); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __tanhf(float x) { return tanhf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float __saturatef(float x) { return x >= 1.0f ? 1.0f : (x > 0.0f ? x : 0.0f); }
+
+inline int __float_as_int(float x) { return __builtin_bit_cast(int, x); }
+inline unsigned int __float_as_uint(float x) { return __builtin_bit_cast(unsigned int, x); }
+inline float __int_as_float(int x) { return __builtin_bit_cast(float, x); }
+inline float __uint_as_float(unsigned int x) { return __builtin_bit_cast(float, x); }
+inline int __float2int_rz(float x) { return static_cast<int>(x); }
+inline int __float2int_rn(float x) { return static_cast<int>(nearbyintf(x)); }
+inline float __int2float_rn(int x) { return static_cast<float>(x); }
+
+inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned int>(x)); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
+// CUDA's integer/float min and max overloads (usual arithmetic conversions; floats like fminf).
+template <class A, class B,
+          std::enable_if_t<std::is_arithmetic_v<A> && std::is_arithmetic_v<B>, int> = 0>
+inline std::common_type_t<A, B> min(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  if constexpr (std::is_floating_point_v<C>) {
+    return std::fmin(static_cast<C>(a), static_cast<C>(b));
+  } else {
+    return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(a) : static_cast<C>(b);
+  }
+}
+template <class A, class B,
+          std::enable_if_t<std::is_arithmetic_v<A> && std::is_arithmetic_v<B>, int> = 0>
+inline std::common_type_t<A, B> max(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  if constexpr (std::is_floating_point_v<C>) {
+    return std::fmax(static_cast<C>(a), static_cast<C>(b));
+  } else {
+    return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(b) : static_cast<C>(a);
+  }
+}
+
+// Cache-hinted loads and stores are plain memory accesses.
+template <class T>
+inline T __ldg(const T* p) {
+  return *p;
+}
+template <class T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
+template <class T>
+inline T __ldcs(const T* p) {
+  return *p;
+}
+template <class T>
+inline void __stcg(T* p, T v) {
+  *p = v;
+}
+template <class T>
+inline void __stcs(T* p, T v) {
+  *p = v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// __half and __nv_bfloat16: 16-bit storage, bit-exact round-to-nearest-even conversions
+// ---------------------------------------------------------------------------------------------
+namespace kg_emu {
+
+inline uint32_t f32_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+inline float f32_from_bits(uint32_t u) { return __builtin_bit_cast(float, u); }
+
+inline uint16_t float_to_half_bits(float f) {
+  const uint32_t x = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return 0x7fffu;              // NaN -> canonical NaN (as cvt.rn.f16.f32)
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;      // >= 65520 (and inf) -> inf
+  if (ax < 0x38800000u) {                            // below 2^-14: half subnormal or zero
+    if (ax <= 0x33000000u) return sign;              // <= 2^-25 (the tie) -> zero
+    const uint32_t e = ax >> 23;                     // value = m * 2^(e - 150)
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e;                 // result in units of 2^-24
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<uint16_t>(sign | r);
+  }
+  const uint32_t rebased = ax - 0x38000000u;  // exponent bias 127 -> 15
+  uint32_t r = rebased >> 13;
+  const uint32_t rem = rebased & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  return static_cast<uint16_t>(sign | r);
+}
+
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu;
+  const uint32_t m = h & 0x3ffu;
+  if (e == 0x1fu) return f32_from_bits(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    const float mag = static_cast<float>(m) * 0x1p-24f;  // exact
+    return f32_from_bits(sign | f32_bits(mag));
+  }
+  return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+inline uint16_t float_to_bf16_bits(float f) {
+  const uint32_t x = f32_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;  // NaN -> canonical NaN
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline float bf16_bits_to_float(uint16_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); }
+
+}  // namespace kg_emu
+
+struct __half {
+  unsigned short __x;
+  __half() = default;
+  __half(float f) : __x(kg_emu::float_to_half_bits(f)) {}
+  __half(double d) : __x(kg_emu::float_to_half_bits(static_cast<float>(d))) {}
+  template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+  __half(I i) : __x(kg_emu::float_to_half_bits(static_cast<float>(i))) {}
+  operator float() const { return kg_emu::half_bits_to_float(__x); }
+};
+struct __nv_bfloat16 {
+  unsigned short __x;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) : __x(kg_emu::float_to_bf16_bits(f)) {}
+  __nv_bfloat16(double d) : __x(kg_emu::float_to_bf16_bits(static_cast<float>(d))) {}
+  template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+  __nv_bfloat16(I i) : __x(kg_emu::float_to_bf16_bits(static_cast<float>(i))) {}
+  operator float() const { return kg_emu::bf16_bits_to_float(__x); }
+};
+static_assert(sizeof(__half) == 2 && alignof(__half) == 2);
+static_assert(sizeof(__nv_bfloat16) == 2 && alignof(__nv_bfloat16) == 2);
+static_assert(std::is_trivially_copyable_v<__half> && std::is_trivially_copyable_v<__nv_bfloat16>);
+using half = __half;
+using nv_bfloat16 = __nv_bfloat16;
+
+inline __half __ushort_as_half(unsigned short u) {
+  __half h;
+  h.__x = u;
+  return h;
+}
+inline unsigned short __half_as_ushort(__half h) { return h.__x; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) {
+  __nv_bfloat16 b;
+  b.__x = u;
+  return b;
+}
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.__x; }
+
+inline float __half2float(__half h) { return kg_emu::half_bits_to_float(h.__x); }
+inline __half __float2half(float f) { return __ushort_as_half(kg_emu::float_to_half_bits(f)); }
+inline __half __float2half_rn(float f) { return __ushort_as_half(kg_emu::float_to_half_bits(f)); }
+inline float __bfloat162float(__nv_bfloat16 b) { return kg_emu::bf16_bits_to_float(b.__x); }
+inline __nv_bfloat16 __float2bfloat16(float f) {
+  return __ushort_as_bfloat16(kg_emu::float_to_bf16_bits(f));
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  return __ushort_as_bfloat16(kg_emu::float_to_bf16_bits(f));
+}
+
+#endif  // KG_EMULATOR_H

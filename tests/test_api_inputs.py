@@ -1,0 +1,125 @@
+"""CPU tier: attention() input checks run on metadata and raise typed errors naming the argument.
+
+Device arrays are stood in for by objects exposing __cuda_array_interface__ (never dereferenced).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernelgen.api import check_inputs, default_spec, describe
+from kernelgen.errors import InputError, InputTypeError
+from kernelgen.spec import KernelSpec
+
+
+class FakeDeviceArray:
+    """Metadata-only stand-in for a CUDA array."""
+
+    def __init__(self, shape, typestr="<f2", strides=None):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": typestr,
+            "strides": strides,
+            "data": (0xDEAD0000, False),
+            "version": 3,
+        }
+
+
+def infos(q=(2, 8, 17, 64), k=(2, 2, 33, 64), v=None, dtype="<f2", mask=None, **kw):
+    v = k if v is None else v
+    arrays = [describe(FakeDeviceArray(s, dtype), n) for s, n in ((q, "q"), (k, "k"), (v, "v"))]
+    m = describe(FakeDeviceArray(mask, "<f4"), "mask") if mask is not None else None
+    return arrays, m
+
+
+def check(layout="bhsd", scale=None, spec=None, causal=False, **kw):
+    arrays, mask = infos(**kw)
+    return check_inputs(*arrays, mask, layout=layout, scale=scale, spec=spec, causal=causal)
+
+
+def test_valid_call_with_gqa_and_broadcast_mask():
+    call = check(mask=(1, 8, 17, 1))
+    assert call.q.shape == (2, 8, 17, 64)
+    assert call.scale == pytest.approx(1 / 8)
+    assert call.dtype == "float16"
+
+
+def test_bshd_layout_is_permuted_by_strides():
+    call = check(q=(2, 17, 8, 64), k=(2, 33, 2, 64), layout="bshd")
+    assert call.q.shape == (2, 8, 17, 64)
+    assert call.q.strides == (17 * 8 * 64, 64, 8 * 64, 1)
+    assert call.k.shape == (2, 2, 33, 64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        ({"q": (8, 17, 64)}, InputError, "q has rank 3"),
+        ({"dtype": "<f8"}, InputTypeError, "q has dtype float64"),
+        ({"q": (2, 8, 0, 64)}, InputError, "q has a zero-size dimension"),
+        ({"k": (3, 2, 33, 64)}, InputError, "k has batch 3 but q has batch 2"),
+        ({"k": (2, 3, 33, 64)}, InputError, "not divisible by the 3 key/value heads"),
+        ({"k": (2, 2, 33, 32)}, InputError, "k has head_dim 32 but q has head_dim 64"),
+        ({"v": (2, 2, 34, 64)}, InputError, "k has shape (2, 2, 33, 64) but v has"),
+        ({"q": (2, 8, 17, 60), "k": (2, 2, 33, 60)}, InputError, "head_dim 60"),
+        ({"q": (2, 8, 17, 264), "k": (2, 2, 33, 264)}, InputError, "head_dim 264"),
+        ({"mask": (2, 8, 17, 5)}, InputError, "not broadcastable"),
+        ({"mask": (1, 1, 1, 1, 1)}, InputError, "mask has rank 5"),
+        ({"layout": "sbhd"}, InputError, "layout='sbhd' is not allowed"),
+        ({"scale": float("nan")}, InputError, "scale=nan is not allowed"),
+    ],
+)
+def test_bad_inputs_raise_typed_errors(kwargs, error, needle):
+    with pytest.raises(error) as info:
+        check(**kwargs)
+    assert needle in str(info.value)
+
+
+def test_dtype_mismatch_names_the_argument():
+    q = describe(FakeDeviceArray((1, 1, 4, 64), "<f2"), "q")
+    k = describe(FakeDeviceArray((1, 1, 4, 64), "<f4"), "k")
+    with pytest.raises(InputTypeError, match="k has dtype float32 but q has float16"):
+        check_inputs(q, k, k, None, layout="bhsd", scale=None, spec=None, causal=False)
+
+
+def test_non_contiguous_last_dim():
+    q = describe(FakeDeviceArray((1, 1, 4, 64), "<f2", strides=(1024, 1024, 256, 4)), "q")
+    k = describe(FakeDeviceArray((1, 1, 4, 64), "<f2"), "k")
+    with pytest.raises(InputError, match="q's last dimension is not contiguous"):
+        check_inputs(q, k, k, None, layout="bhsd", scale=None, spec=None, causal=False)
+
+
+def test_host_arrays_are_rejected():
+    with pytest.raises(InputTypeError, match="host \\(NumPy\\) array"):
+        describe(np.zeros((1, 1, 1, 8)), "q")
+    with pytest.raises(InputTypeError, match="expected a CuPy array"):
+        describe([1, 2, 3], "k")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("dtype", "bfloat16", "dtype='bfloat16' but the call needs dtype='float16'"),
+        ("head_dim", 128, "head_dim=128 but the call needs head_dim=64"),
+        ("causal", True, "causal=True but the call needs causal=False"),
+    ],
+)
+def test_spec_that_disagrees_with_the_call(field, value, needle):
+    base = dict(loop_order="v2", dtype="float16", head_dim=64, block_m=64, block_n=32)
+    spec = KernelSpec(**{**base, field: value})
+    with pytest.raises(InputError, match=needle.replace("(", "\\(")):
+        check(spec=spec)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 128, 256])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
+def test_default_spec_fits_every_head_dim(dtype, head_dim, arch):
+    spec = default_spec(dtype, head_dim, causal=True, arch=arch)
+    assert (spec.dtype, spec.head_dim, spec.causal, spec.loop_order) == (
+        dtype,
+        head_dim,
+        True,
+        "v2",
+    )

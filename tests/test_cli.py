@@ -1,0 +1,119 @@
+"""CPU tier (plus NVRTC for build): the kernelgen command, its exit codes and messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import ROOT, SPEC_PATHS, require_toolchain
+from typer.testing import CliRunner
+
+from kernelgen.cli import app
+from kernelgen.compile import nvrtc_available
+from kernelgen.render import render
+from kernelgen.spec import load_spec
+
+runner = CliRunner()
+GOOD = "loop_order: v2\ndtype: float16\nhead_dim: 64\nblock_m: 64\nblock_n: 32\nnum_warps: 4\n"
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_schema_prints_json():
+    result = run("schema")
+    assert result.exit_code == 0
+    assert "head_dim" in json.loads(result.stdout)["properties"]
+
+
+def test_show_prints_the_source(tmp_path):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(GOOD)
+    result = run("show", str(spec_file))
+    assert result.exit_code == 0
+    assert result.stdout == render(load_spec(spec_file))
+
+
+def test_bad_specs_print_one_line_each_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        GOOD.replace("block_m: 64", "block_m: 48").replace("head_dim: 64", "head_dim: 7")
+    )
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("block_m: [\n")
+    result = run("build", str(bad), str(broken), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert all(line.startswith(str(tmp_path)) for line in lines)
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_unknown_arch_exits_2(tmp_path):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(GOOD)
+    result = run("check", str(spec_file), "--arch", "sm_75")
+    assert result.exit_code == 2
+    assert "--arch sm_75: unknown architecture" in result.stderr
+
+
+def test_missing_file_exits_2(tmp_path):
+    result = run("show", str(tmp_path / "nope.yaml"))
+    assert result.exit_code == 2
+    assert "cannot read spec file" in result.stderr
+
+
+def test_build_writes_sources_and_manifest_then_check_passes(tmp_path):
+    require_toolchain(nvrtc_available(), "NVRTC")
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(GOOD)
+    out = tmp_path / "gen"
+    result = run("build", str(spec_file), "-o", str(out), "--arch", "sm_80", "sm_90")
+    assert result.exit_code == 0, result.output
+    spec = load_spec(spec_file)
+    assert (out / f"{spec.uri}.cu").read_text() == render(spec)
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["kernels"][spec.uri]
+    assert set(entry["resources"]) == {"sm_80", "sm_90"}
+    assert entry["resources"]["sm_90"]["spill_store_bytes"] == 0
+    assert entry["spec"]["head_dim"] == 64
+    assert run("build", str(spec_file), "-o", str(out), "--check").exit_code == 0
+    # a stale source is detected
+    (out / f"{spec.uri}.cu").write_text("// edited by hand\n")
+    stale = run("build", str(spec_file), "-o", str(out), "--check")
+    assert stale.exit_code == 1
+    assert "out of date" in stale.stderr
+    # an orphan is detected
+    (out / f"{spec.uri}.cu").write_text(render(spec))
+    (out / "orphan.cu").write_text("//\n")
+    assert "no spec produces it" in run("build", str(spec_file), "-o", str(out), "--check").stderr
+
+
+def test_committed_generated_folder_is_up_to_date(tmp_path):
+    """What CI checks: generated/ matches specs/ and the templates."""
+    result = run("build", *map(str, SPEC_PATHS), "-o", str(ROOT / "generated"), "--check")
+    assert result.exit_code == 0, result.output
+
+
+def test_check_reports_resources(tmp_path):
+    require_toolchain(nvrtc_available(), "NVRTC")
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(GOOD)
+    result = run("check", str(spec_file), "--arch", "sm_90")
+    assert result.exit_code == 0, result.output
+    assert "sm_90" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("kernelgen") is None, reason="console script not installed")
+def test_console_script_exits_2_without_traceback(tmp_path):
+    import subprocess
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dtype: float64\n")
+    done = subprocess.run(["kernelgen", "build", str(bad)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "dtype='float64' is not allowed" in done.stderr

@@ -1,0 +1,80 @@
+"""Compile tier: every spec compiles offline for its architectures; ptxas facts as data.
+
+Runs in CI and fails there (never skips) when NVRTC or the CUDA headers are missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import SPEC_PATHS, require_toolchain
+
+from kernelgen.arch import ARCHS
+from kernelgen.compile import (
+    compile_offline,
+    cuobjdump_path,
+    nvrtc_available,
+    parse_ptxas_report,
+)
+from kernelgen.errors import CompileError
+from kernelgen.render import render
+from kernelgen.spec import load_spec
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _toolchain():
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings, nvidia-cuda-nvrtc, headers)")
+
+
+@pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
+def test_spec_compiles_without_spills(path):
+    spec = load_spec(path)
+    source = render(spec)
+    for arch in spec.archs:
+        resources = compile_offline(source, spec.uri, arch).resources
+        assert resources.arch == arch
+        assert 0 < resources.registers <= 255
+        assert resources.spill_store_bytes == 0, resources
+        assert resources.spill_load_bytes == 0, resources
+        assert resources.stack_bytes == 0, resources
+        assert spec.smem_bytes + resources.static_smem_bytes <= ARCHS[arch].max_smem_per_block
+        if cuobjdump_path():
+            sass = resources.sass_instructions
+            assert sass["LDL"] == 0 and sass["STL"] == 0, sass  # no local memory
+            assert sass["LDS"] > 0 and sass["LDG"] > 0, sass
+
+
+def test_sass_tools_are_installed_in_ci():
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+
+
+def test_compile_error_carries_log_and_saved_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_FAILED_DIR", str(tmp_path))
+    broken = 'extern "C" __global__ void broken(float* x) { x[0] = undeclared_name; }'
+    with pytest.raises(CompileError) as info:
+        compile_offline(broken, "broken", "sm_80")
+    assert "undeclared_name" in info.value.log
+    assert info.value.source_path is not None
+    assert Path(info.value.source_path).read_text() == broken
+
+
+def test_parse_ptxas_report_picks_the_named_kernel():
+    log = (
+        "ptxas info    : Compiling entry function 'other' for 'sm_90'\n"
+        "ptxas info    : Function properties for other\n"
+        "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 40 registers, used 1 barriers, 512 bytes smem\n"
+        "ptxas info    : Compiling entry function 'mine' for 'sm_90'\n"
+        "ptxas info    : Function properties for mine\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 128 registers, used 1 barriers\n"
+    )
+    r = parse_ptxas_report(log, "mine", "sm_90")
+    assert (r.registers, r.stack_bytes, r.spill_store_bytes, r.static_smem_bytes) == (128, 0, 0, 0)
+    other = parse_ptxas_report(log, "other", "sm_90")
+    assert (other.registers, other.stack_bytes, other.static_smem_bytes) == (40, 8, 512)
+    with pytest.raises(ValueError):
+        parse_ptxas_report(log, "absent", "sm_90")

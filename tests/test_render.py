@@ -1,0 +1,81 @@
+"""CPU tier: rendering (names, header, parameter contract, shared online-softmax piece)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kernelgen.render import kernel_params, render, template_dir, template_hash
+from kernelgen.spec import load_spec, spec_from_dict
+
+BASE = dict(loop_order="v2", dtype="float16", head_dim=64, block_m=64, block_n=64, num_warps=4)
+
+
+@pytest.mark.parametrize("loop_order", ["v1", "v2"])
+def test_source_is_named_after_spec_and_starts_with_it(loop_order):
+    spec = spec_from_dict({**BASE, "loop_order": loop_order})
+    source = render(spec)
+    assert source.startswith(f"// {spec.uri}:")
+    header = source[: source.index("#include")]
+    for line in spec.to_yaml().splitlines():
+        assert f"//   {line}" in header
+    assert "kernelgen 0.1.0" in header
+    assert f'extern "C" __global__ void __launch_bounds__({spec.threads}, 1) {spec.uri}(' in source
+
+
+def test_parameter_list_matches_the_contract():
+    for loop_order in ("v1", "v2"):
+        spec = spec_from_dict({**BASE, "loop_order": loop_order, "dtype": "bfloat16"})
+        source = render(spec)
+        signature = source[
+            source.index(f"{spec.uri}(") : source.index(") {", source.index(spec.uri + "("))
+        ]
+        names = re.findall(r"(\w+)(?:,|$)", signature.replace("\n", ","))
+        assert names == [p.name for p in kernel_params(spec)]
+        assert ("workspace" in names) == (loop_order == "v1")
+        assert "const __nv_bfloat16* __restrict__ q" in signature
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ctype", "header"),
+    [
+        ("float32", "float", None),
+        ("float16", "__half", "cuda_fp16.h"),
+        ("bfloat16", "__nv_bfloat16", "cuda_bf16.h"),
+    ],
+)
+def test_dtype_spellings(dtype, ctype, header):
+    source = render(spec_from_dict({**BASE, "dtype": dtype}))
+    assert f"typedef {ctype} elem_t;" in source
+    assert ("#include" in source) == (header is not None)
+    if header:
+        assert f"#include <{header}>" in source
+
+
+def test_online_softmax_update_is_written_once():
+    """Both loop orders fold tiles through the one shared device function."""
+    (shared,) = [
+        p for p in template_dir().glob("*.j2") if "online_softmax_fold(float" in p.read_text()
+    ]
+    assert shared.name == "online_softmax.cuh.j2"
+    for loop_order in ("v1", "v2"):
+        source = render(spec_from_dict({**BASE, "loop_order": loop_order}))
+        assert source.count("online_softmax_fold(float") == 1  # defined once
+        assert source.count("online_softmax_fold(scores, m, l)") == 1  # used by the kernel
+        assert "exp2f(" in source
+
+
+def test_geometry_constants_come_from_the_spec():
+    spec = spec_from_dict({**BASE, "head_dim": 80, "block_m": 32, "causal": True})
+    source = render(spec)
+    assert "constexpr int HEAD_DIM = 80;" in source
+    assert "constexpr int THREADS_PER_ROW = 4;" in source
+    assert f"constexpr int SMEM_ROW = {spec.smem_row_elems};" in source
+    assert "constexpr bool CAUSAL = true;" in source
+
+
+def test_render_is_deterministic_and_hash_stable(spec_paths):
+    spec = load_spec(spec_paths[0])
+    assert render(spec) == render(spec)
+    assert len(template_hash()) == 64

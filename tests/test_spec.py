@@ -1,0 +1,141 @@
+"""CPU tier: spec validation, canonical names, YAML loading, JSON Schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernelgen.errors import SpecError
+from kernelgen.spec import KernelSpec, load_spec, spec_from_dict, spec_json_schema
+
+BASE = dict(loop_order="v2", dtype="float16", head_dim=64, block_m=64, block_n=64, num_warps=4)
+
+
+def problems_of(**changes) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({**BASE, **changes})
+    return info.value.problems
+
+
+def test_every_shipped_spec_loads(spec_paths):
+    assert len(spec_paths) >= 8
+    specs = [load_spec(p) for p in spec_paths]
+    assert {s.loop_order for s in specs} == {"v1", "v2"}
+    assert {s.dtype for s in specs} == {"float32", "float16", "bfloat16"}
+    assert {64, 128} <= {s.head_dim for s in specs}
+    assert {s.head_dim for s in specs} & {80, 96}
+    assert {s.causal for s in specs} == {True, False}
+    assert len({s.uri for s in specs}) == len(specs)
+
+
+def test_uri_is_canonical_and_readable():
+    spec = spec_from_dict(
+        {**BASE, "dtype": "bfloat16", "head_dim": 128, "causal": True, "block_n": 32}
+    )
+    assert spec.uri == "fa_fwd_v2_bf16_d128_m64_n32_w4_p1_causal"
+    same = KernelSpec(
+        **{**BASE, "dtype": "bfloat16", "head_dim": 128, "causal": True, "block_n": 32}
+    )
+    assert same.canonical_json() == spec.canonical_json()
+
+
+def test_spec_is_frozen():
+    spec = spec_from_dict(BASE)
+    with pytest.raises(ValueError):
+        spec.block_m = 32  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"block_m": 48}, "block_m=48 is not allowed; use one of 16, 32, 64, 128"),
+        ({"block_n": 256}, "block_n=256 is not allowed"),
+        ({"block_n": 8}, "block_n=8 is not allowed"),
+        ({"head_dim": 100}, "head_dim=100 is not allowed; use a multiple of 8 from 8 to 256"),
+        ({"head_dim": 264}, "head_dim=264 is not allowed"),
+        ({"num_warps": 3}, "num_warps=3 is not allowed"),
+        ({"dtype": "float64"}, "dtype='float64' is not allowed"),
+        ({"loop_order": "v3"}, "loop_order='v3' is not allowed"),
+        ({"smem_pad": 9}, "smem_pad=9 is not allowed; use 0 to 8"),
+        ({"archs": ["sm_75"]}, "archs=['sm_75'] is not allowed"),
+        ({"tile": 3}, "unknown field 'tile' (value 3)"),
+        ({"num_warps": 1, "block_m": 64}, "fewer than block_m=64 rows"),
+        ({"num_warps": 8, "block_m": 16, "block_n": 8}, "block_n=8 is not allowed"),
+    ],
+)
+def test_invalid_values_name_field_value_and_allowed(changes, needle):
+    problems = problems_of(**changes)
+    assert any(needle in p for p in problems), problems
+
+
+def test_missing_field_is_named():
+    data = dict(BASE)
+    del data["head_dim"]
+    with pytest.raises(SpecError) as info:
+        spec_from_dict(data)
+    assert info.value.problems == ["missing required field 'head_dim'"]
+
+
+def test_shared_memory_over_arch_limit():
+    problems = problems_of(
+        dtype="float32", head_dim=256, block_m=128, block_n=128, num_warps=8, archs=["sm_86"]
+    )
+    assert any("exceeds" in p and "sm_86" in p for p in problems), problems
+
+
+def test_register_budget():
+    problems = problems_of(dtype="float32", head_dim=256, block_m=128, block_n=128, num_warps=4)
+    assert any("accumulators per thread" in p for p in problems), problems
+
+
+def test_several_problems_reported_together():
+    assert len(problems_of(block_m=48, head_dim=7, num_warps=5)) == 3
+
+
+def test_derived_geometry():
+    spec = spec_from_dict(
+        {**BASE, "dtype": "float16", "head_dim": 80, "block_m": 32, "block_n": 64}
+    )
+    assert spec.threads == 128
+    assert spec.threads_per_row == 4
+    assert spec.keys_per_thread == 16
+    assert spec.cols_per_thread == 20
+    assert spec.smem_row_elems == 82  # one 32-bit word of padding: an odd stride of 41 words
+    assert spec.smem_bytes == (32 + 2 * 64) * 82 * 2 + 32 * 65 * 4
+
+
+def test_load_yaml_errors_are_one_line_each(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loop_order: v2\nblock_m: [1, 2\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(bad)
+    assert len(info.value.problems) == 1
+    assert "invalid YAML" in info.value.problems[0]
+    not_mapping = tmp_path / "list.yaml"
+    not_mapping.write_text("- 1\n- 2\n")
+    with pytest.raises(SpecError, match="expected a mapping"):
+        load_spec(not_mapping)
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path / "absent.yaml")
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("!!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(SpecError, match="invalid YAML"):
+        load_spec(evil)
+
+
+def test_yaml_round_trip(tmp_path):
+    spec = spec_from_dict({**BASE, "causal": True})
+    path = tmp_path / "s.yaml"
+    path.write_text(spec.to_yaml())
+    assert load_spec(path) == spec
+
+
+def test_json_schema_describes_fields():
+    schema = spec_json_schema()
+    json.dumps(schema)
+    assert {"loop_order", "dtype", "head_dim", "block_m", "block_n"} <= set(schema["properties"])
+    assert schema["additionalProperties"] is False
