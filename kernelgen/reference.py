@@ -168,7 +168,9 @@ class _Problem:
 
     def scores(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """Masked scaled scores of query rows ``[i0, i1)`` against keys ``[j0, j1)``."""
-        s = np.matmul(self.q[:, :, i0:i1], self.k[:, :, j0:j1].swapaxes(-1, -2)) * self.scale
+        # einsum (not matmul/BLAS) so that every score is bitwise the same whatever the tiling:
+        # the models then differ only in how they combine the softmax.
+        s = np.einsum("bhid,bhjd->bhij", self.q[:, :, i0:i1], self.k[:, :, j0:j1]) * self.scale
         if self.mask is not None:
             s = s + self.mask[:, :, i0:i1, j0:j1]
         if self.causal:

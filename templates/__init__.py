@@ -1,1 +1,1 @@
-"""Jinja2 templates of the generated CUDA kernels (shipped in the wheel as ``kernelgen.templates``)."""
+"""Jinja2 templates of the generated CUDA kernels (shipped as ``kernelgen.templates``)."""

@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EmulatorUnavailable", "EmulatedKernel", "build_kernel", "transform_source"]
+__all__ = ["EmulatedKernel", "EmulatorUnavailableError", "build_kernel", "transform_source"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 SHIM = INCLUDE_DIR / "kg_emulator.h"
@@ -97,7 +97,7 @@ DEFAULT_TIMEOUT_S = 120.0
 _CODEGEN_VERSION = "1"
 
 
-class EmulatorUnavailable(RuntimeError):
+class EmulatorUnavailableError(RuntimeError):
     """The host C++ compiler needed by the emulator is not installed."""
 
 
@@ -185,9 +185,9 @@ def _parse_param(c_type: str, name: str) -> _Param:
         raise ValueError(f"bad parameter name {name!r}")
     t = _normalize_type(c_type)
     if t.endswith("*"):
+        if t.count("*") > 1:
+            raise ValueError(f"unsupported pointer-to-pointer parameter {c_type!r} for {name!r}")
         base = " ".join(w for w in t.rstrip("*").split() if w not in ("const", "volatile"))
-        if "*" in base:
-            raise ValueError(f"pointer-to-pointer parameter {c_type!r} is not supported")
         return _Param(t, name, True, None, _POINTEE_DTYPES.get(base))
     base = " ".join(w for w in t.split() if w != "const")
     if base not in _SCALAR_CTYPES:
@@ -268,7 +268,8 @@ def transform_source(source: str) -> str:
             )
         else:
             repl = f"{ctype}* const {name} = reinterpret_cast<{ctype}*>(::kg_emu::dynamic_smem());"
-        pieces += [source[last : m.start()], repl]
+        # Keep the line count so compiler diagnostics point at the right source lines.
+        pieces += [source[last : m.start()], repl + "\n" * m.group().count("\n")]
         last = m.end()
     pieces.append(source[last:])
     out = "".join(pieces)
@@ -317,7 +318,7 @@ def _compiler() -> str:
     cxx = os.environ.get("KG_EMULATOR_CXX", "g++")
     path = shutil.which(cxx)
     if path is None:
-        raise EmulatorUnavailable(
+        raise EmulatorUnavailableError(
             f"the CUDA emulator needs a C++20 compiler ({cxx!r} is not on PATH)"
         )
     return path
@@ -447,7 +448,7 @@ class EmulatedKernel:
                 f"{self.kernel_name} takes {len(self._params)} arguments "
                 f"({', '.join(n for _, n in self.params)}), got {len(args)}"
             )
-        values = [self._convert(p, v) for p, v in zip(self._params, args)]
+        values = [self._convert(p, v) for p, v in zip(self._params, args, strict=True)]
         argv = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         if timeout is None:
             timeout = float(os.environ.get("KG_EMULATOR_TIMEOUT", DEFAULT_TIMEOUT_S))
@@ -475,7 +476,7 @@ def build_kernel(
     """Compile ``kernel_name`` from CUDA ``source`` for the CPU (cached) and return a launcher.
 
     ``params`` are the kernel's ``(c_type, name)`` parameters, in order. Raises
-    :class:`EmulatorUnavailable` without a compiler, ``RuntimeError`` (with the compiler's
+    :class:`EmulatorUnavailableError` without a compiler, ``RuntimeError`` (with the compiler's
     output) when the source does not compile, ``ValueError`` for unsupported parameters.
     """
     if not _IDENT_RE.match(kernel_name):
@@ -485,7 +486,7 @@ def build_kernel(
     cpp = (
         f'#line 1 "{kernel_name}.cu"\n'
         + transform_source(source)
-        + "\n#line 1 \"kg_emulator_wrapper.cpp\"\n"
+        + '\n#line 1 "kg_emulator_wrapper.cpp"\n'
         + _wrapper(kernel_name, parsed)
     )
     flags = [*CXX_FLAGS, "-include", str(SHIM), "-I", str(INCLUDE_DIR)]

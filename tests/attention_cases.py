@@ -1,0 +1,102 @@
+"""Shared cases and checks for the kernel tiers (CPU emulation and GPU).
+
+Inputs are fresh random numbers rounded to the kernel's dtype; the reference is float64 NumPy on
+exactly those rounded values. Tolerances are DESIGN.md's and are never loosened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernelgen.reference import naive_attention, relative_error
+
+OUT_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
+LSE_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    layout: str = "bhsd"
+    mask: str | None = None  # None, "broadcast" (1, H, Sq, Sk) with empty rows, "full"
+    scale: float | None = None
+
+    def __str__(self) -> str:
+        parts = [
+            f"b{self.batch}h{self.heads}kv{self.kv_heads}",
+            f"q{self.seqlen_q}k{self.seqlen_k}",
+        ]
+        parts += [self.layout] + ([f"mask-{self.mask}"] if self.mask else [])
+        return "-".join(parts + ([f"scale{self.scale}"] if self.scale else []))
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded (RNE) to ``dtype``, returned as float32."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_bits_to_float(float_to_bf16_bits(x))
+    return x
+
+
+def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass
+class CaseData:
+    """Inputs in (B, H, S, D) order as float32 holding dtype-exact values, plus the reference."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray | None
+    ref_out: np.ndarray
+    ref_lse: np.ndarray
+
+
+def make_case(case: Case, dtype: str, head_dim: int, causal: bool, seed: int) -> CaseData:
+    rng = np.random.default_rng(seed)
+    q = round_to(rng.standard_normal((case.batch, case.heads, case.seqlen_q, head_dim)), dtype)
+    kv_shape = (case.batch, case.kv_heads, case.seqlen_k, head_dim)
+    k = round_to(rng.standard_normal(kv_shape), dtype)
+    v = round_to(rng.standard_normal(kv_shape), dtype)
+    mask = None
+    if case.mask == "broadcast":
+        mask = rng.standard_normal((1, case.heads, case.seqlen_q, case.seqlen_k)).astype(np.float32)
+        mask[:, :, ::5, :] = -np.inf  # every fifth row sees no key at all
+        mask[:, :, 1::3, ::2] = -np.inf  # some rows lose every other key
+    elif case.mask == "full":
+        shape = (case.batch, case.heads, case.seqlen_q, case.seqlen_k)
+        mask = (2 * rng.standard_normal(shape)).astype(np.float32)
+    ref_out, ref_lse = naive_attention(q, k, v, causal=causal, scale=case.scale, mask=mask)
+    return CaseData(q, k, v, mask, ref_out, ref_lse)
+
+
+def assert_matches(out: np.ndarray, lse: np.ndarray, data: CaseData, dtype: str) -> None:
+    """out/lse (B, H, Sq, D)/(B, H, Sq) against the float64 reference, with DESIGN.md's limits."""
+    out = np.asarray(out, dtype=np.float64)
+    lse = np.asarray(lse, dtype=np.float64)
+    assert not np.isnan(out).any(), f"NaN in out at {np.argwhere(np.isnan(out))[:5].tolist()}"
+    assert not np.isnan(lse).any(), f"NaN in lse at {np.argwhere(np.isnan(lse))[:5].tolist()}"
+    error = relative_error(out, data.ref_out)
+    assert error <= OUT_TOLERANCE[dtype], f"relative error {error:.3g} > {OUT_TOLERANCE[dtype]}"
+    empty = np.isneginf(data.ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where a row sees no key"
+    assert np.all(out[empty] == 0.0), "rows that see no key give out = 0"
+    if (~empty).any():
+        lse_error = np.max(np.abs(lse[~empty] - data.ref_lse[~empty]))
+        assert lse_error <= LSE_TOLERANCE, f"lse error {lse_error:.3g} > {LSE_TOLERANCE}"

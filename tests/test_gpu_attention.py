@@ -1,0 +1,110 @@
+"""GPU tier (`pytest -m gpu`): every spec through kernelgen.attention on a CUDA device against
+float64 NumPy, outputs poisoned with NaN before the run. Skipped where there is no device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from attention_cases import Case, assert_matches, make_case
+from conftest import SPEC_PATHS
+
+import kernelgen
+import kernelgen.api
+from kernelgen.spec import load_spec
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    Case(1, 1, 1, 1, 1),
+    Case(2, 4, 2, 17, 17),  # batch > 1, GQA
+    Case(1, 8, 1, 128, 1000, mask="broadcast"),  # MQA, Sq != Sk, empty rows
+    Case(2, 2, 2, 1000, 128, layout="bshd"),  # Sq > Sk (causal: empty rows)
+    Case(1, 4, 4, 1000, 1000, mask="full", scale=0.2),
+]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    import cupy
+
+    def nan_filled(shape, dtype):
+        return cupy.full(shape, cupy.nan, dtype=dtype)
+
+    monkeypatch.setattr(kernelgen.api, "_empty", nan_filled)
+
+
+def device_array(x: np.ndarray, dtype: str, layout: str):
+    import cupy
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        host = x.astype(ml_dtypes.bfloat16)
+    else:
+        host = x.astype(dtype)
+    if layout == "bshd":
+        host = np.ascontiguousarray(host.transpose(0, 2, 1, 3))
+    return cupy.asarray(host)
+
+
+def run(spec, case: Case, data, return_lse: bool = True):
+    q, k, v = (device_array(getattr(data, n), spec.dtype, case.layout) for n in "qkv")
+    mask = None if data.mask is None else __import__("cupy").asarray(data.mask)
+    out, lse = kernelgen.attention(
+        q,
+        k,
+        v,
+        causal=spec.causal,
+        scale=case.scale,
+        mask=mask,
+        spec=spec,
+        return_lse=True,
+        layout=case.layout,
+    )
+    out = out.astype("float32").get()
+    if case.layout == "bshd":
+        out = out.transpose(0, 2, 1, 3)
+    return out, lse.get()
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
+def test_spec_on_gpu(path, case):
+    spec = load_spec(path)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=hash(str(case)) % 2**32)
+    out, lse = run(spec, case, data)
+    assert_matches(out, lse, data, spec.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_default_spec_on_gpu(dtype, head_dim):
+    import cupy
+
+    case = Case(2, 4, 2, 77, 200)
+    data = make_case(case, dtype, head_dim, True, seed=head_dim)
+    q, k, v = (device_array(getattr(data, n), dtype, "bhsd") for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype
+    assert_matches(out.astype("float32").get(), lse.get(), data, dtype)
+
+
+def test_torch_tensors_in_torch_tensors_out():
+    torch = pytest.importorskip("torch")
+    case = Case(1, 2, 2, 33, 65)
+    data = make_case(case, "bfloat16", 64, False, seed=5)
+    q, k, v = (torch.from_numpy(getattr(data, n)).to("cuda", torch.bfloat16) for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    assert_matches(out.float().cpu().numpy(), lse.cpu().numpy(), data, "bfloat16")
+
+
+def test_bad_input_launches_nothing():
+    import cupy
+
+    q = cupy.ones((1, 2, 4, 64), dtype=cupy.float16)
+    k = cupy.ones((1, 3, 4, 64), dtype=cupy.float16)
+    with pytest.raises(kernelgen.InputError, match="not divisible"):
+        kernelgen.attention(q, k, k)
+    with pytest.raises(kernelgen.InputTypeError, match="host"):
+        kernelgen.attention(q.get(), k, k)
