@@ -8,6 +8,7 @@ layouts, empty rows) where no GPU exists; `pytest -m gpu` runs the same cases on
 from __future__ import annotations
 
 import shutil
+import zlib
 from functools import cache
 
 import numpy as np
@@ -99,7 +100,7 @@ def _gxx():
 @pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_matches_float64_reference(path, case):
     spec = load_spec(path)
-    seed = abs(hash((spec.uri, str(case)))) % 2**32
+    seed = zlib.crc32(f"{spec.uri} {case}".encode())  # stable across processes
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
     out, lse = run_emulated(spec, case, data)
     assert_matches(out, lse, data, spec.dtype)

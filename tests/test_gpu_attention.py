@@ -3,6 +3,8 @@ float64 NumPy, outputs poisoned with NaN before the run. Skipped where there is 
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from attention_cases import Case, assert_matches, make_case
@@ -47,7 +49,7 @@ def device_array(x: np.ndarray, dtype: str, layout: str):
     return cupy.asarray(host)
 
 
-def run(spec, case: Case, data, return_lse: bool = True):
+def run(spec, case: Case, data):
     q, k, v = (device_array(getattr(data, n), spec.dtype, case.layout) for n in "qkv")
     mask = None if data.mask is None else __import__("cupy").asarray(data.mask)
     out, lse = kernelgen.attention(
@@ -71,7 +73,8 @@ def run(spec, case: Case, data, return_lse: bool = True):
 @pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_on_gpu(path, case):
     spec = load_spec(path)
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=hash(str(case)) % 2**32)
+    seed = zlib.crc32(f"{path.stem} {case}".encode())
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=seed)
     out, lse = run(spec, case, data)
     assert_matches(out, lse, data, spec.dtype)
 
