@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -70,22 +71,44 @@ def _load(paths: list[Path]):
         raise _fail(exc.problems) from None
 
 
+def _summary_table(built) -> Table:
+    """One row per kernel, values per arch joined by '/', narrow enough for 80 columns."""
+    archs = "/".join(r.arch.removeprefix("sm_") for r in built[0].resources) if built else ""
+    table = Table(
+        title=f"kernelgen build (per arch: sm_{archs}; bytes)", box=box.SIMPLE_HEAD, pad_edge=False
+    )
+    table.add_column("kernel", no_wrap=True)
+    for column in ("regs", "spill", "stack", "smem"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for kernel in built:
+        res = kernel.resources
+        table.add_row(
+            kernel.spec.uri,
+            "/".join(str(r.registers) for r in res),
+            "/".join(str(r.spill_store_bytes + r.spill_load_bytes) for r in res),
+            "/".join(str(r.stack_bytes) for r in res),
+            str(kernel.spec.smem_bytes + max(r.static_smem_bytes for r in res)),
+        )
+    return table
+
+
 def _resource_table(built) -> Table:
-    table = Table(title="kernelgen build")
-    for column in ("kernel", "arch", "regs", "spill B", "stack B", "smem B", "SASS"):
-        table.add_column(column, justify="left" if column in ("kernel", "SASS") else "right")
+    """One row per kernel and arch, with the SASS opcode counts (for `kernelgen check`)."""
+    table = Table(title="kernelgen check (bytes)", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("kernel / arch", no_wrap=True)
+    for column in ("regs", "spill", "stack", "smem"):
+        table.add_column(column, justify="right", no_wrap=True)
     for kernel in built:
         for r in kernel.resources:
             sass = ", ".join(f"{k} {v}" for k, v in r.sass_instructions.items() if v) or "-"
             table.add_row(
-                kernel.spec.uri,
-                r.arch,
+                f"{kernel.spec.uri} {r.arch}",
                 str(r.registers),
                 str(r.spill_store_bytes + r.spill_load_bytes),
                 str(r.stack_bytes),
                 str(kernel.spec.smem_bytes + r.static_smem_bytes),
-                sass,
             )
+            table.add_row(f"  SASS: {sass}", "", "", "", "")
     return table
 
 
@@ -122,7 +145,7 @@ def build(
         return
     built = _compile(loaded, archs)
     write_generated(built, out)
-    out_console.print(_resource_table(built))
+    out_console.print(_summary_table(built))
     out_console.print(f"wrote {len(built)} kernels and {out / 'manifest.json'}")
 
 
