@@ -13,7 +13,7 @@ from typing import Any, Literal
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
 from kernelgen.launch import Problem, import_cupy, runtime_kernel
-from kernelgen.spec import MAX_HEAD_DIM, KernelSpec
+from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -179,7 +179,31 @@ def check_inputs(
                     f"spec {spec.uri} has {field}={getattr(spec, field)!r} but the call needs "
                     f"{field}={wanted!r}"
                 )
+        if spec.mma == "mma_sync":
+            for t in (q, k, v):
+                problem = _misaligned_strides(t)
+                if problem:
+                    raise InputError(f"{problem}; spec {spec.uri} copies 16-byte chunks")
     return CheckedCall(q, k, v, mask, q.dtype, float(scale))
+
+
+CHUNK_BYTES = 16  # the tensor-core kernels move rows in 16-byte chunks (cp.async)
+
+
+def _misaligned_strides(t: TensorInfo) -> str | None:
+    """Why ``t`` cannot be read in 16-byte chunks (strides), or None."""
+    elems = CHUNK_BYTES // DTYPE_BYTES[t.dtype]
+    bad = [s for s in t.strides[:3] if s % elems]
+    if bad:
+        return f"{t.name} has strides {t.strides} (elements); they must be multiples of {elems}"
+    return None
+
+
+def _misaligned_pointer(array: Any, name: str) -> str | None:
+    ptr = array.data.ptr
+    if ptr % CHUNK_BYTES:
+        return f"{name}'s data pointer {ptr:#x} is not {CHUNK_BYTES}-byte aligned"
+    return None
 
 
 def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo:
@@ -199,9 +223,35 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
     return mask
 
 
-def default_spec(dtype: str, head_dim: int, causal: bool, arch: str | None = None) -> KernelSpec:
-    """A sensible spec for a shape until the autotuner chooses: v2, the largest tiles that fit."""
+def default_spec(
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    arch: str | None = None,
+    *,
+    tensor_cores: bool = True,
+) -> KernelSpec:
+    """A sensible spec for a shape until the autotuner chooses.
+
+    float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps x 16 rows, 64 keys
+    per tile (32 above head_dim 128), two stages, swizzled where the head dim allows. Otherwise
+    the CUDA-core v2 kernel with the largest tiles that fit.
+    """
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
+    if tensor_cores and dtype in ("float16", "bfloat16"):
+        head_dim_padded = -(-head_dim // 16) * 16
+        return KernelSpec(
+            loop_order="v2",
+            dtype=dtype,
+            head_dim=head_dim,
+            block_m=64,
+            block_n=64 if head_dim <= 128 else 32,
+            num_warps=4,
+            causal=causal,
+            mma="mma_sync",
+            smem_layout="swizzled" if head_dim_padded % 64 == 0 else "padded",
+            archs=archs,
+        )
     block_m = 64 if head_dim <= 128 else 32
     for block_n in (32, 16):
         try:
@@ -245,11 +295,24 @@ def attention(
         *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=bool(causal)
     )
     cupy = import_cupy()
+    arrays = {name: _as_cupy(t.source) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
+    misaligned = [
+        why
+        for name, t in (("q", call.q), ("k", call.k), ("v", call.v))
+        if (why := _misaligned_strides(t) or _misaligned_pointer(arrays[name], name))
+    ]
     if spec is None:
         major, minor = cupy.cuda.Device().compute_capability
-        spec = default_spec(call.dtype, call.q.shape[3], bool(causal), f"sm_{major}{minor}")
+        spec = default_spec(
+            call.dtype,
+            call.q.shape[3],
+            bool(causal),
+            f"sm_{major}{minor}",
+            tensor_cores=major >= 8 and not misaligned,
+        )
+    elif spec.mma == "mma_sync" and misaligned:
+        raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     kernel = runtime_kernel(spec)
-    arrays = {name: _as_cupy(t.source) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
     mask_array = None
     if call.mask is not None:
         mask_array = _as_cupy(call.mask.source)

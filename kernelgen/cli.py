@@ -75,18 +75,20 @@ def _summary_table(built) -> Table:
     """One row per kernel, values per arch joined by '/', narrow enough for 80 columns."""
     archs = "/".join(r.arch.removeprefix("sm_") for r in built[0].resources) if built else ""
     table = Table(
-        title=f"kernelgen build (per arch: sm_{archs}; bytes)", box=box.SIMPLE_HEAD, pad_edge=False
+        title=f"kernelgen build (per arch: sm_{archs}; local = spill + stack bytes)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
     )
     table.add_column("kernel", no_wrap=True)
-    for column in ("regs", "spill", "stack", "smem"):
+    for column in ("regs", "local", "smem"):
         table.add_column(column, justify="right", no_wrap=True)
     for kernel in built:
         res = kernel.resources
         table.add_row(
             kernel.spec.uri,
             "/".join(str(r.registers) for r in res),
-            "/".join(str(r.spill_store_bytes + r.spill_load_bytes) for r in res),
-            "/".join(str(r.stack_bytes) for r in res),
+            "/".join(str(r.spill_store_bytes + r.spill_load_bytes + r.stack_bytes) for r in res),
             str(kernel.spec.smem_bytes + max(r.static_smem_bytes for r in res)),
         )
     return table

@@ -170,7 +170,18 @@ def parse_ptxas_report(log: str, name: str, arch: str) -> Resources:
 
 
 # ---- SASS (optional: needs the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels) --------
-SASS_OPCODES: tuple[str, ...] = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "STG", "LDL", "STL")
+SASS_OPCODES: tuple[str, ...] = (
+    "HMMA",
+    "HGMMA",
+    "LDSM",
+    "LDGSTS",
+    "LDS",
+    "STS",
+    "LDG",
+    "STG",
+    "LDL",
+    "STL",
+)
 
 
 @cache
@@ -208,7 +219,9 @@ def sass_instruction_counts(cubin: bytes) -> dict[str, int]:
     if sass is None:
         return {}
     counts = dict.fromkeys(SASS_OPCODES, 0)
-    for opcode in re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.M):
-        if opcode in counts:
+    pattern = r"^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9]+)"
+    for predicate, opcode in re.findall(pattern, sass, re.M):
+        # `@!PT` never executes: ptxas pads with such instructions (e.g. `@!PT LDS RZ, [RZ]`).
+        if opcode in counts and predicate.strip() != "@!PT":
             counts[opcode] += 1
     return counts

@@ -22,13 +22,30 @@ class CxxElement:
     header: str | None  # header that declares it
     to_float: str  # conversion to fp32 (empty: already float)
     from_float: str  # round-to-nearest-even conversion from fp32
+    mma_type: str | None = None  # PTX operand type of mma.sync (None: no tensor-core path)
+    pair_name: str | None = None  # the two-element vector type
+    pack_pair: str | None = None  # two fp32 -> one pair, round to nearest even
 
 
 CXX_ELEMENT: dict[str, CxxElement] = {
     "float32": CxxElement("float", None, "", ""),
-    "float16": CxxElement("__half", "cuda_fp16.h", "__half2float", "__float2half_rn"),
+    "float16": CxxElement(
+        "__half",
+        "cuda_fp16.h",
+        "__half2float",
+        "__float2half_rn",
+        mma_type="f16",
+        pair_name="__half2",
+        pack_pair="__floats2half2_rn",
+    ),
     "bfloat16": CxxElement(
-        "__nv_bfloat16", "cuda_bf16.h", "__bfloat162float", "__float2bfloat16_rn"
+        "__nv_bfloat16",
+        "cuda_bf16.h",
+        "__bfloat162float",
+        "__float2bfloat16_rn",
+        mma_type="bf16",
+        pair_name="__nv_bfloat162",
+        pack_pair="__floats2bfloat162_rn",
     ),
 }
 
@@ -102,6 +119,8 @@ def template_hash() -> str:
 
 
 def template_name(spec: KernelSpec) -> str:
+    if spec.mma == "mma_sync":
+        return "fa_fwd_v2_tc.cu.j2"  # the spec only allows v2 on the tensor cores
     return f"fa_fwd_{spec.loop_order}.cu.j2"
 
 

@@ -19,6 +19,8 @@ from kernelgen.errors import SpecError
 
 DType = Literal["float32", "float16", "bfloat16"]
 LoopOrder = Literal["v1", "v2"]
+MmaPath = Literal["simt", "mma_sync"]
+SmemLayout = Literal["padded", "swizzled"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_SHORT: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -27,8 +29,12 @@ TILE_SIZES = (16, 32, 64, 128)
 WARP_COUNTS = (1, 2, 4, 8)
 MAX_HEAD_DIM = 256
 # fp32 registers a thread may devote to its slice of the output row and of the score row;
-# beyond this the CUDA-core kernels spill (checked for real by ptxas in the compile tier).
-MAX_ACCUMULATORS_PER_THREAD = 128
+# beyond this the kernels spill (checked for real by ptxas in the compile tier).
+MAX_ACCUMULATORS_PER_THREAD = {"simt": 128, "mma_sync": 160}
+MMA_STAGES = (2, 3, 4)
+# Tensor-core rows are moved in 16-byte chunks (8 elements): the padded layout adds one chunk per
+# row (an odd row stride in chunks), the swizzled one XORs the chunk index with the row (mod 8).
+MMA_PAD_WORDS = {"padded": 4, "swizzled": 0}
 
 
 def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
@@ -54,15 +60,46 @@ class KernelSpec(BaseModel):
     block_n: int = Field(description="Key rows per tile (16, 32, 64 or 128).")
     num_warps: int = Field(4, description="Warps per thread block (1, 2, 4 or 8).")
     causal: bool = Field(False, description="Bottom-right aligned causal mask.")
-    smem_pad: int = Field(
-        1,
+    mma: MmaPath = Field(
+        "simt",
+        description="simt: CUDA-core FMA kernels (all dtypes, v1 and v2); mma_sync: tensor cores "
+        "(mma.sync m16n8k16, ldmatrix, cp.async; float16/bfloat16, v2, block_m = 16 * num_warps).",
+    )
+    stages: int | None = Field(
+        None,  # resolved by _fill_mode_defaults: 1 for simt, 2 for mma_sync
+        description="K/V tiles in flight (cp.async pipeline depth): 2 to 4 for mma_sync; 1 for "
+        "simt. Defaults to 2 (mma_sync) or 1 (simt).",
+    )
+    smem_layout: SmemLayout = Field(
+        "padded",
+        description="Shared-memory layout of the Q, K, V tiles: padded rows, or XOR-swizzled "
+        "16-byte chunks (mma_sync only; needs head_dim rounded up to 16 to be a multiple of 64).",
+    )
+    smem_pad: int | None = Field(
+        None,  # resolved by _fill_mode_defaults
         description="Extra 32-bit words at the end of each shared-memory row of Q, K and V. "
-        "An odd row stride in words puts the rows of a tile in different banks (0 to 8).",
+        "simt: 0 to 8, default 1 (an odd stride in words spreads a tile's rows over the banks). "
+        "mma_sync: fixed by smem_layout (4 = one 16-byte chunk when padded, 0 when swizzled).",
     )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_mode_defaults(cls, data: Any) -> Any:
+        """Defaults that depend on the mma path, so a dumped spec always holds explicit values."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        tensor_cores = data.get("mma") == "mma_sync"
+        if data.get("stages") is None:
+            data["stages"] = 2 if tensor_cores else 1
+        if data.get("smem_pad") is None:
+            layout = data.get("smem_layout", "padded")
+            data["smem_pad"] = MMA_PAD_WORDS.get(layout, 0) if tensor_cores else 1
+        return data
 
     # ---- field checks -------------------------------------------------------------------
     @field_validator("head_dim")
@@ -109,17 +146,20 @@ class KernelSpec(BaseModel):
     # ---- whole-spec checks ----------------------------------------------------------------
     @model_validator(mode="after")
     def _check_geometry(self) -> KernelSpec:
-        problems = []
+        problems = self._mma_problems() if self.mma == "mma_sync" else self._simt_problems()
+        if problems:  # the geometry below is meaningless for a spec with a wrong mode
+            raise ValueError("\n".join(problems))
         if self.threads < self.block_m:
             problems.append(
                 f"num_warps={self.num_warps} gives {self.threads} threads, fewer than "
                 f"block_m={self.block_m} rows; use num_warps >= {max(1, self.block_m // 32)}"
             )
-        elif self.accumulators_per_thread > MAX_ACCUMULATORS_PER_THREAD:
+        elif self.accumulators_per_thread > MAX_ACCUMULATORS_PER_THREAD[self.mma]:
             problems.append(
                 f"block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim} with "
                 f"num_warps={self.num_warps} need {self.accumulators_per_thread} fp32 "
-                f"accumulators per thread; at most {MAX_ACCUMULATORS_PER_THREAD} fit in registers "
+                f"accumulators per thread; at most {MAX_ACCUMULATORS_PER_THREAD[self.mma]} fit in "
+                "registers "
                 "(raise num_warps or lower the tiles)"
             )
         for name in self.archs:
@@ -130,8 +170,53 @@ class KernelSpec(BaseModel):
                     f"{name}; lower block_m/block_n or drop {name} from archs"
                 )
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))
         return self
+
+    def _simt_problems(self) -> list[str]:
+        problems = []
+        if self.stages != 1:
+            problems.append(f"stages={self.stages} is not allowed with mma='simt'; use 1")
+        if self.smem_layout != "padded":
+            problems.append(
+                f"smem_layout={self.smem_layout!r} is not allowed with mma='simt'; use 'padded'"
+            )
+        return problems
+
+    def _mma_problems(self) -> list[str]:
+        problems = []
+        if self.dtype == "float32":
+            problems.append(
+                "dtype='float32' is not allowed with mma='mma_sync'; use float16 or bfloat16 "
+                "(or mma: simt)"
+            )
+        if self.loop_order != "v2":
+            problems.append(
+                f"loop_order={self.loop_order!r} is not allowed with mma='mma_sync'; use v2"
+            )
+        if self.block_m != 16 * self.num_warps:
+            problems.append(
+                f"block_m={self.block_m} is not allowed with num_warps={self.num_warps} and "
+                "mma='mma_sync'; each warp owns 16 query rows, so use "
+                f"block_m={16 * self.num_warps}"
+            )
+        if self.stages not in MMA_STAGES:
+            problems.append(
+                f"stages={self.stages} is not allowed with mma='mma_sync'; use one of "
+                f"{', '.join(map(str, MMA_STAGES))}"
+            )
+        if self.smem_pad != MMA_PAD_WORDS[self.smem_layout]:
+            problems.append(
+                f"smem_pad={self.smem_pad} is not allowed with mma='mma_sync' and smem_layout="
+                f"{self.smem_layout!r}; leave it out (it is {MMA_PAD_WORDS[self.smem_layout]})"
+            )
+        if self.smem_layout == "swizzled" and self.head_dim_padded % 64:
+            problems.append(
+                f"smem_layout='swizzled' is not allowed with head_dim={self.head_dim}: the swizzle "
+                "permutes 8 chunks of 16 bytes, so head_dim rounded up to 16 must be a multiple "
+                "of 64; use smem_layout='padded'"
+            )
+        return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------
     @property
@@ -142,7 +227,10 @@ class KernelSpec(BaseModel):
     def threads_per_row(self) -> int:
         """Lanes of one warp that share a query row (its scores and its output columns).
 
-        With the allowed tiles and warps this is 1 to 16, never more than block_n."""
+        simt: 1 to 16, never more than block_n. mma_sync: the 4 lanes of a quad, which the
+        m16n8 accumulator layout gives 2 of each 8 columns of rows g and g + 8."""
+        if self.mma == "mma_sync":
+            return 4
         return max(1, self.threads // self.block_m)
 
     @property
@@ -154,8 +242,9 @@ class KernelSpec(BaseModel):
         return math.ceil(self.head_dim / self.threads_per_row)
 
     @property
-    def accumulators_per_thread(self) -> int:
-        return self.keys_per_thread + self.cols_per_thread
+    def head_dim_padded(self) -> int:
+        """Head dim rounded up to the mma k-step of 16 (the extra columns are zeros in smem)."""
+        return -(-self.head_dim // 16) * 16
 
     @property
     def elem_bytes(self) -> int:
@@ -164,7 +253,8 @@ class KernelSpec(BaseModel):
     @property
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K and V tiles in shared memory, in elements."""
-        return self.head_dim + self.smem_pad * 4 // self.elem_bytes
+        width = self.head_dim_padded if self.mma == "mma_sync" else self.head_dim
+        return width + self.smem_pad * 4 // self.elem_bytes
 
     @property
     def prob_row_floats(self) -> int:
@@ -172,23 +262,37 @@ class KernelSpec(BaseModel):
         return self.block_n + 1
 
     @property
+    def accumulators_per_thread(self) -> int:
+        if self.mma == "mma_sync":  # a warp's 16 rows of scores and of the output, over 32 lanes
+            return (self.block_n + self.head_dim_padded) // 2
+        return self.keys_per_thread + self.cols_per_thread
+
+    @property
     def smem_bytes(self) -> int:
-        tiles = (self.block_m + 2 * self.block_n) * self.smem_row_elems * self.elem_bytes
-        return tiles + self.block_m * self.prob_row_floats * 4
+        row_bytes = self.smem_row_elems * self.elem_bytes
+        if self.mma == "mma_sync":  # Q tile (reused to stage the output), then K and V rings
+            return (self.block_m + 2 * self.stages * self.block_n) * row_bytes
+        return (
+            self.block_m + 2 * self.block_n
+        ) * row_bytes + self.block_m * self.prob_row_floats * 4
 
     @property
     def uri(self) -> str:
         """Canonical readable name, e.g. ``fa_fwd_v2_f16_d128_m64_n64_w4_p1_causal``."""
-        parts = [
-            "fa_fwd",
-            self.loop_order,
+        parts = ["fa_fwd", self.loop_order]
+        if self.mma == "mma_sync":
+            parts.append("tc")
+        parts += [
             DTYPE_SHORT[self.dtype],
             f"d{self.head_dim}",
             f"m{self.block_m}",
             f"n{self.block_n}",
             f"w{self.num_warps}",
-            f"p{self.smem_pad}",
         ]
+        if self.mma == "mma_sync":
+            parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
+        else:
+            parts.append(f"p{self.smem_pad}")
         if self.causal:
             parts.append("causal")
         return "_".join(parts)
@@ -217,7 +321,7 @@ def format_validation_error(exc: ValidationError) -> list[str]:
             message = f"{field}={err['input']!r} is not allowed; {message}"
         elif field != "spec" and not message.startswith(field.split(".")[0]):
             message = f"{field}={err['input']!r}: {message}"
-        lines.append(message)
+        lines.extend(message.splitlines())  # a whole-spec check may report several problems
     return lines
 
 

@@ -44,7 +44,24 @@ def test_spec_compiles_without_spills(path):
         if cuobjdump_path():
             sass = resources.sass_instructions
             assert sass["LDL"] == 0 and sass["STL"] == 0, sass  # no local memory
-            assert sass["LDS"] > 0 and sass["LDG"] > 0, sass
+            if spec.mma == "mma_sync":  # tensor cores fed by ldmatrix, not a CUDA-core fallback
+                assert sass["HMMA"] > 0 and sass["LDSM"] > 0, sass
+            else:
+                assert sass["HMMA"] == 0 and sass["LDS"] > 0 and sass["LDG"] > 0, sass
+
+
+def test_specs_cover_the_tensor_core_matrix():
+    """The issue's coverage: tensor-core specs for head dims 64, 96, 128, 256 in fp16 and bf16,
+    causal and not, and more than one tile shape per head dim."""
+    specs = [load_spec(p) for p in SPEC_PATHS]
+    tc = [s for s in specs if s.mma == "mma_sync"]
+    assert {s.head_dim for s in tc} >= {64, 96, 128, 256}
+    assert {s.dtype for s in tc} == {"float16", "bfloat16"}
+    assert {s.causal for s in tc} == {False, True}
+    assert {s.smem_layout for s in tc} == {"padded", "swizzled"}
+    for head_dim in (64, 96, 128, 256):
+        shapes = {(s.block_m, s.block_n, s.stages) for s in tc if s.head_dim == head_dim}
+        assert len(shapes) >= 2, (head_dim, shapes)
 
 
 def test_sass_tools_are_installed_in_ci():

@@ -79,3 +79,31 @@ def test_render_is_deterministic_and_hash_stable(spec_paths):
     spec = load_spec(spec_paths[0])
     assert render(spec) == render(spec)
     assert len(template_hash()) == 64
+
+
+TC = {**BASE, "mma": "mma_sync", "dtype": "bfloat16", "head_dim": 128}
+
+
+@pytest.mark.parametrize("layout", ["padded", "swizzled"])
+def test_tensor_core_source(layout):
+    spec = spec_from_dict({**TC, "smem_layout": layout, "stages": 3})
+    source = render(spec)
+    assert source.startswith(f"// {spec.uri}:")
+    assert "tensor cores" in source.splitlines()[1]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];" in source
+    assert "cp.async.cg.shared.global [%0], [%1], 16, %2;" in source
+    assert "__floats2bfloat162_rn(lo, hi)" in source
+    assert "constexpr int STAGES = 3;" in source
+    assert f"constexpr bool SWIZZLED = {'true' if layout == 'swizzled' else 'false'};" in source
+    assert not re.search(r"\{%[\s-]|\{\{|\{#", source)  # no unrendered Jinja (PTX has {%0, ...})
+    # The one online-softmax fold serves the tensor-core path too.
+    assert source.count("online_softmax_fold(float") == 1
+    assert source.count("online_softmax_fold(row, m[half], l[half])") == 1
+
+
+def test_tensor_core_parameters_match_v2():
+    simt = spec_from_dict({**BASE, "dtype": "float16"})
+    tc = spec_from_dict({**TC, "dtype": "float16", "head_dim": 64})
+    assert kernel_params(tc) == kernel_params(simt)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in render(tc)

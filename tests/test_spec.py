@@ -139,3 +139,66 @@ def test_json_schema_describes_fields():
     json.dumps(schema)
     assert {"loop_order", "dtype", "head_dim", "block_m", "block_n"} <= set(schema["properties"])
     assert schema["additionalProperties"] is False
+
+
+TC = {**BASE, "mma": "mma_sync"}
+
+
+def test_tensor_core_defaults_are_explicit_in_the_spec():
+    spec = spec_from_dict(TC)
+    assert (spec.stages, spec.smem_layout, spec.smem_pad) == (2, "padded", 4)
+    assert spec.uri == "fa_fwd_v2_tc_f16_d64_m64_n64_w4_s2_pad"
+    swizzled = spec_from_dict({**TC, "smem_layout": "swizzled", "stages": 3, "causal": True})
+    assert (swizzled.smem_pad, swizzled.uri) == (0, "fa_fwd_v2_tc_f16_d64_m64_n64_w4_s3_swz_causal")
+    # The dump holds the resolved values, so it reloads to the same kernel.
+    assert spec_from_dict(swizzled.model_dump()).canonical_json() == swizzled.canonical_json()
+    simt = spec_from_dict(BASE)
+    assert (simt.mma, simt.stages, simt.smem_pad) == ("simt", 1, 1)
+
+
+def test_tensor_core_geometry():
+    spec = spec_from_dict({**TC, "head_dim": 40, "block_n": 32})
+    assert spec.head_dim_padded == 48
+    assert spec.smem_row_elems == 56  # 48 + one 16-byte chunk: 7 chunks, an odd stride
+    assert spec.threads_per_row == 4
+    # Q tile + 2 stages of K and V, 2-byte elements
+    assert spec.smem_bytes == (64 + 2 * 2 * 32) * 56 * 2
+    assert spec.accumulators_per_thread == (32 + 48) // 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"dtype": "float32"}, "dtype='float32' is not allowed with mma='mma_sync'"),
+        ({"loop_order": "v1"}, "loop_order='v1' is not allowed with mma='mma_sync'; use v2"),
+        ({"block_m": 32}, "block_m=32 is not allowed with num_warps=4 and mma='mma_sync'"),
+        ({"stages": 1}, "stages=1 is not allowed with mma='mma_sync'; use one of 2, 3, 4"),
+        ({"stages": 5}, "stages=5 is not allowed"),
+        ({"smem_pad": 1}, "smem_pad=1 is not allowed with mma='mma_sync'"),
+        ({"smem_layout": "swizzled", "head_dim": 96}, "smem_layout='swizzled' is not allowed"),
+        ({"mma": "wgmma"}, "mma='wgmma' is not allowed"),
+        ({"head_dim": 256, "block_n": 128}, "accumulators per thread"),
+    ],
+)
+def test_invalid_tensor_core_specs(changes, needle):
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({**TC, **changes})
+    assert any(needle in p for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"stages": 2}, "stages=2 is not allowed with mma='simt'; use 1"),
+        ({"smem_layout": "swizzled"}, "smem_layout='swizzled' is not allowed with mma='simt'"),
+    ],
+)
+def test_simt_rejects_tensor_core_fields(changes, needle):
+    problems = problems_of(**changes)
+    assert any(needle in p for p in problems), problems
+
+
+def test_several_mode_problems_are_separate_lines():
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({**TC, "dtype": "float32", "loop_order": "v1", "stages": 9})
+    assert len(info.value.problems) == 3
