@@ -123,3 +123,17 @@ def test_default_spec_fits_every_head_dim(dtype, head_dim, arch):
         True,
         "v2",
     )
+    assert spec.mma == ("mma_sync" if dtype != "float32" else "simt")
+    simt = default_spec(dtype, head_dim, causal=True, arch=arch, tensor_cores=False)
+    assert simt.mma == "simt"
+
+
+def test_tensor_core_spec_needs_16_byte_strides():
+    spec = KernelSpec(
+        loop_order="v2", dtype="float16", head_dim=64, block_m=64, block_n=64, mma="mma_sync"
+    )
+    check(spec=spec)  # contiguous (B, H, S, 64) fp16: every stride a multiple of 8 elements
+    q = describe(FakeDeviceArray((1, 1, 4, 64), "<f2", strides=(1000, 1000, 250, 2)), "q")
+    k = describe(FakeDeviceArray((1, 1, 4, 64), "<f2"), "k")
+    with pytest.raises(InputError, match=r"q has strides \(500, 500, 125, 1\).*multiples of 8"):
+        check_inputs(q, k, k, None, layout="bhsd", scale=None, spec=spec, causal=False)

@@ -599,3 +599,574 @@ def test_dynamic_smem_declaration_rewrite(decl):
     assert "::kg_emu::dynamic_smem()" in out
     assert "extern __shared__ char in_comment[];" in out  # comments untouched
     assert out.count("\n") == src.count("\n")  # line numbers kept
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) inline PTX: ldmatrix, mma.sync m16n8k16, cp.async; __half2 / __nv_bfloat162
+# ---------------------------------------------------------------------------------------------
+
+SMEM_ADDR_HELPER = r"""
+__device__ __forceinline__ unsigned smem_addr(const void* ptr) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+}
+"""
+
+# Six ldmatrix variants, written in different asm spellings on purpose (named operands,
+# __asm__ __volatile__, .shared::cta, int destinations, a comment between string pieces).
+LDMATRIX_SRC = (
+    SMEM_ADDR_HELPER
+    + r"""
+extern "C" __global__ void ldm_probe(const unsigned short* __restrict__ image, int image_len,
+                                     const int* __restrict__ lane_offset,
+                                     unsigned* __restrict__ out, unsigned* __restrict__ addrs) {
+  extern __shared__ __align__(128) unsigned short smem[];
+  for (int i = threadIdx.x; i < image_len; i += blockDim.x) smem[i] = image[i];
+  __syncthreads();
+  const int lane = threadIdx.x;
+  addrs[lane] = smem_addr(smem + lane);
+  for (int v = 0; v < 6; ++v) {
+    const int off = lane_offset[v * 32 + lane];
+    const unsigned addr = off >= 0 ? smem_addr(smem + off) : 0u;  // 0 is never valid
+    unsigned r[4] = {0xDEADBEEFu, 0xDEADBEEFu, 0xDEADBEEFu, 0xDEADBEEFu};
+    int ri[2];
+    switch (v) {
+      case 0:
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
+                     : "=r"(r[0]) : "r"(addr));
+        break;
+      case 1:
+        __asm__ __volatile__("ldmatrix.sync.aligned.m8n8.x1.trans.shared::cta.b16 {%[d]}, [%[p]];"
+                             : [d] "=r"(r[0])
+                             : [p] "r"(addr));
+        break;
+      case 2:
+        asm volatile(
+            "ldmatrix.sync.aligned.m8n8.x2.shared.b16 "  // destinations next
+            "{%0, %1}, [%2];\n"
+            : "=r"(ri[0]), "=r"(ri[1])
+            : "r"(addr));
+        r[0] = static_cast<unsigned>(ri[0]);
+        r[1] = static_cast<unsigned>(ri[1]);
+        break;
+      case 3:
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                     : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+        break;
+      case 4:
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+        break;
+      default:
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    }
+    for (int k = 0; k < 4; ++k) out[(v * 32 + lane) * 4 + k] = r[k];
+  }
+}
+"""
+)
+LDMATRIX_VARIANTS = [(1, False), (1, True), (2, False), (2, True), (4, False), (4, True)]
+
+
+@pytest.fixture(scope="module")
+def ldmatrix_kernel():
+    params = [
+        ("const unsigned short*", "image"),
+        ("int", "image_len"),
+        ("const int*", "lane_offset"),
+        ("unsigned*", "out"),
+        ("unsigned*", "addrs"),
+    ]
+    return build_kernel(LDMATRIX_SRC, "ldm_probe", params)
+
+
+def _row_offset(layout: str, matrix: int, row: int) -> int:
+    """Element offset of row ``row`` of 8x8 matrix ``matrix`` in a shared tile."""
+    if layout == "padded":  # a 16x16 tile, rows padded to 24 elements; matrices like an A frag
+        return (8 * (matrix % 2) + row) * 24 + 8 * (matrix // 2)
+    # 8 rows of 64 elements (8 chunks of 16 bytes), chunk c stored at c ^ (row % 8)
+    return row * 64 + 8 * ((2 * matrix + 1) ^ (row % 8))
+
+
+@pytest.mark.parametrize("layout", ["padded", "swizzled"])
+def test_ldmatrix_fragments(ldmatrix_kernel, layout):
+    rng = np.random.default_rng(10)
+    mats = rng.integers(0, 2**16, (4, 8, 8), dtype=np.uint64).astype(np.uint16)
+    image = np.zeros(1024, np.uint16)
+    for i in range(4):
+        for r in range(8):
+            off = _row_offset(layout, i, r)
+            image[off : off + 8] = mats[i, r]
+    lane_offset = np.full((6, 32), -1, np.int32)  # lanes past 8 * n give an invalid address
+    for v, (n, _) in enumerate(LDMATRIX_VARIANTS):
+        for lane in range(8 * n):
+            lane_offset[v, lane] = _row_offset(layout, lane // 8, lane % 8)
+    out = np.zeros((6, 32, 4), np.uint32)
+    addrs = np.zeros(32, np.uint32)
+    ldmatrix_kernel(
+        grid=1, block=32, shared_mem=2048, args=[image, image.size, lane_offset, out, addrs]
+    )
+    assert addrs[0] != 0
+    np.testing.assert_array_equal(addrs - addrs[0], 2 * np.arange(32))
+
+    lane = np.arange(32)
+    m = mats.astype(np.uint32)
+    for v, (n, trans) in enumerate(LDMATRIX_VARIANTS):
+        for i in range(4):
+            got = out[v, :, i]
+            if i >= n:
+                assert (got == 0xDEADBEEF).all()
+            elif trans:  # rows 2(l%4), 2(l%4)+1 of column l/4
+                r0, col = 2 * (lane % 4), lane // 4
+                np.testing.assert_array_equal(got, m[i, r0, col] | (m[i, r0 + 1, col] << 16))
+            else:  # row l/4, columns 2(l%4), 2(l%4)+1
+                row, c0 = lane // 4, 2 * (lane % 4)
+                np.testing.assert_array_equal(got, m[i, row, c0] | (m[i, row, c0 + 1] << 16))
+
+
+# A and B^T arrive by cp.async, B ([k][n]) by plain stores; fragments by ldmatrix; two mma forms
+# ("+f" accumulators, and "=f" outputs with a separate "f" C operand).
+MMA_SRC = (
+    SMEM_ADDR_HELPER
+    + r"""
+constexpr int LDA = 24;   // padded rows, in elements (48 bytes)
+constexpr int LDBT = 24;
+constexpr int LDB = 16;
+
+extern "C" __global__ void mma_tile(const unsigned short* __restrict__ a,   // [batch][16][16]
+                                    const unsigned short* __restrict__ bt,  // [batch][8][16]
+                                    const unsigned short* __restrict__ b,   // [batch][16][8]
+                                    const float* __restrict__ c,            // [batch][16][8]
+                                    float* __restrict__ d_col,  // A B + C via the [n][k] tile
+                                    float* __restrict__ d_row) {  // A B via the [k][n] tile
+  extern __shared__ __align__(128) unsigned short smem[];
+  unsigned short* sA = smem;            // 16 x LDA
+  unsigned short* sBt = sA + 16 * LDA;  // 8 x LDBT
+  unsigned short* sB = sBt + 8 * LDBT;  // 16 x LDB
+  const int lane = threadIdx.x;
+  const int batch = blockIdx.x;
+  a += batch * 256;
+  bt += batch * 128;
+  b += batch * 128;
+  c += batch * 128;
+  d_col += batch * 128;
+  d_row += batch * 128;
+  {
+    const int row = lane / 2, chunk = lane % 2;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 ::"r"(smem_addr(sA + row * LDA + chunk * 8)), "l"(a + row * 16 + chunk * 8));
+  }
+  if (lane < 16) {
+    const int row = lane / 2, chunk = lane % 2;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     smem_addr(sBt + row * LDBT + chunk * 8)),
+                 "l"(bt + row * 16 + chunk * 8), "n"(16));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+  for (int i = lane; i < 128; i += 32) sB[(i / 8) * LDB + i % 8] = b[i];
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();
+
+  unsigned fa[4], fb[2], fbt[2];
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(fa[0]), "=r"(fa[1]), "=r"(fa[2]), "=r"(fa[3])
+               : "r"(smem_addr(sA + (lane % 16) * LDA + (lane / 16) * 8)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(fb[0]), "=r"(fb[1])
+               : "r"(smem_addr(sBt + (lane % 8) * LDBT + ((lane / 8) % 2) * 8)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(fbt[0]), "=r"(fbt[1])
+               : "r"(smem_addr(sB + (lane % 16) * LDB)));
+
+  const int g = lane / 4, t = lane % 4;
+  float acc[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                  c[(g + 8) * 8 + 2 * t + 1]};
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.ELEM.ELEM.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(fa[0]), "r"(fa[1]), "r"(fa[2]), "r"(fa[3]), "r"(fb[0]), "r"(fb[1]));
+  float d[4];
+  const float zero = 0.0f;
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.ELEM.ELEM.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(fa[0]), "r"(fa[1]), "r"(fa[2]), "r"(fa[3]), "r"(fbt[0]), "r"(fbt[1]), "f"(zero));
+  const int rows[4] = {g, g, g + 8, g + 8};
+  for (int i = 0; i < 4; ++i) {
+    d_col[rows[i] * 8 + 2 * t + i % 2] = acc[i];
+    d_row[rows[i] * 8 + 2 * t + i % 2] = d[i];
+  }
+}
+"""
+)
+MMA_PARAMS = [
+    ("const unsigned short*", "a"),
+    ("const unsigned short*", "bt"),
+    ("const unsigned short*", "b"),
+    ("const float*", "c"),
+    ("float*", "d_col"),
+    ("float*", "d_row"),
+]
+
+
+def _to_16bit(x: np.ndarray, elem: str) -> tuple[np.ndarray, np.ndarray]:
+    """(bit patterns as uint16, exact float64 values) of ``x`` rounded to f16 or bf16."""
+    if elem == "f16":
+        h = x.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    bits = _bf16_reference_bits(x.astype(np.float32))
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("elem", ["f16", "bf16"])
+def test_mma_m16n8k16_from_ldmatrix_fragments(elem):
+    kern = build_kernel(MMA_SRC.replace("ELEM", elem), "mma_tile", MMA_PARAMS)
+    rng = np.random.default_rng(11)
+    batch = 3
+    a_bits, a = _to_16bit(rng.standard_normal((batch, 16, 16)) * 3, elem)
+    b_bits, b = _to_16bit(rng.standard_normal((batch, 16, 8)), elem)
+    c = (rng.standard_normal((batch, 16, 8)) * 10).astype(np.float32)
+    bt_bits = np.ascontiguousarray(b_bits.transpose(0, 2, 1))
+    d_col = np.full((batch, 16, 8), np.nan, np.float32)
+    d_row = np.full((batch, 16, 8), np.nan, np.float32)
+    smem = (16 * 24 + 8 * 24 + 16 * 16) * 2
+    kern(grid=batch, block=32, shared_mem=smem, args=[a_bits, bt_bits, b_bits, c, d_col, d_row])
+    ab = a @ b  # float64; each product of two 16-bit floats is exact
+    # The emulator rounds the (double) dot product plus C once to fp32.
+    np.testing.assert_allclose(d_col, ab + c.astype(np.float64), rtol=2**-23, atol=1e-12)
+    np.testing.assert_allclose(d_row, ab, rtol=2**-23, atol=1e-12)
+    assert (d_col.astype(np.float64) != ab).any()  # C was really added
+
+
+def test_mma_exact_for_integers():
+    """Small integers: every step is exact, so the result must match bit for bit."""
+    kern = build_kernel(MMA_SRC.replace("ELEM", "bf16"), "mma_tile", MMA_PARAMS)
+    rng = np.random.default_rng(12)
+    a_bits, a = _to_16bit(rng.integers(-8, 9, (1, 16, 16)).astype(np.float64), "bf16")
+    b_bits, b = _to_16bit(rng.integers(-8, 9, (1, 16, 8)).astype(np.float64), "bf16")
+    c = rng.integers(-100, 100, (1, 16, 8)).astype(np.float32)
+    d_col = np.zeros((1, 16, 8), np.float32)
+    d_row = np.zeros((1, 16, 8), np.float32)
+    bt_bits = np.ascontiguousarray(b_bits.transpose(0, 2, 1))
+    kern(grid=1, block=32, shared_mem=2048, args=[a_bits, bt_bits, b_bits, c, d_col, d_row])
+    np.testing.assert_array_equal(d_col, (a @ b + c).astype(np.float32))
+    np.testing.assert_array_equal(d_row, (a @ b).astype(np.float32))
+
+
+# Every thread owns 64 bytes (4 chunks of 16) of shared memory and fills them through four
+# cp.async groups; `snap` records what the thread (or its neighbour) sees after each step.
+ASYNC_SRC = (
+    SMEM_ADDR_HELPER
+    + r"""
+extern "C" __global__ void async_copy(const unsigned char* __restrict__ src,
+                                      const int* __restrict__ src_bytes,
+                                      unsigned* __restrict__ snap) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int t = threadIdx.x;
+  const int n = blockDim.x;
+  const unsigned char* s = src + (blockIdx.x * n + t) * 64;
+  unsigned char* mine = smem + t * 64;
+  const unsigned char* next = smem + ((t + 1) % n) * 64;
+  unsigned* out = snap + blockIdx.x * 7 * n * 16;
+  auto record = [&](int step, const unsigned char* region) {
+    for (int w = 0; w < 16; ++w) {
+      unsigned v;
+      memcpy(&v, region + 4 * w, 4);
+      out[(step * n + t) * 16 + w] = v;
+    }
+  };
+  const int sb = src_bytes[blockIdx.x * n + t];
+  // group 0: chunk 0, 16 bytes with a run-time src-size (0..16)
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(mine)),
+               "l"(s), "r"(sb));
+  asm volatile("cp.async.commit_group;\n" ::);
+  // group 1: chunk 1 as two 8-byte copies (partial, then without src-size)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(mine + 16)),
+               "l"(s + 16), "r"(sb < 8 ? sb : 8));
+  asm volatile("cp.async.ca.shared.global [%0+8], [%1+8], 8;" ::"r"(smem_addr(mine + 16)),
+               "l"(s + 16));
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  // group 2: chunk 2 as four 4-byte copies; the second reads nothing (src-size 0, null src)
+  const unsigned char* nothing = nullptr;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, 4;" ::"r"(smem_addr(mine + 32)),
+               "l"(s + 32));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(mine + 36)),
+               "l"(nothing), "n"(0));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(mine + 40)),
+               "l"(s + 40));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n\tcp.async.commit_group;\n" ::"r"(
+                   smem_addr(mine + 44)),
+               "l"(s + 44), "r"(2));
+  // chunk 3: issued but never committed
+  asm volatile("cp.async.cg.shared::cta.global [%0], [%1], 16;" ::"r"(smem_addr(mine + 48)),
+               "l"(s + 48));
+
+  record(0, mine);   // nothing waited for yet
+  __syncthreads();
+  record(1, next);   // a neighbour's region: not copied either
+  __syncthreads();
+  asm volatile("cp.async.wait_group 2;\n" ::);
+  record(2, mine);   // group 0 only
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(1));
+  record(3, mine);   // groups 0, 1
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  record(4, mine);   // groups 0-2, not the uncommitted copy
+  asm volatile("cp.async.wait_all;\n" ::);
+  record(5, mine);   // everything
+  __syncthreads();
+  record(6, next);
+}
+"""
+)
+
+
+def test_cp_async_groups_and_zero_fill():
+    kern = build_kernel(
+        ASYNC_SRC,
+        "async_copy",
+        [("const unsigned char*", "src"), ("const int*", "src_bytes"), ("unsigned*", "snap")],
+    )
+    rng = np.random.default_rng(13)
+    nb, n = 2, 64
+    src = rng.integers(0, 256, (nb, n, 64), dtype=np.uint64).astype(np.uint8)
+    src_bytes = rng.integers(0, 17, (nb, n)).astype(np.int32)
+    src_bytes[:, :3] = [0, 16, 5]
+    snap = np.zeros((nb, 7, n, 64), np.uint8)
+    kern(grid=nb, block=n, shared_mem=n * 64, args=[src, src_bytes, snap.view(np.uint32)])
+
+    garbage = np.full(16, 0xFF, np.uint8)
+    for blk in range(nb):
+        for t in range(n):
+            s, sb = src[blk, t], src_bytes[blk, t]
+            chunk0 = np.where(np.arange(16) < sb, s[0:16], 0)
+            chunk1 = np.concatenate([np.where(np.arange(8) < min(sb, 8), s[16:24], 0), s[24:32]])
+            zeros = np.zeros(4, np.uint8)
+            chunk2 = np.concatenate([s[32:36], zeros, s[40:44], s[44:46], zeros[:2]])
+            chunk3 = s[48:64]
+            full = np.concatenate([chunk0, chunk1, chunk2, chunk3])
+            expect = [
+                np.tile(garbage, 4),
+                np.tile(garbage, 4),
+                np.concatenate([chunk0, garbage, garbage, garbage]),
+                np.concatenate([chunk0, chunk1, garbage, garbage]),
+                np.concatenate([chunk0, chunk1, chunk2, garbage]),
+                full,
+            ]
+            for step, want in enumerate(expect):
+                np.testing.assert_array_equal(snap[blk, step, t], want, err_msg=f"{blk} {t} {step}")
+        neighbour_full = snap[blk, 5, (np.arange(n) + 1) % n]
+        np.testing.assert_array_equal(snap[blk, 6], neighbour_full)
+
+
+BAD_ACCESS_SRC = (
+    SMEM_ADDR_HELPER
+    + r"""
+extern "C" __global__ void bad_access(const float* __restrict__ src, unsigned* __restrict__ out,
+                                      int mode) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float static_tile[64];
+  const int lane = threadIdx.x;
+  unsigned addr = smem_addr(smem + 16 * (lane % 8));
+  if (mode == 0 && lane == 3) addr += 2;               // misaligned ldmatrix row
+  if (mode == 5 && lane >= 16) addr = 0;               // .x4 uses the addresses of all 32 lanes
+  unsigned r[4];
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+  if (lane == 0) {
+    unsigned dst = smem_addr(smem);
+    int n = 16;
+    if (mode == 1) dst += 4;            // misaligned destination
+    if (mode == 2) dst += 1024;         // past the end of the buffer
+    if (mode == 3) dst = smem_addr(static_tile);
+    if (mode == 4) n = 17;              // src-size > cp-size
+    const float* s = (mode == 6) ? src + 1 : src;  // misaligned global source
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(s), "r"(n));
+    asm volatile("cp.async.wait_all;\n" ::);
+  }
+  out[lane] = r[0] + r[1] + r[2] + r[3];
+}
+"""
+)
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        (0, r"ldmatrix row: shared address 0x[0-9a-f]+ \(from lane 3\) is not 16-byte aligned"),
+        (5, r"ldmatrix row: shared address 0x0 \(from lane 16\) .* outside the dynamic shared"),
+        (1, r"cp.async destination: shared address 0x[0-9a-f]+ is not 16-byte aligned"),
+        (2, r"cp.async destination: .* outside the dynamic shared memory"),
+        (3, r"__cvta_generic_to_shared\(.*\): not a pointer into the 1024 bytes"),
+        (4, r"cp.async: src-size 17 outside \[0, 16\]"),
+        (6, r"cp.async: global source .* is not 16-byte aligned"),
+    ],
+)
+def test_bad_shared_addresses_trap(mode, message):
+    kern = build_kernel(
+        BAD_ACCESS_SRC,
+        "bad_access",
+        [("const float*", "src"), ("unsigned*", "out"), ("int", "mode")],
+    )
+    src = np.zeros(8, np.float32)
+    out = np.zeros(32, np.uint32)
+    with pytest.raises(RuntimeError, match=message + r".* in block \(0,0,0\) thread"):
+        kern(grid=1, block=32, shared_mem=1024, args=[src, out, mode])
+    kern(grid=1, block=32, shared_mem=1024, args=[src, out, -1])  # still usable, no error
+
+
+PAIRS_SRC = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+extern "C" __global__ void pack_pairs(const float* __restrict__ x, unsigned* __restrict__ h2,
+                                      unsigned* __restrict__ b2, float* __restrict__ back,
+                                      int* __restrict__ same, int n) {
+  const int stride = gridDim.x * blockDim.x;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const __half2 h = __floats2half2_rn(x[2 * i], x[2 * i + 1]);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    h2[i] = *reinterpret_cast<const unsigned*>(&h);
+    b2[i] = *reinterpret_cast<const unsigned*>(&b);
+    const float2 v = make_float2(x[2 * i], x[2 * i + 1]);
+    const __half2 h_again = __float22half2_rn(v);
+    const __nv_bfloat162 b_again = __float22bfloat162_rn(v);
+    same[i] = (h_again.x.__x == h.x.__x && h_again.y.__x == h.y.__x &&
+               b_again.x.__x == b.x.__x && b_again.y.__x == b.y.__x &&
+               __float_as_uint(__half2float(h.x)) == __float_as_uint(__low2float(h)))
+              ? 1 : 0;
+    back[4 * i + 0] = __low2float(h);
+    back[4 * i + 1] = __high2float(h);
+    back[4 * i + 2] = __low2float(b);
+    back[4 * i + 3] = __high2float(b);
+  }
+}
+"""
+
+
+def test_half2_and_bfloat162_packing():
+    params = [
+        ("const float*", "x"),
+        ("unsigned*", "h2"),
+        ("unsigned*", "b2"),
+        ("float*", "back"),
+        ("int*", "same"),
+        ("int", "n"),
+    ]
+    kern = build_kernel(PAIRS_SRC, "pack_pairs", params)
+    x = _tricky_values()
+    x = x[: x.size // 2 * 2]
+    n = x.size // 2
+    h2 = np.zeros(n, np.uint32)
+    b2 = np.zeros(n, np.uint32)
+    back = np.zeros((n, 4), np.float32)
+    same = np.zeros(n, np.int32)
+    kern(grid=4, block=128, args=[x, h2, b2, back, same, n])
+
+    with np.errstate(over="ignore"):
+        ref_h = x.astype(np.float16).view(np.uint16)
+    ref_h = np.where(np.isnan(x), np.uint16(0x7FFF), ref_h).astype(np.uint32)
+    np.testing.assert_array_equal(h2, ref_h[0::2] | (ref_h[1::2] << 16))  # .x in the low half
+    ref_b = _bf16_reference_bits(x).astype(np.uint32)
+    np.testing.assert_array_equal(b2, ref_b[0::2] | (ref_b[1::2] << 16))
+    assert same.all()
+    halves = np.stack([h2 & 0xFFFF, h2 >> 16], axis=1).astype(np.uint16).view(np.float16)
+    np.testing.assert_array_equal(back[:, :2], halves.astype(np.float32))
+    bfs = np.stack([b2 << 16, b2 & 0xFFFF0000], axis=1).astype(np.uint32).view(np.float32)
+    np.testing.assert_array_equal(back[:, 2:].view(np.uint32), bfs.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The asm rewrite itself
+# ---------------------------------------------------------------------------------------------
+
+ASM_REWRITE_SRC = r"""__device__ void f(unsigned (&frag)[4], float (&acc)[4], const unsigned* a,
+                  unsigned b0, unsigned b1, unsigned addr, const char* msg) {
+  // asm volatile("not rewritten: a comment");
+  const char* text = "asm(\"nor in a string\")";
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a[0]), "r"(a[(1)]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(static_cast<unsigned>(b1)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3]) : "r"(addr));
+  asm volatile("" ::: "memory");
+  asm volatile("cp.async.commit_group;\n" "cp.async.wait_group 1;\n" ::);
+}
+"""
+
+
+def test_asm_rewrite_operands_and_lines():
+    out = transform_source(ASM_REWRITE_SRC)
+    assert out.count("\n") == ASM_REWRITE_SRC.count("\n")
+    assert 'asm volatile("not rewritten: a comment");' in out
+    assert 'const char* text = "asm(\\"nor in a string\\")";' in out
+    b32 = "::kg_emu::ptx::b32"
+    mma = (
+        "::kg_emu::ptx::mma_m16n8k16<::kg_emu::ptx::Elem::f16>((acc[0]), (acc[1]), (acc[2]), "
+        f"(acc[3]), {b32}(a[0]), {b32}(a[(1)]), {b32}(a[2]), {b32}(a[3]), {b32}(b0), "
+        f"{b32}(static_cast<unsigned>(b1)), static_cast<float>(acc[0]), "
+        "static_cast<float>(acc[1]), static_cast<float>(acc[2]), static_cast<float>(acc[3]))"
+    )
+    assert mma in out
+    ldm = (
+        f"::kg_emu::ptx::ldmatrix<4, true>({b32}(addr), (frag[0]), (frag[1]), (frag[2]), (frag[3]))"
+    )
+    assert ldm in out
+    assert "::kg_emu::ptx::compiler_barrier();" in out
+    two = "(::kg_emu::ptx::cp_async_commit_group(), ::kg_emu::ptx::cp_async_wait_group(1));"
+    assert two in out
+    assert "asm" not in out.split("const char* text")[1].split("\n", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("stmt", "message"),
+    [
+        (
+            'asm volatile("mov.u32 %0, %%laneid;" : "=r"(x));',
+            r"line 3: unsupported instruction 'mov.u32 %0, %laneid'",
+        ),
+        ('asm volatile("bar.sync 0;");', r"unsupported instruction 'bar.sync 0'"),
+        ('asm volatile(TEXT : "=r"(x));', r"must be string literals"),
+        ('asm goto("bra %l0;" :::: done);', r"asm goto"),
+        (
+            'asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1}, [%2];" '
+            ': "=r"(x), "=r"(y) : "r"(x));',
+            r"expected operands 'vec4 addr', got 'vec2 addr'",
+        ),
+        (
+            'asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" '
+            ':: "r"(x), "r"(y));',
+            r"is written but is an input operand",
+        ),
+        (
+            'asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" '
+            ': "=r"(x), "=r"(y));',
+            r"is read but is a write-only output",
+        ),
+        (
+            'asm volatile("cp.async.cg.shared.global [%0], [%1], 8;" :: "r"(x), "l"(p));',
+            r"cp-size 8 is not allowed with .cg",
+        ),
+        (
+            'asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" :: "r"(x), "r"(y));',
+            r'cp.async source %1 \("r"\(y\)\) needs constraint "l"',
+        ),
+        (
+            'asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.bf16.f32 '
+            '{%0,%0,%0,%0}, {%1,%1,%1,%1}, {%1,%1}, {%0,%0,%0,%0};" : "+f"(f) : "r"(x));',
+            r"A and B must have the same type",
+        ),
+        ('asm volatile("cp.async.wait_group %5;" ::);', r"%5 refers to no operand"),
+    ],
+)
+def test_unsupported_asm_is_rejected(stmt, message):
+    src = "__device__ void f(unsigned x, unsigned y, float f, const void* p) {\n\n  " + stmt
+    src += "\n}\n"
+    with pytest.raises(ValueError, match=message):
+        transform_source(src)

@@ -111,3 +111,21 @@ def test_bad_input_launches_nothing():
         kernelgen.attention(q, k, k)
     with pytest.raises(kernelgen.InputTypeError, match="host"):
         kernelgen.attention(q.get(), k, k)
+
+
+def test_misaligned_inputs_on_the_tensor_cores():
+    import cupy
+
+    case = Case(1, 2, 2, 40, 70)
+    data = make_case(case, "float16", 64, False, seed=11)
+    k, v = (device_array(getattr(data, n), "float16", "bhsd") for n in "kv")
+    # q one element past a 16-byte boundary: same values, a pointer cp.async cannot use
+    buffer = cupy.empty(data.q.size + 1, dtype=cupy.float16)
+    q = buffer[1:].reshape(data.q.shape)
+    q[...] = device_array(data.q, "float16", "bhsd")
+    spec = kernelgen.default_spec("float16", 64, causal=False)
+    assert spec.mma == "mma_sync"
+    with pytest.raises(kernelgen.InputError, match="not 16-byte aligned"):
+        kernelgen.attention(q, k, v, spec=spec)
+    out, lse = kernelgen.attention(q, k, v, return_lse=True)  # default: CUDA-core fallback
+    assert_matches(out.astype("float32").get(), lse.get(), data, "float16")

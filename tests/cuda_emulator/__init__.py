@@ -33,6 +33,38 @@ What is modelled
 * ``__half`` / ``__nv_bfloat16``: 2-byte structs; float conversions are bit-exact
   round-to-nearest-even like the GPU (subnormals, overflow to inf, NaN -> canonical 0x7FFF).
   float16 data goes in as numpy ``float16`` arrays, bfloat16 as ``uint16`` bit patterns.
+* ``__half2`` / ``__nv_bfloat162`` (4-byte structs, ``.x`` in the low half):
+  ``__floats2half2_rn``, ``__floats2bfloat162_rn``, ``__float22half2_rn``,
+  ``__float22bfloat162_rn``, ``__low2float``/``__high2float`` and a few constructors; each
+  element rounds like the scalar conversions. No vector arithmetic.
+* Inline PTX: every ``asm``/``__asm__`` statement is parsed at transform time (adjacent string
+  literals concatenated, ``%N``/``%[name]`` operands numbered outputs first, ``"+"`` operands
+  read and written, clobbers ignored) and rewritten into a call into ``include/kg_ptx.h``. An
+  instruction outside this table is a ``ValueError`` naming it, never silently dropped:
+
+  - ``ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared{::cta}.b16`` -> ``ptx::ldmatrix``
+  - ``mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32`` -> ``ptx::mma_m16n8k16``
+  - ``cp.async.{ca,cg}.shared{::cta}.global{.L2::NB} [dst], [src], size{, src-size}``
+    -> ``ptx::cp_async`` (``.ca``: 4, 8, 16 bytes; ``.cg``: 16)
+  - ``cp.async.commit_group``, ``cp.async.wait_group N``, ``cp.async.wait_all``
+  - an empty template (``asm volatile("" ::: "memory")``) -> a compiler barrier
+
+  ``__cvta_generic_to_shared(p)`` maps a pointer into the dynamic shared memory to ``0x400 +``
+  its byte offset (other pointers, e.g. static ``__shared__`` arrays, trap). ldmatrix and mma
+  are warp-collective through the per-warp slots and barriers like the shuffles (ldmatrix reads
+  shared memory while all 32 lanes are inside it). mma computes each product of 16-bit floats
+  exactly in double, sums the 16 products and C in double and rounds once to fp32: the tensor
+  cores' internal alignment/truncation differs in the last bits. Row addresses outside the
+  buffer or not 16-byte aligned trap (``RuntimeError`` from the launch, naming the lane).
+* ``cp.async`` is really asynchronous: the instruction only checks the addresses (destination
+  inside the buffer and aligned to the copy size, source aligned when read, src-size <= size)
+  and queues the copy in the thread's current group; ``commit_group`` closes that group;
+  ``wait_group N`` performs, oldest first, every copy of all committed groups but the N newest;
+  ``wait_all`` performs everything, uncommitted copies included. Before that the destination
+  keeps its old bytes (garbage fill), so a kernel that reads too early, or another thread's
+  data without the wait and a barrier, sees garbage. Global memory is read when the copy is
+  performed; ``src-size`` < size zero-fills the rest. Copies still queued when a thread leaves
+  the kernel are dropped.
 * Math: <cmath> plus the CUDA spellings (``rsqrtf``, ``__expf``, ``__fdividef``, ...),
   ``min``/``max`` for mixed arithmetic types, ``__ldg`` and friends, integer/float atomics,
   ``__trap()`` (raises ``RuntimeError`` from the launch).
@@ -51,8 +83,11 @@ What is NOT modelled
 * No concurrency between blocks (inter-block communication through global memory spin-waits
   deadlocks), no streams, no launch limits beyond a 1024-thread block (multiple of 32) and
   227 KiB of dynamic shared memory.
-* No inline PTX (``asm``), tensor cores (``mma``/``wmma``/``ldmatrix``), ``cp.async``/TMA,
-  ``__half2`` vector math, cooperative groups, textures.
+* Inline PTX other than the table above: no other ``mma`` shapes or types, no ``wmma``, no
+  ``stmatrix``, ``cp.async.bulk``/TMA, ``mbarrier``, special registers (``%laneid``), PTX
+  ``{ .reg ... }`` blocks, predicates, ``asm goto``; no cp.async ``ignore-src`` or cache-policy
+  operands. ``ldmatrix``/``cp.async`` reach only the dynamic shared memory, not static
+  ``__shared__`` arrays. No ``__half2`` vector math, cooperative groups, textures.
 * Floating point is the CPU's: no FMA contraction, ``expf``/``exp2f``/... from glibc
   (correctly rounded or nearly), the ``__``-fast-math intrinsics are the accurate functions,
   and subnormals are never flushed. Compare against references with tolerances.
@@ -250,7 +285,15 @@ def _at_namespace_scope(code: str, pos: int) -> bool:
 
 
 def transform_source(source: str) -> str:
-    """Rewrite ``extern __shared__ T NAME[];`` into a pointer to the emulated buffer."""
+    """Prepare CUDA ``source`` for g++: rewrite ``extern __shared__ T NAME[];`` into a pointer to
+    the emulated buffer and every inline-PTX ``asm`` statement into emulator calls.
+
+    Line numbers are kept. Raises ``ValueError`` for a declaration or asm it cannot handle.
+    """
+    return _rewrite_asm(_rewrite_dynamic_smem(source))
+
+
+def _rewrite_dynamic_smem(source: str) -> str:
     code = _blank_comments_and_strings(source)  # same offsets as `source`
     pieces: list[str] = []
     last = 0
@@ -276,6 +319,352 @@ def transform_source(source: str) -> str:
     if re.search(r"\bextern\s+__shared__\b", _blank_comments_and_strings(out)):
         raise ValueError("unrecognised `extern __shared__` declaration left in the source")
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Inline PTX: `asm("..." : outputs : inputs : clobbers)` -> calls into include/kg_ptx.h
+# --------------------------------------------------------------------------------------------
+
+_ASM_START_RE = re.compile(
+    r"\b(?:asm|__asm__|__asm)(?P<quals>(?:\s+(?:volatile|__volatile__|__volatile|inline"
+    r"|__inline__|goto)\b)*)\s*\("
+)
+_ASM_OPERAND_RE = re.compile(r'\s*(?:\[\s*(?P<name>\w+)\s*\]\s*)?"(?P<c>[^"]*)"\s*\(')
+_ASM_TEMPLATE_RE = re.compile(r'\s*(?:"[^"]*"\s*)+')
+_STRING_LITERAL_RE = re.compile(r'"[^"]*"')
+_C_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "?": "?"}
+_PTX_NS = "::kg_emu::ptx::"
+
+
+class _AsmError(ValueError):
+    pass
+
+
+def _closing(code: str, open_pos: int) -> int:
+    """Index of the bracket closing the one at ``open_pos`` (comment/string-blanked code)."""
+    depth = 0
+    for i in range(open_pos, len(code)):
+        if code[i] in "([{":
+            depth += 1
+        elif code[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise _AsmError("unbalanced brackets")
+
+
+def _split_top(code: str, start: int, end: int, sep: str) -> list[tuple[int, int]]:
+    """Spans of ``code[start:end]`` between the ``sep`` characters outside any brackets."""
+    spans, depth, last = [], 0, start
+    for i in range(start, end):
+        ch = code[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            spans.append((last, i))
+            last = i + 1
+    spans.append((last, end))
+    return spans
+
+
+def _unescape(literal: str) -> str:
+    def one(m: re.Match[str]) -> str:
+        if m.group(1) not in _C_ESCAPES:
+            raise _AsmError(f"unsupported escape sequence {m.group()!r} in the asm string")
+        return _C_ESCAPES[m.group(1)]
+
+    return re.sub(r"\\(.)", one, literal)
+
+
+@dataclass(frozen=True)
+class _AsmOperand:
+    index: int  # GCC numbering: outputs first, then inputs
+    constraint: str  # as written, e.g. "+f", "=r", "l", "n"
+    expr: str  # the C++ expression between the parentheses
+    output: bool
+    tied_kind: str | None = None  # constraint letter of the output a "0"-style input is tied to
+
+    @property
+    def kind(self) -> str:
+        letters = self.constraint.lstrip("=+&")
+        return self.tied_kind if letters.isdigit() and self.tied_kind else letters
+
+    @property
+    def readable(self) -> bool:
+        return not self.output or "+" in self.constraint
+
+    def describe(self) -> str:
+        return f'%{self.index} ("{self.constraint}"({self.expr}))'
+
+
+@dataclass
+class _AsmStatement:
+    """One parsed asm statement; renders its operands for the roles the instructions give them."""
+
+    template: str
+    operands: list[_AsmOperand]
+    names: dict[str, int]
+    line: int
+
+    def error(self, what: str) -> _AsmError:
+        return _AsmError(f"inline PTX at line {self.line}: {what}")
+
+    def operand(self, ref: int, kinds: str, write: bool, role: str) -> _AsmOperand:
+        if not 0 <= ref < len(self.operands):
+            raise self.error(f"%{ref} refers to no operand (there are {len(self.operands)})")
+        op = self.operands[ref]
+        if op.kind not in kinds:
+            want = " or ".join(f'"{k}"' for k in kinds)
+            raise self.error(f"{role} {op.describe()} needs constraint {want}")
+        if write and not op.output:
+            raise self.error(f"{role} {op.describe()} is written but is an input operand")
+        if not write and not op.readable:
+            raise self.error(f"{role} {op.describe()} is read but is a write-only output")
+        return op
+
+    def write_b32(self, ref: int, role: str) -> str:
+        return f"({self.operand(ref, 'r', True, role).expr})"
+
+    def read_b32(self, ref: int, role: str) -> str:
+        return f"{_PTX_NS}b32({self.operand(ref, 'r', False, role).expr})"
+
+    def write_f32(self, ref: int, role: str) -> str:
+        return f"({self.operand(ref, 'f', True, role).expr})"
+
+    def read_f32(self, ref: int, role: str) -> str:
+        return f"static_cast<float>({self.operand(ref, 'f', False, role).expr})"
+
+    def read_global(self, ref: int, role: str) -> str:
+        return f"{_PTX_NS}global_ptr({self.operand(ref, 'l', False, role).expr})"
+
+    def immediate(self, arg: tuple, role: str) -> str:
+        if arg[0] == "imm":
+            return str(arg[1])
+        if arg[0] == "reg":
+            return f"({self.operand(arg[1], 'ni', False, role).expr})"
+        raise self.error(f"{role} must be an integer constant")
+
+
+def _parse_asm(source: str, code: str, m: re.Match[str]) -> tuple[int, _AsmStatement]:
+    """Parse the asm statement matched at ``m``; returns (end offset, statement)."""
+    line = source.count("\n", 0, m.start()) + 1
+    if "goto" in m.group("quals").split():
+        raise _AsmError(f"inline PTX at line {line}: `asm goto` is not supported")
+    open_pos = m.end() - 1
+    close = _closing(code, open_pos)
+    sections = _split_top(code, open_pos + 1, close, ":")
+    if len(sections) > 4:
+        raise _AsmError(f"inline PTX at line {line}: asm goto labels are not supported")
+    t0, t1 = sections[0]
+    if not _ASM_TEMPLATE_RE.fullmatch(code, t0, t1):
+        raise _AsmError(
+            f"inline PTX at line {line}: the instruction text must be string literals, "
+            f"got {source[t0:t1].strip()!r}"
+        )
+    # Adjacent literals concatenate; their contents come from the original source.
+    template = "".join(
+        _unescape(source[lit.start() + 1 : lit.end() - 1])
+        for lit in _STRING_LITERAL_RE.finditer(code, t0, t1)
+    )
+    operands: list[_AsmOperand] = []
+    names: dict[str, int] = {}
+    for section, is_output in zip(sections[1:3], (True, False), strict=False):
+        if not code[section[0] : section[1]].strip():
+            continue
+        for s, e in _split_top(code, *section, ","):
+            om = _ASM_OPERAND_RE.match(code, s, e)
+            if om is None:
+                raise _AsmError(
+                    f"inline PTX at line {line}: cannot parse operand {source[s:e].strip()!r}"
+                )
+            paren = om.end() - 1
+            rparen = _closing(code, paren)
+            if code[rparen + 1 : e].strip() or rparen >= e:
+                raise _AsmError(
+                    f"inline PTX at line {line}: cannot parse operand {source[s:e].strip()!r}"
+                )
+            constraint = source[om.start("c") : om.end("c")]
+            tied = None
+            if not is_output and constraint.isdigit() and int(constraint) < len(operands):
+                tied = operands[int(constraint)].kind
+            if om.group("name"):
+                names[om.group("name")] = len(operands)
+            expr = source[paren + 1 : rparen].strip()
+            operands.append(_AsmOperand(len(operands), constraint, expr, is_output, tied))
+    return close + 1, _AsmStatement(template, operands, names, line)
+
+
+def _resolve_operand_refs(stmt: _AsmStatement) -> str:
+    """The template with ``%N`` / ``%[name]`` as ``$N`` and ``%%`` as ``%``."""
+
+    def ref(m: re.Match[str]) -> str:
+        tok = m.group()
+        if tok == "%%":
+            return "%"
+        if m.group("num") is not None:
+            return f"${m.group('num')}"
+        if m.group("name") is not None:
+            if m.group("name") not in stmt.names:
+                raise stmt.error(f"unknown named operand {tok}")
+            return f"${stmt.names[m.group('name')]}"
+        raise stmt.error(f"unsupported operand reference {tok!r}")
+
+    return re.sub(r"%%|%(?P<num>\d+)|%\[(?P<name>\w+)\]|%.?", ref, stmt.template)
+
+
+def _ptx_instructions(stmt: _AsmStatement) -> list[str]:
+    """Single-spaced instructions of the template (comments and the ``;`` removed)."""
+    text = re.sub(r"//[^\n]*", " ", _resolve_operand_refs(stmt))
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return [" ".join(part.split()) for part in text.split(";") if part.strip()]
+
+
+def _ptx_args(stmt: _AsmStatement, text: str, instr: str) -> list[tuple]:
+    """Parse a PTX operand list: ``{$0, $1}`` -> ("vec", [0, 1]), ``[$4]`` / ``[$4+16]`` ->
+    ("addr", 4, 16), ``$2`` -> ("reg", 2), ``16`` -> ("imm", 16)."""
+    args: list[tuple] = []
+    if not text:
+        return args
+    for s, e in _split_top(text, 0, len(text), ","):
+        a = text[s:e].strip()
+        if m := re.fullmatch(r"\{\s*(\$\d+(?:\s*,\s*\$\d+)*)\s*\}", a):
+            args.append(("vec", [int(x) for x in re.findall(r"\d+", m.group(1))]))
+        elif m := re.fullmatch(r"\[\s*\$(\d+)\s*(?:\+\s*(\d+|0x[0-9a-fA-F]+)\s*)?\]", a):
+            args.append(("addr", int(m.group(1)), int(m.group(2) or "0", 0)))
+        elif m := re.fullmatch(r"\$(\d+)", a):
+            args.append(("reg", int(m.group(1))))
+        elif re.fullmatch(r"\d+|0x[0-9a-fA-F]+", a):
+            args.append(("imm", int(a, 0)))
+        else:
+            raise stmt.error(f"unsupported operand {a!r} in {instr!r}")
+    return args
+
+
+def _expect(stmt: _AsmStatement, instr: str, args: list[tuple], shape: str) -> None:
+    """Check the operand kinds, e.g. shape "vec4 vec4 vec2 vec4" or "addr addr imm"."""
+    got = [a[0] + (str(len(a[1])) if a[0] == "vec" else "") for a in args]
+    want = shape.split()
+    ok = len(got) == len(want) and all(
+        g == w or (w == "val" and g in ("reg", "imm")) for g, w in zip(got, want, strict=True)
+    )
+    if not ok:
+        raise stmt.error(f"{instr!r}: expected operands {shape!r}, got {' '.join(got)!r}")
+
+
+def _offset(expr: str, offset: int) -> str:
+    return f"({expr} + {offset}u)" if offset else expr
+
+
+def _ptx_ldmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    n, trans = int(m.group(1)), m.group(2) is not None
+    _expect(stmt, instr, args, f"vec{n} addr")
+    regs = [stmt.write_b32(r, "ldmatrix destination") for r in args[0][1]]
+    addr = _offset(stmt.read_b32(args[1][1], "ldmatrix address"), args[1][2])
+    return f"{_PTX_NS}ldmatrix<{n}, {str(trans).lower()}>({addr}, {', '.join(regs)})"
+
+
+def _ptx_mma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if m.group(1) != m.group(2):
+        raise stmt.error(f"{instr!r}: A and B must have the same type")
+    _expect(stmt, instr, args, "vec4 vec4 vec2 vec4")
+    d = [stmt.write_f32(r, "mma D") for r in args[0][1]]
+    a = [stmt.read_b32(r, "mma A") for r in args[1][1]]
+    b = [stmt.read_b32(r, "mma B") for r in args[2][1]]
+    c = [stmt.read_f32(r, "mma C") for r in args[3][1]]
+    elem = f"{_PTX_NS}Elem::{m.group(1)}"
+    return f"{_PTX_NS}mma_m16n8k16<{elem}>({', '.join(d + a + b + c)})"
+
+
+def _ptx_cp_async(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "addr addr imm" if len(args) == 3 else "addr addr imm val")
+    size = args[2][1]
+    if size not in ((16,) if m.group(1) == "cg" else (4, 8, 16)):
+        raise stmt.error(f"{instr!r}: cp-size {size} is not allowed with .{m.group(1)}")
+    dst = _offset(stmt.read_b32(args[0][1], "cp.async destination"), args[0][2])
+    src = stmt.read_global(args[1][1], "cp.async source")
+    if args[1][2]:
+        src = f"({src} + {args[1][2]})"
+    call = f"{_PTX_NS}cp_async<{size}>({dst}, {src}"
+    if len(args) == 4:
+        src_size = args[3]
+        is_constant = src_size[0] == "imm" or (
+            src_size[1] < len(stmt.operands) and stmt.operands[src_size[1]].kind in ("n", "i")
+        )
+        if is_constant:
+            call += f", {stmt.immediate(src_size, 'cp.async src-size')}"
+        else:
+            call += f", {stmt.read_b32(src_size[1], 'cp.async src-size')}"
+    return call + ")"
+
+
+def _ptx_commit(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "")
+    return f"{_PTX_NS}cp_async_commit_group()"
+
+
+def _ptx_wait_group(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "val")
+    return f"{_PTX_NS}cp_async_wait_group({stmt.immediate(args[0], 'wait_group count')})"
+
+
+def _ptx_wait_all(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "")
+    return f"{_PTX_NS}cp_async_wait_all()"
+
+
+_SHARED = r"\.shared(?:::cta)?"
+# The supported instruction forms (opcode with its modifiers -> emitter). Anything else is an
+# error at transform time, never silently dropped.
+PTX_FORMS: tuple[tuple[str, Any], ...] = (
+    (rf"ldmatrix\.sync\.aligned\.m8n8\.x([124])(\.trans)?{_SHARED}\.b16", _ptx_ldmatrix),
+    (r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.(f16|bf16)\.f32", _ptx_mma),
+    (rf"cp\.async\.(ca|cg){_SHARED}\.global(?:\.L2::(?:64|128|256)B)?", _ptx_cp_async),
+    (r"cp\.async\.commit_group", _ptx_commit),
+    (r"cp\.async\.wait_group", _ptx_wait_group),
+    (r"cp\.async\.wait_all", _ptx_wait_all),
+)
+_PTX_FORMS_RE = tuple((re.compile(pattern), emit) for pattern, emit in PTX_FORMS)
+
+
+def _ptx_call(stmt: _AsmStatement, instr: str) -> str:
+    opcode, _, rest = instr.partition(" ")
+    for pattern, emit in _PTX_FORMS_RE:
+        if m := pattern.fullmatch(opcode):
+            return emit(stmt, m, instr, _ptx_args(stmt, rest.strip(), instr))
+    shown = re.sub(r"\$(\d+)", r"%\1", instr)
+    raise stmt.error(
+        f"unsupported instruction {shown!r}: the CPU emulator models only ldmatrix .m8n8 .b16, "
+        "mma.sync .m16n8k16 (f16/bf16 -> f32) and cp.async (see tests/cuda_emulator)"
+    )
+
+
+def _asm_replacement(stmt: _AsmStatement) -> str:
+    calls = [_ptx_call(stmt, instr) for instr in _ptx_instructions(stmt)]
+    if not calls:  # asm volatile("" ::: "memory")
+        return f"{_PTX_NS}compiler_barrier()"
+    return calls[0] if len(calls) == 1 else f"({', '.join(calls)})"
+
+
+def _rewrite_asm(source: str) -> str:
+    """Replace every ``asm(...)`` statement by the equivalent emulator call expression."""
+    code = _blank_comments_and_strings(source)
+    pieces: list[str] = []
+    last = 0
+    for m in _ASM_START_RE.finditer(code):
+        if m.start() < last:  # inside an asm statement already consumed
+            continue
+        try:
+            end, stmt = _parse_asm(source, code, m)
+            repl = _asm_replacement(stmt)
+        except _AsmError as e:
+            raise ValueError(str(e)) from None
+        # The trailing `;` stays; keep the line count for the compiler's diagnostics.
+        pieces += [source[last : m.start()], repl + "\n" * source.count("\n", m.start(), end)]
+        last = end
+    pieces.append(source[last:])
+    return "".join(pieces)
 
 
 def _wrapper(kernel_name: str, params: Sequence[_Param]) -> str:
@@ -477,7 +866,8 @@ def build_kernel(
 
     ``params`` are the kernel's ``(c_type, name)`` parameters, in order. Raises
     :class:`EmulatorUnavailableError` without a compiler, ``RuntimeError`` (with the compiler's
-    output) when the source does not compile, ``ValueError`` for unsupported parameters.
+    output) when the source does not compile, ``ValueError`` for unsupported parameters or
+    source constructs (e.g. an inline-PTX instruction the emulator does not model).
     """
     if not _IDENT_RE.match(kernel_name):
         raise ValueError(f"bad kernel name {kernel_name!r}")

@@ -15,7 +15,10 @@
 #include <cstring>
 
 #include <atomic>
+#include <cstdarg>
+#include <deque>
 #include <type_traits>
+#include <vector>
 
 #include <linux/futex.h>
 #include <pthread.h>
@@ -174,16 +177,50 @@ class Barrier {
 struct Warp {
   Barrier bar;
   alignas(64) uint64_t slots[2][32];  // double buffered: one warp barrier per exchange
+  // Wider per-lane slots for mma.sync (the A and B fragments, 6 registers), buffered and
+  // indexed by the same parity as `slots`.
+  alignas(64) uint32_t frags[2][32][6];
 };
 
-struct Trap {};
+// Thrown by __trap() and by the emulated instructions that detect an error (bad shared-memory
+// address, ...); `msg` (empty for __trap) ends up in the launch's RuntimeError.
+struct Trap {
+  char msg[256] = "";
+};
+
+[[noreturn]] __attribute__((format(printf, 1, 2))) inline void trap_with(const char* fmt, ...) {
+  Trap t;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(t.msg, sizeof t.msg, fmt, ap);
+  va_end(ap);
+  throw t;
+}
+
+// cp.async bookkeeping of one thread: copies are queued here and performed (and so become
+// visible in shared memory) only by cp.async.wait_group / cp.async.wait_all.
+struct PendingCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  uint32_t cp_size, src_size;
+};
+struct AsyncCopies {
+  std::vector<PendingCopy> current;               // issued since the last commit_group
+  std::deque<std::vector<PendingCopy>> committed;  // committed groups, oldest first
+  void clear() {
+    current.clear();
+    committed.clear();
+  }
+};
+inline thread_local AsyncCopies async_copies;
 
 struct Launch {
   void (*thunk)(void**) = nullptr;
   void** args = nullptr;
   dim3 grid, block;
   uint32_t nthreads = 0, nwarps = 0;
-  unsigned char* smem = nullptr;  // block's dynamic shared memory (16-byte aligned)
+  unsigned char* smem = nullptr;  // block's dynamic shared memory (128-byte aligned)
+  size_t smem_bytes = 0;
   Barrier block_bar;
   Warp* warps = nullptr;
   uint3 cur_block{0, 0, 0};
@@ -192,6 +229,7 @@ struct Launch {
   alignas(64) std::atomic<uint32_t> remaining{0};  // threads still running the current block
   std::atomic<int> trapped{0};
   uint3 trap_thread{0, 0, 0};
+  char trap_msg[256] = "";
 };
 
 struct ThreadCtx {
@@ -264,11 +302,17 @@ inline void* worker_main(void* p) {
     if (L.stop) break;
     blockIdx = L.cur_block;
     tctx.parity = 0;
+    async_copies.clear();
     try {
       L.thunk(L.args);
-    } catch (const Trap&) {
-      if (L.trapped.exchange(1) == 0) L.trap_thread = threadIdx;
+    } catch (const Trap& trap) {
+      if (L.trapped.exchange(1) == 0) {
+        L.trap_thread = threadIdx;
+        snprintf(L.trap_msg, sizeof L.trap_msg, "%s", trap.msg[0] ? trap.msg : "__trap()");
+      }
     }
+    // cp.async copies never waited for are dropped (nothing can observe them legally).
+    async_copies.clear();
     // Leaving the kernel: no longer expected at block or warp barriers.
     L.block_bar.arrive_and_drop();
     tctx.warp->bar.arrive_and_drop();
@@ -322,6 +366,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char
   unsigned char* buf = static_cast<unsigned char*>(std::aligned_alloc(128, buf_bytes));
   unsigned char* guard_after = buf + kGuard + smem_bytes;  // up to the end of buf
   L.smem = buf + kGuard;
+  L.smem_bytes = smem_bytes;
   for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
 
   pthread_t* threads = new pthread_t[n];
@@ -376,8 +421,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char
           break;
         }
         if (L.trapped.load()) {
-          snprintf(msg, sizeof msg, "__trap() in block (%u,%u,%u) thread (%u,%u,%u)", bx, by, bz,
-                   L.trap_thread.x, L.trap_thread.y, L.trap_thread.z);
+          snprintf(msg, sizeof msg, "%s in block (%u,%u,%u) thread (%u,%u,%u)", L.trap_msg, bx,
+                   by, bz, L.trap_thread.x, L.trap_thread.y, L.trap_thread.z);
           rc = fail(err, errlen, msg);
           break;
         }
@@ -708,5 +753,61 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return __ushort_as_bfloat16(kg_emu::float_to_bf16_bits(f));
 }
+
+// ---------------------------------------------------------------------------------------------
+// __half2 and __nv_bfloat162: two 16-bit values in one 32-bit word, .x in the low half
+// ---------------------------------------------------------------------------------------------
+struct alignas(4) __half2 {
+  __half x, y;
+  __half2() = default;
+  __half2(__half lo, __half hi) : x(lo), y(hi) {}
+};
+struct alignas(4) __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+  __nv_bfloat162() = default;
+  __nv_bfloat162(__nv_bfloat16 lo, __nv_bfloat16 hi) : x(lo), y(hi) {}
+};
+static_assert(sizeof(__half2) == 4 && alignof(__half2) == 4);
+static_assert(sizeof(__nv_bfloat162) == 4 && alignof(__nv_bfloat162) == 4);
+static_assert(std::is_trivially_copyable_v<__half2> &&
+              std::is_trivially_copyable_v<__nv_bfloat162>);
+using half2 = __half2;
+using nv_bfloat162 = __nv_bfloat162;
+
+// Each element is rounded on its own (round-to-nearest-even), exactly like the scalar forms.
+inline __half2 __floats2half2_rn(float lo, float hi) {
+  return __half2(__float2half_rn(lo), __float2half_rn(hi));
+}
+inline __half2 __float22half2_rn(float2 v) { return __floats2half2_rn(v.x, v.y); }
+inline __half2 __halves2half2(__half lo, __half hi) { return __half2(lo, hi); }
+inline __half2 __half2half2(__half v) { return __half2(v, v); }
+inline __half2 make_half2(__half x, __half y) { return __half2(x, y); }
+inline float2 __half22float2(__half2 v) { return float2{__half2float(v.x), __half2float(v.y)}; }
+inline float __low2float(__half2 v) { return __half2float(v.x); }
+inline float __high2float(__half2 v) { return __half2float(v.y); }
+inline __half __low2half(__half2 v) { return v.x; }
+inline __half __high2half(__half2 v) { return v.y; }
+
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+  return __nv_bfloat162(__float2bfloat16_rn(lo), __float2bfloat16_rn(hi));
+}
+inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return __floats2bfloat162_rn(v.x, v.y); }
+inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return __nv_bfloat162(lo, hi);
+}
+inline __nv_bfloat162 __bfloat162bfloat162(__nv_bfloat16 v) { return __nv_bfloat162(v, v); }
+inline __nv_bfloat162 make_bfloat162(__nv_bfloat16 x, __nv_bfloat16 y) {
+  return __nv_bfloat162(x, y);
+}
+inline float2 __bfloat1622float2(__nv_bfloat162 v) {
+  return float2{__bfloat162float(v.x), __bfloat162float(v.y)};
+}
+inline float __low2float(__nv_bfloat162 v) { return __bfloat162float(v.x); }
+inline float __high2float(__nv_bfloat162 v) { return __bfloat162float(v.y); }
+inline __nv_bfloat16 __low2bfloat16(__nv_bfloat162 v) { return v.x; }
+inline __nv_bfloat16 __high2bfloat16(__nv_bfloat162 v) { return v.y; }
+
+// Inline PTX (ldmatrix, mma.sync, cp.async) as C++ functions; the Python side rewrites `asm`.
+#include "kg_ptx.h"
 
 #endif  // KG_EMULATOR_H

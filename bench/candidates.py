@@ -1,0 +1,94 @@
+"""The peers of the benchmark and the tensor-core spec candidates kernelgen is timed with.
+
+Candidates are plain dicts of tiling fields laid over a shape's identity (dtype, head_dim,
+causal, archs); fields they leave out (``smem_pad``) take the spec's own defaults. Whether each
+one is valid is for ``kernelgen.spec.spec_from_dict`` to say: the GPU layer skips the ones it
+rejects. kernelgen's own tensor-core ``default_spec`` is tried too, first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One implementation in the comparison."""
+
+    name: str  # key in the JSON rows
+    short: str  # column header of the markdown tables
+    label: str  # legend of the plot, prose
+    family: str  # "torch", "cupy" or "kernelgen"
+
+
+PEERS: tuple[Peer, ...] = (
+    Peer("torch-flash", "flash", "torch SDPA, FLASH_ATTENTION backend", "torch"),
+    Peer("torch-cudnn", "cudnn", "torch SDPA, CUDNN_ATTENTION backend", "torch"),
+    Peer("torch-efficient", "effic", "torch SDPA, EFFICIENT_ATTENTION backend", "torch"),
+    Peer("cupy-naive", "naive", "CuPy naive: fp32 matmul + softmax + matmul", "cupy"),
+    Peer("kg-simt-v1", "kg-v1", "kernelgen CUDA-core v1 (default tiles, FA1 order)", "kernelgen"),
+    Peer("kg-simt-v2", "kg-v2", "kernelgen CUDA-core v2 (default_spec)", "kernelgen"),
+    Peer("kg-tc-v2", "kg-tc", "kernelgen tensor-core v2, best of N specs per shape", "kernelgen"),
+)
+PEER_NAMES: tuple[str, ...] = tuple(p.name for p in PEERS)
+PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in PEERS}
+TORCH_PEERS: tuple[str, ...] = tuple(p.name for p in PEERS if p.family == "torch")
+TENSOR_CORE_PEER = "kg-tc-v2"
+FLASH_PEER = "torch-flash"
+
+# (block_m, num_warps): the mma_sync kernels give each warp 16 query rows.
+_WARP_TILES = ((64, 4), (128, 8))
+
+
+def tensor_core_candidates(quick: bool = False) -> list[dict[str, Any]]:
+    """Spec-field overrides for the tensor-core (mma_sync) v2 kernel, fastest guesses first.
+
+    Full: block_m 64/128 (4/8 warps) x block_n 64/128 x stages 2/3 x padded/swizzled (16).
+    Quick: block_m 64/128 x block_n 64/128, 2 stages, swizzled (4)."""
+    block_ns = (64, 128)
+    stages = (2,) if quick else (2, 3)
+    layouts = ("swizzled",) if quick else ("swizzled", "padded")
+    out = []
+    for (block_m, warps), block_n, depth, layout in itertools.product(
+        _WARP_TILES, block_ns, stages, layouts
+    ):
+        fields: dict[str, Any] = {
+            "loop_order": "v2",
+            "mma": "mma_sync",
+            "block_m": block_m,
+            "block_n": block_n,
+            "num_warps": warps,
+            "stages": depth,
+            "smem_layout": layout,
+        }
+        out.append(fields)
+    return out
+
+
+def candidate_label(fields: dict[str, Any]) -> str:
+    """Short tag of a candidate, e.g. ``m64n128w4s2-swz``."""
+    layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
+    return (
+        f"m{fields['block_m']}n{fields['block_n']}w{fields['num_warps']}"
+        f"s{fields.get('stages', '?')}-{layout}"
+    )
+
+
+IDENTITY_FIELDS = ("dtype", "head_dim", "causal", "archs")
+
+
+def spec_fields(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A spec dict: ``base``'s fields with ``overrides`` laid over them."""
+    return {**base, **overrides}
+
+
+def identity(base: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a spec that the problem fixes (not the tiling)."""
+    return {k: base[k] for k in IDENTITY_FIELDS if k in base}
+
+
+def v1_fields(base: dict[str, Any]) -> dict[str, Any]:
+    """The CUDA-core default (v2) spec's tiles with the FA1 loop order."""
+    return spec_fields(base, {"loop_order": "v1"})

@@ -1,0 +1,253 @@
+// kg_ptx.h -- the inline PTX that kernelgen kernels use, as C++ functions of the CPU emulator.
+//
+// Included by kg_emulator.h. The Python side (tests/cuda_emulator/__init__.py) rewrites every
+// `asm(...)` statement of a kernel into a call of one of the functions below, with the asm
+// operands in place of the %N references, so the functions mirror the PTX operand order:
+//
+//   ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16 -> ptx::ldmatrix<N, Trans>
+//   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -> ptx::mma_m16n8k16<Elem>
+//   cp.async.{ca,cg}.shared.global [dst], [src], size{, src-size}  -> ptx::cp_async<Size>
+//   cp.async.commit_group / .wait_group N / .wait_all                -> ptx::cp_async_*
+//
+// Shared-memory addresses (what __cvta_generic_to_shared returns and ldmatrix/cp.async take)
+// are byte offsets into the launch's dynamic shared memory plus kSharedBase. Errors (addresses
+// outside the buffer, misalignment, bad sizes) trap: the launch raises RuntimeError.
+#ifndef KG_PTX_H
+#define KG_PTX_H
+
+namespace kg_emu {
+
+// Shared address of the first byte of dynamic shared memory. Nonzero so that 0 (a forgotten
+// conversion) is not a valid address; a multiple of 1024 so that address bits used by swizzles
+// match the offsets.
+constexpr uint32_t kSharedBase = 0x400;
+
+// The .shared-window address of a generic pointer into the dynamic shared memory buffer
+// (one-past-the-end allowed, as for any pointer).
+inline uint32_t shared_address_of(const void* p) {
+  const Launch& L = *tctx.launch;
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  if (c < L.smem || c > L.smem + L.smem_bytes) {
+    trap_with(
+        "__cvta_generic_to_shared(%p): not a pointer into the %zu bytes of dynamic shared memory "
+        "(the emulator maps only `extern __shared__` memory to shared addresses)",
+        p, L.smem_bytes);
+  }
+  return kSharedBase + static_cast<uint32_t>(c - L.smem);
+}
+
+// Host pointer for `bytes` bytes at shared address `addr`; traps unless they lie inside the
+// dynamic shared memory and `addr` is a multiple of `align`. `lane` >= 0 names the lane that
+// supplied the address (warp-collective instructions).
+inline unsigned char* shared_bytes(uint32_t addr, uint32_t bytes, uint32_t align, const char* what,
+                                   int lane = -1) {
+  const Launch& L = *tctx.launch;
+  const uint64_t offset = static_cast<uint64_t>(addr) - kSharedBase;
+  const bool misaligned = addr % align != 0;
+  if (misaligned || addr < kSharedBase || offset + bytes > L.smem_bytes) {
+    char from[32] = "";
+    if (lane >= 0) snprintf(from, sizeof from, " (from lane %d)", lane);
+    if (misaligned) {
+      trap_with("%s: shared address 0x%x%s is not %u-byte aligned", what, addr, from, align);
+    }
+    trap_with("%s: shared address 0x%x%s (+%u bytes) is outside the dynamic shared memory "
+              "[0x%x, 0x%zx)",
+              what, addr, from, bytes, kSharedBase, kSharedBase + L.smem_bytes);
+  }
+  return L.smem + offset;
+}
+
+}  // namespace kg_emu
+
+inline size_t __cvta_generic_to_shared(const void* p) { return kg_emu::shared_address_of(p); }
+inline void* __cvta_shared_to_generic(size_t addr) {
+  return kg_emu::shared_bytes(static_cast<uint32_t>(addr), 0, 1, "__cvta_shared_to_generic");
+}
+
+namespace kg_emu::ptx {
+
+// ---- operand conversions (a "r" operand is any 32-bit value, passed as its bits) -------------
+template <class V>
+inline uint32_t b32(const V& v) {
+  if constexpr (std::is_integral_v<V> || std::is_enum_v<V>) {
+    return static_cast<uint32_t>(v);  // like a "r" operand: narrower values widen, wider truncate
+  } else {
+    static_assert(sizeof(V) == 4 && std::is_trivially_copyable_v<V>, "\"r\" operand type");
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u;
+  }
+}
+template <class R>
+inline void set_b32(R& r, uint32_t v) {
+  static_assert(sizeof(R) == 4 && std::is_trivially_copyable_v<R>, "\"=r\" operand type");
+  std::memcpy(&r, &v, 4);
+}
+// A "l" global address: a pointer, or a 64-bit integer holding one.
+template <class P>
+inline const unsigned char* global_ptr(P p) {
+  if constexpr (std::is_pointer_v<P>) {
+    return reinterpret_cast<const unsigned char*>(p);
+  } else {
+    static_assert(std::is_integral_v<P> && sizeof(P) == 8, "\"l\" operand type");
+    return reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(p));
+  }
+}
+
+// ---- ldmatrix.sync.aligned.m8n8.xN{.trans}.shared.b16 ----------------------------------------
+// N 8x8 matrices of 16-bit elements; lanes 8i..8i+7 give the (16-byte aligned) addresses of rows
+// 0..7 of matrix i. Lane l receives one register per matrix: elements (row l/4, cols 2(l%4) and
+// 2(l%4)+1), the lower column in the low half; with .trans the transposed matrix, i.e. elements
+// (rows 2(l%4) and 2(l%4)+1, col l/4). Warp-collective: every lane publishes its address, warp
+// barrier, each lane reads what it receives, warp barrier (so shared memory is read while all
+// lanes are inside the instruction, as on the GPU).
+template <int N, bool Trans, class... R>
+inline void ldmatrix(uint32_t addr, R&... regs) {
+  static_assert(N == 1 || N == 2 || N == 4, "ldmatrix .x1, .x2 or .x4");
+  static_assert(sizeof...(R) == N, "one destination register per matrix");
+  ThreadCtx& c = tctx;
+  Warp& w = *c.warp;
+  uint64_t* slots = w.slots[c.parity];  // same double buffering as kg_emu::warp_exchange
+  c.parity ^= 1u;
+  slots[c.lane] = addr;
+  w.bar.arrive_and_wait();
+  // Every lane checks all row addresses, so a bad one traps deterministically.
+  const unsigned char* rows[8 * N];
+  for (int i = 0; i < 8 * N; ++i) {
+    rows[i] = shared_bytes(static_cast<uint32_t>(slots[i]), 16, 16, "ldmatrix row", i);
+  }
+  const uint32_t l = c.lane;
+  uint32_t out[N];
+  for (int m = 0; m < N; ++m) {
+    const unsigned char* const* mat = rows + 8 * m;
+    if constexpr (!Trans) {
+      std::memcpy(&out[m], mat[l / 4] + 4 * (l % 4), 4);
+    } else {
+      uint16_t lo, hi;
+      std::memcpy(&lo, mat[2 * (l % 4)] + 2 * (l / 4), 2);
+      std::memcpy(&hi, mat[2 * (l % 4) + 1] + 2 * (l / 4), 2);
+      out[m] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+  }
+  w.bar.arrive_and_wait();
+  int k = 0;
+  (set_b32(regs, out[k++]), ...);
+}
+
+// ---- mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32 (T = f16 or bf16) -------------------------
+// D (16x8) = A (16x16) * B (16x8) + C, g = lane / 4, t = lane % 4, two 16-bit values per register
+// (the lower column / row in the low half):
+//   a0 = A[g][2t..2t+1]   a1 = A[g+8][2t..2t+1]   a2 = A[g][2t+8..2t+9]   a3 = A[g+8][2t+8..2t+9]
+//   b0 = B[2t..2t+1][g]   b1 = B[2t+8..2t+9][g]
+//   c0/d0 = [g][2t]   c1/d1 = [g][2t+1]   c2/d2 = [g+8][2t]   c3/d3 = [g+8][2t+1]
+// A lane's C and D elements coincide, so only the A and B fragments are exchanged.
+//
+// Arithmetic: every product of two 16-bit floats is exact in double; the 16 products are summed
+// in double (exact unless their magnitudes span more than ~53 bits), C is added in double and the
+// result is rounded once to fp32 (round-to-nearest-even). The tensor cores differ slightly: they
+// align the products to the largest exponent with a limited number of bits and truncate, so
+// results can differ in the last bits of the fp32 mantissa. Compare with tolerances.
+enum class Elem { f16, bf16 };
+
+template <Elem E>
+inline double elem_to_double(uint32_t reg, int high) {
+  const uint16_t bits = static_cast<uint16_t>(high ? reg >> 16 : reg & 0xffffu);
+  if constexpr (E == Elem::f16) {
+    return static_cast<double>(half_bits_to_float(bits));
+  } else {
+    return static_cast<double>(bf16_bits_to_float(bits));
+  }
+}
+
+template <Elem E>
+inline void mma_m16n8k16(float& d0, float& d1, float& d2, float& d3, uint32_t a0, uint32_t a1,
+                         uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, float c0, float c1,
+                         float c2, float c3) {
+  ThreadCtx& c = tctx;
+  Warp& w = *c.warp;
+  uint32_t(*frags)[6] = w.frags[c.parity];  // [lane][a0 a1 a2 a3 b0 b1]
+  c.parity ^= 1u;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  std::memcpy(frags[c.lane], mine, sizeof mine);
+  w.bar.arrive_and_wait();
+  // A[row][k] lives in lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8).
+  auto A = [&](int row, int k) {
+    return elem_to_double<E>(frags[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
+  };
+  // B[k][n] lives in lane 4 n + (k % 8) / 2, register b0 (k < 8) or b1 (k >= 8).
+  auto B = [&](int k, int n) {
+    return elem_to_double<E>(frags[4 * n + (k % 8) / 2][4 + (k >= 8)], k & 1);
+  };
+  const int g = static_cast<int>(c.lane / 4), t = static_cast<int>(c.lane % 4);
+  auto dot = [&](int row, int col, float acc) {
+    double s = 0.0;
+    for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
+    return static_cast<float>(s + static_cast<double>(acc));
+  };
+  const float r0 = dot(g, 2 * t, c0), r1 = dot(g, 2 * t + 1, c1);
+  const float r2 = dot(g + 8, 2 * t, c2), r3 = dot(g + 8, 2 * t + 1, c3);
+  d0 = r0;
+  d1 = r1;
+  d2 = r2;
+  d3 = r3;
+}
+
+// ---- cp.async -----------------------------------------------------------------------------------
+// Asynchronous model: cp.async only validates and queues the copy in the thread's current
+// (uncommitted) group; nothing is read or written. commit_group closes the current group (empty
+// groups are fine). wait_group N performs, oldest first, every copy of all committed groups but
+// the N most recent ones; wait_all performs every queued copy, uncommitted ones included. Only
+// then do the bytes appear in shared memory (and is global memory read). Copies still queued
+// when the thread leaves the kernel are dropped.
+template <int CpSize, class P, class S>
+inline void cp_async(uint32_t dst, P src, S src_size_operand) {
+  static_assert(CpSize == 4 || CpSize == 8 || CpSize == 16, "cp.async cp-size is 4, 8 or 16");
+  const long long src_size = static_cast<long long>(src_size_operand);
+  if (src_size < 0 || src_size > CpSize) {
+    trap_with("cp.async: src-size %lld outside [0, %d]", src_size, CpSize);
+  }
+  unsigned char* d = shared_bytes(dst, CpSize, CpSize, "cp.async destination");
+  const unsigned char* s = global_ptr(src);
+  if (src_size > 0 && reinterpret_cast<uintptr_t>(s) % CpSize != 0) {
+    trap_with("cp.async: global source %p is not %d-byte aligned", static_cast<const void*>(s),
+              CpSize);
+  }
+  async_copies.current.push_back(
+      PendingCopy{d, s, static_cast<uint32_t>(CpSize), static_cast<uint32_t>(src_size)});
+}
+template <int CpSize, class P>
+inline void cp_async(uint32_t dst, P src) {
+  cp_async<CpSize>(dst, src, CpSize);
+}
+
+inline void perform(const PendingCopy& c) {
+  if (c.src_size > 0) std::memcpy(c.dst, c.src, c.src_size);
+  std::memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);  // zero-fill the rest
+}
+
+inline void cp_async_commit_group() {
+  AsyncCopies& q = async_copies;
+  q.committed.push_back(std::move(q.current));
+  q.current.clear();
+}
+
+inline void cp_async_wait_group(long long n) {
+  if (n < 0) trap_with("cp.async.wait_group %lld: negative count", n);
+  AsyncCopies& q = async_copies;
+  while (static_cast<long long>(q.committed.size()) > n) {
+    for (const PendingCopy& c : q.committed.front()) perform(c);
+    q.committed.pop_front();
+  }
+}
+
+inline void cp_async_wait_all() {
+  cp_async_commit_group();
+  cp_async_wait_group(0);
+}
+
+// An empty asm statement (`asm volatile("" ::: "memory")`) is a compiler-level fence.
+inline void compiler_barrier() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+
+}  // namespace kg_emu::ptx
+
+#endif  // KG_PTX_H

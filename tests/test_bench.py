@@ -1,0 +1,322 @@
+"""CPU tests of the benchmark harness (bench/): its pure modules and its command line.
+
+Nothing here needs torch, CuPy or a GPU; the GPU layer (bench/gpu.py) is not imported.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import metrics, report  # noqa: E402
+from bench.candidates import PEERS, candidate_label, tensor_core_candidates, v1_fields  # noqa: E402
+from bench.shapes import TOKENS, Shape, grid, make_shape, normalize_dtype  # noqa: E402
+
+
+# ---- FLOPs ----
+def test_effective_keys():
+    assert metrics.effective_keys(1024, 1024, causal=False) == 1024
+    assert metrics.effective_keys(1024, 1024, causal=True) == 512
+    assert metrics.effective_keys(128, 256, causal=True) == 192  # (128 + 256) / 2
+    assert metrics.effective_keys(256, 128, causal=True) == 64  # (0 + 128) / 2
+    assert metrics.effective_keys(3, 4, causal=True) == 2.5
+
+
+def test_attention_flops_hand_computed():
+    # 4 * B * H * Sq * D * Sk_eff, worked out by hand.
+    assert metrics.attention_flops(1, 1, 1, 1, 8, causal=False) == 32
+    assert metrics.attention_flops(2, 3, 128, 256, 64, causal=False) == 4 * 2 * 3 * 128 * 64 * 256
+    assert metrics.attention_flops(2, 3, 128, 256, 64, causal=False) == 50_331_648
+    assert metrics.attention_flops(2, 3, 128, 256, 64, causal=True) == 37_748_736  # Sk_eff 192
+    assert metrics.attention_flops(2, 3, 256, 128, 64, causal=True) == 25_165_824  # Sk_eff 64
+    # hdim 128, 16 heads, 4 x 4096 tokens, non-causal: the NOTES.md example.
+    assert metrics.attention_flops(4, 16, 4096, 4096, 128, causal=False) == 549_755_813_888
+    assert metrics.attention_flops(4, 16, 4096, 4096, 128, causal=True) == 274_877_906_944
+
+
+def test_bytes_and_floors():
+    shape = make_shape("bf16", 128, False, 4096)
+    sizes = metrics.tensor_bytes(shape)
+    assert sizes == {"q": 67_108_864, "k": 67_108_864, "v": 67_108_864, "out": 67_108_864}
+    assert metrics.lse_bytes(shape) == 4 * 4 * 16 * 4096
+    assert metrics.min_bytes(shape) == 4 * 67_108_864 + 1_048_576
+    assert metrics.input_set_bytes(shape) == 3 * 67_108_864
+    assert metrics.naive_score_bytes(shape) == 4 * 4 * 16 * 4096 * 4096
+    compute, memory = metrics.floor_ms(1e12, 2e9, tflops_peak=500.0, bytes_per_s=2e12)
+    assert compute == pytest.approx(2.0)
+    assert memory == pytest.approx(1.0)
+    assert metrics.floor_ms(1e12, 2e9, None, None) == (None, None)
+    assert metrics.tflops(2e12, 4.0) == pytest.approx(500.0)
+    assert metrics.tflops(1e12, None) is None
+    assert metrics.tflops(1e12, 0.0) is None
+
+
+# ---- shapes ----
+def test_full_grid():
+    shapes = grid()
+    assert len(shapes) == 6 * 3 * 2 * 2
+    assert {s.seqlen_q for s in shapes} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {s.head_dim for s in shapes} == {64, 128, 256}
+    assert {s.dtype for s in shapes} == {"bfloat16", "float16"}
+    assert {s.causal for s in shapes} == {False, True}
+    for s in shapes:
+        assert s.batch * s.seqlen_q == TOKENS == 16384
+        assert s.seqlen_q == s.seqlen_k
+        assert s.heads == (32 if s.head_dim == 64 else 16)
+    assert len({s.key for s in shapes}) == len(shapes)
+
+
+def test_quick_grid_is_small():
+    shapes = grid(quick=True)
+    assert len(shapes) == 8
+    assert {s.seqlen_q for s in shapes} == {1024, 4096}
+    assert {s.head_dim for s in shapes} == {64, 128}
+    assert {s.dtype for s in shapes} == {"bfloat16"}
+    assert all(s.batch * s.seqlen_q == 16384 for s in shapes)
+    assert len(tensor_core_candidates(quick=True)) < len(tensor_core_candidates())
+
+
+def test_grid_filters():
+    shapes = grid(dtypes=["fp16"], head_dims=[256], seqlens=[16384, 512], causal=True)
+    assert [(s.dtype, s.head_dim, s.seqlen_q, s.causal, s.batch) for s in shapes] == [
+        ("float16", 256, 512, True, 32),
+        ("float16", 256, 16384, True, 1),
+    ]
+    assert {s.causal for s in grid(quick=True, causal=False)} == {False}
+    with pytest.raises(ValueError, match="bf16"):
+        normalize_dtype("fp8")
+
+
+def test_shape_key():
+    assert make_shape("bfloat16", 128, True, 4096).key == "bf16-d128-s4096-causal"
+    assert make_shape("fp16", 64, False, 512).key == "fp16-d64-s512"
+    odd = Shape("float16", 64, True, 128, 256, 1, 2)
+    assert odd.key == "fp16-d64-q128-k256-causal"
+
+
+# ---- statistics and rotation ----
+def test_stats_on_known_data():
+    data = [float(x) for x in range(1, 12)]  # 1..11
+    assert metrics.percentile(data, 50) == 6.0
+    assert metrics.percentile(data, 10) == 2.0
+    assert metrics.percentile(data, 90) == 10.0
+    assert metrics.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5  # unsorted, even count
+    assert metrics.percentile([1.0, 2.0], 10) == pytest.approx(1.1)
+    summary = metrics.summarize([5.0, 1.0, 9.0, 3.0, 7.0])
+    assert summary == {
+        "median_ms": 5.0,
+        "p10_ms": pytest.approx(1.8),
+        "p90_ms": pytest.approx(8.2),
+        "min_ms": 1.0,
+        "max_ms": 9.0,
+        "reps": 5,
+    }
+    with pytest.raises(ValueError):
+        metrics.percentile([], 50)
+
+
+def test_rotation_count():
+    mib = 1 << 20
+    assert metrics.rotation_count(50 * mib, 10 * mib) == 11  # 110 MiB > 100 MiB
+    assert metrics.rotation_count(50 * mib, 192 * mib) == 2  # never fewer than two
+    assert metrics.rotation_count(None, 10 * mib) == 11  # default L2 of 50 MiB
+    assert metrics.rotation_count(60 * mib, 1 * mib, maximum=64) == 64
+    for l2, size in ((50 * mib, 7 * mib), (40 * mib, 3 * mib)):
+        n = metrics.rotation_count(l2, size)
+        assert n * size > 2 * l2
+    with pytest.raises(ValueError):
+        metrics.rotation_count(mib, 0)
+
+
+def test_repetitions():
+    assert metrics.repetitions(0.1, 500) == 500
+    assert metrics.repetitions(1.0, 500) == 500
+    assert metrics.repetitions(10.0, 500) == 50
+    assert metrics.repetitions(100.0, 500) == 20  # the minimum wins over the budget
+    assert metrics.repetitions(0.01, 500, max_reps=300) == 300
+
+
+def test_tolerances():
+    assert metrics.tolerance("bfloat16") == 2e-2
+    assert metrics.tolerance("float16") == 5e-3
+
+
+# ---- candidates ----
+def test_tensor_core_candidates_follow_the_mma_rules():
+    for quick in (False, True):
+        for c in tensor_core_candidates(quick):
+            assert c["mma"] == "mma_sync"
+            assert c["loop_order"] == "v2"
+            assert c["block_m"] == 16 * c["num_warps"]
+            assert 2 <= c["stages"] <= 4
+            assert c["smem_layout"] in ("padded", "swizzled")
+    labels = [candidate_label(c) for c in tensor_core_candidates()]
+    assert len(set(labels)) == len(labels) == 16
+    assert "m64n128w4s2-swz" in labels
+    assert v1_fields({"loop_order": "v2", "block_m": 64})["loop_order"] == "v1"
+
+
+# ---- report ----
+def _fake_rows() -> list[dict]:
+    a = make_shape("bf16", 128, False, 4096)
+    b = make_shape("bf16", 128, True, 16384)
+    rows = [
+        report.make_row(a, "torch-flash", report.OK, tflops=400.0, median_ms=1.37),
+        report.make_row(a, "torch-cudnn", report.OK, tflops=500.0, median_ms=1.1),
+        report.make_row(a, "torch-efficient", report.UNAVAILABLE, reason="No available kernel"),
+        report.make_row(a, "cupy-naive", report.OK, tflops=50.0),
+        report.make_row(a, "kg-simt-v1", report.WRONG, rel_err=0.25, reason="rel. error 0.25"),
+        report.make_row(a, "kg-simt-v2", report.ERROR, reason="CompileError: boom"),
+        report.make_row(
+            a,
+            "kg-tc-v2",
+            report.OK,
+            tflops=300.0,
+            spec_uri="fa_fwd_v2_x",
+            frac_of_matmul=0.4,
+            candidates=[{"status": "ok"}, {"status": "invalid"}],
+        ),
+        report.make_row(b, "torch-flash", report.OK, tflops=450.0),
+        report.make_row(b, "cupy-naive", report.SKIPPED, reason="score matrix too big"),
+        report.make_row(b, "kg-tc-v2", report.WRONG, rel_err=None, reason="3 non-finite"),
+    ]
+    return rows
+
+
+def test_markdown_table_rows_and_cells():
+    table = report.markdown_table(_fake_rows())
+    lines = table.splitlines()
+    assert len(lines) == 2 + 2  # header, rule, one line per shape
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[:5] == ["dtype", "D", "causal", "S", "BxH"]
+    assert header[5 : 5 + len(PEERS)] == [p.short for p in PEERS]
+    assert header[-2:] == ["tc/best", "tc/flash"]
+    first = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert first[:5] == ["bf16", "128", "-", "4096", "4x16"]
+    assert first[5:12] == ["400.0", "500.0", "n/a", "50.0", "WRONG 2.5e-01", "ERR", "300.0"]
+    assert first[-2:] == ["0.60x", "0.75x"]  # 300 / best torch (cudnn 500); 300 / flash 400
+    second = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert second[3] == "16384" and second[4] == "1x16"
+    assert second[5:12] == ["450.0", "-", "-", "skip", "-", "-", "WRONG nan"]
+    assert second[-2:] == ["-", "-"]
+
+
+def test_markdown_compact_and_document():
+    compact = report.markdown_table(_fake_rows(), compact=True)
+    assert compact.splitlines()[0].startswith("| dtype | D | c | S | flash")
+    assert "BxH" not in compact
+    result = report.build_result(
+        {"gpu_name": "Fake GPU", "date": "2026-01-02", "git_commit": "abc", "git_dirty": True},
+        {"copy_gbps": 3000.0, "matmul_tflops": {"bfloat16": 700.0, "float16": 710.0}},
+        _fake_rows(),
+        {"quick": True},
+    )
+    doc = report.markdown_document(result)
+    assert "# Attention forward benchmark: Fake GPU (2026-01-02)" in doc
+    assert "copy 3000.0 GB/s" in doc and "bf16 700.0" in doc
+    assert "`fa_fwd_v2_x`" in doc and "1/2" in doc and "40%" in doc
+    assert "torch-efficient (unavailable): No available kernel" in doc
+    assert "(dirty)" in doc
+
+
+def test_ratio_and_best_torch():
+    rows = {r["peer"]: r for r in _fake_rows()[:7]}
+    assert report.best_torch(rows)["peer"] == "torch-cudnn"
+    assert report.ratio(rows["kg-tc-v2"], rows["torch-flash"]) == pytest.approx(0.75)
+    assert report.ratio(rows["kg-tc-v2"], rows["kg-simt-v1"]) is None
+    assert report.ratio(None, rows["torch-flash"]) is None
+
+
+def test_make_row_rejects_unknown_status():
+    with pytest.raises(ValueError, match="status"):
+        report.make_row(make_shape("bf16", 64, False, 512), "torch-flash", "fast")
+
+
+def test_slug_and_file_names(tmp_path):
+    assert report.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert report.slug("  Tesla/V100-SXM2 (16GB) ") == "tesla-v100-sxm2-16gb"
+    assert report.slug("???") == "unknown"
+    stem = report.result_stem(dt.date(2026, 3, 4), "NVIDIA H200")
+    assert stem == "2026-03-04-nvidia-h200"
+    assert report.result_stem(dt.date(2026, 3, 4), "NVIDIA H200", tag="d64 only") == (
+        "2026-03-04-nvidia-h200-d64-only"
+    )
+    paths = report.result_paths(tmp_path, stem)
+    assert paths["json"] == tmp_path / "2026-03-04-nvidia-h200.json"
+    assert {p.suffix for p in paths.values()} == {".json", ".md", ".png"}
+
+
+def test_json_and_atomic_write(tmp_path):
+    rows = _fake_rows()
+    rows[0]["rel_err"] = float("nan")
+    result = report.build_result({"gpu_name": "x"}, {}, rows, {})
+    text = report.to_json(result)
+    data = json.loads(text)  # strict JSON: NaN became null
+    assert data["schema"] == report.SCHEMA_VERSION
+    assert data["rows"][0]["rel_err"] is None
+    assert {"meta", "settings", "floors", "rows"} <= set(data)
+    target = tmp_path / "sub" / "r.json"
+    report.write_atomic(target, text)
+    report.write_atomic(target, text)  # replaces
+    assert json.loads(target.read_text()) == data
+    assert [p.name for p in target.parent.iterdir()] == ["r.json"]  # no temp file left
+    report.write_atomic(tmp_path / "b.png", b"\x89PNG")
+    assert (tmp_path / "b.png").read_bytes() == b"\x89PNG"
+
+
+def test_merge_rows_replaces_same_shape_and_peer():
+    rows = _fake_rows()
+    newer = dict(rows[0], tflops=410.0)
+    merged = report.merge_rows(rows, [newer])
+    assert len(merged) == len(rows)
+    assert next(r["tflops"] for r in merged if r["peer"] == "torch-flash") == 410.0
+
+
+# ---- command line ----
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU even on a GPU machine
+    return subprocess.run(
+        [sys.executable, "-m", "bench.attention", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_help_without_gpu():
+    proc = _run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--quick", "--out", "--decode", "--dtype", "--head-dim", "--seqlen", "--causal"):
+        assert flag in proc.stdout
+
+
+def test_cli_without_gpu_fails_with_one_line(tmp_path):
+    proc = _run_cli("--quick", "--out", str(tmp_path))
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench: no usable GPU")
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_list_and_decode_need_no_gpu():
+    listed = _run_cli("--list", "--quick", "--causal")
+    assert listed.returncode == 0, listed.stderr
+    assert "4 shapes" in listed.stdout and "bf16-d128-s4096-causal" in listed.stdout
+    decode = _run_cli("--decode")
+    assert decode.returncode == 0
+    assert decode.stdout.strip() == "decode benchmark: not implemented yet"
+    bad = _run_cli("--dtype", "fp8")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
