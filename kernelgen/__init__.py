@@ -16,6 +16,7 @@ from kernelgen.errors import (
 )
 from kernelgen.render import render
 from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.tuning import TuningMissError, autotune, warmup
 
 __all__ = [
     "CompileError",
@@ -25,9 +26,12 @@ __all__ = [
     "KernelgenError",
     "SpecError",
     "ToolchainMissingError",
+    "TuningMissError",
     "__version__",
     "attention",
+    "autotune",
     "default_spec",
     "load_spec",
     "render",
+    "warmup",
 ]

@@ -302,14 +302,7 @@ def attention(
         if (why := _misaligned_strides(t) or _misaligned_pointer(arrays[name], name))
     ]
     if spec is None:
-        major, minor = cupy.cuda.Device().compute_capability
-        spec = default_spec(
-            call.dtype,
-            call.q.shape[3],
-            bool(causal),
-            f"sm_{major}{minor}",
-            tensor_cores=major >= 8 and not misaligned,
-        )
+        spec = _untuned_or_tuned_spec(call, bool(causal), aligned=not misaligned)
     elif spec.mma == "mma_sync" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     kernel = runtime_kernel(spec)
@@ -336,6 +329,38 @@ def attention(
 
         out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
     return (out, lse) if return_lse else out
+
+
+def device_arch() -> tuple[int, str]:
+    """Compute capability of the current device as (e.g.) ``(90, "sm_90")``.
+
+    CuPy reports it as a string ("90", "100"), so it is parsed, never unpacked digit by digit."""
+    capability = int(import_cupy().cuda.Device().compute_capability)
+    return capability, f"sm_{capability}"
+
+
+def _untuned_or_tuned_spec(call: CheckedCall, causal: bool, aligned: bool) -> KernelSpec:
+    """The spec for a call without one: the autotuner's choice (memo, disk, or a fresh tuning;
+    see docs/autotuning.md), or the heuristic default where tuning does not apply (inputs the
+    tensor-core kernels cannot read, GPUs before sm_80)."""
+    capability, arch = device_arch()
+    batch, heads, seqlen_q, head_dim = call.q.shape
+    if capability < 80 or not aligned:
+        return default_spec(call.dtype, head_dim, causal, arch, tensor_cores=False)
+    from kernelgen.tuning import ProblemDesc, select_spec
+
+    problem = ProblemDesc(
+        call.dtype,
+        batch,
+        heads,
+        call.k.shape[1],
+        seqlen_q,
+        call.k.shape[2],
+        head_dim,
+        causal=causal,
+        mask=call.mask is not None,
+    )
+    return select_spec(problem)
 
 
 def mask_shape(call: CheckedCall) -> tuple[int, int, int, int]:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernelgen.arch import ARCHS
+from kernelgen.cli_tune import register as register_tuning
 from kernelgen.errors import CompileError, KernelgenError, SpecError
 from kernelgen.spec import spec_json_schema
 
@@ -181,6 +182,9 @@ def check(specs: SpecPaths, arch: ArchOption = None) -> None:
 def schema() -> None:
     """Print the JSON Schema of spec files (for editor validation)."""
     sys.stdout.write(json.dumps(spec_json_schema(), indent=2) + "\n")
+
+
+register_tuning(app)  # kernelgen tune, kernelgen cache ...
 
 
 def main() -> None:

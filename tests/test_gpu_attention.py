@@ -81,9 +81,10 @@ def test_spec_on_gpu(path, case):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
-def test_default_spec_on_gpu(dtype, head_dim):
+def test_default_spec_on_gpu(dtype, head_dim, monkeypatch):
     import cupy
 
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")  # the heuristic default (tuning: below)
     case = Case(2, 4, 2, 77, 200)
     data = make_case(case, dtype, head_dim, True, seed=head_dim)
     q, k, v = (device_array(getattr(data, n), dtype, "bhsd") for n in "qkv")
@@ -113,9 +114,10 @@ def test_bad_input_launches_nothing():
         kernelgen.attention(q.get(), k, k)
 
 
-def test_misaligned_inputs_on_the_tensor_cores():
+def test_misaligned_inputs_on_the_tensor_cores(monkeypatch):
     import cupy
 
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
     case = Case(1, 2, 2, 40, 70)
     data = make_case(case, "float16", 64, False, seed=11)
     k, v = (device_array(getattr(data, n), "float16", "bhsd") for n in "kv")
@@ -129,3 +131,18 @@ def test_misaligned_inputs_on_the_tensor_cores():
         kernelgen.attention(q, k, v, spec=spec)
     out, lse = kernelgen.attention(q, k, v, return_lse=True)  # default: CUDA-core fallback
     assert_matches(out.astype("float32").get(), lse.get(), data, "float16")
+
+
+@pytest.mark.parametrize("case", [Case(2, 4, 2, 300, 300), Case(1, 8, 1, 128, 1000)], ids=str)
+def test_tuned_attention_is_correct(case, monkeypatch, tmp_path):
+    """attention() without a spec tunes (fresh cache), records the winner, and is correct."""
+    import kernelgen.tuning
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "1")
+    kernelgen.tuning.clear_memo()
+    data = make_case(case, "bfloat16", 128, True, seed=case.seqlen_q)
+    q, k, v = (device_array(getattr(data, n), "bfloat16", "bhsd") for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True)
+    assert_matches(out.astype("float32").get(), lse.get(), data, "bfloat16")
+    assert list(tmp_path.rglob("*.json")), "the tuning record was not written"

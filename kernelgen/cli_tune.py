@@ -1,0 +1,184 @@
+"""``kernelgen tune`` and ``kernelgen cache ...``: register them with :func:`register`.
+
+Problems print one line each on stderr and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kernelgen.errors import KernelgenError
+from kernelgen.tuning.db import TuningDB
+from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo
+
+out_console = Console()
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+cache_app = typer.Typer(no_args_is_help=True, help="Inspect and move tuning records.")
+
+# What a dry run assumes without a GPU (an H100 SXM) unless --arch / --sms say otherwise.
+DRY_RUN_DEVICE = DeviceInfo("(assumed) NVIDIA H100", "9.0", 132)
+
+
+def _fail(lines: list[str], code: int = 2) -> typer.Exit:
+    for line in lines:
+        err_console.print(line, markup=False)
+    return typer.Exit(code)
+
+
+def current_environment() -> tuple[DeviceInfo, SoftwareInfo]:
+    """This machine's GPU and toolchain (raises ToolchainMissingError without them)."""
+    from kernelgen.tuning.gpu import detect_device, detect_software
+
+    return detect_device(), detect_software()
+
+
+def _dry_run_device(arch: str | None, sms: int | None) -> DeviceInfo:
+    if arch is None:
+        try:
+            device = current_environment()[0]
+        except KernelgenError:
+            device = DRY_RUN_DEVICE
+    else:
+        digits = arch.removeprefix("sm_")
+        if not digits.isdigit() or len(digits) < 2:
+            raise _fail([f"--arch {arch}: expected a name like sm_90"])
+        device = DeviceInfo(f"(assumed) {arch}", f"{digits[:-1]}.{digits[-1]}", 132)
+    if sms is not None:
+        device = DeviceInfo(device.name, device.compute_capability, sms, device.l2_bytes)
+    return device
+
+
+def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
+    from kernelgen.tuning.candidates import prune
+
+    kept, dropped = prune(problem, device)
+    out_console.print(
+        f"problem bucket {problem.bucket().label} on {device.name} "
+        f"({device.target_arch}, {device.sm_count} SMs)"
+    )
+    table = Table(title="candidates to time", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("candidate", no_wrap=True)
+    table.add_column("regs", justify="right")
+    table.add_column("smem", justify="right")
+    for c in kept:
+        regs = str(c.resources.registers) if c.resources else "?"
+        table.add_row(c.spec.uri, regs, str(c.spec.smem_bytes))
+    out_console.print(table)
+    for d in dropped:
+        out_console.print(f"drop [{d.stage}] {d.uri}: {d.reason}", markup=False, highlight=False)
+    out_console.print(f"{len(kept)} to time, {len(dropped)} dropped (dry run: nothing timed)")
+
+
+def tune(
+    shape: Annotated[str, typer.Option("--shape", help="B,H,HKV,SQ,SK,D")],
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32")] = "bf16",
+    causal: Annotated[bool, typer.Option("--causal", help="Causal (bottom-right).")] = False,
+    mask: Annotated[bool, typer.Option("--mask", help="With an additive mask.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show candidates and drop reasons; time nothing.")
+    ] = False,
+    arch: Annotated[
+        str | None, typer.Option("--arch", help="Dry run: assume this arch (e.g. sm_90).")
+    ] = None,
+    sms: Annotated[int | None, typer.Option("--sms", help="Dry run: assume this SM count.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Re-tune even if recorded.")] = False,
+) -> None:
+    """Tune one problem shape on this GPU and record the winner (or --dry-run: no GPU needed)."""
+    try:
+        problem = ProblemDesc.from_shape(shape, dtype, causal, mask)
+        if dry_run:
+            _dry_run(problem, _dry_run_device(arch, sms))
+            return
+        from kernelgen.tuning.autotune import select_spec
+
+        device, software = current_environment()
+        spec = select_spec(problem, device, software=software, mode="on", force=force)
+    except KernelgenError as exc:
+        raise _fail(str(exc).splitlines()[:1]) from None
+    out_console.print(f"{problem.bucket().label}: {spec.uri}")
+
+
+@cache_app.command("list")
+def cache_list() -> None:
+    """One line per record: key, winner, time."""
+    db = TuningDB()
+    table = Table(title=f"tuning records in {db.dir}", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("key", "device", "winner", "ms"):
+        table.add_column(column, overflow="fold")
+    for path, record in db.records():
+        if record is None:
+            table.add_row(path.stem, "", "(unreadable)", "")
+            continue
+        ms = record.winner_ms
+        winner = next((c["uri"] for c in record.candidates if c["status"] == "winner"), "?")
+        table.add_row(path.stem, record.key.device.name, winner, f"{ms:.4f}" if ms else "?")
+    out_console.print(table)
+
+
+@cache_app.command("show")
+def cache_show(key: Annotated[str, typer.Argument(help="A key id (or a unique prefix).")]) -> None:
+    """Print one record as JSON."""
+    db = TuningDB()
+    try:
+        path = db.find(key)
+    except KeyError as exc:
+        raise _fail([exc.args[0]]) from None
+    record = db.read_path(path)
+    if record is None:
+        raise _fail([f"{path} is unreadable or corrupt"])
+    out_console.print_json(json.dumps(record.payload()))
+
+
+@cache_app.command("clear")
+def cache_clear() -> None:
+    """Remove every tuning record."""
+    db = TuningDB()
+    try:
+        removed = db.clear()
+    except OSError as exc:
+        raise _fail([f"cannot clear {db.dir}: {exc.strerror or exc}"]) from None
+    out_console.print(f"removed {removed} records from {db.dir}")
+
+
+@cache_app.command("export")
+def cache_export(file: Annotated[Path, typer.Argument(help="Bundle to write (JSON).")]) -> None:
+    """Write every record to one file, for `kernelgen cache import` on a like machine."""
+    try:
+        count = TuningDB().export(file)
+    except OSError as exc:
+        raise _fail([f"cannot write {file}: {exc.strerror or exc}"]) from None
+    out_console.print(f"exported {count} records to {file}")
+
+
+@cache_app.command("import")
+def cache_import(file: Annotated[Path, typer.Argument(help="A bundle from cache export.")]) -> None:
+    """Store a bundle's records whose device and software match this machine."""
+    from kernelgen.tuning.autotune import clear_memo
+    from kernelgen.tuning.key import TuningKey
+
+    db = TuningDB()
+    try:
+        device, software = current_environment()
+        here = TuningKey(ProblemDesc("bf16", 1, 1, 1, 1, 1, 8).bucket(), device, software)
+        imported, rejected = db.import_bundle(file, here.environment_id)
+    except (KernelgenError, ValueError) as exc:
+        raise _fail(str(exc).splitlines()[:1]) from None
+    except OSError as exc:
+        raise _fail([f"cannot write to {db.dir}: {exc.strerror or exc}"]) from None
+    clear_memo()
+    out_console.print(f"imported {imported} records into {db.dir}")
+    if rejected:
+        raise _fail(rejected)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``tune`` and the ``cache`` group to the ``kernelgen`` command."""
+    app.command("tune")(tune)
+    app.add_typer(cache_app, name="cache")

@@ -1,0 +1,217 @@
+"""The autotuner's one flow: key -> memo -> disk -> (lock, re-check) -> tune -> record -> spec.
+
+Controls (environment): ``KERNELGEN_AUTOTUNE`` = ``1`` (default: tune on a miss), ``0`` (no
+tuning, no database: the heuristic default spec) or ``offline`` (database only: a miss raises
+:class:`TuningMissError`); ``KERNELGEN_PRINT_AUTOTUNING=1`` prints each key and its winner.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+from kernelgen.errors import KernelgenError, SpecError
+from kernelgen.spec import KernelSpec, spec_from_dict
+from kernelgen.tuning.candidates import CompileFn, prune
+from kernelgen.tuning.db import TuningDB, TuningRecord
+from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
+from kernelgen.tuning.measure import Bench, MeasureSettings, measure
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["on", "off", "offline"]
+Tuner = Callable[[ProblemDesc, TuningKey], TuningRecord]
+BenchFactory = Callable[[ProblemDesc, DeviceInfo], Bench]
+
+_MEMO: dict[TuningKey, KernelSpec] = {}
+_MEMO_LOCK = threading.Lock()
+
+
+class TuningMissError(KernelgenError, LookupError):
+    """Offline mode found no tuning record for a key (tune it, or import a database)."""
+
+
+class TuningFailedError(KernelgenError, RuntimeError):
+    """Every candidate was pruned, failed or produced wrong output."""
+
+
+def autotune_mode(mode: str | None = None) -> Mode:
+    """``mode`` if given, else from ``KERNELGEN_AUTOTUNE`` (1/on, 0/off, offline)."""
+    value = (mode if mode is not None else os.environ.get("KERNELGEN_AUTOTUNE", "1")).lower()
+    table: dict[str, Mode] = {
+        "1": "on", "on": "on", "true": "on", "": "on",
+        "0": "off", "off": "off", "false": "off",
+        "offline": "offline",
+    }  # fmt: skip
+    if value not in table:
+        raise KernelgenError(f"KERNELGEN_AUTOTUNE={value!r} is not allowed; use 1, 0 or offline")
+    return table[value]
+
+
+def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
+    """The spec attention() uses without tuning (kernelgen.api.default_spec)."""
+    from kernelgen.api import default_spec
+
+    return default_spec(problem.dtype, problem.head_dim, problem.causal, device.target_arch)
+
+
+def make_key(
+    problem: ProblemDesc, device: DeviceInfo, software: SoftwareInfo | None = None
+) -> TuningKey:
+    if software is None:
+        from kernelgen.tuning.gpu import detect_software
+
+        software = detect_software()
+    return TuningKey(problem.bucket(), device, software)
+
+
+def tune_problem(
+    problem: ProblemDesc,
+    key: TuningKey,
+    bench: Bench,
+    *,
+    compile_fn: CompileFn | None = None,
+    settings: MeasureSettings | None = None,
+) -> TuningRecord:
+    """Prune statically, time the survivors with ``bench``, and build the record."""
+    candidates, dropped = prune(problem, key.device, compile_fn)
+    if not candidates:
+        raise TuningFailedError(f"every candidate for {key.problem.label} was pruned")
+    winner, results = measure([c.spec for c in candidates], bench, settings)
+    if winner is None:
+        reasons = "; ".join(f"{m.spec.uri}: {m.reason}" for m in results[:3])
+        raise TuningFailedError(f"no candidate for {key.problem.label} ran correctly ({reasons})")
+    return TuningRecord(
+        key=key,
+        winner=winner.spec.model_dump(mode="json"),
+        candidates=[m.as_dict() for m in results],
+        dropped=[{"uri": d.uri, "stage": d.stage, "reason": d.reason} for d in dropped],
+        tuned_shape={
+            "batch": problem.batch,
+            "num_heads": problem.num_heads,
+            "num_kv_heads": problem.num_kv_heads,
+            "seqlen_q": problem.seqlen_q,
+            "seqlen_k": problem.seqlen_k,
+            "head_dim": problem.head_dim,
+        },
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def gpu_tuner(
+    compile_fn: CompileFn | None = None, settings: MeasureSettings | None = None
+) -> Tuner:
+    """A tuner that times on the current GPU through CuPy."""
+
+    def tuner(problem: ProblemDesc, key: TuningKey) -> TuningRecord:
+        from kernelgen.tuning.gpu import CupyBench
+
+        bench = CupyBench(problem, key.device)
+        return tune_problem(problem, key, bench, compile_fn=compile_fn, settings=settings)
+
+    return tuner
+
+
+def _winner_spec(record: TuningRecord) -> KernelSpec | None:
+    try:
+        return spec_from_dict(record.winner)
+    except SpecError as exc:
+        log.warning("tuning record %s has an invalid winner (%s); re-tuning", record.key.id, exc)
+        return None
+
+
+def _report(key: TuningKey, spec: KernelSpec, record: TuningRecord, source: str) -> None:
+    if os.environ.get("KERNELGEN_PRINT_AUTOTUNING", "0") not in ("", "0"):
+        ms = record.winner_ms
+        timing = f"{ms:.4f} ms" if ms is not None else "? ms"
+        print(f"kernelgen autotuning [{source}] {key.id}: {spec.uri} ({timing})", file=sys.stderr)
+
+
+def select_spec(
+    problem: ProblemDesc,
+    device: DeviceInfo | None = None,
+    *,
+    software: SoftwareInfo | None = None,
+    mode: str | None = None,
+    db: TuningDB | None = None,
+    tuner: Tuner | None = None,
+    force: bool = False,
+) -> KernelSpec:
+    """The spec to run ``problem`` with: memo, then disk, then tune (under a lock) and record.
+
+    ``device``/``software`` default to the current GPU and toolchain (via CuPy); ``mode``
+    overrides ``KERNELGEN_AUTOTUNE``; ``force`` re-tunes even when a record exists."""
+    mode = autotune_mode(mode)
+    if device is None:
+        from kernelgen.tuning.gpu import detect_device
+
+        device = detect_device()
+    if mode == "off":
+        return heuristic_spec(problem, device)
+    key = make_key(problem, device, software)
+    if not force and (spec := _MEMO.get(key)) is not None:
+        return spec
+    db = db if db is not None else TuningDB()
+    record = None if force else db.load(key)
+    spec = _winner_spec(record) if record is not None else None
+    source = "disk"
+    if spec is None:
+        if mode == "offline":
+            raise TuningMissError(
+                f"no tuning record for {key.id} in {db.dir} (KERNELGEN_AUTOTUNE=offline); "
+                "tune it with `kernelgen tune` or import one with `kernelgen cache import`"
+            )
+        with db.lock(key):
+            record = None if force else db.load(key)  # another process may have tuned it
+            spec = _winner_spec(record) if record is not None else None
+            if spec is None:
+                start = time.perf_counter()
+                record = (tuner or gpu_tuner())(problem, key)
+                spec = spec_from_dict(record.winner)
+                log.info("tuned %s in %.1f s: %s", key.id, time.perf_counter() - start, spec.uri)
+                db.save(record)
+                source = "tuned"
+    assert record is not None
+    _report(key, spec, record, source)
+    with _MEMO_LOCK:
+        _MEMO[key] = spec
+    return spec
+
+
+def autotune(
+    problems: Iterable[ProblemDesc],
+    device: DeviceInfo | None = None,
+    *,
+    force: bool = False,
+    **kwargs: object,
+) -> list[KernelSpec]:
+    """Tune (or read) each problem now, so later attention() calls only look up the memo."""
+    return [
+        select_spec(p, device, force=force, mode="on", **kwargs)  # type: ignore[arg-type]
+        for p in problems
+    ]
+
+
+def warmup(
+    shapes: Iterable[str | tuple[int, ...]],
+    dtype: str,
+    *,
+    causal: bool = False,
+    mask: bool = False,
+    **kwargs: object,
+) -> list[KernelSpec]:
+    """:func:`autotune` for shapes given as ``(B, H, HKV, SQ, SK, D)`` or ``"B,H,HKV,SQ,SK,D"``."""
+    problems = [ProblemDesc.from_shape(s, dtype, causal, mask) for s in shapes]
+    return autotune(problems, **kwargs)  # type: ignore[arg-type]
+
+
+def clear_memo() -> None:
+    """Forget the in-process memo (tests; after importing records)."""
+    with _MEMO_LOCK:
+        _MEMO.clear()

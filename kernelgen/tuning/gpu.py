@@ -1,0 +1,197 @@
+"""The GPU layer: device and toolchain facts and real timing, through CuPy (imported lazily).
+
+Nothing else in kernelgen.tuning imports CuPy, so candidates, pruning, the database and the
+CLI's dry run work on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Any
+
+from kernelgen.errors import ToolchainMissingError
+from kernelgen.spec import KernelSpec
+from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, local_software
+
+NAN_BITS = {"float16": (0x7E00, 16), "bfloat16": (0x7FC0, 16), "float32": (0x7FC00000, 32)}
+TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}  # relative Frobenius error
+WARMUP_MS = 10.0
+MIN_REPS, MAX_REPS = 20, 1000
+
+
+def _cupy() -> Any:
+    from kernelgen.launch import import_cupy
+
+    cupy = import_cupy()
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise ToolchainMissingError("no CUDA device is visible")
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise ToolchainMissingError(f"no usable CUDA device: {exc}") from None
+    return cupy
+
+
+@cache
+def _device(index: int) -> DeviceInfo:
+    cupy = _cupy()
+    props = cupy.cuda.runtime.getDeviceProperties(index)
+    name = props["name"]
+    return DeviceInfo(
+        name=name.decode() if isinstance(name, bytes) else str(name),
+        compute_capability=f"{props['major']}.{props['minor']}",
+        sm_count=int(props["multiProcessorCount"]),
+        l2_bytes=int(props.get("l2CacheSize", 0)),
+    )
+
+
+def detect_device() -> DeviceInfo:
+    """The current CUDA device (cached per device index)."""
+    from kernelgen.launch import import_cupy
+
+    return _device(import_cupy().cuda.Device().id)
+
+
+def _version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+@cache
+def detect_software() -> SoftwareInfo:
+    """kernelgen, templates, NVRTC, CUDA runtime and CuPy versions of this process."""
+    cupy = _cupy()
+    major, minor = cupy.cuda.nvrtc.getVersion()
+    return local_software(
+        f"{major}.{minor}", _version(cupy.cuda.runtime.runtimeGetVersion()), cupy.__version__
+    )
+
+
+def element_dtype(name: str) -> Any:
+    """The NumPy/CuPy dtype of an element type (bfloat16 comes from ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return name
+
+
+class CupyBench:
+    """Times specs on the current GPU for one problem, with inputs rotated against L2."""
+
+    def __init__(self, problem: ProblemDesc, device: DeviceInfo, seed: int = 0) -> None:
+        import numpy as np
+
+        from kernelgen.launch import Problem
+
+        cupy = self.cupy = _cupy()
+        p = self.problem = problem
+        rng = np.random.default_rng(seed)
+        dtype = element_dtype(p.dtype)
+        q_shape = (p.batch, p.num_heads, p.seqlen_q, p.head_dim)
+        kv_shape = (p.batch, p.num_kv_heads, p.seqlen_k, p.head_dim)
+        elem = np.dtype(dtype).itemsize
+        set_bytes = elem * (2 * math.prod(q_shape) + 2 * math.prod(kv_shape))
+        count = max(2, min(16, math.ceil(2 * max(device.l2_bytes, 1) / set_bytes)))
+
+        def tensor(shape: tuple[int, ...]) -> Any:  # drawn on the host: fresh, never zeros
+            return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+        self.sets = [
+            {
+                "q": tensor(q_shape),
+                "k": tensor(kv_shape),
+                "v": tensor(kv_shape),
+                "out": cupy.empty(q_shape, dtype),
+                "lse": cupy.empty(q_shape[:3], cupy.float32),
+            }
+            for _ in range(count)
+        ]
+        if p.mask:  # one (Sq, Sk) mask broadcast over batch and heads
+            mask = cupy.asarray(rng.standard_normal((p.seqlen_q, p.seqlen_k), dtype=np.float32))
+            for s in self.sets:
+                s["mask"] = mask
+        self.scale = 1.0 / math.sqrt(p.head_dim)
+        d, sq = p.head_dim, p.seqlen_q
+        self.launch_problem = Problem(
+            batch=p.batch,
+            num_heads=p.num_heads,
+            num_kv_heads=p.num_kv_heads,
+            seqlen_q=sq,
+            seqlen_k=p.seqlen_k,
+            head_dim=d,
+            q_strides=(p.num_heads * sq * d, sq * d, d),
+            k_strides=(p.num_kv_heads * p.seqlen_k * d, p.seqlen_k * d, d),
+            v_strides=(p.num_kv_heads * p.seqlen_k * d, p.seqlen_k * d, d),
+            out_strides=(p.num_heads * sq * d, sq * d, d),
+            mask_strides=(0, 0, p.seqlen_k, 1) if p.mask else (0, 0, 0, 0),
+        )
+
+    def _launch(self, spec: KernelSpec, index: int) -> None:
+        from kernelgen.launch import runtime_kernel
+
+        runtime_kernel(spec)(self.sets[index % len(self.sets)], self.launch_problem, self.scale)
+
+    def compile(self, spec: KernelSpec) -> None:
+        from kernelgen.launch import runtime_kernel
+
+        runtime_kernel(spec)
+        self._launch(spec, 0)  # a first launch loads the module outside the timed region
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    def time(self, spec: KernelSpec, budget_ms: float) -> list[float]:
+        cuda = self.cupy.cuda
+        start, stop = cuda.Event(), cuda.Event()
+        start.record()
+        launches = 0
+        while True:  # warm-up, which also estimates the time of one launch
+            self._launch(spec, launches)
+            launches += 1
+            stop.record()
+            stop.synchronize()
+            elapsed = cuda.get_elapsed_time(start, stop)
+            if elapsed >= WARMUP_MS or launches >= 100:
+                break
+        reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms / max(elapsed / launches, 1e-3))))
+        events = [(cuda.Event(), cuda.Event()) for _ in range(reps)]
+        for i, (a, b) in enumerate(events):
+            a.record()
+            self._launch(spec, launches + i)
+            b.record()
+        events[-1][1].synchronize()
+        return [cuda.get_elapsed_time(a, b) for a, b in events]
+
+    def reference(self, s: dict[str, Any]) -> Any:
+        """float32 attention on the GPU, one (batch, head) at a time."""
+        cp, p = self.cupy, self.problem
+        out = cp.empty((p.batch, p.num_heads, p.seqlen_q, p.head_dim), cp.float32)
+        rows = cp.arange(p.seqlen_q)[:, None]
+        hidden = cp.arange(p.seqlen_k)[None, :] > rows + (p.seqlen_k - p.seqlen_q)
+        for b in range(p.batch):
+            for h in range(p.num_heads):
+                kv = h // p.gqa_ratio
+                q = s["q"][b, h].astype(cp.float32)
+                scores = self.scale * q @ s["k"][b, kv].astype(cp.float32).T
+                if p.mask:
+                    scores = scores + s["mask"]
+                if p.causal:
+                    scores = cp.where(hidden, -cp.inf, scores)
+                peak = scores.max(axis=1, keepdims=True)
+                weights = cp.exp(scores - cp.where(cp.isfinite(peak), peak, 0))
+                total = weights.sum(axis=1, keepdims=True)
+                probs = weights / cp.where(total > 0, total, 1)
+                out[b, h] = probs @ s["v"][b, kv].astype(cp.float32)
+        return out
+
+    def check(self, spec: KernelSpec) -> str | None:
+        cp = self.cupy
+        s = self.sets[0]
+        bits, width = NAN_BITS[self.problem.dtype]  # poison, so unwritten rows show up
+        s["out"].view(cp.uint16 if width == 16 else cp.uint32).fill(bits)
+        self._launch(spec, 0)
+        ref = self.reference(s)
+        got = s["out"].astype(cp.float32)
+        if not bool(cp.isfinite(got).all()):
+            return "NaN or inf in the output"
+        err = float(cp.linalg.norm(got - ref) / max(float(cp.linalg.norm(ref)), 1e-30))
+        limit = TOLERANCE[self.problem.dtype]
+        return None if err <= limit else f"relative error {err:.2e} > {limit:.0e}"

@@ -1,0 +1,160 @@
+"""Timing candidates behind a small interface, so tests can inject a fake.
+
+A :class:`Bench` compiles a spec (outside any timed region), times it (returning one
+duration per repetition, in ms) and checks its output against a reference once. The flow
+here is GPU-free: a candidate that fails to compile or launch scores infinity and tuning goes
+on; the fastest few are timed again; the winner's output is checked, and a mismatch rejects it
+in favour of the next best.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kernelgen.errors import KernelgenError
+from kernelgen.spec import KernelSpec
+
+log = logging.getLogger(__name__)
+
+
+class Bench(Protocol):
+    """What the autotuner needs from a GPU (or from a fake one in tests)."""
+
+    def compile(self, spec: KernelSpec) -> None:
+        """Build the kernel for the current device; raises if it cannot."""
+
+    def time(self, spec: KernelSpec, budget_ms: float) -> list[float]:
+        """Warm up, then per-repetition durations in ms, within about ``budget_ms``."""
+
+    def check(self, spec: KernelSpec) -> str | None:
+        """None when the kernel's output matches the reference, else why not."""
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    budget_ms: float = 200.0  # timed work per candidate (first pass)
+    retime_top: int = 3  # candidates timed again before choosing
+    retime_budget_ms: float = 400.0
+
+
+@dataclass
+class Measurement:
+    spec: KernelSpec
+    median_ms: float = math.inf  # first pass; inf when the candidate failed
+    retime_ms: float | None = None
+    spread_ms: float | None = None  # interquartile range of the samples used
+    samples: int = 0
+    status: str = "timed"  # timed | failed | rejected | winner
+    reason: str = ""
+
+    @property
+    def score(self) -> float:
+        """What the winner is chosen by: the re-timed median where there is one."""
+        return self.retime_ms if self.retime_ms is not None else self.median_ms
+
+    def as_dict(self) -> dict[str, object]:
+        def finite(x: float | None) -> float | None:
+            return None if x is None or math.isinf(x) else round(x, 6)
+
+        return {
+            "uri": self.spec.uri,
+            "spec": self.spec.model_dump(mode="json"),
+            "median_ms": finite(self.median_ms),
+            "retime_ms": finite(self.retime_ms),
+            "spread_ms": finite(self.spread_ms),
+            "samples": self.samples,
+            "status": self.status,
+            "reason": self.reason,
+        }
+
+
+def _summary(samples: list[float]) -> tuple[float, float]:
+    """(median, interquartile range) of per-repetition times."""
+    if not samples:
+        raise ValueError("the bench returned no samples")
+    if len(samples) < 4:
+        return statistics.median(samples), 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), q3 - q1
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _time_one(bench: Bench, m: Measurement, budget_ms: float, retime: bool) -> None:
+    try:
+        if not retime:
+            bench.compile(m.spec)  # outside the timed region
+        samples = bench.time(m.spec, budget_ms)
+        median, spread = _summary(samples)
+    except (KernelgenError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as exc:
+        m.median_ms, m.retime_ms, m.status = math.inf, None, "failed"
+        m.reason = _first_line(exc)
+        log.warning("candidate %s failed: %s", m.spec.uri, m.reason)
+        return
+    if retime:
+        m.retime_ms = median
+    else:
+        m.median_ms = median
+    m.spread_ms, m.samples = spread, len(samples)
+
+
+def ranked(measurements: list[Measurement]) -> list[Measurement]:
+    """Fastest first; ties broken by the URI so the choice is deterministic."""
+    return sorted(measurements, key=lambda m: (m.score, m.spec.uri))
+
+
+def measure(
+    specs: list[KernelSpec],
+    bench: Bench,
+    settings: MeasureSettings | None = None,
+    console: Console | None = None,
+) -> tuple[Measurement | None, list[Measurement]]:
+    """Time every spec, re-time the best few, check the winner; (winner or None, all)."""
+    settings = settings or MeasureSettings()
+    results = [Measurement(s) for s in specs]
+    console = console or Console(stderr=True)
+    columns = (
+        TextColumn("[bold]tuning"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} {task.description}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("", total=len(results) + settings.retime_top)
+        for m in results:
+            progress.update(task, description=m.spec.uri)
+            _time_one(bench, m, settings.budget_ms, retime=False)
+            progress.advance(task)
+        top = [m for m in ranked(results) if math.isfinite(m.score)][: settings.retime_top]
+        for m in top:
+            progress.update(task, description=f"re-timing {m.spec.uri}")
+            _time_one(bench, m, settings.retime_budget_ms, retime=True)
+            progress.advance(task)
+    return choose(results, bench), results
+
+
+def choose(results: list[Measurement], bench: Bench) -> Measurement | None:
+    """The fastest candidate whose output passes the reference check (None if none does)."""
+    for m in ranked(results):
+        if not math.isfinite(m.score):
+            break
+        try:
+            problem = bench.check(m.spec)
+        except (KernelgenError, RuntimeError, ValueError, TypeError, MemoryError) as exc:
+            problem = _first_line(exc)
+        if problem is None:
+            m.status = "winner"
+            return m
+        m.status, m.reason = "rejected", f"output check failed: {problem}"
+        log.warning("rejected %s: %s", m.spec.uri, m.reason)
+    return None

@@ -1,0 +1,285 @@
+"""CPU tier: candidates, pruning, keys, bucketing, the winner's choice and the controls."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+from test_tuning_fakes import DEVICE, FAST, SOFTWARE, FakeBench, fake_compile, fake_tuner, problem
+
+from kernelgen.api import default_spec
+from kernelgen.errors import KernelgenError
+from kernelgen.tuning import (
+    DeviceInfo,
+    ProblemDesc,
+    TuningDB,
+    TuningMissError,
+    clear_memo,
+    make_key,
+    prune,
+    select_spec,
+    tune_problem,
+    warmup,
+)
+from kernelgen.tuning.candidates import valid_candidates
+from kernelgen.tuning.key import pow2_bucket
+from kernelgen.tuning.measure import measure
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
+    monkeypatch.delenv("KERNELGEN_PRINT_AUTOTUNING", raising=False)
+    clear_memo()
+    yield
+    clear_memo()
+
+
+# ---- candidates and pruning ---------------------------------------------------------------
+def test_candidate_space_is_tens_not_thousands():
+    for dtype in ("bfloat16", "float16", "float32"):
+        specs, _ = valid_candidates(problem(dtype=dtype), "sm_90")
+        assert 5 <= len(specs) <= 40, (dtype, len(specs))
+        assert len({s.uri for s in specs}) == len(specs)
+    bf16, _ = valid_candidates(problem(), "sm_90")
+    assert any(s.mma == "mma_sync" for s in bf16) and any(s.mma == "simt" for s in bf16)
+    fp32, _ = valid_candidates(problem(dtype="float32"), "sm_90")
+    assert all(s.mma == "simt" for s in fp32)
+
+
+def test_pruning_reasons(caplog):
+    spilling = "fa_fwd_v2_tc_bf16_d256_m64_n32_w4_s2_swz"
+    broken = "fa_fwd_v2_tc_bf16_d256_m64_n32_w4_s2_pad"
+    p = problem(head_dim=256)
+    device = DeviceInfo("small smem", "8.6", 84)  # 99 KiB of shared memory per block
+    with caplog.at_level(logging.INFO, logger="kernelgen.tuning"):
+        kept, dropped = prune(p, device, fake_compile(frozenset({spilling}), frozenset({broken})))
+    why = {d.uri: (d.stage, d.reason) for d in dropped}
+    assert why[spilling][0] == "resources" and "spill" in why[spilling][1]
+    assert why[broken][0] == "resources" and "compile failed" in why[broken][1]
+    smem = [d for d in dropped if "exceeds" in d.reason]
+    assert smem and all(d.stage == "validation" and "sm_86" in d.reason for d in smem)
+    assert all(c.spec.smem_bytes <= 99 * 1024 for c in kept)
+    assert {spilling, broken}.isdisjoint(c.spec.uri for c in kept)
+    assert sum("dropped" in r.message for r in caplog.records) == len(dropped)
+
+
+def test_invalid_combinations_are_dropped_with_the_spec_message():
+    _, dropped = valid_candidates(problem(head_dim=80), "sm_90")
+    swizzled = [d for d in dropped if "smem_layout=swizzled" in d.uri]
+    assert swizzled and all("multiple of 64" in d.reason for d in swizzled)
+
+
+def test_occupancy_drops_tilings_that_leave_sms_idle():
+    p = problem(batch=1, num_heads=1, num_kv_heads=1, seqlen_q=128, seqlen_k=4096)
+    kept, dropped = prune(p, DEVICE, fake_compile())
+    occupancy = [d for d in dropped if d.stage == "occupancy"]
+    assert occupancy and all("blocks" in d.reason for d in occupancy)
+    assert min(c.spec.block_m for c in kept) == 32  # the tiling with the most blocks survives
+    assert all(c.spec.block_m == 32 for c in kept if c.spec.loop_order == "v2")
+
+
+# ---- keys and buckets ----------------------------------------------------------------------
+def test_power_of_two_buckets():
+    assert [pow2_bucket(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+    a = problem(seqlen_q=1000, seqlen_k=600, batch=3, num_heads=5, num_kv_heads=5)
+    b = problem(seqlen_q=1024, seqlen_k=1024, batch=1, num_heads=16, num_kv_heads=16)
+    assert a.bucket() == b.bucket()
+    assert problem(seqlen_q=1025).bucket() != b.bucket()
+    assert problem(num_kv_heads=4).bucket().gqa_ratio == 4
+    assert problem(num_kv_heads=4).bucket() != b.bucket()
+    assert problem(causal=True).bucket() != b.bucket()
+    assert problem(mask=True).bucket() != b.bucket()
+
+
+def test_shape_strings_and_dtype_aliases():
+    p = ProblemDesc.from_shape("2,16,4,1000,2000,128", "bf16", causal=True)
+    assert (p.dtype, p.gqa_ratio, p.batch_heads, p.causal) == ("bfloat16", 4, 32, True)
+    for bad in ("1,2,3", "a,b,c,d,e,f", "1,16,5,8,8,64"):
+        with pytest.raises(KernelgenError):
+            ProblemDesc.from_shape(bad, "fp16")
+    with pytest.raises(KernelgenError):
+        ProblemDesc.from_shape("1,1,1,8,8,64", "int8")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("device", {"name": "Other GPU"}),
+        ("device", {"sm_count": 114}),
+        ("device", {"compute_capability": "8.0"}),
+        ("software", {"template_hash": "cd" * 32}),
+        ("software", {"kernelgen": "0.2.0"}),
+        ("software", {"nvrtc": "13.1"}),
+        ("software", {"cupy": "14.1.0"}),
+    ],
+)
+def test_another_device_or_software_never_hits(change):
+    part, fields = change
+    key = make_key(problem(), DEVICE, SOFTWARE)
+    db = TuningDB()
+    db.save(fake_tuner()(problem(), key))
+    assert db.load(key) is not None
+    device = dataclasses.replace(DEVICE, **fields) if part == "device" else DEVICE
+    software = dataclasses.replace(SOFTWARE, **fields) if part == "software" else SOFTWARE
+    other = make_key(problem(), device, software)
+    assert other.id != key.id
+    assert db.load(other) is None
+    db.path(other).write_bytes(db.path(key).read_bytes())  # even under the other key's name
+    assert db.load(other) is None
+
+
+def test_l2_size_is_not_part_of_the_key():
+    bigger = dataclasses.replace(DEVICE, l2_bytes=50 << 20)
+    assert make_key(problem(), bigger, SOFTWARE) == make_key(problem(), DEVICE, SOFTWARE)
+
+
+# ---- measurement and the choice ------------------------------------------------------------
+def specs_for(p):
+    return [c.spec for c in prune(p, DEVICE, fake_compile())[0]]
+
+
+def test_same_timings_give_the_same_winner():
+    specs = specs_for(problem())
+    first, _ = measure(specs, FakeBench(), FAST)
+    second, _ = measure(list(reversed(specs)), FakeBench(), FAST)
+    assert first is not None and second is not None
+    assert first.spec == second.spec
+
+
+def test_ties_are_broken_by_uri_whatever_the_order():
+    specs = specs_for(problem())
+    winners = {
+        measure(order, FakeBench(timing=lambda s: 1.0), FAST)[0].spec.uri
+        for order in (specs, list(reversed(specs)), specs[3:] + specs[:3])
+    }
+    assert winners == {min(s.uri for s in specs)}
+
+
+def test_failures_score_infinity_and_the_best_few_are_retimed():
+    specs = specs_for(problem())
+    fastest = min(specs, key=lambda s: (FakeBench().timing(s), s.uri))
+    bench = FakeBench(fail=frozenset({fastest.uri}))
+    winner, results = measure(specs, bench, FAST)
+    failed = next(m for m in results if m.spec == fastest)
+    assert failed.status == "failed" and failed.median_ms == float("inf")
+    assert winner is not None and winner.spec != fastest
+    assert len(bench.timed) == len(specs) - 1 + FAST.retime_top
+    assert sum(m.retime_ms is not None for m in results) == FAST.retime_top
+    assert failed.as_dict()["median_ms"] is None  # JSON has no infinity
+
+
+def test_a_wrong_output_rejects_the_winner_for_the_next_best():
+    specs = specs_for(problem())
+    ranked = sorted(specs, key=lambda s: (FakeBench().timing(s), s.uri))
+    bench = FakeBench(wrong=frozenset({ranked[0].uri}))
+    winner, results = measure(specs, bench, FAST)
+    assert winner is not None and winner.spec == ranked[1]
+    assert bench.checked == [ranked[0].uri, ranked[1].uri]
+    assert next(m for m in results if m.spec == ranked[0]).status == "rejected"
+
+
+def test_tune_problem_records_every_candidate_and_drop():
+    p = problem(head_dim=80)
+    key = make_key(p, DEVICE, SOFTWARE)
+    record = tune_problem(p, key, FakeBench(), compile_fn=fake_compile(), settings=FAST)
+    assert len(record.candidates) == len(specs_for(p))
+    assert sum(c["status"] == "winner" for c in record.candidates) == 1
+    assert record.dropped and all({"uri", "stage", "reason"} <= set(d) for d in record.dropped)
+    assert record.tuned_shape["head_dim"] == 80
+
+
+# ---- select_spec and the controls ---------------------------------------------------------
+def counting_tuner():
+    calls = []
+    inner = fake_tuner()
+
+    def tuner(p, key):
+        calls.append(key.id)
+        return inner(p, key)
+
+    return tuner, calls
+
+
+def test_select_spec_tunes_once_then_reads_the_database():
+    tuner, calls = counting_tuner()
+    spec = select_spec(problem(), DEVICE, software=SOFTWARE, tuner=tuner)
+    assert select_spec(problem(seqlen_q=900), DEVICE, software=SOFTWARE, tuner=tuner) == spec
+    clear_memo()  # a new process: the disk answers
+    assert select_spec(problem(), DEVICE, software=SOFTWARE, tuner=tuner) == spec
+    assert len(calls) == 1
+    assert spec.archs == ("sm_90",)
+
+
+def test_autotune_off_uses_the_heuristic_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    tuner, calls = counting_tuner()
+    spec = select_spec(problem(causal=True), DEVICE, software=SOFTWARE, tuner=tuner)
+    assert spec == default_spec("bfloat16", 128, True, "sm_90")
+    assert calls == [] and not (tmp_path / "cache").exists()
+
+
+def test_offline_mode_raises_on_a_miss_and_reads_hits(monkeypatch):
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "offline")
+    tuner, calls = counting_tuner()
+    with pytest.raises(TuningMissError) as info:
+        select_spec(problem(), DEVICE, software=SOFTWARE, tuner=tuner)
+    assert isinstance(info.value, KernelgenError) and "kernelgen tune" in str(info.value)
+    spec = select_spec(problem(), DEVICE, software=SOFTWARE, tuner=tuner, mode="on")
+    clear_memo()
+    assert select_spec(problem(), DEVICE, software=SOFTWARE, tuner=tuner) == spec
+    assert len(calls) == 1
+
+
+def test_bad_autotune_value_is_a_typed_error(monkeypatch):
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "maybe")
+    with pytest.raises(KernelgenError, match="KERNELGEN_AUTOTUNE"):
+        select_spec(problem(), DEVICE, software=SOFTWARE, tuner=fake_tuner())
+
+
+def test_print_autotuning(monkeypatch, capsys):
+    monkeypatch.setenv("KERNELGEN_PRINT_AUTOTUNING", "1")
+    spec = select_spec(problem(), DEVICE, software=SOFTWARE, tuner=fake_tuner())
+    err = capsys.readouterr().err
+    key = make_key(problem(), DEVICE, SOFTWARE)
+    assert key.id in err and spec.uri in err and " ms)" in err
+
+
+def test_memo_hit_does_no_file_io(monkeypatch):
+    spec = select_spec(problem(), DEVICE, software=SOFTWARE, tuner=fake_tuner())
+
+    def no_io(*args, **kwargs):
+        raise AssertionError("file I/O on a memo hit")
+
+    import builtins
+    import io
+    import os
+    import pathlib
+
+    for target, name in (
+        (builtins, "open"),
+        (io, "open"),
+        (os, "open"),
+        (os, "stat"),
+        (pathlib.Path, "read_text"),
+        (pathlib.Path, "open"),
+        (TuningDB, "load"),
+    ):
+        monkeypatch.setattr(target, name, no_io)
+    assert select_spec(problem(), DEVICE, software=SOFTWARE, tuner=fake_tuner()) == spec
+
+
+def test_warmup_pretunes_shapes():
+    tuner, calls = counting_tuner()
+    specs = warmup(
+        ["1,8,8,512,512,64", (1, 8, 2, 2048, 2048, 64)],
+        "fp16",
+        causal=True,
+        device=DEVICE,
+        software=SOFTWARE,
+        tuner=tuner,
+    )
+    assert len(specs) == 2 and all(s.dtype == "float16" and s.causal for s in specs)
+    assert len(calls) == 2

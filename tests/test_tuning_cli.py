@@ -1,0 +1,139 @@
+"""CPU tier (plus NVRTC for one dry run): `kernelgen tune` and `kernelgen cache`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import typer
+from conftest import require_toolchain
+from test_tuning_fakes import DEVICE, SOFTWARE, fake_compile, fake_tuner, problem
+from typer.testing import CliRunner
+
+from kernelgen import cli_tune
+from kernelgen.compile import nvrtc_available
+from kernelgen.tuning import TuningDB, clear_memo, make_key, select_spec
+
+runner = CliRunner()
+app = typer.Typer()
+
+
+@app.callback()
+def _root() -> None:
+    """Stands in for the kernelgen command."""
+
+
+cli_tune.register(app)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
+    clear_memo()
+    yield
+    clear_memo()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_dry_run_with_a_fake_compile(monkeypatch):
+    from kernelgen.tuning import candidates
+
+    spilling = "fa_fwd_v2_tc_f16_d64_m128_n128_w8_s3_swz_causal"
+    monkeypatch.setattr(candidates, "offline_resources", fake_compile(frozenset({spilling})))
+    result = run(
+        "tune", "--shape", "2,16,16,2048,2048,64", "--dtype", "fp16", "--causal", "--dry-run"
+    )
+    assert result.exit_code == 0, result.output
+    assert "fa_fwd_v2_tc_f16_d64_m64_n64_w4_s2_swz_causal" in result.stdout
+    assert f"drop [resources] {spilling}: ptxas" in result.stdout
+    assert "dry run: nothing timed" in result.stdout
+
+
+@pytest.mark.compile
+def test_dry_run_compiles_offline_without_a_gpu():
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings)")
+    result = run(
+        "tune", "--shape", "1,4,4,256,256,32", "--dtype", "fp32", "--dry-run", "--arch", "sm_80"
+    )
+    assert result.exit_code == 0, result.output
+    assert "fa_fwd_v2_f32_d32" in result.stdout and "sm_80" in result.stdout
+    assert "drop [occupancy]" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("tune", "--shape", "1,2,3", "--dry-run"),
+        ("tune", "--shape", "1,8,8,64,64,64", "--dtype", "int8", "--dry-run"),
+        ("tune", "--shape", "1,8,8,64,64,64", "--dry-run", "--arch", "hopper"),
+        ("tune", "--shape", "1,8,8,64,64,64"),  # no GPU (or no CuPy) here
+        ("cache", "show", "no-such-key"),
+    ],
+)
+def test_problems_are_one_line_and_exit_2(args, monkeypatch):
+    if args[-1] == "1,8,8,64,64,64":
+        from kernelgen.errors import ToolchainMissingError
+
+        def no_gpu():
+            raise ToolchainMissingError("CuPy is not installed; install kernelgen[cuda]")
+
+        monkeypatch.setattr(cli_tune, "current_environment", no_gpu)
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_cache_round_trip(tmp_path, monkeypatch):
+    problems = [problem(), problem(dtype="float16", causal=True)]
+    specs = [select_spec(p, DEVICE, software=SOFTWARE, tuner=fake_tuner()) for p in problems]
+    keys = [make_key(p, DEVICE, SOFTWARE) for p in problems]
+
+    listed = run("cache", "list")
+    assert listed.exit_code == 0
+    assert all(k.id[:20] in listed.stdout for k in keys)
+
+    shown = run("cache", "show", keys[0].id[:24])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["key_id"] == keys[0].id
+
+    bundle = tmp_path / "tuning.json"
+    assert run("cache", "export", str(bundle)).exit_code == 0
+    assert run("cache", "clear").exit_code == 0
+    assert TuningDB().records() == []
+
+    monkeypatch.setattr(cli_tune, "current_environment", lambda: (DEVICE, SOFTWARE))
+    imported = run("cache", "import", str(bundle))
+    assert imported.exit_code == 0, imported.output
+    assert "imported 2 records" in imported.stdout
+    clear_memo()
+    for p, spec in zip(problems, specs, strict=True):
+        assert select_spec(p, DEVICE, software=SOFTWARE, mode="offline") == spec
+
+
+def test_import_rejects_another_device_or_software(tmp_path, monkeypatch):
+    select_spec(problem(), DEVICE, software=SOFTWARE, tuner=fake_tuner())
+    bundle = tmp_path / "tuning.json"
+    assert run("cache", "export", str(bundle)).exit_code == 0
+    run("cache", "clear")
+    newer = dataclasses.replace(SOFTWARE, kernelgen="9.9.9")
+    monkeypatch.setattr(cli_tune, "current_environment", lambda: (DEVICE, newer))
+    result = run("cache", "import", str(bundle))
+    assert result.exit_code == 2
+    assert "rejected" in result.stderr and "Fake GPU" in result.stderr
+    assert "kernelgen 0.1.0" in result.stderr
+    assert TuningDB().records() == []
+
+
+def test_import_of_a_damaged_bundle_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli_tune, "current_environment", lambda: (DEVICE, SOFTWARE))
+    bundle = tmp_path / "bad.json"
+    bundle.write_text('{"format": 1, "checksum": "x", "payload": {}}')
+    result = run("cache", "import", str(bundle))
+    assert result.exit_code == 2 and "not a kernelgen tuning export" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
