@@ -38,33 +38,28 @@ TORCH_PEERS: tuple[str, ...] = tuple(p.name for p in PEERS if p.family == "torch
 TENSOR_CORE_PEER = "kg-tc-v2"
 FLASH_PEER = "torch-flash"
 
-# (block_m, num_warps): the mma_sync kernels give each warp 16 query rows.
-_WARP_TILES = ((64, 4), (128, 8))
-
 
 def tensor_core_candidates(quick: bool = False) -> list[dict[str, Any]]:
-    """Spec-field overrides for the tensor-core (mma_sync) v2 kernel, fastest guesses first.
+    """Spec-field overrides for the tensor-core (mma_sync) v2 kernel: the autotuner's grid
+    (kernelgen.tuning.candidates), so "best of N" here is the exhaustive check of its choice.
+    Quick: 2 stages, swizzled, block_n 64/128 only."""
+    from kernelgen.tuning.candidates import TC_BLOCK_N, TC_LAYOUTS, TC_STAGES, TC_WARPS
 
-    Full: block_m 64/128 (4/8 warps) x block_n 64/128 x stages 2/3 x padded/swizzled (16).
-    Quick: block_m 64/128 x block_n 64/128, 2 stages, swizzled (4)."""
-    block_ns = (64, 128)
-    stages = (2,) if quick else (2, 3)
-    layouts = ("swizzled",) if quick else ("swizzled", "padded")
-    out = []
-    for (block_m, warps), block_n, depth, layout in itertools.product(
-        _WARP_TILES, block_ns, stages, layouts
-    ):
-        fields: dict[str, Any] = {
+    block_ns = (64, 128) if quick else TC_BLOCK_N
+    stages = TC_STAGES[:1] if quick else TC_STAGES
+    layouts = ("swizzled",) if quick else TC_LAYOUTS
+    return [
+        {
             "loop_order": "v2",
             "mma": "mma_sync",
-            "block_m": block_m,
+            "block_m": 16 * warps,  # each warp owns 16 query rows
             "block_n": block_n,
             "num_warps": warps,
             "stages": depth,
             "smem_layout": layout,
         }
-        out.append(fields)
-    return out
+        for warps, block_n, depth, layout in itertools.product(TC_WARPS, block_ns, stages, layouts)
+    ]
 
 
 def candidate_label(fields: dict[str, Any]) -> str:

@@ -160,8 +160,13 @@ def test_tensor_core_candidates_follow_the_mma_rules():
             assert c["block_m"] == 16 * c["num_warps"]
             assert 2 <= c["stages"] <= 4
             assert c["smem_layout"] in ("padded", "swizzled")
+    from kernelgen.tuning.candidates import TC_BLOCK_N, TC_LAYOUTS, TC_STAGES, TC_WARPS
+
     labels = [candidate_label(c) for c in tensor_core_candidates()]
-    assert len(set(labels)) == len(labels) == 16
+    # the autotuner's whole tensor-core grid, each point once
+    grid = len(TC_WARPS) * len(TC_BLOCK_N) * len(TC_STAGES) * len(TC_LAYOUTS)
+    assert len(set(labels)) == len(labels) == grid
+    assert len(tensor_core_candidates(quick=True)) == 4
     assert "m64n128w4s2-swz" in labels
     assert v1_fields({"loop_order": "v2", "block_m": 64})["loop_order"] == "v1"
 
