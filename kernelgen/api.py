@@ -13,7 +13,7 @@ from typing import Any, Literal
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
 from kernelgen.launch import Problem, import_cupy, runtime_kernel
-from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec
+from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, swizzle_fits
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -239,7 +239,6 @@ def default_spec(
     """
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     if tensor_cores and dtype in ("float16", "bfloat16"):
-        head_dim_padded = -(-head_dim // 16) * 16
         return KernelSpec(
             loop_order="v2",
             dtype=dtype,
@@ -249,7 +248,7 @@ def default_spec(
             num_warps=4,
             causal=causal,
             mma="mma_sync",
-            smem_layout="swizzled" if head_dim_padded % 64 == 0 else "padded",
+            smem_layout="swizzled" if swizzle_fits(head_dim) else "padded",
             archs=archs,
         )
     block_m = 64 if head_dim <= 128 else 32

@@ -37,6 +37,17 @@ MMA_STAGES = (2, 3, 4)
 MMA_PAD_WORDS = {"padded": 4, "swizzled": 0}
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim rounded up to the mma k-step of 16 (the extra columns are zeros in smem)."""
+    return -(-head_dim // 16) * 16
+
+
+def swizzle_fits(head_dim: int) -> bool:
+    """The XOR swizzle permutes groups of 8 chunks of 16 bytes: the padded row must hold whole
+    groups (fp16/bf16: a multiple of 64 elements)."""
+    return padded_head_dim(head_dim) % 64 == 0
+
+
 def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
     if value not in allowed:
         raise ValueError(
@@ -210,7 +221,7 @@ class KernelSpec(BaseModel):
                 f"smem_pad={self.smem_pad} is not allowed with mma='mma_sync' and smem_layout="
                 f"{self.smem_layout!r}; leave it out (it is {MMA_PAD_WORDS[self.smem_layout]})"
             )
-        if self.smem_layout == "swizzled" and self.head_dim_padded % 64:
+        if self.smem_layout == "swizzled" and not swizzle_fits(self.head_dim):
             problems.append(
                 f"smem_layout='swizzled' is not allowed with head_dim={self.head_dim}: the swizzle "
                 "permutes 8 chunks of 16 bytes, so head_dim rounded up to 16 must be a multiple "
@@ -244,7 +255,7 @@ class KernelSpec(BaseModel):
     @property
     def head_dim_padded(self) -> int:
         """Head dim rounded up to the mma k-step of 16 (the extra columns are zeros in smem)."""
-        return -(-self.head_dim // 16) * 16
+        return padded_head_dim(self.head_dim)
 
     @property
     def elem_bytes(self) -> int:
