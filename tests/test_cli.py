@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, SPEC_PATHS, require_toolchain
 from typer.testing import CliRunner
 
@@ -119,3 +120,18 @@ def test_console_script_exits_2_without_traceback(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "dtype='float64' is not allowed" in done.stderr
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """pyproject lists packages explicitly: a new subpackage must be listed or a non-editable
+    install cannot import it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "kernelgen").rglob("__init__.py")
+    }
+    assert found <= listed, found - listed
