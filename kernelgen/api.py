@@ -223,6 +223,9 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
     return mask
 
 
+DECODE_MAX_ROWS = 64  # packed query rows (seqlen_q x query heads per K/V head) of a decode call
+
+
 def default_spec(
     dtype: str,
     head_dim: int,
@@ -230,25 +233,35 @@ def default_spec(
     arch: str | None = None,
     *,
     tensor_cores: bool = True,
+    decode_rows: int | None = None,
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
     float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps x 16 rows, 64 keys
-    per tile (32 above head_dim 128), two stages, swizzled where the head dim allows. Otherwise
-    the CUDA-core v2 kernel with the largest tiles that fit.
+    per tile (32 above head_dim 128), two stages, swizzled where the head dim allows. With
+    ``decode_rows`` (seqlen_q times the query heads per K/V head) of at most
+    :data:`DECODE_MAX_ROWS`: the decode kernel instead, GQA heads packed into the rows of one
+    tile, split-KV, as few warps as hold the rows. Otherwise the CUDA-core v2 kernel with the
+    largest tiles that fit.
     """
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     if tensor_cores and dtype in ("float16", "bfloat16"):
+        decode = decode_rows is not None and decode_rows <= DECODE_MAX_ROWS
+        warps = 4
+        if decode:
+            warps = next(w for w in (1, 2, 4) if 16 * w >= decode_rows)
         return KernelSpec(
             loop_order="v2",
             dtype=dtype,
             head_dim=head_dim,
-            block_m=64,
+            block_m=16 * warps,
             block_n=64 if head_dim <= 128 else 32,
-            num_warps=4,
+            num_warps=warps,
             causal=causal,
             mma="mma_sync",
             smem_layout="swizzled" if swizzle_fits(head_dim) else "padded",
+            pack_gqa=decode,
+            split_kv=decode,
             archs=archs,
         )
     block_m = 64 if head_dim <= 128 else 32

@@ -12,7 +12,7 @@ import numpy as np
 
 from kernelgen.compile import COMMON_OPTIONS, cuda_include_dir
 from kernelgen.errors import CompileError, ToolchainMissingError
-from kernelgen.render import kernel_params, render, workspace_floats
+from kernelgen.render import COMBINE_WARPS, Param, combine_params, kernel_params, render, workspace_floats
 from kernelgen.spec import KernelSpec
 
 DEFAULT_DYNAMIC_SMEM = 48 * 1024  # above this a kernel must opt in
@@ -43,60 +43,163 @@ class Problem:
     v_strides: tuple[int, int, int]
     out_strides: tuple[int, int, int]
     mask_strides: tuple[int, int, int, int] = (0, 0, 0, 0)
+    num_splits: int = 1  # key chunks of a split-KV spec (1 for the others)
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
 
 
-def launch_geometry(spec: KernelSpec, problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(grid, block) for a problem: v2 launches a block per Q tile and head, v1 one per head."""
-    heads = problem.batch * problem.num_heads
+MAX_SPLITS = 128
+Grid = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class LaunchStep:
+    """One kernel launch of a spec's plan: symbol, parameters, geometry, dynamic shared memory."""
+
+    symbol: str
+    params: tuple[Param, ...]
+    grid: Grid
+    block: Grid
+    shared_mem: int
+
+
+def tile_rows(spec: KernelSpec, problem: Problem) -> int:
+    """Rows a thread block's tiles walk through: the queries of one head, or with ``pack_gqa``
+    the (query, head) pairs of the query heads that share one key/value head."""
+    return problem.seqlen_q * (problem.group if spec.pack_gqa else 1)
+
+
+def launch_geometry(spec: KernelSpec, problem: Problem) -> tuple[Grid, Grid]:
+    """(grid, block) of the main kernel: v2 launches a block per row tile, head (key/value head
+    with ``pack_gqa``) and key chunk (``split_kv``); v1 one block per head."""
+    heads = problem.batch * (problem.num_kv_heads if spec.pack_gqa else problem.num_heads)
     if spec.loop_order == "v2":
-        grid = (math.ceil(problem.seqlen_q / spec.block_m), heads, 1)
+        splits = problem.num_splits if spec.split_kv else 1
+        grid = (math.ceil(tile_rows(spec, problem) / spec.block_m), heads, splits)
     else:
         grid = (heads, 1, 1)
     return grid, (spec.threads, 1, 1)
 
 
+def launch_steps(spec: KernelSpec, problem: Problem) -> list[LaunchStep]:
+    """The launches that compute one attention call, in order (split-KV: main, then combine)."""
+    grid, block = launch_geometry(spec, problem)
+    steps = [LaunchStep(spec.uri, kernel_params(spec), grid, block, spec.smem_bytes)]
+    if spec.split_kv:
+        rows = problem.batch * problem.num_heads * problem.seqlen_q
+        steps.append(
+            LaunchStep(
+                spec.combine_uri,
+                combine_params(spec),
+                (math.ceil(rows / COMBINE_WARPS), 1, 1),
+                (32 * COMBINE_WARPS, 1, 1),
+                0,
+            )
+        )
+    return steps
+
+
+def scratch_floats(spec: KernelSpec, problem: Problem) -> dict[str, int]:
+    """fp32 scratch buffers a launch needs, by parameter name: v1's row states, split-KV's
+    per-chunk outputs and LSEs, laid out (split, batch * num_heads, seqlen_q[, head_dim])."""
+    rows = problem.batch * problem.num_heads * problem.seqlen_q
+    buffers = {}
+    if spec.loop_order == "v1":
+        buffers["workspace"] = workspace_floats(
+            spec, problem.batch, problem.num_heads, problem.seqlen_q
+        )
+    if spec.split_kv:
+        buffers["o_partial"] = problem.num_splits * rows * spec.head_dim
+        buffers["lse_partial"] = problem.num_splits * rows
+    return buffers
+
+
+def default_num_splits(
+    spec: KernelSpec, problem: Problem, sm_count: int, smem_per_sm: int = 228 * 1024
+) -> int:
+    """Key chunks for a split-KV launch: enough blocks to fill the GPU's block slots in nearly
+    whole waves, never more chunks than key tiles, 1 when the grid already fills the GPU.
+
+    Uses the padded ``problem.seqlen_k`` (per-sequence lengths are on the device)."""
+    if not spec.split_kv:
+        return 1
+    grid, _ = launch_geometry(spec, Problem(**{**problem.__dict__, "num_splits": 1}))
+    blocks = grid[0] * grid[1]
+    per_sm = max(1, min(smem_per_sm // max(spec.smem_bytes, 1), 2048 // spec.threads))
+    slots = sm_count * per_sm
+    if blocks >= 0.8 * slots:
+        return 1
+    key_tiles = math.ceil(problem.seqlen_k / spec.block_n)
+    efficiency = {}
+    for splits in range(1, min(MAX_SPLITS, key_tiles) + 1):
+        # a count that leaves the chunk size unchanged only adds empty chunks
+        if splits > 1 and math.ceil(key_tiles / splits) == math.ceil(key_tiles / (splits - 1)):
+            continue
+        waves = blocks * splits / slots
+        efficiency[splits] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return min(s for s, e in efficiency.items() if e >= 0.85 * best)
+
+
 class RuntimeKernel:
-    """A spec's kernel compiled for the current device, ready to launch."""
+    """A spec's kernels compiled for the current device, ready to launch."""
 
     def __init__(self, spec: KernelSpec) -> None:
         cupy = import_cupy()
         self.spec = spec
-        self.params = kernel_params(spec)
         source = render(spec)
         options = [*COMMON_OPTIONS]
         with contextlib.suppress(ToolchainMissingError):  # else CuPy's own include directory
             options.append(f"-I{cuda_include_dir()}")
+        symbols = [spec.uri] + ([spec.combine_uri] if spec.split_kv else [])
         try:
             module = cupy.RawModule(code=source, options=tuple(options), backend="nvrtc")
-            self.function = module.get_function(spec.uri)
+            self.functions = {symbol: module.get_function(symbol) for symbol in symbols}
         except cupy.cuda.compiler.CompileException as exc:
             from kernelgen.compile import save_failed_source
 
             raise CompileError(spec.uri, str(exc), save_failed_source(spec.uri, source)) from None
         if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM:
-            self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
+            self.functions[spec.uri].max_dynamic_shared_size_bytes = spec.smem_bytes
 
-    def __call__(self, tensors: dict[str, Any], problem: Problem, scale: float) -> None:
-        """Launch on CuPy arrays ``tensors`` (q, k, v, out, lse and optionally mask)."""
+    def __call__(
+        self, tensors: dict[str, Any], problem: Problem, scale: float, num_splits: int | None = None
+    ) -> None:
+        """Launch on CuPy arrays ``tensors`` (q, k, v, out, lse; optionally mask, seqlens_k).
+
+        ``num_splits`` (split-KV specs) defaults to :func:`default_num_splits`."""
         cupy = import_cupy()
-        floats = workspace_floats(self.spec, problem.batch, problem.num_heads, problem.seqlen_q)
-        if floats:
-            tensors = {**tensors, "workspace": cupy.empty(floats, dtype=cupy.float32)}
-        args = kernel_arguments(self.spec, problem, tensors, scale, null=np.uint64(0))
-        grid, block = launch_geometry(self.spec, problem)
-        self.function(grid, block, tuple(args), shared_mem=self.spec.smem_bytes)
+        if self.spec.split_kv:
+            if num_splits is None:
+                sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+                num_splits = default_num_splits(self.spec, problem, sm_count)
+            problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
+        scratch = {
+            name: cupy.empty(floats, dtype=cupy.float32)
+            for name, floats in scratch_floats(self.spec, problem).items()
+        }
+        tensors = {**tensors, **scratch}
+        for step in launch_steps(self.spec, problem):
+            args = kernel_arguments(step.params, problem, tensors, scale, null=np.uint64(0))
+            self.functions[step.symbol](
+                step.grid, step.block, tuple(args), shared_mem=step.shared_mem
+            )
 
 
 def kernel_arguments(
-    spec: KernelSpec, problem: Problem, tensors: dict[str, Any], scale: float, null: Any
+    params: tuple[Param, ...], problem: Problem, tensors: dict[str, Any], scale: float, null: Any
 ) -> list[Any]:
-    """Arguments in the order of :func:`kernel_params`; absent tensors become ``null``."""
+    """Arguments in the order of ``params``; absent tensors become ``null``."""
     values: dict[str, Any] = {
         "batch": problem.batch,
         "num_heads": problem.num_heads,
         "num_kv_heads": problem.num_kv_heads,
         "seqlen_q": problem.seqlen_q,
-        "seqlen_k": problem.seqlen_k,
+        "max_seqlen_k": problem.seqlen_k,
+        "num_splits": problem.num_splits,
         "scale_log2": scale * math.log2(math.e),
     }
     for tensor, axes, strides in (
@@ -110,7 +213,7 @@ def kernel_arguments(
             values[f"{tensor}_stride_{axis}"] = stride
     casts = {"int": np.int32, "long long": np.int64, "float": np.float32}
     args = []
-    for param in kernel_params(spec):
+    for param in params:
         if param.ctype in casts:
             args.append(casts[param.ctype](values[param.name]))
         else:

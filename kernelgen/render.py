@@ -50,6 +50,9 @@ CXX_ELEMENT: dict[str, CxxElement] = {
 }
 
 
+COMBINE_WARPS = 4  # the split-KV combine kernel folds one (batch, head, query) row per warp
+
+
 @dataclass(frozen=True)
 class Param:
     """One kernel parameter; ``launch`` packs arguments in this order."""
@@ -63,26 +66,44 @@ def _strides(tensor: str, axes: str) -> list[Param]:
 
 
 def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
-    """The generated kernel's parameter list (the contract between render and launch)."""
+    """The main kernel's parameter list (the contract between render and launch).
+
+    A split-KV kernel writes fp32 partials (o_partial, lse_partial) instead of out and lse;
+    ``seqlens_k`` (per-sequence key lengths, or null) clamps ``seqlen_k`` for each batch entry."""
     elem = CXX_ELEMENT[spec.dtype].name
     params = [
         Param("q", f"const {elem}*"),
         Param("k", f"const {elem}*"),
         Param("v", f"const {elem}*"),
-        Param("out", f"{elem}*"),
-        Param("lse", "float*"),
-        Param("mask", "const float*"),
     ]
+    if spec.split_kv:
+        params += [Param("o_partial", "float*"), Param("lse_partial", "float*")]
+    else:
+        params += [Param("out", f"{elem}*"), Param("lse", "float*")]
+    params += [Param("mask", "const float*"), Param("seqlens_k", "const int*")]
     if spec.loop_order == "v1":
         params.append(Param("workspace", "float*"))
-    params += [
-        Param(name, "int")
-        for name in ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k")
-    ]
+    names = ["batch", "num_heads", "num_kv_heads", "seqlen_q", "max_seqlen_k"]
+    params += [Param(name, "int") for name in names + (["num_splits"] if spec.split_kv else [])]
     params += _strides("q", "bhs") + _strides("k", "bhs") + _strides("v", "bhs")
-    params += _strides("out", "bhs") + _strides("mask", "bhqk")
+    if not spec.split_kv:
+        params += _strides("out", "bhs")
+    params += _strides("mask", "bhqk")
     params.append(Param("scale_log2", "float"))
     return tuple(params)
+
+
+def combine_params(spec: KernelSpec) -> tuple[Param, ...]:
+    """Parameters of a split-KV spec's combine kernel: partials in, out and lse out."""
+    elem = CXX_ELEMENT[spec.dtype].name
+    params = [
+        Param("o_partial", "const float*"),
+        Param("lse_partial", "const float*"),
+        Param("out", f"{elem}*"),
+        Param("lse", "float*"),
+    ]
+    params += [Param(name, "int") for name in ("batch", "num_heads", "seqlen_q", "num_splits")]
+    return tuple(params + _strides("out", "bhs"))
 
 
 def workspace_floats(spec: KernelSpec, batch: int, num_heads: int, seqlen_q: int) -> int:
@@ -132,6 +153,9 @@ def render(spec: KernelSpec) -> str:
         uri=spec.uri,
         elem=CXX_ELEMENT[spec.dtype],
         params=kernel_params(spec),
+        combine_params=combine_params(spec) if spec.split_kv else (),
+        combine_uri=spec.combine_uri,
+        combine_warps=COMBINE_WARPS,
         spec_yaml=spec.to_yaml().rstrip("\n").splitlines(),
         generator_version=__version__,
         template_hash=template_hash()[:16],

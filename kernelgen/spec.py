@@ -92,6 +92,18 @@ class KernelSpec(BaseModel):
         "simt: 0 to 8, default 1 (an odd stride in words spreads a tile's rows over the banks). "
         "mma_sync: fixed by smem_layout (4 = one 16-byte chunk when padded, 0 when swizzled).",
     )
+    pack_gqa: bool = Field(
+        False,
+        description="Pack the query heads that share a key/value head into the rows of one tile "
+        "(row = query * group + head), so each K/V tile is read once per key/value head, not "
+        "once per query head: the decode layout (mma_sync only).",
+    )
+    split_kv: bool = Field(
+        False,
+        description="Split the key axis into chunks (their count is chosen at launch): each "
+        "thread block writes its chunk's output and LSE in fp32, and a generated combine kernel "
+        "folds them with the attention monoid (mma_sync only).",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -192,6 +204,12 @@ class KernelSpec(BaseModel):
             problems.append(
                 f"smem_layout={self.smem_layout!r} is not allowed with mma='simt'; use 'padded'"
             )
+        for field in ("pack_gqa", "split_kv"):
+            if getattr(self, field):
+                problems.append(
+                    f"{field}=true is not allowed with mma='simt'; use mma: mma_sync "
+                    "(float16/bfloat16)"
+                )
         return problems
 
     def _mma_problems(self) -> list[str]:
@@ -289,7 +307,8 @@ class KernelSpec(BaseModel):
 
     @property
     def uri(self) -> str:
-        """Canonical readable name, e.g. ``fa_fwd_v2_f16_d128_m64_n64_w4_p1_causal``."""
+        """Canonical readable name, e.g. ``fa_fwd_v2_f16_d128_m64_n64_w4_p1_causal`` or
+        ``fa_fwd_v2_tc_bf16_d128_m16_n64_w1_s3_swz_gqa_split``."""
         parts = ["fa_fwd", self.loop_order]
         if self.mma == "mma_sync":
             parts.append("tc")
@@ -306,7 +325,16 @@ class KernelSpec(BaseModel):
             parts.append(f"p{self.smem_pad}")
         if self.causal:
             parts.append("causal")
+        if self.pack_gqa:
+            parts.append("gqa")
+        if self.split_kv:
+            parts.append("split")
         return "_".join(parts)
+
+    @property
+    def combine_uri(self) -> str:
+        """Symbol of the split-KV combine kernel generated next to the main one."""
+        return f"{self.uri}_combine"
 
     def canonical_json(self) -> str:
         """The spec as sorted, compact JSON: the content that identifies the kernel."""

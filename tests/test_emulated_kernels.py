@@ -17,8 +17,8 @@ from attention_cases import Case, assert_matches, float_to_bf16_bits, make_case
 from conftest import SPEC_PATHS, require_toolchain
 
 from kernelgen.api import TensorInfo, check_inputs, plan
-from kernelgen.launch import kernel_arguments, launch_geometry
-from kernelgen.render import kernel_params, render, workspace_floats
+from kernelgen.launch import Problem, kernel_arguments, launch_steps, scratch_floats
+from kernelgen.render import render
 from kernelgen.spec import KernelSpec, load_spec
 
 pytestmark = pytest.mark.emulate
@@ -32,11 +32,22 @@ CASES = [
 
 
 @cache
-def emulated(spec: KernelSpec):
+def emulated(spec: KernelSpec, symbol: str, params: tuple):
     from cuda_emulator import build_kernel
 
-    params = [(p.ctype, p.name) for p in kernel_params(spec)]
-    return build_kernel(render(spec), spec.uri, params)
+    return build_kernel(render(spec), symbol, [(p.ctype, p.name) for p in params])
+
+
+def launch_emulated(
+    spec: KernelSpec, problem: Problem, arrays: dict[str, np.ndarray], scale: float
+) -> None:
+    """Every launch of the spec's plan, in order, with NaN-poisoned scratch buffers."""
+    for name, floats in scratch_floats(spec, problem).items():
+        arrays[name] = np.full(floats, np.nan, dtype=np.float32)
+    for step in launch_steps(spec, problem):
+        args = kernel_arguments(step.params, problem, arrays, scale, null=None)
+        kernel = emulated(spec, step.symbol, step.params)
+        kernel(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
 
 
 def to_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -58,7 +69,13 @@ def info(name: str, array: np.ndarray, dtype: str) -> TensorInfo:
     return TensorInfo(name, array.shape, strides, dtype, array)
 
 
-def run_emulated(spec: KernelSpec, case: Case, data):
+def run_emulated(
+    spec: KernelSpec,
+    case: Case,
+    data,
+    num_splits: int = 1,
+    seqlens_k: np.ndarray | None = None,
+):
     dtype = spec.dtype
     arrays = {}
     for name in ("q", "k", "v"):
@@ -76,15 +93,13 @@ def run_emulated(spec: KernelSpec, case: Case, data):
         *infos, mask_info, layout=case.layout, scale=case.scale, spec=spec, causal=spec.causal
     )
     problem, out_shape = plan(call, case.layout)
+    problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
+    if seqlens_k is not None:
+        arrays["seqlens_k"] = np.asarray(seqlens_k, dtype=np.int32)
     out_dtype = np.uint16 if dtype == "bfloat16" else arrays["q"].dtype
     arrays["out"] = np.full(out_shape, 0xFFFF if dtype == "bfloat16" else np.nan, dtype=out_dtype)
     arrays["lse"] = np.full(call.q.shape[:3], np.nan, dtype=np.float32)
-    floats = workspace_floats(spec, problem.batch, problem.num_heads, problem.seqlen_q)
-    if floats:
-        arrays["workspace"] = np.full(floats, np.nan, dtype=np.float32)
-    args = kernel_arguments(spec, problem, arrays, call.scale, null=None)
-    grid, block = launch_geometry(spec, problem)
-    emulated(spec)(grid=grid, block=block, shared_mem=spec.smem_bytes, args=args)
+    launch_emulated(spec, problem, arrays, call.scale)
     out = from_device_dtype(arrays["out"], dtype)
     if case.layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
