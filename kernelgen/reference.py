@@ -28,19 +28,23 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 __all__ = [
     "SoftmaxState",
     "combine",
+    "combine_partials",
     "finalize",
     "identity_state",
     "naive_attention",
     "online_softmax_attention",
     "relative_error",
     "split_kv",
+    "split_kv_partials",
     "tile_state",
     "tiled_v1",
     "tiled_v2",
@@ -259,11 +263,16 @@ def naive_attention(
     causal: bool = False,
     scale: float | None = None,
     mask: np.ndarray | None = None,
+    seqlens_k: Sequence[int] | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Direct attention over the full (B, H, Sq, Sk) score matrix; returns ``(out, lse)``.
 
-    Uses the max-subtraction trick, so any finite scores work without overflow.
+    Uses the max-subtraction trick, so any finite scores work without overflow. ``seqlens_k``
+    (the KV-cache case) gives batch entry b only its first ``seqlens_k[b]`` keys (clamped to
+    [0, Sk]); causal alignment is then to that length.
     """
+    if seqlens_k is not None:
+        return _per_sequence(q, k, v, seqlens_k, causal=causal, scale=scale, mask=mask)
     p = _prepare(q, k, v, causal, scale, mask)
     s = p.scores(0, p.sq, 0, p.sk)
     m = s.max(axis=-1) if p.sk > 0 else np.full(s.shape[:-1], -np.inf)
@@ -275,6 +284,33 @@ def naive_attention(
     out = np.where(seen[..., None], np.matmul(e, p.v) / denom_safe[..., None], 0.0)
     lse = np.where(seen, m_safe + np.log(denom_safe), -np.inf)
     return out, lse
+
+
+def _per_sequence(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    seqlens_k: Sequence[int] | np.ndarray,
+    **kw: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """naive_attention of each batch entry over its own first seqlens_k[b] keys."""
+    batch, heads, seqlen_q = np.shape(q)[:3]
+    seqlen_k = np.shape(k)[2]
+    if len(seqlens_k) != batch:
+        raise ValueError(f"seqlens_k: expected {batch} lengths, got {len(seqlens_k)}")
+    mask = kw.pop("mask")
+    if mask is not None:
+        mask = np.broadcast_to(mask, (batch, heads, seqlen_q, seqlen_k))
+    outs, lses = [], []
+    for b, length in enumerate(seqlens_k):
+        keys = min(max(int(length), 0), seqlen_k)
+        mask_b = None if mask is None else mask[b : b + 1, :, :, :keys]
+        out, lse = naive_attention(
+            q[b : b + 1], k[b : b + 1, :, :keys], v[b : b + 1, :, :keys], mask=mask_b, **kw
+        )
+        outs.append(out)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
 
 
 def online_softmax_attention(
@@ -397,6 +433,50 @@ def split_kv(
     ]
     state = identity_state((b, h, p.sq), p.head_dim)
     for part in partials:
+        state = combine(state, part)
+    return finalize(state)
+
+
+def split_kv_partials(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    num_splits: int,
+    block_n: int = 1,
+    causal: bool = False,
+    scale: float | None = None,
+    mask: np.ndarray | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The split-KV kernels' partials: ``(out_c, lse_c)``, attention over chunk c's keys alone.
+
+    Chunks are cut as the kernels cut them: the ceil(Sk / block_n) key tiles are dealt out
+    ceil(tiles / num_splits) per chunk, so trailing chunks may be empty ((0, -inf))."""
+    num_splits = _check_block("num_splits", num_splits)
+    block_n = _check_block("block_n", block_n)
+    p = _prepare(q, k, v, causal, scale, mask)
+    tiles_per_split = -(-(-(-p.sk // block_n)) // num_splits)
+    partials = []
+    for split in range(num_splits):
+        j0 = min(p.sk, split * tiles_per_split * block_n)
+        j1 = min(p.sk, (split + 1) * tiles_per_split * block_n)
+        partials.append(finalize(tile_state(p.scores(0, p.sq, j0, j1), p.values(j0, j1))))
+    return partials
+
+
+def combine_partials(
+    partials: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """The combine kernel's fold: each partial ``(out_c, lse_c)`` is the state
+    ``(out_c, 1, lse_c)`` (an empty one, ``lse_c = -inf``, weighs 0), folded with
+    :func:`combine`."""
+    if not partials:
+        raise ValueError("partials: need at least one (out, lse) pair")
+    out0, lse0 = (np.asarray(x, dtype=np.float64) for x in partials[0])
+    state = identity_state(lse0.shape, out0.shape[-1])
+    for out, lse in partials:
+        lse = np.asarray(lse, dtype=np.float64)
+        part = SoftmaxState(np.asarray(out, dtype=np.float64), np.ones_like(lse), lse)
         state = combine(state, part)
     return finalize(state)
 

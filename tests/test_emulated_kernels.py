@@ -75,7 +75,9 @@ def run_emulated(
     data,
     num_splits: int = 1,
     seqlens_k: np.ndarray | None = None,
+    keep: dict | None = None,
 ):
+    """out and lse of the spec's launches on ``data`` (and, into ``keep``, every array)."""
     dtype = spec.dtype
     arrays = {}
     for name in ("q", "k", "v"):
@@ -100,6 +102,8 @@ def run_emulated(
     arrays["out"] = np.full(out_shape, 0xFFFF if dtype == "bfloat16" else np.nan, dtype=out_dtype)
     arrays["lse"] = np.full(call.q.shape[:3], np.nan, dtype=np.float32)
     launch_emulated(spec, problem, arrays, call.scale)
+    if keep is not None:
+        keep.update(arrays)
     out = from_device_dtype(arrays["out"], dtype)
     if case.layout == "bshd":
         out = out.transpose(0, 2, 1, 3)

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kernelgen.reference import (
+    combine_partials,
+    split_kv_partials,
     SoftmaxState,
     combine,
     finalize,
@@ -185,6 +187,75 @@ def test_split_count_does_not_change_the_result(num_splits):
     rng = np.random.default_rng(9)
     q, k, v = random_problem(rng, sq=1, sk=20, h=8, hkv=1)
     assert_close(split_kv(q, k, v, num_splits=num_splits), naive_attention(q, k, v))
+
+
+# ---- split-KV in the kernels' form: (out, lse) partials over key tiles, LSE combine ---------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("num_splits", "block_n"), [(1, 4), (3, 4), (7, 2), (64, 8), (5, 1)])
+def test_partials_combine_to_naive(causal, num_splits, block_n):
+    rng = np.random.default_rng(num_splits * 10 + block_n)
+    q, k, v = random_problem(rng, sq=3, sk=37, h=8, hkv=2)
+    mask = rng.standard_normal((1, 8, 3, 37))
+    mask[..., ::4] = -np.inf
+    kw = {"causal": causal, "scale": 0.6, "mask": mask}
+    partials = split_kv_partials(q, k, v, num_splits=num_splits, block_n=block_n, **kw)
+    assert len(partials) == num_splits
+    assert_close(combine_partials(partials), naive_attention(q, k, v, **kw))
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_splits=st.integers(1, 40), block_n=st.integers(1, 16), seed=st.integers(0, 2**16))
+def test_combine_does_not_depend_on_split_count_or_order(num_splits, block_n, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_problem(rng, b=1, sq=2, sk=int(rng.integers(1, 60)), h=4, hkv=1)
+    partials = split_kv_partials(q, k, v, num_splits=num_splits, block_n=block_n)
+    order = rng.permutation(len(partials))
+    shuffled = combine_partials([partials[i] for i in order])
+    assert_close(shuffled, naive_attention(q, k, v))
+
+
+def test_empty_chunks_are_the_identity():
+    rng = np.random.default_rng(4)
+    q, k, v = random_problem(rng, sq=2, sk=5, h=2, hkv=2)
+    partials = split_kv_partials(q, k, v, num_splits=8, block_n=1)  # chunks 5..7 hold no key
+    for out, lse in partials[5:]:
+        assert np.all(out == 0.0) and np.all(np.isneginf(lse))
+    exact = combine_partials(partials[:5])
+    padded = combine_partials([partials[6], *partials[:3], partials[5], *partials[3:5]])
+    for a, b in zip(exact, padded, strict=True):
+        assert np.array_equal(a, b)  # the identity leaves every bit alone
+
+
+def test_chunks_whose_keys_are_all_masked_are_the_identity():
+    rng = np.random.default_rng(5)
+    q, k, v = random_problem(rng, b=1, sq=2, sk=12, h=2, hkv=2)
+    mask = np.zeros((1, 2, 2, 12))
+    mask[..., 4:8] = -np.inf  # chunk 1 of 3 sees nothing
+    out1, lse1 = split_kv_partials(q, k, v, num_splits=3, block_n=4, mask=mask)[1]
+    assert np.all(out1 == 0.0) and np.all(np.isneginf(lse1))
+    partials = split_kv_partials(q, k, v, num_splits=3, block_n=4, mask=mask)
+    assert_close(combine_partials(partials), naive_attention(q, k, v, mask=mask))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlens_k_reads_each_sequence_prefix(causal):
+    rng = np.random.default_rng(6)
+    q, k, v = random_problem(rng, b=4, sq=3, sk=9, h=4, hkv=2)
+    mask = rng.standard_normal((4, 1, 3, 9))
+    lengths = [0, 1, 9, 5]
+    out, lse = naive_attention(q, k, v, causal=causal, mask=mask, seqlens_k=lengths)
+    for b, n in enumerate(lengths):
+        ref = brute_force(
+            q[b : b + 1],
+            k[b : b + 1, :, :n],
+            v[b : b + 1, :, :n],
+            causal=causal,
+            mask=mask[b : b + 1, :, :, :n],
+        )
+        assert_close((out[b : b + 1], lse[b : b + 1]), ref)
+    assert np.all(out[0] == 0.0) and np.all(np.isneginf(lse[0]))  # no key: out 0, lse -inf
 
 
 # ---- the attention monoid ------------------------------------------------------------------
