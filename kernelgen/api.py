@@ -10,14 +10,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
-from kernelgen.launch import Problem, import_cupy, runtime_kernel
+from kernelgen.launch import MAX_SPLITS, Problem, import_cupy, runtime_kernel
 from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, swizzle_fits
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-_TYPESTR_DTYPES = {"<f4": "float32", "<f2": "float16", "<f8": "float64"}
+_TYPESTR_DTYPES = {"<f4": "float32", "<f2": "float16", "<f8": "float64", "<i4": "int32"}
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ def default_spec(
     *,
     tensor_cores: bool = True,
     decode_rows: int | None = None,
+    split_kv: bool | None = None,
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
@@ -241,14 +244,16 @@ def default_spec(
     per tile (32 above head_dim 128), two stages, swizzled where the head dim allows. With
     ``decode_rows`` (seqlen_q times the query heads per K/V head) of at most
     :data:`DECODE_MAX_ROWS`: the decode kernel instead, GQA heads packed into the rows of one
-    tile, split-KV, as few warps as hold the rows. Otherwise the CUDA-core v2 kernel with the
-    largest tiles that fit.
+    tile, split-KV, as few warps as hold the rows. ``split_kv`` True/False forces split-KV on or
+    off (None: decode shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that
+    fit.
     """
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     if tensor_cores and dtype in ("float16", "bfloat16"):
         decode = decode_rows is not None and decode_rows <= DECODE_MAX_ROWS
         warps = 4
         if decode:
+            assert decode_rows is not None
             warps = next(w for w in (1, 2, 4) if 16 * w >= decode_rows)
         return KernelSpec(
             loop_order="v2",
@@ -261,7 +266,7 @@ def default_spec(
             mma="mma_sync",
             smem_layout="swizzled" if swizzle_fits(head_dim) else "padded",
             pack_gqa=decode,
-            split_kv=decode,
+            split_kv=decode if split_kv is None else split_kv,
             archs=archs,
         )
     block_m = 64 if head_dim <= 128 else 32
@@ -293,11 +298,16 @@ def attention(
     spec: KernelSpec | None = None,
     return_lse: bool = False,
     layout: Layout = "bhsd",
+    seqlens_k: Any = None,
+    num_splits: int | None = None,
 ) -> Any:
     """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
 
     q is (B, H, Sq, D), k and v (B, Hkv, Sk, D) with H % Hkv == 0 (or (B, S, H, D) with
     ``layout="bshd"``); mask is an additive float array broadcastable to (B, H, Sq, Sk).
+    ``seqlens_k`` (a KV cache): one key length per batch entry, K/V padded to Sk; a host
+    sequence is range-checked, an int32 device array is clamped to [0, Sk] by the kernels.
+    ``num_splits``: key chunks of a split-KV kernel (1 to 128; default: tuned or heuristic).
     Returns out (same layout and dtype as q), and with ``return_lse`` also the fp32 log-sum-exp
     of shape (B, H, Sq). CuPy inputs give CuPy outputs, torch tensors give torch tensors.
     """
@@ -306,7 +316,10 @@ def attention(
     call = check_inputs(
         *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=bool(causal)
     )
+    num_splits = check_num_splits(num_splits, spec)
     cupy = import_cupy()
+    batch, _, _, _ = call.q.shape
+    seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
     arrays = {name: _as_cupy(t.source) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
     misaligned = [
         why
@@ -314,7 +327,10 @@ def attention(
         if (why := _misaligned_strides(t) or _misaligned_pointer(arrays[name], name))
     ]
     if spec is None:
-        spec = _untuned_or_tuned_spec(call, bool(causal), aligned=not misaligned)
+        spec, tuned_splits = _untuned_or_tuned_launch(
+            call, bool(causal), aligned=not misaligned, split=num_splits is not None
+        )
+        num_splits = num_splits or tuned_splits
     elif spec.mma == "mma_sync" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     kernel = runtime_kernel(spec)
@@ -335,7 +351,8 @@ def attention(
     problem, out_shape = plan(call, layout)
     out = _empty(out_shape, arrays["q"].dtype)
     lse = _empty(call.q.shape[:3], cupy.float32)
-    kernel({**arrays, "out": out, "lse": lse, "mask": mask_array}, problem, call.scale)
+    tensors = {**arrays, "out": out, "lse": lse, "mask": mask_array, "seqlens_k": seqlens}
+    kernel(tensors, problem, call.scale, num_splits=num_splits if spec.split_kv else None)
     if type(q).__module__.split(".")[0] == "torch":
         import torch
 
@@ -351,15 +368,30 @@ def device_arch() -> tuple[int, str]:
     return capability, f"sm_{capability}"
 
 
-def _untuned_or_tuned_spec(call: CheckedCall, causal: bool, aligned: bool) -> KernelSpec:
-    """The spec for a call without one: the autotuner's choice (memo, disk, or a fresh tuning;
-    see docs/autotuning.md), or the heuristic default where tuning does not apply (inputs the
-    tensor-core kernels cannot read, GPUs before sm_80)."""
+def _untuned_or_tuned_launch(
+    call: CheckedCall, causal: bool, aligned: bool, split: bool
+) -> tuple[KernelSpec, int | None]:
+    """The spec (and split count, None: heuristic) for a call without a spec: the autotuner's
+    choice (memo, disk, or a fresh tuning; see docs/autotuning.md), or a heuristic default where
+    tuning does not apply (inputs the tensor-core kernels cannot read, GPUs before sm_80) or
+    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec)."""
     capability, arch = device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
+    decode_rows = seqlen_q * (heads // call.k.shape[1])
+    tensor_cores = capability >= 80 and aligned and call.dtype != "float32"
+    if split:
+        if not tensor_cores:
+            raise InputError(
+                "num_splits needs the tensor-core split-KV kernels: float16/bfloat16 inputs with "
+                "16-byte aligned rows on sm_80 or newer"
+            )
+        spec = default_spec(
+            call.dtype, head_dim, causal, arch, decode_rows=decode_rows, split_kv=True
+        )
+        return spec, None
     if capability < 80 or not aligned:
-        return default_spec(call.dtype, head_dim, causal, arch, tensor_cores=False)
-    from kernelgen.tuning import ProblemDesc, select_spec
+        return default_spec(call.dtype, head_dim, causal, arch, tensor_cores=False), None
+    from kernelgen.tuning import ProblemDesc, select_launch
 
     problem = ProblemDesc(
         call.dtype,
@@ -372,7 +404,52 @@ def _untuned_or_tuned_spec(call: CheckedCall, causal: bool, aligned: bool) -> Ke
         causal=causal,
         mask=call.mask is not None,
     )
-    return select_spec(problem)
+    launch = select_launch(problem)
+    return launch.spec, launch.num_splits
+
+
+def check_num_splits(num_splits: Any, spec: KernelSpec | None) -> int | None:
+    """``num_splits`` as an int in 1..MAX_SPLITS (None stays None); above 1 it needs split-KV."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise InputTypeError(f"num_splits has type {type(num_splits).__name__}; expected an int")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise InputError(f"num_splits={num_splits} is not allowed; use 1 to {MAX_SPLITS}")
+    if spec is not None and not spec.split_kv and num_splits > 1:
+        raise InputError(
+            f"num_splits={num_splits} needs a split-KV spec; spec {spec.uri} has split_kv=false"
+        )
+    return num_splits
+
+
+def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
+    """seqlens_k as a contiguous int32 device array of shape (batch,)."""
+    if isinstance(seqlens_k, (list, tuple)) or type(seqlens_k).__module__ == "numpy":
+        host = np.asarray(seqlens_k)
+        if host.ndim != 1 or host.shape[0] != batch:
+            raise InputError(
+                f"seqlens_k has shape {host.shape}; expected ({batch},), one key length per "
+                "batch entry"
+            )
+        if host.dtype.kind not in "iu":
+            raise InputTypeError(f"seqlens_k has dtype {host.dtype}; expected integers")
+        bad = host[(host < 0) | (host > max_keys)]
+        if bad.size:
+            raise InputError(
+                f"seqlens_k holds {int(bad[0])}; allowed 0 to {max_keys} (the keys k and v hold)"
+            )
+        return import_cupy().asarray(host.astype(np.int32))
+    info = describe(seqlens_k, "seqlens_k")
+    if info.shape != (batch,):
+        raise InputError(
+            f"seqlens_k has shape {info.shape}; expected ({batch},), one key length per batch entry"
+        )
+    if info.dtype != "int32":
+        raise InputTypeError(f"seqlens_k has dtype {info.dtype}; expected int32")
+    if info.strides != (1,):
+        raise InputError(f"seqlens_k has stride {info.strides[0]}; expected a contiguous array")
+    return _as_cupy(info.source)
 
 
 def mask_shape(call: CheckedCall) -> tuple[int, int, int, int]:

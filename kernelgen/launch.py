@@ -12,7 +12,14 @@ import numpy as np
 
 from kernelgen.compile import COMMON_OPTIONS, cuda_include_dir
 from kernelgen.errors import CompileError, ToolchainMissingError
-from kernelgen.render import COMBINE_WARPS, Param, combine_params, kernel_params, render, workspace_floats
+from kernelgen.render import (
+    COMBINE_WARPS,
+    Param,
+    combine_params,
+    kernel_params,
+    render,
+    workspace_floats,
+)
 from kernelgen.spec import KernelSpec
 
 DEFAULT_DYNAMIC_SMEM = 48 * 1024  # above this a kernel must opt in

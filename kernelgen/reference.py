@@ -455,7 +455,8 @@ def split_kv_partials(
     num_splits = _check_block("num_splits", num_splits)
     block_n = _check_block("block_n", block_n)
     p = _prepare(q, k, v, causal, scale, mask)
-    tiles_per_split = -(-(-(-p.sk // block_n)) // num_splits)
+    key_tiles = math.ceil(p.sk / block_n)
+    tiles_per_split = math.ceil(key_tiles / num_splits)
     partials = []
     for split in range(num_splits):
         j0 = min(p.sk, split * tiles_per_split * block_n)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernelgen.api import check_inputs, default_spec, describe
+from kernelgen.api import _seqlens_k_array, check_inputs, check_num_splits, default_spec, describe
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.spec import KernelSpec
 
@@ -137,3 +137,56 @@ def test_tensor_core_spec_needs_16_byte_strides():
     k = describe(FakeDeviceArray((1, 1, 4, 64), "<f2"), "k")
     with pytest.raises(InputError, match=r"q has strides \(500, 500, 125, 1\).*multiples of 8"):
         check_inputs(q, k, k, None, layout="bhsd", scale=None, spec=spec, causal=False)
+
+
+# ---- split-KV arguments ------------------------------------------------------------------
+
+SPLIT_SPEC = default_spec("float16", 64, causal=False, arch="sm_90", decode_rows=4)
+
+
+def test_decode_rows_choose_the_packed_split_spec():
+    assert SPLIT_SPEC.pack_gqa and SPLIT_SPEC.split_kv and SPLIT_SPEC.num_warps == 1
+    wide = default_spec("float16", 64, causal=False, arch="sm_90", decode_rows=40)
+    assert wide.num_warps == 4 and wide.block_m == 64
+    prefill = default_spec("float16", 64, causal=False, arch="sm_90", decode_rows=65)
+    assert not prefill.pack_gqa and not prefill.split_kv
+    forced = default_spec("float16", 64, causal=False, arch="sm_90", split_kv=True)
+    assert forced.split_kv and not forced.pack_gqa
+
+
+@pytest.mark.parametrize(
+    ("value", "spec", "error", "match"),
+    [
+        (0, None, InputError, r"num_splits=0 is not allowed; use 1 to 128"),
+        (129, SPLIT_SPEC, InputError, r"num_splits=129 is not allowed"),
+        (2.0, None, InputTypeError, r"num_splits has type float"),
+        (True, None, InputTypeError, r"num_splits has type bool"),
+        (4, default_spec("float16", 64, False, "sm_90"), InputError, r"needs a split-KV spec"),
+    ],
+)
+def test_bad_num_splits(value, spec, error, match):
+    with pytest.raises(error, match=match):
+        check_num_splits(value, spec)
+
+
+def test_good_num_splits():
+    assert check_num_splits(None, None) is None
+    assert check_num_splits(64, SPLIT_SPEC) == 64
+    assert check_num_splits(1, default_spec("float16", 64, False, "sm_90")) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ([3, 4], InputError, r"seqlens_k has shape \(2,\); expected \(3,\)"),
+        ([1, -1, 2], InputError, r"seqlens_k holds -1; allowed 0 to 50"),
+        (np.array([1, 51, 2]), InputError, r"seqlens_k holds 51; allowed 0 to 50"),
+        (np.array([1.0, 2.0, 3.0]), InputTypeError, r"seqlens_k has dtype float64"),
+        (FakeDeviceArray((3,), "<i8"), InputTypeError, r"seqlens_k has dtype <i8; expected int32"),
+        (FakeDeviceArray((3, 1), "<i4"), InputError, r"seqlens_k has shape \(3, 1\)"),
+        (FakeDeviceArray((3,), "<i4", (8,)), InputError, r"seqlens_k has stride 2"),
+    ],
+)
+def test_bad_seqlens_k(value, error, match):
+    with pytest.raises(error, match=match):
+        _seqlens_k_array(value, batch=3, max_keys=50)

@@ -34,7 +34,11 @@ def test_spec_compiles_without_spills(path):
     spec = load_spec(path)
     source = render(spec)
     for arch in spec.archs:
-        resources = compile_offline(source, spec.uri, arch).resources
+        compiled = compile_offline(source, spec.uri, arch)
+        resources = compiled.resources
+        if spec.split_kv:  # the combine kernel lives in the same source
+            combine = parse_ptxas_report(compiled.log, spec.combine_uri, arch)
+            assert (combine.spill_store_bytes, combine.stack_bytes) == (0, 0), combine
         assert resources.arch == arch
         assert 0 < resources.registers <= 255
         assert resources.spill_store_bytes == 0, resources
@@ -62,6 +66,14 @@ def test_specs_cover_the_tensor_core_matrix():
     for head_dim in (64, 96, 128, 256):
         shapes = {(s.block_m, s.block_n, s.stages) for s in tc if s.head_dim == head_dim}
         assert len(shapes) >= 2, (head_dim, shapes)
+
+
+def test_specs_cover_split_kv_decode():
+    """Issue #5: split-KV decode specs (packed GQA), causal and not, fp16 and bf16."""
+    split = [s for s in (load_spec(p) for p in SPEC_PATHS) if s.split_kv]
+    assert {s.dtype for s in split} == {"float16", "bfloat16"}
+    assert {s.causal for s in split} == {False, True}
+    assert all(s.pack_gqa for s in split) and {s.num_warps for s in split} >= {1, 2}
 
 
 def test_sass_tools_are_installed_in_ci():

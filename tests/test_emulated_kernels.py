@@ -73,11 +73,15 @@ def run_emulated(
     spec: KernelSpec,
     case: Case,
     data,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     seqlens_k: np.ndarray | None = None,
     keep: dict | None = None,
 ):
-    """out and lse of the spec's launches on ``data`` (and, into ``keep``, every array)."""
+    """out and lse of the spec's launches on ``data`` (and, into ``keep``, every array).
+
+    Split-KV specs default to 3 key chunks, so every case goes through the combine kernel."""
+    if num_splits is None:
+        num_splits = 3 if spec.split_kv else 1
     dtype = spec.dtype
     arrays = {}
     for name in ("q", "k", "v"):

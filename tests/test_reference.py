@@ -12,16 +12,16 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kernelgen.reference import (
-    combine_partials,
-    split_kv_partials,
     SoftmaxState,
     combine,
+    combine_partials,
     finalize,
     identity_state,
     naive_attention,
     online_softmax_attention,
     relative_error,
     split_kv,
+    split_kv_partials,
     tile_state,
     tiled_v1,
     tiled_v2,

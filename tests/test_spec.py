@@ -156,6 +156,14 @@ def test_tensor_core_defaults_are_explicit_in_the_spec():
     assert (simt.mma, simt.stages, simt.smem_pad) == ("simt", 1, 1)
 
 
+def test_split_kv_and_packed_gqa_names():
+    spec = spec_from_dict({**TC, "block_m": 16, "num_warps": 1, "pack_gqa": True, "split_kv": True})
+    assert spec.uri == "fa_fwd_v2_tc_f16_d64_m16_n64_w1_s2_pad_gqa_split"
+    assert spec.combine_uri == spec.uri + "_combine"
+    causal = spec_from_dict({**TC, "causal": True, "split_kv": True})
+    assert causal.uri.endswith("_causal_split")
+
+
 def test_tensor_core_geometry():
     spec = spec_from_dict({**TC, "head_dim": 40, "block_n": 32})
     assert spec.head_dim_padded == 48
@@ -191,6 +199,8 @@ def test_invalid_tensor_core_specs(changes, needle):
     [
         ({"stages": 2}, "stages=2 is not allowed with mma='simt'; use 1"),
         ({"smem_layout": "swizzled"}, "smem_layout='swizzled' is not allowed with mma='simt'"),
+        ({"split_kv": True}, "split_kv=true is not allowed with mma='simt'; use mma: mma_sync"),
+        ({"pack_gqa": True}, "pack_gqa=true is not allowed with mma='simt'"),
     ],
 )
 def test_simt_rejects_tensor_core_fields(changes, needle):
