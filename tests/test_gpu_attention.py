@@ -3,6 +3,7 @@ float64 NumPy, outputs poisoned with NaN before the run. Skipped where there is 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -12,6 +13,7 @@ from conftest import SPEC_PATHS
 
 import kernelgen
 import kernelgen.api
+from kernelgen.reference import naive_attention
 from kernelgen.spec import load_spec
 
 pytestmark = pytest.mark.gpu
@@ -49,7 +51,7 @@ def device_array(x: np.ndarray, dtype: str, layout: str):
     return cupy.asarray(host)
 
 
-def run(spec, case: Case, data):
+def run(spec, case: Case, data, **options):
     q, k, v = (device_array(getattr(data, n), spec.dtype, case.layout) for n in "qkv")
     mask = None if data.mask is None else __import__("cupy").asarray(data.mask)
     out, lse = kernelgen.attention(
@@ -62,6 +64,7 @@ def run(spec, case: Case, data):
         spec=spec,
         return_lse=True,
         layout=case.layout,
+        **options,
     )
     out = out.astype("float32").get()
     if case.layout == "bshd":
@@ -146,3 +149,78 @@ def test_tuned_attention_is_correct(case, monkeypatch, tmp_path):
     out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True)
     assert_matches(out.astype("float32").get(), lse.get(), data, "bfloat16")
     assert list(tmp_path.rglob("*.json")), "the tuning record was not written"
+
+
+# ---- split-KV decode (issue #5) -------------------------------------------------------------
+
+SPLIT_PATHS = [p for p in SPEC_PATHS if load_spec(p).split_kv]
+DECODE_CASES = [
+    Case(2, 8, 8, 1, 1000),  # MHA decode
+    Case(3, 32, 8, 1, 16384 + 77),  # GQA 4, a length that is no multiple of any tile
+    Case(1, 16, 1, 4, 5000, mask="full"),  # MQA, 4 new tokens (causal specs: a diagonal)
+    Case(2, 8, 2, 16, 777, layout="bshd"),  # 16 queries x GQA 4 = 64 packed rows
+    Case(1, 4, 4, 1, 1),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+@pytest.mark.parametrize("path", SPLIT_PATHS, ids=lambda p: p.stem)
+def test_split_kv_decode_on_gpu(path, case, num_splits):
+    spec = load_spec(path)
+    seed = zlib.crc32(f"{path.stem} {case}".encode())
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=seed)
+    out, lse = run(spec, case, data, num_splits=num_splits)
+    assert_matches(out, lse, data, spec.dtype)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-list", "device-int32"])
+@pytest.mark.parametrize("path", SPLIT_PATHS, ids=lambda p: p.stem)
+def test_seqlens_k_with_zeros_and_ones_on_gpu(path, host):
+    import cupy
+
+    spec = load_spec(path)
+    case = Case(5, 8, 2, 2, 3000)
+    lengths = [0, 1, 3000, 2999, 65]
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=len(path.stem))
+    ref = naive_attention(data.q, data.k, data.v, causal=spec.causal, seqlens_k=lengths)
+    data = dataclasses.replace(data, ref_out=ref[0], ref_lse=ref[1])
+    seqlens = lengths if host else cupy.asarray(lengths, dtype=cupy.int32)
+    for num_splits in (1, 5, 64):
+        out, lse = run(spec, case, data, num_splits=num_splits, seqlens_k=seqlens)
+        assert_matches(out, lse, data, spec.dtype)
+
+
+def test_decode_at_128k_keys():
+    spec = load_spec(next(p for p in SPLIT_PATHS if load_spec(p).head_dim == 128))
+    case = Case(1, 8, 2, 1, 131072)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=128)
+    out, lse = run(spec, case, data)  # the heuristic split count
+    assert_matches(out, lse, data, spec.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_default_decode_path_on_gpu(dtype, monkeypatch):
+    """Without a spec, a decode shape gets the packed split-KV kernel and a heuristic count."""
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    case = Case(4, 32, 8, 1, 8192 + 5)
+    data = make_case(case, dtype, 128, False, seed=9)
+    q, k, v = (device_array(getattr(data, n), dtype, "bhsd") for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, return_lse=True)
+    assert_matches(out.astype("float32").get(), lse.get(), data, dtype)
+    out, lse = kernelgen.attention(q, k, v, return_lse=True, num_splits=16)
+    assert_matches(out.astype("float32").get(), lse.get(), data, dtype)
+
+
+def test_tuned_decode_is_correct(monkeypatch, tmp_path):
+    """attention() tunes a decode shape (split counts among the candidates) and is correct."""
+    import kernelgen.tuning
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "1")
+    kernelgen.tuning.clear_memo()
+    case = Case(1, 32, 8, 1, 32768)
+    data = make_case(case, "float16", 128, False, seed=32)
+    q, k, v = (device_array(getattr(data, n), "float16", "bhsd") for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, return_lse=True)
+    assert_matches(out.astype("float32").get(), lse.get(), data, "float16")
