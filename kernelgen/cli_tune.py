@@ -65,11 +65,13 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     )
     table = Table(title="candidates to time", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("candidate", no_wrap=True)
+    table.add_column("splits", justify="right")
     table.add_column("regs", justify="right")
     table.add_column("smem", justify="right")
     for c in kept:
         regs = str(c.resources.registers) if c.resources else "?"
-        table.add_row(c.spec.uri, regs, str(c.spec.smem_bytes))
+        splits = str(c.num_splits) if c.num_splits else "-"
+        table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes))
     out_console.print(table)
     for d in dropped:
         out_console.print(f"drop [{d.stage}] {d.uri}: {d.reason}", markup=False, highlight=False)
@@ -96,13 +98,13 @@ def tune(
         if dry_run:
             _dry_run(problem, _dry_run_device(arch, sms))
             return
-        from kernelgen.tuning.autotune import select_spec
+        from kernelgen.tuning.autotune import select_launch
 
         device, software = current_environment()
-        spec = select_spec(problem, device, software=software, mode="on", force=force)
+        launch = select_launch(problem, device, software=software, mode="on", force=force)
     except KernelgenError as exc:
         raise _fail(str(exc).splitlines()[:1]) from None
-    out_console.print(f"{problem.bucket().label}: {spec.uri}")
+    out_console.print(f"{problem.bucket().label}: {launch.label}", markup=False)
 
 
 @cache_app.command("list")
@@ -118,6 +120,8 @@ def cache_list() -> None:
             continue
         ms = record.winner_ms
         winner = next((c["uri"] for c in record.candidates if c["status"] == "winner"), "?")
+        if record.winner_splits:
+            winner += f" ({record.winner_splits} splits)"
         table.add_row(path.stem, record.key.device.name, winner, f"{ms:.4f}" if ms else "?")
     out_console.print(table)
 

@@ -224,3 +224,6 @@ def test_tuned_decode_is_correct(monkeypatch, tmp_path):
     q, k, v = (device_array(getattr(data, n), "float16", "bhsd") for n in "qkv")
     out, lse = kernelgen.attention(q, k, v, return_lse=True)
     assert_matches(out.astype("float32").get(), lse.get(), data, "float16")
+    # 8 K/V heads cannot fill the GPU unsplit: the winner is a split-KV launch with its count
+    (record,) = [r for _, r in kernelgen.tuning.TuningDB(tmp_path).records()]
+    assert record is not None and record.winner["split_kv"] and record.winner_splits > 1

@@ -152,7 +152,7 @@ def test_same_timings_give_the_same_winner():
 def test_ties_are_broken_by_uri_whatever_the_order():
     specs = specs_for(problem())
     winners = {
-        measure(order, FakeBench(timing=lambda s: 1.0), FAST)[0].spec.uri
+        measure(order, FakeBench(timing=lambda s, n: 1.0), FAST)[0].spec.uri
         for order in (specs, list(reversed(specs)), specs[3:] + specs[:3])
     }
     assert winners == {min(s.uri for s in specs)}

@@ -54,6 +54,25 @@ def test_dry_run_with_a_fake_compile(monkeypatch):
     assert "dry run: nothing timed" in result.stdout
 
 
+def test_dry_run_of_a_decode_shape_lists_split_counts(monkeypatch):
+    from kernelgen.tuning import candidates
+
+    monkeypatch.setattr(candidates, "offline_resources", fake_compile())
+    monkeypatch.setenv("COLUMNS", "200")
+    result = run("tune", "--shape", "1,32,8,1,32768,128", "--dtype", "bf16", "--dry-run")
+    assert result.exit_code == 0, result.output
+    rows = [
+        line.split()
+        for line in result.stdout.splitlines()
+        if line.strip().startswith("fa_fwd_v2_tc_bf16_d128_m16_n64_w1_s2_swz_gqa_split ")
+    ]
+    splits = sorted(int(r[1]) for r in rows)
+    assert len(splits) >= 3 and splits[0] > 1  # one row per split count, all filling the GPU
+    assert "drop [occupancy] fa_fwd_v2_tc_bf16_d128_m16_n64_w1_s2_swz_gqa: grid has 8 blocks" in (
+        result.stdout
+    )
+
+
 @pytest.mark.compile
 def test_dry_run_compiles_offline_without_a_gpu():
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings)")

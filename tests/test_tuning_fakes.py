@@ -13,6 +13,7 @@ from kernelgen.tuning import (
     MeasureSettings,
     ProblemDesc,
     SoftwareInfo,
+    TunedLaunch,
     TuningKey,
     TuningRecord,
     tune_problem,
@@ -51,17 +52,18 @@ def fake_compile(
     return compile_fn
 
 
-def stable_ms(spec: KernelSpec) -> float:
-    """A made-up but deterministic time per spec."""
-    return 1.0 + (zlib.crc32(spec.uri.encode()) % 1000) / 1000
+def stable_ms(spec: KernelSpec, num_splits: int | None = None) -> float:
+    """A made-up but deterministic time per launch."""
+    label = TunedLaunch(spec, num_splits).label
+    return 1.0 + (zlib.crc32(label.encode()) % 1000) / 1000
 
 
 class FakeBench:
-    """Times from a function of the spec; failing and wrong-output specs by URI."""
+    """Times from a function of the launch; failing specs by URI, wrong outputs by label."""
 
     def __init__(
         self,
-        timing: Callable[[KernelSpec], float] = stable_ms,
+        timing: Callable[[KernelSpec, int | None], float] = stable_ms,
         fail: frozenset[str] = frozenset(),
         wrong: frozenset[str] = frozenset(),
     ) -> None:
@@ -75,14 +77,17 @@ class FakeBench:
         if spec.uri in self.fail:
             raise CompileError(spec.uri, "launch failed", None)
 
-    def time(self, spec: KernelSpec, budget_ms: float) -> list[float]:
-        self.timed.append(spec.uri)
-        base = self.timing(spec)
+    def time(
+        self, spec: KernelSpec, budget_ms: float, num_splits: int | None = None
+    ) -> list[float]:
+        self.timed.append(TunedLaunch(spec, num_splits).label)
+        base = self.timing(spec, num_splits)
         return [base * f for f in (1.02, 0.99, 1.0, 1.01, 1.0)]
 
-    def check(self, spec: KernelSpec) -> str | None:
-        self.checked.append(spec.uri)
-        return "relative error 1e+00 > 1e-02" if spec.uri in self.wrong else None
+    def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
+        label = TunedLaunch(spec, num_splits).label
+        self.checked.append(label)
+        return "relative error 1e+00 > 1e-02" if label in self.wrong else None
 
 
 def fake_tuner(bench: FakeBench | None = None) -> Callable[[ProblemDesc, TuningKey], TuningRecord]:

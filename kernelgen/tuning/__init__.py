@@ -14,11 +14,18 @@ from kernelgen.tuning.autotune import (
     gpu_tuner,
     heuristic_spec,
     make_key,
+    select_launch,
     select_spec,
     tune_problem,
     warmup,
 )
-from kernelgen.tuning.candidates import Candidate, Dropped, offline_resources, prune
+from kernelgen.tuning.candidates import (
+    Candidate,
+    Dropped,
+    TunedLaunch,
+    offline_resources,
+    prune,
+)
 from kernelgen.tuning.db import TuningDB, TuningRecord, cache_dir
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
 from kernelgen.tuning.measure import Bench, Measurement, MeasureSettings
@@ -32,6 +39,7 @@ __all__ = [
     "Measurement",
     "ProblemDesc",
     "SoftwareInfo",
+    "TunedLaunch",
     "TuningDB",
     "TuningFailedError",
     "TuningKey",
@@ -46,6 +54,7 @@ __all__ = [
     "make_key",
     "offline_resources",
     "prune",
+    "select_launch",
     "select_spec",
     "tune_problem",
     "warmup",

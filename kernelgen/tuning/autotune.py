@@ -1,4 +1,4 @@
-"""The autotuner's one flow: key -> memo -> disk -> (lock, re-check) -> tune -> record -> spec.
+"""The autotuner's one flow: key -> memo -> disk -> (lock, re-check) -> tune -> record -> launch.
 
 Controls (environment): ``KERNELGEN_AUTOTUNE`` = ``1`` (default: tune on a miss), ``0`` (no
 tuning, no database: the heuristic default spec) or ``offline`` (database only: a miss raises
@@ -18,7 +18,7 @@ from typing import Literal
 
 from kernelgen.errors import KernelgenError, SpecError
 from kernelgen.spec import KernelSpec, spec_from_dict
-from kernelgen.tuning.candidates import CompileFn, prune
+from kernelgen.tuning.candidates import CompileFn, TunedLaunch, decode_rows, prune
 from kernelgen.tuning.db import TuningDB, TuningRecord
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
 from kernelgen.tuning.measure import Bench, MeasureSettings, measure
@@ -29,7 +29,7 @@ Mode = Literal["on", "off", "offline"]
 Tuner = Callable[[ProblemDesc, TuningKey], TuningRecord]
 BenchFactory = Callable[[ProblemDesc, DeviceInfo], Bench]
 
-_MEMO: dict[TuningKey, KernelSpec] = {}
+_MEMO: dict[TuningKey, TunedLaunch] = {}
 _MEMO_LOCK = threading.Lock()
 
 
@@ -55,10 +55,17 @@ def autotune_mode(mode: str | None = None) -> Mode:
 
 
 def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
-    """The spec attention() uses without tuning (kernelgen.api.default_spec)."""
+    """The spec attention() uses without tuning (kernelgen.api.default_spec; the split-KV
+    decode kernel for decode problems)."""
     from kernelgen.api import default_spec
 
-    return default_spec(problem.dtype, problem.head_dim, problem.causal, device.target_arch)
+    return default_spec(
+        problem.dtype,
+        problem.head_dim,
+        problem.causal,
+        device.target_arch,
+        decode_rows=decode_rows(problem),
+    )
 
 
 def make_key(
@@ -83,13 +90,14 @@ def tune_problem(
     candidates, dropped = prune(problem, key.device, compile_fn)
     if not candidates:
         raise TuningFailedError(f"every candidate for {key.problem.label} was pruned")
-    winner, results = measure([c.spec for c in candidates], bench, settings)
+    winner, results = measure([c.launch for c in candidates], bench, settings)
     if winner is None:
-        reasons = "; ".join(f"{m.spec.uri}: {m.reason}" for m in results[:3])
+        reasons = "; ".join(f"{m.launch.label}: {m.reason}" for m in results[:3])
         raise TuningFailedError(f"no candidate for {key.problem.label} ran correctly ({reasons})")
     return TuningRecord(
         key=key,
         winner=winner.spec.model_dump(mode="json"),
+        winner_launch={"num_splits": winner.num_splits},
         candidates=[m.as_dict() for m in results],
         dropped=[{"uri": d.uri, "stage": d.stage, "reason": d.reason} for d in dropped],
         tuned_shape={
@@ -118,19 +126,22 @@ def gpu_tuner(
     return tuner
 
 
-def _winner_spec(record: TuningRecord) -> KernelSpec | None:
+def _winner(record: TuningRecord) -> TunedLaunch | None:
     try:
-        return spec_from_dict(record.winner)
+        return TunedLaunch(spec_from_dict(record.winner), record.winner_splits)
     except SpecError as exc:
         log.warning("tuning record %s has an invalid winner (%s); re-tuning", record.key.id, exc)
         return None
 
 
-def _report(key: TuningKey, spec: KernelSpec, record: TuningRecord, source: str) -> None:
+def _report(key: TuningKey, launch: TunedLaunch, record: TuningRecord, source: str) -> None:
     if os.environ.get("KERNELGEN_PRINT_AUTOTUNING", "0") not in ("", "0"):
         ms = record.winner_ms
         timing = f"{ms:.4f} ms" if ms is not None else "? ms"
-        print(f"kernelgen autotuning [{source}] {key.id}: {spec.uri} ({timing})", file=sys.stderr)
+        print(
+            f"kernelgen autotuning [{source}] {key.id}: {launch.label} ({timing})",
+            file=sys.stderr,
+        )
 
 
 def select_spec(
@@ -143,7 +154,24 @@ def select_spec(
     tuner: Tuner | None = None,
     force: bool = False,
 ) -> KernelSpec:
-    """The spec to run ``problem`` with: memo, then disk, then tune (under a lock) and record.
+    """The spec of :func:`select_launch`'s choice."""
+    return select_launch(
+        problem, device, software=software, mode=mode, db=db, tuner=tuner, force=force
+    ).spec
+
+
+def select_launch(
+    problem: ProblemDesc,
+    device: DeviceInfo | None = None,
+    *,
+    software: SoftwareInfo | None = None,
+    mode: str | None = None,
+    db: TuningDB | None = None,
+    tuner: Tuner | None = None,
+    force: bool = False,
+) -> TunedLaunch:
+    """The spec and split count to run ``problem`` with: memo, then disk, then tune (under a
+    lock) and record.
 
     ``device``/``software`` default to the current GPU and toolchain (via CuPy); ``mode``
     overrides ``KERNELGEN_AUTOTUNE``; ``force`` re-tunes even when a record exists."""
@@ -153,15 +181,15 @@ def select_spec(
 
         device = detect_device()
     if mode == "off":
-        return heuristic_spec(problem, device)
+        return TunedLaunch(heuristic_spec(problem, device))
     key = make_key(problem, device, software)
-    if not force and (spec := _MEMO.get(key)) is not None:
-        return spec
+    if not force and (launch := _MEMO.get(key)) is not None:
+        return launch
     db = db if db is not None else TuningDB()
     record = None if force else db.load(key)
-    spec = _winner_spec(record) if record is not None else None
+    launch = _winner(record) if record is not None else None
     source = "disk"
-    if spec is None:
+    if launch is None:
         if mode == "offline":
             raise TuningMissError(
                 f"no tuning record for {key.id} in {db.dir} (KERNELGEN_AUTOTUNE=offline); "
@@ -169,19 +197,20 @@ def select_spec(
             )
         with db.lock(key):
             record = None if force else db.load(key)  # another process may have tuned it
-            spec = _winner_spec(record) if record is not None else None
-            if spec is None:
+            launch = _winner(record) if record is not None else None
+            if launch is None:
                 start = time.perf_counter()
                 record = (tuner or gpu_tuner())(problem, key)
-                spec = spec_from_dict(record.winner)
-                log.info("tuned %s in %.1f s: %s", key.id, time.perf_counter() - start, spec.uri)
+                launch = TunedLaunch(spec_from_dict(record.winner), record.winner_splits)
+                elapsed = time.perf_counter() - start
+                log.info("tuned %s in %.1f s: %s", key.id, elapsed, launch.label)
                 db.save(record)
                 source = "tuned"
     assert record is not None
-    _report(key, spec, record, source)
+    _report(key, launch, record, source)
     with _MEMO_LOCK:
-        _MEMO[key] = spec
-    return spec
+        _MEMO[key] = launch
+    return launch
 
 
 def autotune(

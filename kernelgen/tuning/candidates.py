@@ -1,12 +1,16 @@
 """Candidate specs for a problem, and the static pruning that runs before any GPU time.
 
+A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. Decode
+problems (``seqlen_q`` x query heads per K/V head <= ``DECODE_MAX_ROWS``) add the split-KV
+decode grid, each spec with a few split counts around the launch heuristic.
+
 Pruning, in order (each drop is logged with its reason):
 
 1. validation: the spec model rejects the combination (e.g. shared memory over the target
    architecture's limit, too many accumulators per thread);
-2. occupancy: a candidate whose grid has fewer thread blocks than
-   ``min(SM count, most blocks any candidate gives)`` is dropped: when some tiling fills the
-   GPU, tilings that leave SMs idle are not worth timing;
+2. occupancy: a launch whose grid has fewer thread blocks than
+   ``min(SM count, most blocks any launch gives)`` is dropped: when some launch fills the
+   GPU, launches that leave SMs idle are not worth timing;
 3. resources: the offline NVRTC compile reports spill stores/loads or a stack frame (> 0 bytes),
    or the compile fails.
 """
@@ -27,7 +31,8 @@ from typing import Any
 from kernelgen.compile import Resources
 from kernelgen.errors import KernelgenError, SpecError, ToolchainMissingError
 from kernelgen.fileio import atomic_write_text
-from kernelgen.spec import KernelSpec, spec_from_dict
+from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
+from kernelgen.spec import KernelSpec, spec_from_dict, swizzle_fits
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, canonical_digest
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,10 @@ TC_LAYOUTS = ("swizzled", "padded")
 SIMT_BLOCK_M = (32, 64, 128)
 SIMT_BLOCK_N = (16, 32, 64)
 SIMT_WARPS = (4, 8)
+# Decode grid (split-KV, GQA heads packed into the rows): block_n x stages; the warps are the
+# fewest whose 16-row tiles hold the packed rows, and half that.
+DECODE_BLOCK_N = (32, 64, 128)
+DECODE_STAGES = (2, 3)
 SIMT_FALLBACKS: tuple[dict[str, Any], ...] = (
     {"loop_order": "v2", "block_m": 64, "block_n": 32, "num_warps": 4},
     {"loop_order": "v2", "block_m": 32, "block_n": 32, "num_warps": 4},
@@ -51,11 +60,30 @@ SIMT_FALLBACKS: tuple[dict[str, Any], ...] = (
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """A spec that survived pruning (``resources`` is None when NVRTC was unavailable)."""
+class TunedLaunch:
+    """What attention() runs: a spec, and for a split-KV spec its key chunks (None: the launch
+    heuristic, :func:`kernelgen.launch.default_num_splits`)."""
 
     spec: KernelSpec
+    num_splits: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The spec URI, with ``@<n>splits`` for a fixed split count."""
+        return self.spec.uri + (f"@{self.num_splits}splits" if self.num_splits else "")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A launch that survived pruning (``resources`` is None when NVRTC was unavailable)."""
+
+    spec: KernelSpec
+    num_splits: int | None = None
     resources: Resources | None = None
+
+    @property
+    def launch(self) -> TunedLaunch:
+        return TunedLaunch(self.spec, self.num_splits)
 
 
 @dataclass(frozen=True)
@@ -67,8 +95,59 @@ class Dropped:
     reason: str
 
 
+def decode_rows(problem: ProblemDesc) -> int | None:
+    """Packed rows of a decode problem (``seqlen_q`` x GQA ratio), None for other problems."""
+    from kernelgen.api import DECODE_MAX_ROWS
+
+    rows = problem.seqlen_q * problem.gqa_ratio
+    is_decode = problem.dtype in ("float16", "bfloat16") and rows <= DECODE_MAX_ROWS
+    return rows if is_decode else None
+
+
+def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
+    """The split-KV decode grid, and the same tiles without split-KV (one chunk per row tile)."""
+    rows = decode_rows(problem)
+    if rows is None:
+        return
+    fewest = next(w for w in (1, 2, 4) if 16 * w >= rows)
+    layout = "swizzled" if swizzle_fits(problem.head_dim) else "padded"
+    for warps in dict.fromkeys((fewest, max(1, fewest // 2))):
+        for block_n, stages, split in itertools.product(
+            DECODE_BLOCK_N, DECODE_STAGES, (True, False)
+        ):
+            if not split and stages != DECODE_STAGES[0]:
+                continue  # without splits only a baseline per tile, not a grid
+            yield {
+                "loop_order": "v2",
+                "mma": "mma_sync",
+                "block_m": 16 * warps,
+                "block_n": block_n,
+                "num_warps": warps,
+                "stages": stages,
+                "smem_layout": layout,
+                "pack_gqa": True,
+                "split_kv": split,
+            }
+
+
 def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
-    """Spec field sets worth trying for ``problem`` (tens, not thousands), best guesses first."""
+    """Spec field sets worth trying for ``problem`` (tens, not thousands), best guesses first.
+
+    Decode problems get the decode grid, the prefill default (4 warps x 16 rows: mostly idle
+    rows, but no split) and one CUDA-core fallback, not the whole prefill grid."""
+    if decode_rows(problem) is not None:
+        yield from decode_fields(problem)
+        yield {
+            "loop_order": "v2",
+            "mma": "mma_sync",
+            "block_m": 64,
+            "block_n": 64 if problem.head_dim <= 128 else 32,
+            "num_warps": 4,
+            "stages": 2,
+            "smem_layout": "swizzled" if swizzle_fits(problem.head_dim) else "padded",
+        }
+        yield SIMT_FALLBACKS[0]
+        return
     if problem.dtype in ("float16", "bfloat16"):
         for warps, block_n, stages, layout in itertools.product(
             TC_WARPS, TC_BLOCK_N, TC_STAGES, TC_LAYOUTS
@@ -94,11 +173,49 @@ def _label(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
-def grid_blocks(spec: KernelSpec, problem: ProblemDesc) -> int:
-    """Thread blocks the launch has: v2 one per Q tile and head, v1 one per head."""
-    if spec.loop_order == "v2":
-        return math.ceil(problem.seqlen_q / spec.block_m) * problem.batch_heads
-    return problem.batch_heads
+def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
+    """The kernel-level problem of ``problem`` with contiguous (B, H, S, D) tensors."""
+    p, d = problem, problem.head_dim
+    q_strides = (p.num_heads * p.seqlen_q * d, p.seqlen_q * d, d)
+    kv_strides = (p.num_kv_heads * p.seqlen_k * d, p.seqlen_k * d, d)
+    return Problem(
+        batch=p.batch,
+        num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads,
+        seqlen_q=p.seqlen_q,
+        seqlen_k=p.seqlen_k,
+        head_dim=d,
+        q_strides=q_strides,
+        k_strides=kv_strides,
+        v_strides=kv_strides,
+        out_strides=q_strides,
+        mask_strides=(0, 0, p.seqlen_k, 1) if p.mask else (0, 0, 0, 0),
+        num_splits=num_splits,
+    )
+
+
+def grid_blocks(spec: KernelSpec, problem: ProblemDesc, num_splits: int | None = None) -> int:
+    """Thread blocks of the main kernel's launch: v2 one per row tile, head and key chunk, v1
+    one per head."""
+    grid, _ = launch_geometry(spec, launch_problem(problem, num_splits or 1))
+    return math.prod(grid)
+
+
+def heuristic_splits(spec: KernelSpec, problem: ProblemDesc, sm_count: int) -> int:
+    """:func:`kernelgen.launch.default_num_splits` for ``problem`` on ``sm_count`` SMs."""
+    return default_num_splits(spec, launch_problem(problem), sm_count)
+
+
+def split_counts(spec: KernelSpec, problem: ProblemDesc, sm_count: int) -> list[int | None]:
+    """Split counts to time for a spec: None for one without split-KV; else the heuristic's
+    count h, h/2, 2h and 4h, at most one chunk per key tile and MAX_SPLITS. (One chunk is the
+    same tiles without split-KV, a candidate of its own.)"""
+    if not spec.split_kv:
+        return [None]
+    key_tiles = math.ceil(problem.seqlen_k / spec.block_n)
+    h = heuristic_splits(spec, problem, sm_count)
+    counts = {min(n, key_tiles, MAX_SPLITS) for n in (max(1, h // 2), h, 2 * h, 4 * h)}
+    return sorted(counts)
 
 
 def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec], list[Dropped]]:
@@ -126,19 +243,25 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
 
 def prune_occupancy(
     specs: list[KernelSpec], problem: ProblemDesc, sm_count: int
-) -> tuple[list[KernelSpec], list[Dropped]]:
-    """Drop specs whose grid has fewer blocks than min(SMs, the most any candidate gives)."""
-    if not specs:
+) -> tuple[list[TunedLaunch], list[Dropped]]:
+    """The launches of ``specs`` (split-KV specs with :func:`split_counts`), less those whose
+    grid has fewer blocks than min(SMs, the most any launch gives)."""
+    launches = [
+        TunedLaunch(spec, n) for spec in specs for n in split_counts(spec, problem, sm_count)
+    ]
+    if not launches:
         return [], []
-    target = min(sm_count, max(grid_blocks(s, problem) for s in specs))
+    blocks = {x: grid_blocks(x.spec, problem, x.num_splits) for x in launches}
+    target = min(sm_count, max(blocks.values()))
     kept, dropped = [], []
-    for spec in specs:
-        blocks = grid_blocks(spec, problem)
-        if blocks < target:
-            reason = f"grid has {blocks} blocks for {sm_count} SMs; other tilings give {target}"
-            dropped.append(Dropped(spec.uri, "occupancy", reason))
+    for launch in launches:
+        if blocks[launch] < target:
+            reason = (
+                f"grid has {blocks[launch]} blocks for {sm_count} SMs; other launches give {target}"
+            )
+            dropped.append(Dropped(launch.label, "occupancy", reason))
         else:
-            kept.append(spec)
+            kept.append(launch)
     return kept, dropped
 
 
@@ -154,26 +277,35 @@ def resource_problem(res: Resources) -> str | None:
 
 
 def prune_resources(
-    specs: list[KernelSpec], arch: str, compile_fn: CompileFn
+    launches: list[TunedLaunch], arch: str, compile_fn: CompileFn
 ) -> tuple[list[Candidate], list[Dropped]]:
-    """Compile each spec offline; drop failures and kernels that spill or use a stack."""
+    """Compile each launch's spec offline (once per spec); drop failures and kernels that
+    spill or use a stack."""
     kept: list[Candidate] = []
     dropped: list[Dropped] = []
-    for spec in specs:
-        try:
-            res = compile_fn(spec, arch)
-        except ToolchainMissingError:
-            raise
-        except (KernelgenError, ValueError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            dropped.append(Dropped(spec.uri, "resources", f"offline compile failed: {first}"))
-            continue
-        why = resource_problem(res)
-        if why:
-            dropped.append(Dropped(spec.uri, "resources", why))
+    verdicts: dict[str, Resources | str] = {}  # uri -> resources, or why the spec is out
+    for launch in launches:
+        spec = launch.spec
+        if spec.uri not in verdicts:
+            verdicts[spec.uri] = _resource_verdict(spec, arch, compile_fn)
+        verdict = verdicts[spec.uri]
+        if isinstance(verdict, str):
+            dropped.append(Dropped(launch.label, "resources", verdict))
         else:
-            kept.append(Candidate(spec, res))
+            kept.append(Candidate(spec, launch.num_splits, verdict))
     return kept, dropped
+
+
+def _resource_verdict(spec: KernelSpec, arch: str, compile_fn: CompileFn) -> Resources | str:
+    """ptxas' resources for ``spec``, or why it is disqualified."""
+    try:
+        res = compile_fn(spec, arch)
+    except ToolchainMissingError:
+        raise
+    except (KernelgenError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"offline compile failed: {first}"
+    return resource_problem(res) or res
 
 
 def prune(
@@ -185,13 +317,13 @@ def prune(
     skipped with a warning (the kernels are still compiled, by CuPy, before timing)."""
     arch = device.target_arch
     specs, dropped = valid_candidates(problem, arch)
-    specs, more = prune_occupancy(specs, problem, device.sm_count)
+    launches, more = prune_occupancy(specs, problem, device.sm_count)
     dropped += more
     try:
-        kept, more = prune_resources(specs, arch, compile_fn or offline_resources)
+        kept, more = prune_resources(launches, arch, compile_fn or offline_resources)
     except ToolchainMissingError as exc:
         log.warning("skipping the spill/stack check (%s)", exc)
-        kept, more = [Candidate(s) for s in specs], []
+        kept, more = [Candidate(x.spec, x.num_splits) for x in launches], []
     dropped += more
     for d in dropped:
         log.info("dropped %s [%s]: %s", d.uri, d.stage, d.reason)

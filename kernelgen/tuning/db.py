@@ -60,12 +60,16 @@ class TuningRecord:
     dropped: list[dict[str, Any]]  # uri, stage, reason
     tuned_shape: dict[str, Any]
     created: str
+    # how the winner is launched: {"num_splits": n} (n None: the launch heuristic); records
+    # written before split-KV have none
+    winner_launch: dict[str, Any] | None = None
 
     def payload(self) -> dict[str, Any]:
         return {
             "key": self.key.as_dict(),
             "key_id": self.key.id,
             "winner": self.winner,
+            "winner_launch": self.winner_launch,
             "candidates": self.candidates,
             "dropped": self.dropped,
             "tuned_shape": self.tuned_shape,
@@ -82,9 +86,15 @@ class TuningRecord:
                 dropped=list(payload["dropped"]),
                 tuned_shape=dict(payload["tuned_shape"]),
                 created=str(payload["created"]),
+                winner_launch=_launch_fields(payload.get("winner_launch")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed record: {exc!r}") from None
+
+    @property
+    def winner_splits(self) -> int | None:
+        """The winner's split count (None: not fixed, the launch heuristic decides)."""
+        return (self.winner_launch or {}).get("num_splits")
 
     @property
     def winner_ms(self) -> float | None:
@@ -92,6 +102,18 @@ class TuningRecord:
             if c.get("status") == "winner":
                 return c.get("median_ms")
         return None
+
+
+def _launch_fields(value: Any) -> dict[str, Any] | None:
+    """A record's ``winner_launch``, checked: None or ``{"num_splits": positive int or None}``."""
+    if value is None:
+        return None
+    splits = value.get("num_splits") if isinstance(value, dict) else "?"
+    if splits is not None and (
+        isinstance(splits, bool) or not isinstance(splits, int) or splits < 1
+    ):
+        raise ValueError(f"malformed record: winner_launch={value!r}")
+    return {"num_splits": splits}
 
 
 class TuningDB:

@@ -81,7 +81,7 @@ class CupyBench:
     def __init__(self, problem: ProblemDesc, device: DeviceInfo, seed: int = 0) -> None:
         import numpy as np
 
-        from kernelgen.launch import Problem
+        from kernelgen.tuning.candidates import launch_problem
 
         cupy = self.cupy = _cupy()
         p = self.problem = problem
@@ -111,25 +111,13 @@ class CupyBench:
             for s in self.sets:
                 s["mask"] = mask
         self.scale = 1.0 / math.sqrt(p.head_dim)
-        d, sq = p.head_dim, p.seqlen_q
-        self.launch_problem = Problem(
-            batch=p.batch,
-            num_heads=p.num_heads,
-            num_kv_heads=p.num_kv_heads,
-            seqlen_q=sq,
-            seqlen_k=p.seqlen_k,
-            head_dim=d,
-            q_strides=(p.num_heads * sq * d, sq * d, d),
-            k_strides=(p.num_kv_heads * p.seqlen_k * d, p.seqlen_k * d, d),
-            v_strides=(p.num_kv_heads * p.seqlen_k * d, p.seqlen_k * d, d),
-            out_strides=(p.num_heads * sq * d, sq * d, d),
-            mask_strides=(0, 0, p.seqlen_k, 1) if p.mask else (0, 0, 0, 0),
-        )
+        self.launch_problem = launch_problem(p)
 
-    def _launch(self, spec: KernelSpec, index: int) -> None:
+    def _launch(self, spec: KernelSpec, index: int, num_splits: int | None = None) -> None:
         from kernelgen.launch import runtime_kernel
 
-        runtime_kernel(spec)(self.sets[index % len(self.sets)], self.launch_problem, self.scale)
+        kernel = runtime_kernel(spec)
+        kernel(self.sets[index % len(self.sets)], self.launch_problem, self.scale, num_splits)
 
     def compile(self, spec: KernelSpec) -> None:
         from kernelgen.launch import runtime_kernel
@@ -138,13 +126,15 @@ class CupyBench:
         self._launch(spec, 0)  # a first launch loads the module outside the timed region
         self.cupy.cuda.get_current_stream().synchronize()
 
-    def time(self, spec: KernelSpec, budget_ms: float) -> list[float]:
+    def time(
+        self, spec: KernelSpec, budget_ms: float, num_splits: int | None = None
+    ) -> list[float]:
         cuda = self.cupy.cuda
         start, stop = cuda.Event(), cuda.Event()
         start.record()
         launches = 0
         while True:  # warm-up, which also estimates the time of one launch
-            self._launch(spec, launches)
+            self._launch(spec, launches, num_splits)
             launches += 1
             stop.record()
             stop.synchronize()
@@ -155,7 +145,7 @@ class CupyBench:
         events = [(cuda.Event(), cuda.Event()) for _ in range(reps)]
         for i, (a, b) in enumerate(events):
             a.record()
-            self._launch(spec, launches + i)
+            self._launch(spec, launches + i, num_splits)
             b.record()
         events[-1][1].synchronize()
         return [cuda.get_elapsed_time(a, b) for a, b in events]
@@ -182,12 +172,12 @@ class CupyBench:
                 out[b, h] = probs @ s["v"][b, kv].astype(cp.float32)
         return out
 
-    def check(self, spec: KernelSpec) -> str | None:
+    def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
         cp = self.cupy
         s = self.sets[0]
         bits, width = NAN_BITS[self.problem.dtype]  # poison, so unwritten rows show up
         s["out"].view(cp.uint16 if width == 16 else cp.uint32).fill(bits)
-        self._launch(spec, 0)
+        self._launch(spec, 0, num_splits)
         ref = self.reference(s)
         got = s["out"].astype(cp.float32)
         if not bool(cp.isfinite(got).all()):

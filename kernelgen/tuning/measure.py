@@ -1,7 +1,8 @@
 """Timing candidates behind a small interface, so tests can inject a fake.
 
-A :class:`Bench` compiles a spec (outside any timed region), times it (returning one
-duration per repetition, in ms) and checks its output against a reference once. The flow
+A :class:`Bench` compiles a spec (outside any timed region), times a launch of it (a spec and,
+for split-KV specs, a split count; one duration per repetition, in ms) and checks its output
+against a reference once. The flow
 here is GPU-free: a candidate that fails to compile or launch scores infinity and tuning goes
 on; the fastest few are timed again; the winner's output is checked, and a mismatch rejects it
 in favour of the next best.
@@ -20,6 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kernelgen.errors import KernelgenError
 from kernelgen.spec import KernelSpec
+from kernelgen.tuning.candidates import TunedLaunch
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +32,12 @@ class Bench(Protocol):
     def compile(self, spec: KernelSpec) -> None:
         """Build the kernel for the current device; raises if it cannot."""
 
-    def time(self, spec: KernelSpec, budget_ms: float) -> list[float]:
+    def time(
+        self, spec: KernelSpec, budget_ms: float, num_splits: int | None = None
+    ) -> list[float]:
         """Warm up, then per-repetition durations in ms, within about ``budget_ms``."""
 
-    def check(self, spec: KernelSpec) -> str | None:
+    def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
         """None when the kernel's output matches the reference, else why not."""
 
 
@@ -46,13 +50,21 @@ class MeasureSettings:
 
 @dataclass
 class Measurement:
-    spec: KernelSpec
+    launch: TunedLaunch
     median_ms: float = math.inf  # first pass; inf when the candidate failed
     retime_ms: float | None = None
     spread_ms: float | None = None  # interquartile range of the samples used
     samples: int = 0
     status: str = "timed"  # timed | failed | rejected | winner
     reason: str = ""
+
+    @property
+    def spec(self) -> KernelSpec:
+        return self.launch.spec
+
+    @property
+    def num_splits(self) -> int | None:
+        return self.launch.num_splits
 
     @property
     def score(self) -> float:
@@ -66,6 +78,7 @@ class Measurement:
         return {
             "uri": self.spec.uri,
             "spec": self.spec.model_dump(mode="json"),
+            "num_splits": self.num_splits,
             "median_ms": finite(self.median_ms),
             "retime_ms": finite(self.retime_ms),
             "spread_ms": finite(self.spread_ms),
@@ -94,12 +107,12 @@ def _time_one(bench: Bench, m: Measurement, budget_ms: float, retime: bool) -> N
     try:
         if not retime:
             bench.compile(m.spec)  # outside the timed region
-        samples = bench.time(m.spec, budget_ms)
+        samples = bench.time(m.spec, budget_ms, num_splits=m.num_splits)
         median, spread = _summary(samples)
     except (KernelgenError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as exc:
         m.median_ms, m.retime_ms, m.status = math.inf, None, "failed"
         m.reason = _first_line(exc)
-        log.warning("candidate %s failed: %s", m.spec.uri, m.reason)
+        log.warning("candidate %s failed: %s", m.launch.label, m.reason)
         return
     if retime:
         m.retime_ms = median
@@ -109,19 +122,20 @@ def _time_one(bench: Bench, m: Measurement, budget_ms: float, retime: bool) -> N
 
 
 def ranked(measurements: list[Measurement]) -> list[Measurement]:
-    """Fastest first; ties broken by the URI so the choice is deterministic."""
-    return sorted(measurements, key=lambda m: (m.score, m.spec.uri))
+    """Fastest first; ties broken by the label so the choice is deterministic."""
+    return sorted(measurements, key=lambda m: (m.score, m.launch.label))
 
 
 def measure(
-    specs: list[KernelSpec],
+    launches: list[TunedLaunch] | list[KernelSpec],
     bench: Bench,
     settings: MeasureSettings | None = None,
     console: Console | None = None,
 ) -> tuple[Measurement | None, list[Measurement]]:
-    """Time every spec, re-time the best few, check the winner; (winner or None, all)."""
+    """Time every launch (a bare spec: its heuristic split count), re-time the best few, check
+    the winner; (winner or None, all)."""
     settings = settings or MeasureSettings()
-    results = [Measurement(s) for s in specs]
+    results = [Measurement(x if isinstance(x, TunedLaunch) else TunedLaunch(x)) for x in launches]
     console = console or Console(stderr=True)
     columns = (
         TextColumn("[bold]tuning"),
@@ -132,12 +146,12 @@ def measure(
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("", total=len(results) + settings.retime_top)
         for m in results:
-            progress.update(task, description=m.spec.uri)
+            progress.update(task, description=m.launch.label)
             _time_one(bench, m, settings.budget_ms, retime=False)
             progress.advance(task)
         top = [m for m in ranked(results) if math.isfinite(m.score)][: settings.retime_top]
         for m in top:
-            progress.update(task, description=f"re-timing {m.spec.uri}")
+            progress.update(task, description=f"re-timing {m.launch.label}")
             _time_one(bench, m, settings.retime_budget_ms, retime=True)
             progress.advance(task)
     return choose(results, bench), results
@@ -149,12 +163,12 @@ def choose(results: list[Measurement], bench: Bench) -> Measurement | None:
         if not math.isfinite(m.score):
             break
         try:
-            problem = bench.check(m.spec)
+            problem = bench.check(m.spec, num_splits=m.num_splits)
         except (KernelgenError, RuntimeError, ValueError, TypeError, MemoryError) as exc:
             problem = _first_line(exc)
         if problem is None:
             m.status = "winner"
             return m
         m.status, m.reason = "rejected", f"output check failed: {problem}"
-        log.warning("rejected %s: %s", m.spec.uri, m.reason)
+        log.warning("rejected %s: %s", m.launch.label, m.reason)
     return None

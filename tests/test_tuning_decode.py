@@ -1,0 +1,271 @@
+"""CPU tier: the autotuner's split-KV decode candidates, split counts, records and attention()'s
+use of the tuned launch (fake GPU, fake compile)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+
+import pytest
+from test_api_inputs import check
+from test_tuning_fakes import DEVICE, FAST, SOFTWARE, FakeBench, fake_compile, problem
+
+from kernelgen import api
+from kernelgen.launch import MAX_SPLITS
+from kernelgen.tuning import (
+    DeviceInfo,
+    TunedLaunch,
+    TuningDB,
+    clear_memo,
+    make_key,
+    prune,
+    select_launch,
+    select_spec,
+    tune_problem,
+)
+from kernelgen.tuning import gpu as tuning_gpu
+from kernelgen.tuning.candidates import (
+    decode_rows,
+    grid_blocks,
+    heuristic_splits,
+    split_counts,
+    valid_candidates,
+)
+from kernelgen.tuning.db import unwrap, wrap
+
+autotune_module = importlib.import_module("kernelgen.tuning.autotune")  # the package's
+# `autotune` attribute is the function of that name
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
+    monkeypatch.delenv("KERNELGEN_PRINT_AUTOTUNING", raising=False)
+    clear_memo()
+    yield
+    clear_memo()
+
+
+def decode(**overrides):
+    """B=1 decode: one query, 32 query heads on 8 K/V heads, a 32k-key cache."""
+    fields = {"batch": 1, "num_heads": 32, "num_kv_heads": 8, "seqlen_q": 1, "seqlen_k": 32768}
+    return problem(**{**fields, **overrides})
+
+
+# ---- candidates -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "rows"),
+    [
+        ({}, 4),
+        ({"seqlen_q": 16, "num_kv_heads": 8}, 64),
+        ({"seqlen_q": 16, "num_kv_heads": 4}, None),  # 128 packed rows: prefill
+        ({"dtype": "float32"}, None),  # no split-KV kernel on CUDA cores
+        ({"seqlen_q": 1024, "seqlen_k": 1024, "num_kv_heads": 32}, None),
+    ],
+)
+def test_decode_problems(overrides, rows):
+    assert decode_rows(decode(**overrides)) == rows
+
+
+def test_decode_candidates_are_packed_split_specs_plus_baselines():
+    specs, _ = valid_candidates(decode(), "sm_90")
+    split = [s for s in specs if s.split_kv]
+    assert split and all(s.pack_gqa and s.mma == "mma_sync" for s in split)
+    assert {s.num_warps for s in split} == {1}  # 4 packed rows fit one warp's 16
+    assert {s.block_n for s in split} == {32, 64, 128} and {s.stages for s in split} == {2, 3}
+    unsplit = [s for s in specs if not s.split_kv]
+    assert any(s.pack_gqa for s in unsplit)  # same tiles without split-KV
+    assert any(s.block_m == 64 and not s.pack_gqa for s in unsplit)  # the prefill default
+    assert len(specs) <= 20
+    prefill, _ = valid_candidates(problem(), "sm_90")
+    assert not any(s.split_kv or s.pack_gqa for s in prefill)
+
+
+def test_wider_packs_also_try_half_the_warps():
+    specs, _ = valid_candidates(decode(seqlen_q=12), "sm_90")  # 48 rows: 4 warps, and 2
+    assert {s.num_warps for s in specs if s.split_kv} == {2, 4}
+
+
+def test_split_counts_surround_the_heuristic_within_the_key_tiles():
+    p = decode()
+    spec = next(s for s in valid_candidates(p, "sm_90")[0] if s.split_kv and s.block_n == 64)
+    h = heuristic_splits(spec, p, DEVICE.sm_count)
+    counts = split_counts(spec, p, DEVICE.sm_count)
+    assert h in counts and h > 1
+    assert counts == sorted({min(n, 512, MAX_SPLITS) for n in (h // 2, h, 2 * h, 4 * h)})
+    short = decode(seqlen_k=200)  # 4 key tiles of 64: never more chunks than tiles
+    assert max(split_counts(spec, short, DEVICE.sm_count)) <= math.ceil(200 / 64)
+    plain = next(s for s in valid_candidates(p, "sm_90")[0] if not s.split_kv)
+    assert split_counts(plain, p, DEVICE.sm_count) == [None]
+
+
+def test_grid_blocks_count_heads_tiles_and_chunks():
+    p = decode(batch=2)
+    specs = {(s.split_kv, s.pack_gqa, s.block_m): s for s in valid_candidates(p, "sm_90")[0]}
+    packed_split = specs[(True, True, 16)]
+    assert grid_blocks(packed_split, p, 10) == 1 * (2 * 8) * 10  # row tiles x B*Hkv x chunks
+    assert grid_blocks(specs[(False, True, 16)], p) == 2 * 8
+    assert grid_blocks(specs[(False, False, 64)], p) == 2 * 32  # one tile per query head
+
+
+def test_occupancy_keeps_splits_that_fill_the_gpu_and_drops_one_block_per_head():
+    kept, dropped = prune(decode(), DEVICE, fake_compile())
+    assert kept and all(c.spec.split_kv and c.num_splits for c in kept)
+    assert all(grid_blocks(c.spec, decode(), c.num_splits) >= DEVICE.sm_count for c in kept)
+    occupancy = {d.uri for d in dropped if d.stage == "occupancy"}
+    assert "fa_fwd_v2_tc_bf16_d128_m16_n64_w1_s2_swz_gqa" in occupancy
+    assert "fa_fwd_v2_tc_bf16_d128_m64_n64_w4_s2_swz" in occupancy
+
+
+def test_a_full_grid_keeps_the_unsplit_candidates():
+    p = decode(batch=64, num_kv_heads=32, seqlen_k=4096)  # 2048 heads: no need to split
+    kept, _ = prune(p, DEVICE, fake_compile())
+    assert any(c.num_splits is None and not c.spec.split_kv for c in kept)
+    assert any(c.spec.split_kv for c in kept)
+
+
+def test_a_spilling_spec_drops_all_its_launches():
+    p = decode()
+    victim = "fa_fwd_v2_tc_bf16_d128_m16_n64_w1_s2_swz_gqa_split"
+    kept, dropped = prune(p, DEVICE, fake_compile(spills=frozenset({victim})))
+    assert not any(c.spec.uri == victim for c in kept)
+    resource_drops = [d for d in dropped if d.stage == "resources"]
+    assert resource_drops and all(d.uri.startswith(victim + "@") for d in resource_drops)
+    assert all("spill" in d.reason for d in resource_drops)
+
+
+# ---- timing launches, records ------------------------------------------------------------
+def favour(uri_part: str, splits: int | None):
+    """A timing where the launch of ``uri_part`` with ``splits`` chunks is fastest."""
+
+    def timing(spec, num_splits):
+        if uri_part in spec.uri and num_splits == splits:
+            return 0.5
+        return 2.0 + (0.1 if spec.split_kv else 0.0)
+
+    return timing
+
+
+def tuned(p, timing):
+    key = make_key(p, DEVICE, SOFTWARE)
+    bench = FakeBench(timing=timing)
+    return tune_problem(p, key, bench, compile_fn=fake_compile(), settings=FAST), bench
+
+
+def test_the_winning_split_count_is_recorded_and_each_count_timed():
+    p = decode()
+    target = next(c for c in prune(p, DEVICE, fake_compile())[0] if c.spec.block_n == 32)
+    record, bench = tuned(p, favour(target.spec.uri, target.num_splits))
+    assert record.winner_launch == {"num_splits": target.num_splits}
+    assert record.winner == target.spec.model_dump(mode="json")
+    counts = [c["num_splits"] for c in record.candidates if c["uri"] == target.spec.uri]
+    assert len(counts) == len(set(counts)) > 1  # every count of the spec timed on its own
+    assert f"{target.spec.uri}@{target.num_splits}splits" in bench.checked
+
+
+def test_an_unsplit_winner_records_no_split_count():
+    p = decode(batch=64, num_kv_heads=32, seqlen_k=4096)
+    uri = "fa_fwd_v2_tc_bf16_d128_m16_n64_w1_s2_swz_gqa"
+    record, _ = tuned(p, favour(uri, None))
+    assert record.winner["split_kv"] is False and record.winner_splits is None
+
+
+def test_select_launch_returns_the_split_count_from_memo_and_disk(monkeypatch):
+    p = decode()
+    target = next(c for c in prune(p, DEVICE, fake_compile())[0] if c.spec.stages == 3)
+    calls = []
+
+    def tuner(prob, key):
+        calls.append(key.id)
+        return tuned(prob, favour(target.spec.uri, target.num_splits))[0]
+
+    launch = select_launch(p, DEVICE, software=SOFTWARE, tuner=tuner)
+    assert launch == TunedLaunch(target.spec, target.num_splits)
+    assert select_launch(p, DEVICE, software=SOFTWARE, tuner=tuner) == launch  # memo
+    clear_memo()
+    assert select_launch(p, DEVICE, software=SOFTWARE, tuner=tuner) == launch  # disk
+    assert select_spec(p, DEVICE, software=SOFTWARE, tuner=tuner) == target.spec
+    assert len(calls) == 1
+
+
+def test_records_without_a_launch_still_load(tmp_path):
+    """Records written before split-KV have no winner_launch: the heuristic count applies."""
+    p = problem()
+    record, _ = tuned(p, lambda spec, n: 1.0)
+    db = TuningDB()
+    db.save(record)
+    payload = unwrap(json.loads(db.path(record.key).read_text()))
+    del payload["winner_launch"]
+    db.path(record.key).write_text(json.dumps(wrap(payload)))
+    loaded = db.load(record.key)
+    assert loaded is not None and loaded.winner_launch is None and loaded.winner_splits is None
+
+
+@pytest.mark.parametrize("bad", [{"num_splits": 0}, {"num_splits": "4"}, {"num_splits": True}])
+def test_a_malformed_launch_is_a_miss(bad, caplog):
+    record, _ = tuned(decode(), lambda spec, n: 1.0)
+    db = TuningDB()
+    db.save(record)
+    payload = unwrap(json.loads(db.path(record.key).read_text()))
+    payload["winner_launch"] = bad
+    db.path(record.key).write_text(json.dumps(wrap(payload)))
+    assert db.load(record.key) is None
+    assert "winner_launch" in caplog.text
+
+
+def test_autotune_off_uses_the_decode_heuristic(monkeypatch):
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    launch = select_launch(decode(), DEVICE, software=SOFTWARE)
+    assert launch.num_splits is None  # the launch heuristic picks the count
+    assert launch.spec == api.default_spec("bfloat16", 128, False, "sm_90", decode_rows=4)
+    assert launch.spec.split_kv and launch.spec.pack_gqa
+    prefill = select_launch(problem(), DEVICE, software=SOFTWARE)
+    assert not prefill.spec.split_kv
+
+
+# ---- attention() uses the tuned launch ------------------------------------------------------
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """attention()'s tuning path on a fake sm_90 device with a fake tuner."""
+    device = DeviceInfo("Fake GPU 80GB", "9.0", 132)
+    monkeypatch.setattr(api, "device_arch", lambda: (90, "sm_90"))
+    monkeypatch.setattr(tuning_gpu, "detect_device", lambda: device)
+    monkeypatch.setattr(tuning_gpu, "detect_software", lambda: SOFTWARE)
+    problems = []
+
+    def fake_gpu_tuner():
+        def tuner(prob, key):
+            problems.append(prob)
+            uri = "fa_fwd_v2_tc_f16_d64_m16_n32_w1_s3_swz_gqa_split"
+            target = next(c for c in prune(prob, device, fake_compile())[0] if c.spec.uri == uri)
+            return tuned(prob, favour(uri, target.num_splits))[0]
+
+        return tuner
+
+    monkeypatch.setattr(autotune_module, "gpu_tuner", fake_gpu_tuner)
+    return problems
+
+
+def test_attention_runs_the_tuned_split_count(fake_gpu):
+    call = check(q=(1, 8, 1, 64), k=(1, 2, 4096, 64))
+    spec, splits = api._untuned_or_tuned_launch(call, False, aligned=True, split=False)
+    assert spec.uri == "fa_fwd_v2_tc_f16_d64_m16_n32_w1_s3_swz_gqa_split"
+    assert splits is not None and splits > 1
+    (prob,) = fake_gpu
+    assert (prob.batch, prob.num_heads, prob.num_kv_heads, prob.seqlen_q) == (1, 8, 2, 1)
+    assert (prob.seqlen_k, prob.head_dim, prob.dtype) == (4096, 64, "float16")
+
+
+def test_a_caller_fixed_split_count_skips_tuning(fake_gpu):
+    call = check(q=(1, 8, 1, 64), k=(1, 2, 4096, 64))
+    spec, splits = api._untuned_or_tuned_launch(call, True, aligned=True, split=True)
+    assert spec.split_kv and spec.pack_gqa and spec.causal and splits is None
+    assert fake_gpu == []
+
+
+def test_misaligned_inputs_fall_back_to_cuda_cores_untuned(fake_gpu):
+    call = check(q=(1, 8, 1, 64), k=(1, 2, 4096, 64))
+    spec, splits = api._untuned_or_tuned_launch(call, False, aligned=False, split=False)
+    assert spec.mma == "simt" and splits is None and fake_gpu == []
