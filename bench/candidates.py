@@ -43,23 +43,12 @@ def tensor_core_candidates(quick: bool = False) -> list[dict[str, Any]]:
     """Spec-field overrides for the tensor-core (mma_sync) v2 kernel: the autotuner's grid
     (kernelgen.tuning.candidates), so "best of N" here is the exhaustive check of its choice.
     Quick: 2 stages, swizzled, block_n 64/128 only."""
-    from kernelgen.tuning.candidates import TC_BLOCK_N, TC_LAYOUTS, TC_STAGES, TC_WARPS
+    from kernelgen.tuning.candidates import TC_BLOCK_N, TC_LAYOUTS, TC_STAGES, TC_WARPS, tc_fields
 
     block_ns = (64, 128) if quick else TC_BLOCK_N
     stages = TC_STAGES[:1] if quick else TC_STAGES
     layouts = ("swizzled",) if quick else TC_LAYOUTS
-    return [
-        {
-            "loop_order": "v2",
-            "mma": "mma_sync",
-            "block_m": 16 * warps,  # each warp owns 16 query rows
-            "block_n": block_n,
-            "num_warps": warps,
-            "stages": depth,
-            "smem_layout": layout,
-        }
-        for warps, block_n, depth, layout in itertools.product(TC_WARPS, block_ns, stages, layouts)
-    ]
+    return [tc_fields(*fields) for fields in itertools.product(TC_WARPS, block_ns, stages, layouts)]
 
 
 def candidate_label(fields: dict[str, Any]) -> str:

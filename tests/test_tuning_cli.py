@@ -28,12 +28,8 @@ cli_tune.register(app)
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
-    clear_memo()
-    yield
-    clear_memo()
+def isolated(tuning_sandbox):
+    """Every test gets its own tuning cache and memo (conftest)."""
 
 
 def run(*args: str):

@@ -13,17 +13,12 @@ import pytest
 from test_tuning_fakes import DEVICE, SOFTWARE, fake_tuner, problem
 
 from kernelgen.tuning import TuningDB, clear_memo, make_key, select_spec
-from kernelgen.tuning.db import _WARNED_READ_ONLY, cache_dir, unwrap
+from kernelgen.tuning.db import cache_dir, unwrap
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
-    clear_memo()
-    _WARNED_READ_ONLY.clear()
-    yield
-    clear_memo()
+def isolated(tuning_sandbox):
+    """Every test gets its own tuning cache and memo (conftest)."""
 
 
 def saved_record(p=None):

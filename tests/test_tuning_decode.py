@@ -39,13 +39,8 @@ autotune_module = importlib.import_module("kernelgen.tuning.autotune")  # the pa
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
-    monkeypatch.delenv("KERNELGEN_PRINT_AUTOTUNING", raising=False)
-    clear_memo()
-    yield
-    clear_memo()
+def isolated(tuning_sandbox):
+    """Every test gets its own tuning cache and memo (conftest)."""
 
 
 def decode(**overrides):

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from kernelgen.errors import KernelgenError, SpecError
 from kernelgen.spec import KernelSpec, spec_from_dict
@@ -145,19 +145,10 @@ def _report(key: TuningKey, launch: TunedLaunch, record: TuningRecord, source: s
 
 
 def select_spec(
-    problem: ProblemDesc,
-    device: DeviceInfo | None = None,
-    *,
-    software: SoftwareInfo | None = None,
-    mode: str | None = None,
-    db: TuningDB | None = None,
-    tuner: Tuner | None = None,
-    force: bool = False,
+    problem: ProblemDesc, device: DeviceInfo | None = None, **options: Any
 ) -> KernelSpec:
-    """The spec of :func:`select_launch`'s choice."""
-    return select_launch(
-        problem, device, software=software, mode=mode, db=db, tuner=tuner, force=force
-    ).spec
+    """The spec of :func:`select_launch`'s choice (same options)."""
+    return select_launch(problem, device, **options).spec
 
 
 def select_launch(

@@ -95,6 +95,20 @@ class Dropped:
     reason: str
 
 
+def tc_fields(warps: int, block_n: int, stages: int, layout: str, **more: Any) -> dict[str, Any]:
+    """Fields of a tensor-core v2 spec: ``warps`` x 16 query rows per tile."""
+    return {
+        "loop_order": "v2",
+        "mma": "mma_sync",
+        "block_m": 16 * warps,
+        "block_n": block_n,
+        "num_warps": warps,
+        "stages": stages,
+        "smem_layout": layout,
+        **more,
+    }
+
+
 def decode_rows(problem: ProblemDesc) -> int | None:
     """Packed rows of a decode problem (``seqlen_q`` x GQA ratio), None for other problems."""
     from kernelgen.api import DECODE_MAX_ROWS
@@ -117,17 +131,7 @@ def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
         ):
             if not split and stages != DECODE_STAGES[0]:
                 continue  # without splits only a baseline per tile, not a grid
-            yield {
-                "loop_order": "v2",
-                "mma": "mma_sync",
-                "block_m": 16 * warps,
-                "block_n": block_n,
-                "num_warps": warps,
-                "stages": stages,
-                "smem_layout": layout,
-                "pack_gqa": True,
-                "split_kv": split,
-            }
+            yield tc_fields(warps, block_n, stages, layout, pack_gqa=True, split_kv=split)
 
 
 def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
@@ -137,30 +141,15 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     rows, but no split) and one CUDA-core fallback, not the whole prefill grid."""
     if decode_rows(problem) is not None:
         yield from decode_fields(problem)
-        yield {
-            "loop_order": "v2",
-            "mma": "mma_sync",
-            "block_m": 64,
-            "block_n": 64 if problem.head_dim <= 128 else 32,
-            "num_warps": 4,
-            "stages": 2,
-            "smem_layout": "swizzled" if swizzle_fits(problem.head_dim) else "padded",
-        }
+        layout = "swizzled" if swizzle_fits(problem.head_dim) else "padded"
+        yield tc_fields(4, 64 if problem.head_dim <= 128 else 32, 2, layout)
         yield SIMT_FALLBACKS[0]
         return
     if problem.dtype in ("float16", "bfloat16"):
         for warps, block_n, stages, layout in itertools.product(
             TC_WARPS, TC_BLOCK_N, TC_STAGES, TC_LAYOUTS
         ):
-            yield {
-                "loop_order": "v2",
-                "mma": "mma_sync",
-                "block_m": 16 * warps,
-                "block_n": block_n,
-                "num_warps": warps,
-                "stages": stages,
-                "smem_layout": layout,
-            }
+            yield tc_fields(warps, block_n, stages, layout)
         yield from SIMT_FALLBACKS
         return
     for block_m, block_n, warps in itertools.product(SIMT_BLOCK_M, SIMT_BLOCK_N, SIMT_WARPS):
