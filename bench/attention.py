@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="small grid: bf16, d64/128, S 1k/4k")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="results folder")
-    p.add_argument("--decode", action="store_true", help="decode benchmark (not implemented yet)")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="run the decode benchmark instead (python -m bench.decode; the other flags are "
+        "then its flags, see --decode --help)",
+    )
     p.add_argument("--dtype", action="append", metavar="bf16|fp16", help="repeatable")
     p.add_argument("--head-dim", action="append", type=int, metavar="D", help="repeatable")
     p.add_argument("--seqlen", action="append", type=int, metavar="S", help="repeatable")
@@ -396,13 +401,64 @@ def progress_line(row: dict[str, Any]) -> str:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
+def open_env() -> Any:
+    """The GPU environment (bench.gpu.open_gpu), or None after one line on stderr."""
     from bench import gpu
 
     try:
-        env = gpu.open_gpu()
+        return gpu.open_gpu()
     except gpu.NoGPUError as exc:
         print(f"bench: no usable GPU: {exc}", file=sys.stderr)
+        return None
+
+
+def run_settings(args: argparse.Namespace, shapes: Sequence[Any], **extra: Any) -> dict:
+    """The settings block of a result file: the flags, tolerances, ``extra``, the shape keys."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings.update(tolerance=metrics.TOLERANCE, **extra, shapes=[s.key for s in shapes])
+    return settings
+
+
+def run_shapes(
+    shapes: Sequence[Any],
+    rows_of: Callable[[Any], list[dict[str, Any]]],
+    checkpoint: Callable[[list[dict[str, Any]]], None],
+) -> tuple[list[dict[str, Any]], str | None]:
+    """``rows_of`` each shape in turn, ``checkpoint`` after each; stops at a dead GPU context.
+
+    Returns (rows, why it stopped or None)."""
+    from bench import gpu
+
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        try:
+            rows += rows_of(shape)
+        except gpu.FatalGPUError as exc:
+            print(f"bench: stopping: {exc}", file=sys.stderr)
+            return rows, str(exc)
+        checkpoint(rows)
+    return rows, None
+
+
+def shape_or_error(runner: Runner, shape: Shape) -> list[dict[str, Any]]:
+    """The shape's rows, or one ``all`` error row when it fails (e.g. out of memory while
+    making inputs). FatalGPUError passes through."""
+    gpu = runner.gpu
+    try:
+        return runner.shape_rows(shape)
+    except gpu.FatalGPUError:
+        raise
+    except Exception as exc:
+        print(f"bench: shape {shape.key} failed: {gpu.first_line(exc)}", file=sys.stderr)
+        gpu.release(runner.env)
+        return [report.make_row(shape, "all", report.ERROR, reason=gpu.first_line(exc))]
+
+
+def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
+    from bench import gpu
+
+    env = open_env()
+    if env is None:
         return 2
     kg = env.kernelgen
     today = dt.date.today()
@@ -419,12 +475,11 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
         "reference": "torch SDPA math backend in fp32 (TF32 off) on upcast inputs, "
         "chunked over (batch, head); relative Frobenius error",
     }
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    settings.update(
-        tolerance=metrics.TOLERANCE,
+    settings = run_settings(
+        args,
+        shapes,
         candidate_budget_ms=CANDIDATE_BUDGET_MS,
         tensor_core_candidates=tensor_core_candidates(args.quick),
-        shapes=[s.key for s in shapes],
     )
     runner = Runner(env, args, floors={})
     print(f"bench: {env.info['gpu_name']}, {len(shapes)} shapes, peers {','.join(runner.peers)}")
@@ -438,25 +493,12 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
     )
     paths = report.result_paths(args.out, report.result_stem(today, env.info["gpu_name"], args.tag))
     previous = load_previous(paths["json"]) if args.merge else []
-    rows: list[dict[str, Any]] = []
-    fatal = None
-    for shape in shapes:
-        try:
-            rows += runner.shape_rows(shape)
-        except gpu.FatalGPUError as exc:
-            fatal = str(exc)
-            print(f"bench: stopping: {fatal}", file=sys.stderr)
-            break
-        except Exception as exc:  # e.g. out of memory while making inputs: record, go on
-            print(f"bench: shape {shape.key} failed: {gpu.first_line(exc)}", file=sys.stderr)
-            rows.append(report.make_row(shape, "all", report.ERROR, reason=gpu.first_line(exc)))
-            try:
-                gpu.release(env)
-            except gpu.FatalGPUError as fexc:
-                fatal = str(fexc)
-                break
+
+    def checkpoint(rows: list[dict[str, Any]]) -> None:
         meta["compile_s"] = runner.compile_s
         write_results(paths, meta, floors, report.merge_rows(previous, rows), settings, png=False)
+
+    rows, fatal = run_shapes(shapes, lambda shape: shape_or_error(runner, shape), checkpoint)
     meta["fatal"] = fatal
     all_rows = report.merge_rows(previous, rows)
     written = write_results(paths, meta, floors, all_rows, settings, png=True)
@@ -514,11 +556,18 @@ def list_plan(shapes: list[Shape], args: argparse.Namespace) -> None:
     print(f"peers: {', '.join(selected_peers(args.peers))}")
 
 
+def is_decode_flag(arg: str) -> bool:
+    """``--decode`` or an abbreviation argparse would take for it (``--de``, ``--dec``, ...)."""
+    return len(arg) >= 4 and "--decode".startswith(arg)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(is_decode_flag(a) for a in argv):
+        from bench import decode
+
+        return decode.main([a for a in argv if not is_decode_flag(a)])
     args = parse_args(argv)
-    if args.decode:
-        print("decode benchmark: not implemented yet")
-        return 0
     try:
         shapes = grid(
             quick=args.quick,

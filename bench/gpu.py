@@ -237,15 +237,17 @@ class Impl:
     poison: Callable[[], contextlib.AbstractContextManager[None]] | None = None
 
 
-def torch_sdpa(env: Env, backend: str, causal: bool) -> Impl:
+def torch_sdpa(env: Env, backend: str, causal: bool, gqa: bool = False) -> Impl:
+    """torch SDPA forced to ``backend``; ``gqa``: ``enable_gqa=True`` (K/V keep Hkv heads)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     chosen = getattr(SDPBackend, backend)
     sdpa = env.torch.nn.functional.scaled_dot_product_attention
+    options = {"enable_gqa": True} if gqa else {}
 
     def call(q: Any, k: Any, v: Any) -> Any:
         with sdpa_kernel(chosen):
-            return sdpa(q, k, v, is_causal=causal)
+            return sdpa(q, k, v, is_causal=causal, **options)
 
     return Impl(f"torch-{BACKEND_PEERS[backend]}", call)
 

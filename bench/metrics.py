@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from bench.decode_shapes import DecodeShape
 from bench.shapes import Shape
 
 DEFAULT_L2_BYTES = 50 * 1024 * 1024
@@ -39,10 +40,10 @@ def lse_bytes(shape: Shape) -> int:
     return 4 * shape.batch * shape.heads * shape.seqlen_q
 
 
-def tensor_bytes(shape: Shape) -> dict[str, int]:
-    """Bytes of q, k, v and out."""
+def tensor_bytes(shape: Shape | DecodeShape) -> dict[str, int]:
+    """Bytes of q, k and v (``kv_heads`` heads) and out."""
     q = shape.batch * shape.heads * shape.seqlen_q * shape.head_dim * shape.elem_bytes
-    kv = shape.batch * shape.heads * shape.seqlen_k * shape.head_dim * shape.elem_bytes
+    kv = shape.batch * shape.kv_heads * shape.seqlen_k * shape.head_dim * shape.elem_bytes
     return {"q": q, "k": kv, "v": kv, "out": q}
 
 
@@ -126,3 +127,65 @@ def repetitions(
 
 def tolerance(dtype: str) -> float:
     return TOLERANCE[dtype]
+
+
+# ---- decode (bench.decode) ---------------------------------------------------------------------
+DECODE_BYTES_MODEL = (
+    "bytes moved = K and V read once (B * Hkv * Sk * D * elem each) + Q read and O written once "
+    "(B * H * Sq * D * elem each); achieved GB/s = bytes moved / median time; frac_of_copy = "
+    "achieved GB/s / measured device-to-device copy GB/s (which also counts reads + writes)"
+)
+
+
+def decode_kv_bytes(shape: DecodeShape) -> int:
+    """Bytes of K plus V: the KV cache a decode step reads."""
+    sizes = tensor_bytes(shape)
+    return sizes["k"] + sizes["v"]
+
+
+def decode_set_bytes(shape: DecodeShape) -> int:
+    """Bytes of one (q, k, v) input set."""
+    return decode_kv_bytes(shape) + tensor_bytes(shape)["q"]
+
+
+def decode_bytes_moved(shape: DecodeShape) -> int:
+    """The bytes model of a decode step (:data:`DECODE_BYTES_MODEL`): q, k, v read, out written."""
+    return sum(tensor_bytes(shape).values())
+
+
+def decode_flops(shape: DecodeShape) -> float:
+    """``4 * B * H * Sq * Sk * D`` (non-causal)."""
+    return attention_flops(
+        shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim, causal=False
+    )
+
+
+def gbps(nbytes: float, ms: float | None) -> float | None:
+    """GB/s (1e9 bytes per second) for ``nbytes`` moved in ``ms`` (None when there is no time)."""
+    if ms is None or ms <= 0 or not math.isfinite(ms):
+        return None
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def fraction(value: float | None, ceiling: float | None) -> float | None:
+    """``value / ceiling``, None when either is missing or the ceiling is not positive."""
+    if value is None or not ceiling or ceiling <= 0:
+        return None
+    return value / ceiling
+
+
+def decode_figures(shape: DecodeShape, median_ms: float, copy_gbps: float | None) -> dict:
+    """Bytes, FLOPs, achieved GB/s, its fraction of the measured copy bandwidth, TFLOP/s and the
+    memory floor (bytes moved at the copy bandwidth) of one timed decode row."""
+    moved = decode_bytes_moved(shape)
+    flops = decode_flops(shape)
+    achieved = gbps(moved, median_ms)
+    _, memory_ms = floor_ms(flops, moved, None, copy_gbps * 1e9 if copy_gbps else None)
+    return {
+        "bytes_moved": moved,
+        "flops": flops,
+        "achieved_gbps": achieved,
+        "frac_of_copy": fraction(achieved, copy_gbps),
+        "tflops": tflops(flops, median_ms),
+        "memory_floor_ms": memory_ms,
+    }

@@ -12,16 +12,19 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.candidates import FLASH_PEER, PEER_NAMES, PEERS, TENSOR_CORE_PEER, TORCH_PEERS
+from bench.decode_shapes import DecodeShape
 from bench.shapes import DTYPE_SHORT, Shape
 
 OK, WRONG, UNAVAILABLE, SKIPPED, ERROR = "ok", "wrong", "unavailable", "skipped", "error"
 STATUSES = (OK, WRONG, UNAVAILABLE, SKIPPED, ERROR)
 SCHEMA_VERSION = 1
+Rows = Iterable[dict[str, Any]]
+SortRows = Callable[[Rows], list[dict[str, Any]]]  # a benchmark's row order
 
 LEGEND = (
     "TFLOP/s from the median time. n/a: the implementation refused the shape; skip: not run "
@@ -30,7 +33,7 @@ LEGEND = (
 )
 
 
-def make_row(shape: Shape, peer: str, status: str, **fields: Any) -> dict[str, Any]:
+def make_row(shape: Shape | DecodeShape, peer: str, status: str, **fields: Any) -> dict[str, Any]:
     """A result row for ``peer`` on ``shape``."""
     if status not in STATUSES:
         raise ValueError(f"status={status!r}; expected one of {', '.join(STATUSES)}")
@@ -67,20 +70,18 @@ def sort_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (*_shape_sort_key(r), _peer_index(r["peer"])))
 
 
-def merge_rows(
-    old: Iterable[dict[str, Any]], new: Iterable[dict[str, Any]]
-) -> list[dict[str, Any]]:
+def merge_rows(old: Rows, new: Rows, sort: SortRows = sort_rows) -> list[dict[str, Any]]:
     """Rows of an earlier run combined with a new run's: a new row replaces the old row of the
-    same shape and peer."""
+    same shape and peer. ``sort``: the rows' order (another benchmark's rows, e.g. decode)."""
     merged = {(r["shape"], r["peer"]): r for r in old}
     merged.update({(r["shape"], r["peer"]): r for r in new})
-    return sort_rows(merged.values())
+    return sort(merged.values())
 
 
-def group_by_shape(rows: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str, dict]]]:
+def group_by_shape(rows: Rows, sort: SortRows = sort_rows) -> list[tuple[str, dict[str, dict]]]:
     """[(shape key, {peer: row})] in grid order."""
     groups: dict[str, dict[str, dict]] = {}
-    for row in sort_rows(rows):
+    for row in sort(rows):
         groups.setdefault(row["shape"], {})[row["peer"]] = row
     return list(groups.items())
 
@@ -184,21 +185,18 @@ def tensor_core_table(rows: Iterable[dict[str, Any]]) -> str:
     return _table(header, lines, ["---", "---:", "---", "---:", "---:"])
 
 
-def reasons(rows: Iterable[dict[str, Any]]) -> list[str]:
+def reasons(rows: Rows, sort: SortRows = sort_rows) -> list[str]:
     """Distinct (peer, status, reason) lines for every row that was not timed."""
     seen: dict[tuple[str, str, str], None] = {}
-    for row in sort_rows(rows):
+    for row in sort(rows):
         if row["status"] != OK and row.get("reason"):
             seen[(row["peer"], row["status"], str(row["reason"]).splitlines()[0])] = None
     return [f"{peer} ({status}): {reason}" for peer, status, reason in seen]
 
 
-def markdown_document(result: dict[str, Any]) -> str:
-    """The .md file: provenance, measured floors, the main table, the tensor-core specs."""
-    meta, floors, rows = result["meta"], result.get("floors", {}), result["rows"]
-    lines = [
-        f"# Attention forward benchmark: {meta.get('gpu_name', '?')} ({meta.get('date', '?')})",
-        "",
+def provenance(meta: dict[str, Any]) -> list[str]:
+    """Markdown list items: the GPU, the software versions, the commit and the timing method."""
+    return [
         f"- GPU: {meta.get('gpu_name')} (sm_{meta.get('compute_capability')}, "
         f"{meta.get('sm_count')} SMs, L2 {meta.get('l2_bytes')} B), driver "
         f"{meta.get('driver_version')}, CUDA runtime {meta.get('cuda_runtime')}",
@@ -207,6 +205,16 @@ def markdown_document(result: dict[str, Any]) -> str:
         f"{' (dirty)' if meta.get('git_dirty') else ''}, template hash "
         f"{str(meta.get('template_hash'))[:12]}",
         f"- timing: {meta.get('timing', '')}",
+    ]
+
+
+def markdown_document(result: dict[str, Any]) -> str:
+    """The .md file: provenance, measured floors, the main table, the tensor-core specs."""
+    meta, floors, rows = result["meta"], result.get("floors", {}), result["rows"]
+    lines = [
+        f"# Attention forward benchmark: {meta.get('gpu_name', '?')} ({meta.get('date', '?')})",
+        "",
+        *provenance(meta),
     ]
     if floors:
         lines.append(
@@ -244,8 +252,9 @@ def _num(value: Any) -> str:
 def build_result(
     meta: dict[str, Any],
     floors: dict[str, Any],
-    rows: Iterable[dict[str, Any]],
+    rows: Rows,
     settings: dict[str, Any],
+    sort: SortRows = sort_rows,
 ) -> dict[str, Any]:
     """The JSON document of a run."""
     return {
@@ -253,7 +262,7 @@ def build_result(
         "meta": meta,
         "settings": settings,
         "floors": floors,
-        "rows": sort_rows(rows),
+        "rows": sort(rows),
     }
 
 

@@ -60,6 +60,11 @@ class Shape:
         return f"{DTYPE_SHORT.get(self.dtype, self.dtype)}-d{self.head_dim}-{seq}{causal}"
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: as many as query heads in the prefill grid."""
+        return self.heads
+
+    @property
     def elem_bytes(self) -> int:
         return ELEM_BYTES[self.dtype]
 

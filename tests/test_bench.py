@@ -320,8 +320,8 @@ def test_cli_list_and_decode_need_no_gpu():
     listed = _run_cli("--list", "--quick", "--causal")
     assert listed.returncode == 0, listed.stderr
     assert "4 shapes" in listed.stdout and "bf16-d128-s4096-causal" in listed.stdout
-    decode = _run_cli("--decode")
-    assert decode.returncode == 0
-    assert decode.stdout.strip() == "decode benchmark: not implemented yet"
+    decode = _run_cli("--decode", "--quick", "--list")
+    assert decode.returncode == 0, decode.stderr
+    assert decode.stdout.startswith("4 decode shapes")
     bad = _run_cli("--dtype", "fp8")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

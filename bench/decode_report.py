@@ -1,0 +1,364 @@
+"""Decode benchmark results (pure, no GPU): peers, row order, comparisons, tables, targets.
+
+Rows are :func:`bench.report.make_row` rows of :class:`bench.decode_shapes.DecodeShape`s; a
+timed row carries ``median_ms``, ``achieved_gbps`` and ``frac_of_copy`` (bench.metrics). A row
+with peer :data:`ALL` stands for the whole shape (skipped by the memory budget, or failed while
+making its inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from bench import report
+from bench.candidates import PEERS, Peer
+from bench.report import ERROR, OK, UNAVAILABLE, WRONG
+from bench.shapes import DTYPE_SHORT
+
+DECODE_PEER = "kg-decode"
+TUNED_PEER = "kg-decode-tuned"
+NOSPLIT_PEER = "kg-nosplit"
+ALL = "all"
+SPLIT_PREFIX = "kg-split-"
+SPLIT_SWEEP: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+DECODE_PEERS: tuple[Peer, ...] = (
+    Peer(
+        DECODE_PEER,
+        "kg-decode",
+        "kernelgen default_spec(decode_rows=Sq*H/Hkv): packed GQA, split-KV, heuristic splits",
+        "kernelgen",
+    ),
+    Peer(
+        TUNED_PEER,
+        "kg-tuned",
+        "kernelgen attention(spec=None): the autotuner's spec and split count",
+        "kernelgen",
+    ),
+    Peer(
+        NOSPLIT_PEER,
+        "kg-nosplit",
+        "kernelgen tensor-core prefill default_spec: no split-KV, no GQA packing",
+        "kernelgen",
+    ),
+    *(p for p in PEERS if p.family == "torch"),
+)
+DECODE_PEER_NAMES: tuple[str, ...] = tuple(p.name for p in DECODE_PEERS)
+DECODE_PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in DECODE_PEERS}
+KERNELGEN_DECODE_PEERS = (DECODE_PEER, TUNED_PEER)
+
+LEGEND = (
+    "Median ms, with the achieved bandwidth (bytes model above) as a percentage of the measured "
+    "copy bandwidth in parentheses. n/a: the implementation refused the shape; skip: not run by "
+    "the benchmark's policy (memory budget); WRONG e: failed the correctness check with relative "
+    "error e, not timed; ERR: raised an error (reasons below and in the JSON). dec/nosplit and "
+    "dec/torch: kg-decode's speedup over kg-nosplit and over the fastest torch backend; "
+    "tuned/torch: the same for kg-decode-tuned."
+)
+
+
+def split_peer(num_splits: int) -> str:
+    """Peer name of the split-count sweep at ``num_splits`` chunks."""
+    return f"{SPLIT_PREFIX}{num_splits}"
+
+
+def split_count(peer: str) -> int | None:
+    """The ``num_splits`` of a sweep peer (``kg-split-8``: 8), else None."""
+    digits = peer.removeprefix(SPLIT_PREFIX)
+    return int(digits) if peer.startswith(SPLIT_PREFIX) and digits.isdigit() else None
+
+
+def _peer_index(peer: str) -> tuple[int, int]:
+    if peer == ALL:
+        return (-1, 0)
+    count = split_count(peer)
+    if count is not None:
+        return (len(DECODE_PEER_NAMES), count)
+    if peer in DECODE_PEER_NAMES:
+        return (DECODE_PEER_NAMES.index(peer), 0)
+    return (len(DECODE_PEER_NAMES) + 1, 0)
+
+
+def sort_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decode rows by dtype, batch, kv heads (most first), seqlen_q, seqlen_k, then peer."""
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        shape = (r["dtype"], r["batch"], -r["kv_heads"], r["seqlen_q"], r["seqlen_k"])
+        return (*shape, *_peer_index(r["peer"]))
+
+    return sorted(rows, key=key)
+
+
+def group_by_shape(rows: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str, dict]]]:
+    return report.group_by_shape(rows, sort=sort_rows)
+
+
+# ---- comparisons ----------------------------------------------------------------------------
+def add_comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Set ``speedup_vs_nosplit`` and ``speedup_vs_best_torch`` (with ``best_torch_peer``) on
+    every timed row whose comparison peer was timed on the same shape; returns the rows.
+    (bench.report.ratio divides TFLOP/s: one shape's peers do the same FLOPs, so it is the
+    inverse ratio of their median times.)"""
+    rows = list(rows)
+    for _, peers in group_by_shape(rows):
+        nosplit = peers.get(NOSPLIT_PEER)
+        torch = report.best_torch(peers)
+        for row in peers.values():
+            if row["status"] != OK:
+                continue
+            row["speedup_vs_nosplit"] = report.ratio(row, nosplit)
+            row["speedup_vs_best_torch"] = report.ratio(row, torch)
+            row["best_torch_peer"] = torch["peer"] if torch else None
+    return rows
+
+
+# ---- markdown -------------------------------------------------------------------------------
+def cell(row: dict[str, Any] | None) -> str:
+    """``ms (xx%)`` for a timed row, else why there is no time (bench.report.cell)."""
+    if row is None or row["status"] != OK:
+        return report.cell(row)
+    ms, frac = row.get("median_ms"), row.get("frac_of_copy")
+    if ms is None:
+        return "?"
+    return f"{ms:.3g} ({100 * frac:.0f}%)" if frac is not None else f"{ms:.3g}"
+
+
+def _ratio_cell(row: dict[str, Any] | None, field: str) -> str:
+    value = row.get(field) if row else None
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def _shape_cells(row: dict[str, Any]) -> list[str]:
+    return [
+        DTYPE_SHORT.get(row["dtype"], row["dtype"]),
+        str(row["batch"]),
+        f"{row['heads']}/{row['kv_heads']}",
+        str(row["seqlen_q"]),
+        str(row["seqlen_k"]),
+    ]
+
+
+SHAPE_HEADER = ["dtype", "B", "H/Hkv", "Sq", "Sk"]
+
+
+def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
+    """One line per shape: ``ms (% of copy)`` per peer, then kg-decode's and kg-decode-tuned's
+    speedups. A shape-wide row (peer ``all``) fills every peer's cell."""
+    rows = add_comparisons(rows)
+    ratios_header = ["dec/nosplit", "dec/torch", "tuned/torch"]
+    header = [*SHAPE_HEADER, *(p.short for p in DECODE_PEERS), *ratios_header]
+    lines = []
+    for _, peers in group_by_shape(rows):
+        first = next(iter(peers.values()))
+        whole = peers.get(ALL)
+        cells = [cell(whole or peers.get(p.name)) for p in DECODE_PEERS]
+        decode, tuned = peers.get(DECODE_PEER), peers.get(TUNED_PEER)
+        ratios = [
+            _ratio_cell(decode, "speedup_vs_nosplit"),
+            _ratio_cell(decode, "speedup_vs_best_torch"),
+            _ratio_cell(tuned, "speedup_vs_best_torch"),
+        ]
+        lines.append([*_shape_cells(first), *cells, *ratios])
+    align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(DECODE_PEERS) + 3)
+    return _table(header, lines, align)
+
+
+def sweep_table(rows: Iterable[dict[str, Any]]) -> str:
+    """The split-count sweep: one line per shape, ``ms (% of copy)`` per ``num_splits``."""
+    swept = [r for r in rows if split_count(r["peer"]) is not None]
+    if not swept:
+        return ""
+    counts = sorted({split_count(r["peer"]) or 0 for r in swept})
+    lines = []
+    for _, peers in group_by_shape(swept):
+        first = next(iter(peers.values()))
+        lines.append([*_shape_cells(first), *(cell(peers.get(split_peer(n))) for n in counts)])
+    header = [*SHAPE_HEADER, *(f"s={n}" for n in counts)]
+    return _table(header, lines, ["---"] * len(SHAPE_HEADER) + ["---:"] * len(counts))
+
+
+def _table(header: list[str], lines: list[list[str]], align: list[str]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n".join(out)
+
+
+def kernelgen_table(rows: Iterable[dict[str, Any]]) -> str:
+    """Per shape and kernelgen decode peer: the spec it ran, its split count, its scratch."""
+    lines = []
+    for key, peers in group_by_shape(rows):
+        for name in (*KERNELGEN_DECODE_PEERS, NOSPLIT_PEER):
+            row = peers.get(name)
+            if row is None or row["status"] != OK:
+                continue
+            scratch = row.get("scratch_bytes")
+            lines.append(
+                [
+                    key,
+                    name,
+                    f"`{row['spec_uri']}`" if row.get("spec_uri") else "?",
+                    str(row.get("num_splits", "?")),
+                    f"{scratch / 2**20:.2f}" if scratch is not None else "?",
+                ]
+            )
+    if not lines:
+        return ""
+    header = ["shape", "peer", "spec", "splits", "scratch MiB"]
+    return _table(header, lines, ["---", "---", "---", "---:", "---:"])
+
+
+# ---- targets (issue #5) ---------------------------------------------------------------------
+PASS, MISS, NOT_MEASURED = "PASS", "MISS", "not measured"
+FAILED = (WRONG, ERROR, UNAVAILABLE)  # a kernelgen row in these states misses the target
+
+
+@dataclass(frozen=True)
+class Target:
+    """One reported (never asserted) target: which shapes, which figure, which threshold."""
+
+    name: str
+    text: str
+    applies: Callable[[dict[str, Any]], bool]
+    figure: Callable[[dict[str, Any], dict[str, dict]], float | None]
+    threshold: float
+    strict: bool  # the figure must exceed the threshold (else reach it)
+    percent: bool  # show the figure as a percentage (else as a ratio "x")
+
+    def met(self, value: float) -> bool:
+        return value > self.threshold if self.strict else value >= self.threshold
+
+    def show(self, value: float) -> str:
+        return f"{100 * value:.1f}%" if self.percent else f"{value:.2f}x"
+
+
+TARGETS: tuple[Target, ...] = (
+    Target(
+        "bandwidth",
+        "achieved bandwidth >= 85% of the measured copy bandwidth at B=1, Sk >= 8k",
+        lambda r: r["batch"] == 1 and r["seqlen_k"] >= 8192,
+        lambda row, _peers: row.get("frac_of_copy"),
+        0.85,
+        strict=False,
+        percent=True,
+    ),
+    Target(
+        "vs-nosplit",
+        ">= 5x kernelgen without split-KV (kg-nosplit) at B=1, Sk=32k",
+        lambda r: r["batch"] == 1 and r["seqlen_k"] == 32768,
+        lambda row, peers: report.ratio(row, peers.get(NOSPLIT_PEER)),
+        5.0,
+        strict=False,
+        percent=False,
+    ),
+    Target(
+        "vs-torch",
+        "faster than every timed torch SDPA backend at Sk >= 4k",
+        lambda r: r["seqlen_k"] >= 4096,
+        lambda row, peers: report.ratio(row, report.best_torch(peers)),
+        1.0,
+        strict=True,
+        percent=False,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    target: str
+    peer: str
+    status: str  # PASS, MISS or "not measured"
+    detail: str
+
+
+def evaluate(target: Target, peer: str, groups: list[tuple[str, dict[str, dict]]]) -> TargetResult:
+    """Whether ``peer`` meets ``target`` on every shape of the run it applies to.
+
+    Per shape: a timed row with a figure counts as measured (met or missed); a kernelgen row
+    that failed (wrong, error, unavailable) is a miss; no row, a skipped one, or no figure (its
+    comparison peer was not timed) leaves the shape unmeasured."""
+    shapes = [(key, peers) for key, peers in groups if target.applies(next(iter(peers.values())))]
+    if not shapes:
+        return TargetResult(target.name, peer, NOT_MEASURED, "no shape of this kind in the run")
+    values: list[tuple[float, str]] = []
+    failed: list[str] = []
+    for key, peers in shapes:
+        row = peers.get(peer)
+        if row is not None and row["status"] in FAILED:
+            failed.append(f"{key}: {row['status']}")
+        elif row is not None and row["status"] == OK:
+            value = target.figure(row, peers)
+            if value is not None:
+                values.append((value, key))
+    if not values and not failed:
+        return TargetResult(target.name, peer, NOT_MEASURED, f"0 of {len(shapes)} shapes measured")
+    missed = [v for v in values if not target.met(v[0])]
+    status = MISS if missed or failed else PASS
+    parts = [f"{len(values)} of {len(shapes)} shapes measured"]
+    if values:
+        worst, key = min(values)
+        parts.append(f"worst {target.show(worst)} ({key})")
+    if missed:
+        parts.append(f"{len(missed)} below the target")
+    if failed:
+        parts.append(f"failed on {', '.join(failed)}")
+    return TargetResult(target.name, peer, status, "; ".join(parts))
+
+
+def evaluate_targets(
+    rows: Iterable[dict[str, Any]], peers: Iterable[str] = KERNELGEN_DECODE_PEERS
+) -> list[TargetResult]:
+    """Every target (:data:`TARGETS`) for every kernelgen decode peer, from the rows alone."""
+    groups = group_by_shape(rows)
+    return [evaluate(t, p, groups) for t in TARGETS for p in peers]
+
+
+def target_lines(results: Iterable[TargetResult]) -> list[str]:
+    texts = {t.name: t.text for t in TARGETS}
+    return [f"- {r.status}: {r.peer}, {texts[r.target]} ({r.detail})" for r in results]
+
+
+# ---- the document ---------------------------------------------------------------------------
+def markdown_document(result: dict[str, Any]) -> str:
+    """The .md file: provenance, bytes model and copy floor, the table, the targets, the split
+    sweep, the specs kernelgen ran, and why anything was not timed."""
+    meta, floors, rows = result["meta"], result.get("floors", {}), result["rows"]
+    copy = floors.get("copy_gbps")
+    lines = [
+        f"# Decode attention benchmark: {meta.get('gpu_name', '?')} ({meta.get('date', '?')})",
+        "",
+        *report.provenance(meta),
+        f"- bytes model: {meta.get('bytes_model', '?')}",
+        f"- measured copy bandwidth: {f'{copy:.1f}' if copy else '?'} GB/s (read + write)",
+        "",
+        "## Median ms (% of copy bandwidth)",
+        "",
+        markdown_table(rows),
+        "",
+        LEGEND,
+        "",
+        "## Targets (issue #5; reported, not asserted)",
+        "",
+        *target_lines(evaluate_targets(rows)),
+        "",
+    ]
+    for title, table in (
+        ("## Split-count sweep (kg-decode spec, num_splits fixed)", sweep_table(rows)),
+        ("## kernelgen specs and split counts", kernelgen_table(rows)),
+    ):
+        if table:
+            lines += [title, "", table, ""]
+    notes = report.reasons(rows, sort=sort_rows)
+    if notes:
+        lines += ["## Not timed", "", *(f"- {n}" for n in notes), ""]
+    return "\n".join(lines)
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    """One console line per finished row."""
+    median = f"{row['median_ms']:9.4f} ms" if row.get("median_ms") else " " * 12
+    rate = f"{row['achieved_gbps']:7.0f} GB/s" if row.get("achieved_gbps") else " " * 12
+    frac = f"{100 * row['frac_of_copy']:4.0f}%" if row.get("frac_of_copy") else " " * 5
+    reason = f"  {str(row.get('reason'))[:70]}" if row["status"] != OK else ""
+    return f"{row['shape']:28} {row['peer']:16} {row['status']:11} {median} {rate} {frac}{reason}"
