@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SPEC_PATHS, require_toolchain
+from conftest import ROOT, SPEC_PATHS, cuda_device_count, require_toolchain
 from typer.testing import CliRunner
 
 from kernelgen.cli import app
@@ -135,3 +135,15 @@ def test_every_subpackage_ships_in_the_wheel():
         for p in (ROOT / "kernelgen").rglob("__init__.py")
     }
     assert found <= listed, found - listed
+
+
+def test_selfcheck_without_a_gpu_says_so_in_one_line(capsys):
+    from kernelgen.selfcheck import main
+
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is visible (the GPU tier runs the selfcheck)")
+    assert main(["float16"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("selfcheck: ") and "\n" not in out
+    assert main(["int8"]) == 2
+    assert "float16 or bfloat16" in capsys.readouterr().out

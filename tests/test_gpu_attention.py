@@ -227,3 +227,10 @@ def test_tuned_decode_is_correct(monkeypatch, tmp_path):
     # 8 K/V heads cannot fill the GPU unsplit: the winner is a split-KV launch with its count
     (record,) = [r for _, r in kernelgen.tuning.TuningDB(tmp_path).records()]
     assert record is not None and record.winner["split_kv"] and record.winner_splits > 1
+
+
+def test_selfcheck_passes(capsys):
+    """`python -m kernelgen.selfcheck` (what compute-sanitizer runs) passes on this GPU."""
+    from kernelgen.selfcheck import main
+
+    assert main([]) == 0, capsys.readouterr().out

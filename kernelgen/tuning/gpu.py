@@ -20,7 +20,8 @@ WARMUP_MS = 10.0
 MIN_REPS, MAX_REPS = 20, 1000
 
 
-def _cupy() -> Any:
+def require_device() -> Any:
+    """CuPy, once a CUDA device is known to be visible (ToolchainMissingError otherwise)."""
     from kernelgen.launch import import_cupy
 
     cupy = import_cupy()
@@ -34,7 +35,7 @@ def _cupy() -> Any:
 
 @cache
 def _device(index: int) -> DeviceInfo:
-    cupy = _cupy()
+    cupy = require_device()
     props = cupy.cuda.runtime.getDeviceProperties(index)
     name = props["name"]
     return DeviceInfo(
@@ -59,7 +60,7 @@ def _version(number: int) -> str:
 @cache
 def detect_software() -> SoftwareInfo:
     """kernelgen, templates, NVRTC, CUDA runtime and CuPy versions of this process."""
-    cupy = _cupy()
+    cupy = require_device()
     major, minor = cupy.cuda.nvrtc.getVersion()
     return local_software(
         f"{major}.{minor}", _version(cupy.cuda.runtime.runtimeGetVersion()), cupy.__version__
@@ -83,7 +84,7 @@ class CupyBench:
 
         from kernelgen.tuning.candidates import launch_problem
 
-        cupy = self.cupy = _cupy()
+        cupy = self.cupy = require_device()
         p = self.problem = problem
         rng = np.random.default_rng(seed)
         dtype = element_dtype(p.dtype)

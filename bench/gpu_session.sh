@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (../.library/device/METHOD.md: "one script that builds,
+# checks and times"): the GPU test tier, the benchmarks, a compute-sanitizer pass. Logs and
+# result files go under $OUT (default ./gpu-out); a short summary is printed last.
+#
+#   bench/gpu_session.sh [tests] [decode] [prefill] [sanitize]    (default: all four)
+#
+# Each stage has its own time limit (seconds, environment): TESTS_S=240 DECODE_S=240
+# PREFILL_S=240 SANITIZE_S=120, so a subset fits one 10-minute device command. Expects
+# kernelgen importable (PYTHONPATH=$PWD plus the wheels of CONTRIBUTING/README's GPU notes).
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT/results"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill sanitize)
+summary=()
+
+note() { summary+=("$(printf '%-9s %s' "$1" "$2")"); }
+
+run_stage() {  # name, limit, log, command...
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local start=$SECONDS
+    timeout --signal=INT "$limit" "$@" >"$OUT/$log" 2>&1
+    local rc=$?
+    note "$name" "rc=$rc in $((SECONDS - start)) s ($log: $(tail -n 1 "$OUT/$log" | cut -c1-90))"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
+    >"$OUT/gpu.txt" 2>&1
+export KERNELGEN_CACHE_DIR="$OUT/kernelgen-cache"  # a fresh tuning database, kept with the logs
+
+for stage in "${stages[@]}"; do
+    case $stage in
+    tests)
+        run_stage tests "${TESTS_S:-240}" pytest-gpu.log \
+            python3 -m pytest -m gpu -q -p no:cacheprovider -x --junitxml="$OUT/pytest-gpu.xml"
+        ;;
+    decode)
+        run_stage decode "${DECODE_S:-240}" bench-decode.log \
+            python3 -m bench.decode --quick --sweep-splits --out "$OUT/results"
+        ;;
+    prefill)
+        run_stage prefill "${PREFILL_S:-240}" bench-prefill.log \
+            python3 -m bench.attention --quick --out "$OUT/results"
+        ;;
+    sanitize)
+        # memcheck and racecheck of one split-KV decode call and one prefill call (small
+        # shapes: the tools slow kernels down by orders of magnitude)
+        for tool in memcheck racecheck; do
+            run_stage "$tool" "${SANITIZE_S:-120}" "sanitize-$tool.log" \
+                compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                python3 -m kernelgen.selfcheck
+        done
+        ;;
+    *)
+        echo "gpu_session: unknown stage $stage (tests, decode, prefill, sanitize)" >&2
+        exit 2
+        ;;
+    esac
+done
+
+echo
+cat "$OUT/gpu.txt"
+for f in "$OUT"/results/*-decode*.md; do
+    [ -f "$f" ] && grep -E "^(- )?(PASS|MISS|not measured)|target" "$f" | head -n 12
+done
+printf '%s\n' "${summary[@]}"
