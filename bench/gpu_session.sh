@@ -7,7 +7,7 @@
 #
 # Each stage has its own time limit (seconds, environment): TESTS_S=240 DECODE_S=240
 # PREFILL_S=240 SANITIZE_S=120, so a subset fits one 10-minute device command. Expects
-# kernelgen importable (PYTHONPATH=$PWD plus the wheels of CONTRIBUTING/README's GPU notes).
+# kernelgen and its dependencies importable (e.g. PYTHONPATH=$PWD plus a pydantic wheel).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/results"
