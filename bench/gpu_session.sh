@@ -3,16 +3,16 @@
 # checks and times"): the GPU test tier, the benchmarks, a compute-sanitizer pass. Logs and
 # result files go under $OUT (default ./gpu-out); a short summary is printed last.
 #
-#   bench/gpu_session.sh [tests] [decode] [prefill] [sanitize]    (default: all four)
+#   bench/gpu_session.sh [tests] [decode] [prefill] [tuning] [sanitize]    (default: all)
 #
 # Each stage has its own time limit (seconds, environment): TESTS_S=240 DECODE_S=240
-# PREFILL_S=240 SANITIZE_S=120, so a subset fits one 10-minute device command. Expects
+# PREFILL_S=240 TUNING_S=240 SANITIZE_S=120, so a subset fits one 10-minute device command. Expects
 # kernelgen and its dependencies importable (e.g. PYTHONPATH=$PWD plus a pydantic wheel).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/results"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill sanitize)
+[ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill tuning sanitize)
 summary=()
 
 note() { summary+=("$(printf '%-9s %s' "$1" "$2")"); }
@@ -44,6 +44,10 @@ for stage in "${stages[@]}"; do
         run_stage prefill "${PREFILL_S:-240}" bench-prefill.log \
             python3 -m bench.attention --quick --out "$OUT/results"
         ;;
+    tuning)
+        run_stage tuning "${TUNING_S:-240}" bench-tuning.log \
+            python3 -m bench.tuning --quick --out "$OUT/results"
+        ;;
     sanitize)
         # memcheck and racecheck of one split-KV decode call and one prefill call (small
         # shapes: the tools slow kernels down by orders of magnitude)
@@ -54,7 +58,7 @@ for stage in "${stages[@]}"; do
         done
         ;;
     *)
-        echo "gpu_session: unknown stage $stage (tests, decode, prefill, sanitize)" >&2
+        echo "gpu_session: unknown stage $stage (tests, decode, prefill, tuning, sanitize)" >&2
         exit 2
         ;;
     esac
@@ -62,7 +66,7 @@ done
 
 echo
 cat "$OUT/gpu.txt"
-for f in "$OUT"/results/*-decode*.md; do
+for f in "$OUT"/results/*-decode*.md "$OUT"/results/*-tuning*.md; do
     [ -f "$f" ] && grep -E "^(- )?(PASS|MISS|not measured)|target" "$f" | head -n 12
 done
 printf '%s\n' "${summary[@]}"

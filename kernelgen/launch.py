@@ -244,3 +244,9 @@ def runtime_kernel(spec: KernelSpec) -> RuntimeKernel:
             if kernel is None:
                 kernel = _KERNELS[key] = RuntimeKernel(spec)
     return kernel
+
+
+def clear_kernel_cache() -> None:
+    """Forget the compiled kernels of this process (CuPy's on-disk cache is CuPy's own)."""
+    with _KERNELS_LOCK:
+        _KERNELS.clear()

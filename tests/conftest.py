@@ -4,12 +4,15 @@ GPU (`-m gpu`) skipped where there is no CUDA device."""
 from __future__ import annotations
 
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a folder of the repository, not of the package
+    sys.path.insert(0, str(ROOT))
 SPEC_PATHS = sorted((ROOT / "specs").glob("*.yaml"))
 IN_CI = os.environ.get("CI", "").lower() == "true"
 

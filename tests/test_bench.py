@@ -10,17 +10,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import metrics, report  # noqa: E402
-from bench.candidates import PEERS, candidate_label, tensor_core_candidates, v1_fields  # noqa: E402
-from bench.shapes import TOKENS, Shape, grid, make_shape, normalize_dtype  # noqa: E402
+from bench import metrics, report
+from bench.candidates import PEERS, candidate_label, tensor_core_candidates, v1_fields
+from bench.shapes import TOKENS, Shape, grid, make_shape, normalize_dtype
 
 
 # ---- FLOPs ----

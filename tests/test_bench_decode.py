@@ -7,20 +7,14 @@ import argparse
 import datetime as dt
 import importlib
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import attention, decode, gpu, metrics, report  # noqa: E402
-from bench import decode_report as dr  # noqa: E402
-from bench.decode_shapes import DecodeShape, grid  # noqa: E402
+from bench import attention, decode, gpu, metrics, report
+from bench import decode_report as dr
+from bench.decode_shapes import DecodeShape, grid
 
 MIB, GIB = 1 << 20, 1 << 30
 

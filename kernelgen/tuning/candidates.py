@@ -23,6 +23,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -48,6 +49,8 @@ TC_LAYOUTS = ("swizzled", "padded")
 SIMT_BLOCK_M = (32, 64, 128)
 SIMT_BLOCK_N = (16, 32, 64)
 SIMT_WARPS = (4, 8)
+# Offline compiles of one tuning run in flight at once.
+COMPILE_THREADS = min(16, os.cpu_count() or 1)
 # Decode grid (split-KV, GQA heads packed into the rows): block_n x stages; the warps are the
 # fewest whose 16-row tiles hold the packed rows, and half that.
 DECODE_BLOCK_N = (32, 64, 128)
@@ -268,15 +271,17 @@ def resource_problem(res: Resources) -> str | None:
 def prune_resources(
     launches: list[TunedLaunch], arch: str, compile_fn: CompileFn
 ) -> tuple[list[Candidate], list[Dropped]]:
-    """Compile each launch's spec offline (once per spec); drop failures and kernels that
-    spill or use a stack."""
+    """Compile each launch's spec offline (once per spec, on up to :data:`COMPILE_THREADS`
+    threads: NVRTC releases the GIL); drop failures and kernels that spill or use a stack."""
     kept: list[Candidate] = []
     dropped: list[Dropped] = []
-    verdicts: dict[str, Resources | str] = {}  # uri -> resources, or why the spec is out
+    specs = list({x.spec.uri: x.spec for x in launches}.values())
+    workers = max(1, min(len(specs), COMPILE_THREADS))
+    with ThreadPoolExecutor(workers) as pool:
+        found = pool.map(lambda spec: _resource_verdict(spec, arch, compile_fn), specs)
+        verdicts = dict(zip((s.uri for s in specs), found, strict=True))  # uri -> why not, or res
     for launch in launches:
         spec = launch.spec
-        if spec.uri not in verdicts:
-            verdicts[spec.uri] = _resource_verdict(spec, arch, compile_fn)
         verdict = verdicts[spec.uri]
         if isinstance(verdict, str):
             dropped.append(Dropped(launch.label, "resources", verdict))
@@ -355,6 +360,11 @@ def offline_resources(spec: KernelSpec, arch: str) -> Resources:
             log.debug("cannot memoize resources in %s: %s", path, exc)
     _RESOURCES[memo_key] = res
     return res
+
+
+def clear_resource_memo() -> None:
+    """Forget the in-process resource reports (the disk memo stays)."""
+    _RESOURCES.clear()
 
 
 def _read_resources(path: Path) -> Resources | None:
