@@ -354,9 +354,7 @@ def attention(
     tensors = {**arrays, "out": out, "lse": lse, "mask": mask_array, "seqlens_k": seqlens}
     kernel(tensors, problem, call.scale, num_splits=num_splits if spec.split_kv else None)
     if type(q).__module__.split(".")[0] == "torch":
-        import torch
-
-        out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+        out, lse = _to_torch(out), _to_torch(lse)
     return (out, lse) if return_lse else out
 
 
@@ -490,6 +488,11 @@ def _empty(shape: tuple[int, ...], dtype: Any) -> Any:
     return import_cupy().empty(shape, dtype=dtype)
 
 
+# DLPack exchange of bfloat16 is recent in CuPy (import in 14.x, export later); a same-size
+# integer view carries the bits through any version without a copy.
+_DLPACK_REFUSALS = (NotImplementedError, TypeError, BufferError, ValueError)
+
+
 def _as_cupy(array: Any) -> Any:
     cupy = import_cupy()
     if isinstance(array, cupy.ndarray):
@@ -499,7 +502,27 @@ def _as_cupy(array: Any) -> Any:
         and type(array).__module__.split(".")[0] != "torch"
     ):
         return cupy.asarray(array)
-    return cupy.from_dlpack(array)
+    try:
+        return cupy.from_dlpack(array)
+    except _DLPACK_REFUSALS:
+        if _dtype_name(getattr(array, "dtype", "")) != "bfloat16":
+            raise
+        import ml_dtypes
+        import torch
+
+        return cupy.from_dlpack(array.view(torch.int16)).view(ml_dtypes.bfloat16)
+
+
+def _to_torch(array: Any) -> Any:
+    """A CuPy array as a torch tensor sharing its memory."""
+    import torch
+
+    try:
+        return torch.from_dlpack(array)
+    except _DLPACK_REFUSALS:
+        if _dtype_name(array.dtype) != "bfloat16":
+            raise
+        return torch.from_dlpack(array.view(import_cupy().int16)).view(torch.bfloat16)
 
 
 __all__ = ["KernelgenError", "attention", "check_inputs", "default_spec", "describe"]

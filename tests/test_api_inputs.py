@@ -190,3 +190,44 @@ def test_good_num_splits():
 def test_bad_seqlens_k(value, error, match):
     with pytest.raises(error, match=match):
         _seqlens_k_array(value, batch=3, max_keys=50)
+
+
+def test_bfloat16_crosses_dlpack_as_int16_where_a_library_refuses_it(monkeypatch):
+    """A CuPy/torch pair without bfloat16 DLPack still exchanges bf16 bits, via an int16 view."""
+    import sys
+    import types
+
+    from kernelgen import api
+
+    class Tensor:  # enough of torch.Tensor / cupy.ndarray for the exchange
+        def __init__(self, dtype, origin):
+            self.dtype, self.origin = dtype, origin
+
+        def view(self, dtype):
+            return Tensor(dtype, self.origin)
+
+    def refusing_from_dlpack(x):
+        if x.dtype in ("torch.bfloat16", "bfloat16", "float8_e4m3fn"):
+            raise NotImplementedError(f"{x.dtype} is not supported")
+        return Tensor(f"converted.{x.dtype}", x.origin)
+
+    torch = types.ModuleType("torch")
+    torch.int16, torch.bfloat16 = "torch.int16", "torch.bfloat16"
+    torch.from_dlpack = refusing_from_dlpack
+    ml_dtypes = types.ModuleType("ml_dtypes")
+    ml_dtypes.bfloat16 = "ml.bfloat16"
+    cupy = types.SimpleNamespace(
+        ndarray=type(None), int16="cupy.int16", from_dlpack=refusing_from_dlpack
+    )
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "ml_dtypes", ml_dtypes)
+    monkeypatch.setattr(api, "import_cupy", lambda: cupy)
+
+    tensor_in = Tensor("torch.bfloat16", "q")
+    tensor_in.__class__.__module__ = "torch"
+    on_device = api._as_cupy(tensor_in)
+    assert (on_device.dtype, on_device.origin) == ("ml.bfloat16", "q")  # the same memory
+    back = api._to_torch(Tensor("bfloat16", "out"))
+    assert (back.dtype, back.origin) == ("torch.bfloat16", "out")
+    with pytest.raises(NotImplementedError):  # other dtypes are not papered over
+        api._to_torch(Tensor("float8_e4m3fn", "out"))
