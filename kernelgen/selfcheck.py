@@ -22,12 +22,14 @@ TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2}  # relative Frobenius error of o
 
 
 def _device(host: np.ndarray, dtype: str) -> Any:
-    """``host`` as a CuPy array of ``dtype``."""
+    """``host`` as a CuPy array of ``dtype`` (bfloat16 uploaded as its bits)."""
     import cupy
 
-    from kernelgen.tuning.gpu import element_dtype
+    from kernelgen.tuning.gpu import bfloat16_bits, element_dtype
 
-    return cupy.asarray(host.astype(element_dtype(dtype)))
+    if dtype == "bfloat16":
+        return cupy.asarray(bfloat16_bits(np, host)).view(element_dtype(dtype))
+    return cupy.asarray(host.astype(dtype))
 
 
 def check_call(
@@ -41,7 +43,10 @@ def check_call(
 ) -> float:
     """One attention() call of (B, H, Hkv, Sq, Sk, D) on fresh normal inputs against float64;
     its relative error (inf for a non-finite output)."""
+    import cupy
+
     import kernelgen
+    from kernelgen.tuning.gpu import as_float32
 
     batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
     rng = np.random.default_rng(seed)
@@ -51,10 +56,10 @@ def check_call(
     q, k, v = (_device(x, dtype) for x in (q, k, v))
     out = kernelgen.attention(q, k, v, causal=causal, seqlens_k=seqlens_k, num_splits=num_splits)
     group = heads // kv_heads
-    host = [x.astype("float32").get().astype(np.float64) for x in (q, k, v)]
+    host = [as_float32(cupy, x).get().astype(np.float64) for x in (q, k, v)]
     host[1], host[2] = (np.repeat(x, group, axis=1) for x in host[1:])
     ref, _ = naive_attention(*host, causal=causal, seqlens_k=seqlens_k)
-    got = out.astype("float32").get().astype(np.float64)
+    got = as_float32(cupy, out).get().astype(np.float64)
     if not np.isfinite(got).all():
         return float("inf")
     return relative_error(got, ref)

@@ -278,3 +278,24 @@ def test_warmup_pretunes_shapes():
     )
     assert len(specs) == 2 and all(s.dtype == "float16" and s.causal for s in specs)
     assert len(calls) == 2
+
+
+def test_bfloat16_bits_round_to_nearest_even_and_widen_back():
+    import numpy as np
+
+    from kernelgen.tuning.gpu import bfloat16_bits
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate(
+        [rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096), [1.0, -2.5, 0.0]]
+    ).astype(np.float32)
+    bits = bfloat16_bits(np, x)
+    assert bits.dtype == np.uint16
+    widened = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    # the nearest bfloat16: within half a unit in the last place (8 significant bits)
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(x.astype(np.float64)) + 1e-300)) - 7)
+    assert np.all(np.abs(widened - x) <= ulp / 2 * (1 + 1e-12))
+    assert widened[-3:].tolist() == [1.0, -2.5, 0.0]
+    # a tie goes to the even bfloat16: 1 + 2^-8 sits halfway between 1 and 1 + 2^-7
+    tie = bfloat16_bits(np, np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32))
+    assert tie.tolist() == [0x3F80, 0x3F82]

@@ -76,6 +76,30 @@ def element_dtype(name: str) -> Any:
     return name
 
 
+def bfloat16_bits(xp: Any, values: Any) -> Any:
+    """float32 ``values`` rounded to bfloat16 (nearest, ties to even) as uint16 bit patterns;
+    ``xp`` is NumPy or CuPy (integer arithmetic only: no bfloat16 kernels needed)."""
+    bits = values.astype(xp.float32).view(xp.uint32)
+    rounded = bits + xp.uint32(0x7FFF) + ((bits >> xp.uint32(16)) & xp.uint32(1))
+    return (rounded >> xp.uint32(16)).astype(xp.uint16)
+
+
+def as_float32(xp: Any, array: Any) -> Any:
+    """``array`` (float16/bfloat16/float32, NumPy or CuPy) widened to float32; bfloat16 by
+    its bits (the upper half of a float32), so no bfloat16 kernel is needed."""
+    if str(array.dtype) == "bfloat16":
+        return (array.view(xp.uint16).astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
+    return array.astype(xp.float32)
+
+
+def device_normal(cupy: Any, state: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """Standard-normal values of ``dtype`` drawn on the device (fresh, never zeros)."""
+    values = state.standard_normal(shape, dtype=cupy.float32)
+    if dtype == "bfloat16":
+        return bfloat16_bits(cupy, values).view(element_dtype(dtype))
+    return values.astype(dtype)
+
+
 class CupyBench:
     """Times specs on the current GPU for one problem, with inputs rotated against L2."""
 
@@ -86,7 +110,7 @@ class CupyBench:
 
         cupy = self.cupy = require_device()
         p = self.problem = problem
-        rng = np.random.default_rng(seed)
+        state = cupy.random.RandomState(seed)
         dtype = element_dtype(p.dtype)
         q_shape = (p.batch, p.num_heads, p.seqlen_q, p.head_dim)
         kv_shape = (p.batch, p.num_kv_heads, p.seqlen_k, p.head_dim)
@@ -94,8 +118,8 @@ class CupyBench:
         set_bytes = elem * (2 * math.prod(q_shape) + 2 * math.prod(kv_shape))
         count = max(2, min(16, math.ceil(2 * max(device.l2_bytes, 1) / set_bytes)))
 
-        def tensor(shape: tuple[int, ...]) -> Any:  # drawn on the host: fresh, never zeros
-            return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+        def tensor(shape: tuple[int, ...]) -> Any:
+            return device_normal(cupy, state, shape, p.dtype)
 
         self.sets = [
             {
@@ -108,7 +132,7 @@ class CupyBench:
             for _ in range(count)
         ]
         if p.mask:  # one (Sq, Sk) mask broadcast over batch and heads
-            mask = cupy.asarray(rng.standard_normal((p.seqlen_q, p.seqlen_k), dtype=np.float32))
+            mask = state.standard_normal((p.seqlen_q, p.seqlen_k), dtype=cupy.float32)
             for s in self.sets:
                 s["mask"] = mask
         self.scale = 1.0 / math.sqrt(p.head_dim)
@@ -160,8 +184,8 @@ class CupyBench:
         for b in range(p.batch):
             for h in range(p.num_heads):
                 kv = h // p.gqa_ratio
-                q = s["q"][b, h].astype(cp.float32)
-                scores = self.scale * q @ s["k"][b, kv].astype(cp.float32).T
+                q = as_float32(cp, s["q"][b, h])
+                scores = self.scale * q @ as_float32(cp, s["k"][b, kv]).T
                 if p.mask:
                     scores = scores + s["mask"]
                 if p.causal:
@@ -170,7 +194,7 @@ class CupyBench:
                 weights = cp.exp(scores - cp.where(cp.isfinite(peak), peak, 0))
                 total = weights.sum(axis=1, keepdims=True)
                 probs = weights / cp.where(total > 0, total, 1)
-                out[b, h] = probs @ s["v"][b, kv].astype(cp.float32)
+                out[b, h] = probs @ as_float32(cp, s["v"][b, kv])
         return out
 
     def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
@@ -180,7 +204,7 @@ class CupyBench:
         s["out"].view(cp.uint16 if width == 16 else cp.uint32).fill(bits)
         self._launch(spec, 0, num_splits)
         ref = self.reference(s)
-        got = s["out"].astype(cp.float32)
+        got = as_float32(cp, s["out"])
         if not bool(cp.isfinite(got).all()):
             return "NaN or inf in the output"
         err = float(cp.linalg.norm(got - ref) / max(float(cp.linalg.norm(ref)), 1e-30))
