@@ -31,24 +31,37 @@ CASES = [
 def poisoned_outputs(monkeypatch):
     import cupy
 
-    def nan_filled(shape, dtype):
-        return cupy.full(shape, cupy.nan, dtype=dtype)
+    from kernelgen.tuning.gpu import NAN_BITS
+
+    def nan_filled(shape, dtype):  # NaN by bit pattern: no fill kernel of the dtype needed
+        array = cupy.empty(shape, dtype=dtype)
+        bits, width = NAN_BITS[str(array.dtype)]
+        array.view(cupy.uint16 if width == 16 else cupy.uint32).fill(bits)
+        return array
 
     monkeypatch.setattr(kernelgen.api, "_empty", nan_filled)
 
 
 def device_array(x: np.ndarray, dtype: str, layout: str):
+    """``x`` on the device as ``dtype`` (bfloat16 uploaded as its bits) in ``layout``."""
     import cupy
 
-    if dtype == "bfloat16":
-        import ml_dtypes
+    from kernelgen.tuning.gpu import bfloat16_bits, element_dtype
 
-        host = x.astype(ml_dtypes.bfloat16)
-    else:
-        host = x.astype(dtype)
     if layout == "bshd":
-        host = np.ascontiguousarray(host.transpose(0, 2, 1, 3))
-    return cupy.asarray(host)
+        x = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    if dtype == "bfloat16":
+        return cupy.asarray(bfloat16_bits(np, x)).view(element_dtype(dtype))
+    return cupy.asarray(x.astype(dtype))
+
+
+def host_float32(array) -> np.ndarray:
+    """A device array of any element type as a float32 NumPy array."""
+    import cupy
+
+    from kernelgen.tuning.gpu import as_float32
+
+    return as_float32(cupy, array).get()
 
 
 def run(spec, case: Case, data, **options):
@@ -66,7 +79,7 @@ def run(spec, case: Case, data, **options):
         layout=case.layout,
         **options,
     )
-    out = out.astype("float32").get()
+    out = host_float32(out)
     if case.layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
     return out, lse.get()
@@ -93,7 +106,7 @@ def test_default_spec_on_gpu(dtype, head_dim, monkeypatch):
     q, k, v = (device_array(getattr(data, n), dtype, "bhsd") for n in "qkv")
     out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True)
     assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype
-    assert_matches(out.astype("float32").get(), lse.get(), data, dtype)
+    assert_matches(host_float32(out), lse.get(), data, dtype)
 
 
 def test_torch_tensors_in_torch_tensors_out():
@@ -133,7 +146,7 @@ def test_misaligned_inputs_on_the_tensor_cores(monkeypatch):
     with pytest.raises(kernelgen.InputError, match="not 16-byte aligned"):
         kernelgen.attention(q, k, v, spec=spec)
     out, lse = kernelgen.attention(q, k, v, return_lse=True)  # default: CUDA-core fallback
-    assert_matches(out.astype("float32").get(), lse.get(), data, "float16")
+    assert_matches(host_float32(out), lse.get(), data, "float16")
 
 
 @pytest.mark.parametrize("case", [Case(2, 4, 2, 300, 300), Case(1, 8, 1, 128, 1000)], ids=str)
@@ -147,7 +160,7 @@ def test_tuned_attention_is_correct(case, monkeypatch, tmp_path):
     data = make_case(case, "bfloat16", 128, True, seed=case.seqlen_q)
     q, k, v = (device_array(getattr(data, n), "bfloat16", "bhsd") for n in "qkv")
     out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True)
-    assert_matches(out.astype("float32").get(), lse.get(), data, "bfloat16")
+    assert_matches(host_float32(out), lse.get(), data, "bfloat16")
     assert list(tmp_path.rglob("*.json")), "the tuning record was not written"
 
 
@@ -207,9 +220,9 @@ def test_default_decode_path_on_gpu(dtype, monkeypatch):
     data = make_case(case, dtype, 128, False, seed=9)
     q, k, v = (device_array(getattr(data, n), dtype, "bhsd") for n in "qkv")
     out, lse = kernelgen.attention(q, k, v, return_lse=True)
-    assert_matches(out.astype("float32").get(), lse.get(), data, dtype)
+    assert_matches(host_float32(out), lse.get(), data, dtype)
     out, lse = kernelgen.attention(q, k, v, return_lse=True, num_splits=16)
-    assert_matches(out.astype("float32").get(), lse.get(), data, dtype)
+    assert_matches(host_float32(out), lse.get(), data, dtype)
 
 
 def test_tuned_decode_is_correct(monkeypatch, tmp_path):
@@ -223,7 +236,7 @@ def test_tuned_decode_is_correct(monkeypatch, tmp_path):
     data = make_case(case, "float16", 128, False, seed=32)
     q, k, v = (device_array(getattr(data, n), "float16", "bhsd") for n in "qkv")
     out, lse = kernelgen.attention(q, k, v, return_lse=True)
-    assert_matches(out.astype("float32").get(), lse.get(), data, "float16")
+    assert_matches(host_float32(out), lse.get(), data, "float16")
     # 8 K/V heads cannot fill the GPU unsplit: the winner is a split-KV launch with its count
     (record,) = [r for _, r in kernelgen.tuning.TuningDB(tmp_path).records()]
     assert record is not None and record.winner["split_kv"] and record.winner_splits > 1
