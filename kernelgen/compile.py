@@ -104,8 +104,9 @@ def save_failed_source(name: str, source: str) -> str:
     return str(path)
 
 
-def compile_offline(source: str, name: str, arch: str) -> CompiledKernel:
-    """Compile ``source`` for ``arch`` (e.g. ``sm_90``) and parse ptxas' resource report."""
+def compile_offline(source: str, name: str, arch: str, *, sass: bool = True) -> CompiledKernel:
+    """Compile ``source`` for ``arch`` (e.g. ``sm_90``) and parse ptxas' resource report (with
+    ``sass``, also count SASS instructions where cuobjdump is installed)."""
     nvrtc = _nvrtc()
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
     _check(nvrtc, err)
@@ -126,9 +127,9 @@ def compile_offline(source: str, name: str, arch: str) -> CompiledKernel:
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     resources = parse_ptxas_report(log, name, arch)
-    sass = sass_instruction_counts(cubin)
-    if sass:
-        resources = Resources(**{**resources.as_dict(), "sass_instructions": sass})
+    counts = sass_instruction_counts(cubin) if sass else {}
+    if counts:
+        resources = Resources(**{**resources.as_dict(), "sass_instructions": counts})
     return CompiledKernel(name, arch, cubin, log, resources)
 
 

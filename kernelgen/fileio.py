@@ -9,12 +9,17 @@ from pathlib import Path
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, fsync it, then ``os.replace`` it."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then ``os.replace`` it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,9 @@ from kernelgen.render import (
 from kernelgen.spec import KernelSpec
 
 DEFAULT_DYNAMIC_SMEM = 48 * 1024  # above this a kernel must opt in
+
+
+log = logging.getLogger(__name__)
 
 
 def import_cupy() -> Any:
@@ -154,23 +159,40 @@ def default_num_splits(
 class RuntimeKernel:
     """A spec's kernels compiled for the current device, ready to launch."""
 
-    def __init__(self, spec: KernelSpec) -> None:
+    def __init__(self, spec: KernelSpec, cubin_path: str | Path | None = None) -> None:
         cupy = import_cupy()
         self.spec = spec
-        source = render(spec)
+        symbols = [spec.uri] + ([spec.combine_uri] if spec.split_kv else [])
+        self.functions = self._load(cupy, cubin_path, symbols) if cubin_path else {}
+        if not self.functions:
+            self.functions = self._compile(cupy, symbols)
+        if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM:
+            self.functions[spec.uri].max_dynamic_shared_size_bytes = spec.smem_bytes
+
+    def _compile(self, cupy: Any, symbols: list[str]) -> dict[str, Any]:
+        """The spec's functions, compiled from its rendered source by CuPy (NVRTC)."""
+        source = render(self.spec)
         options = [*COMMON_OPTIONS]
         with contextlib.suppress(ToolchainMissingError):  # else CuPy's own include directory
             options.append(f"-I{cuda_include_dir()}")
-        symbols = [spec.uri] + ([spec.combine_uri] if spec.split_kv else [])
         try:
             module = cupy.RawModule(code=source, options=tuple(options), backend="nvrtc")
-            self.functions = {symbol: module.get_function(symbol) for symbol in symbols}
+            return {symbol: module.get_function(symbol) for symbol in symbols}
         except cupy.cuda.compiler.CompileException as exc:
             from kernelgen.compile import save_failed_source
 
-            raise CompileError(spec.uri, str(exc), save_failed_source(spec.uri, source)) from None
-        if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM:
-            self.functions[spec.uri].max_dynamic_shared_size_bytes = spec.smem_bytes
+            uri = self.spec.uri
+            raise CompileError(uri, str(exc), save_failed_source(uri, source)) from None
+
+    def _load(self, cupy: Any, cubin_path: str | Path, symbols: list[str]) -> dict[str, Any]:
+        """The spec's functions from a cubin compiled offline for this device's arch; empty
+        (the caller compiles) when the driver will not load it."""
+        try:
+            module = cupy.RawModule(path=str(cubin_path))
+            return {symbol: module.get_function(symbol) for symbol in symbols}
+        except Exception as exc:  # any refusal: compiling from source still works
+            log.warning("cannot load %s (%s); compiling %s instead", cubin_path, exc, self.spec.uri)
+            return {}
 
     def __call__(
         self, tensors: dict[str, Any], problem: Problem, scale: float, num_splits: int | None = None
@@ -233,8 +255,9 @@ _KERNELS: dict[tuple[str, int], RuntimeKernel] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
-def runtime_kernel(spec: KernelSpec) -> RuntimeKernel:
-    """The compiled kernel for ``spec`` on the current device, compiled once per process."""
+def runtime_kernel(spec: KernelSpec, cubin_path: str | Path | None = None) -> RuntimeKernel:
+    """The compiled kernel for ``spec`` on the current device, compiled once per process (or
+    loaded from ``cubin_path``, a cubin of the spec for this device's arch, when given)."""
     cupy = import_cupy()
     key = (spec.canonical_json(), cupy.cuda.Device().id)
     kernel = _KERNELS.get(key)
@@ -242,7 +265,7 @@ def runtime_kernel(spec: KernelSpec) -> RuntimeKernel:
         with _KERNELS_LOCK:
             kernel = _KERNELS.get(key)
             if kernel is None:
-                kernel = _KERNELS[key] = RuntimeKernel(spec)
+                kernel = _KERNELS[key] = RuntimeKernel(spec, cubin_path)
     return kernel
 
 

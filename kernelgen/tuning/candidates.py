@@ -31,7 +31,7 @@ from typing import Any
 
 from kernelgen.compile import Resources
 from kernelgen.errors import KernelgenError, SpecError, ToolchainMissingError
-from kernelgen.fileio import atomic_write_text
+from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
 from kernelgen.spec import KernelSpec, spec_from_dict, swizzle_fits
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, canonical_digest
@@ -336,30 +336,49 @@ def _nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def offline_resources(spec: KernelSpec, arch: str) -> Resources:
-    """ptxas' resource report for ``spec`` on ``arch``, memoized in process and on disk.
-
-    The disk entry (``<cache dir>/resources/<digest>.json``) is keyed by the spec, the arch, the
-    template hash, kernelgen's version and NVRTC's; an unreadable entry is recompiled."""
+def _memo_path(spec: KernelSpec, arch: str) -> Path:
+    """``<cache dir>/resources/<uri>-<arch>-<digest>.json``: the digest covers the spec, the
+    arch, the template hash, kernelgen's version and NVRTC's. The cubin sits beside it."""
     from kernelgen import __version__
-    from kernelgen.compile import compile_offline
-    from kernelgen.render import render, template_hash
+    from kernelgen.render import template_hash
     from kernelgen.tuning.db import cache_dir
+
+    identity = [spec.canonical_json(), arch, template_hash(), __version__, _nvrtc_version()]
+    return cache_dir() / "resources" / f"{spec.uri}-{arch}-{canonical_digest(identity)[:16]}.json"
+
+
+def offline_resources(spec: KernelSpec, arch: str) -> Resources:
+    """ptxas' resource report for ``spec`` on ``arch``, memoized in process and on disk, with
+    the compiled cubin kept beside the report (:func:`offline_cubin`); an unreadable entry is
+    recompiled."""
+    from kernelgen.compile import compile_offline
+    from kernelgen.render import render
 
     memo_key = (spec.canonical_json(), arch)
     if memo_key in _RESOURCES:
         return _RESOURCES[memo_key]
-    identity = [spec.canonical_json(), arch, template_hash(), __version__, _nvrtc_version()]
-    path = cache_dir() / "resources" / f"{spec.uri}-{arch}-{canonical_digest(identity)[:16]}.json"
+    path = _memo_path(spec, arch)
     res = _read_resources(path)
     if res is None:
-        res = compile_offline(render(spec), spec.uri, arch).resources
-        try:
+        compiled = compile_offline(render(spec), spec.uri, arch, sass=False)
+        res = compiled.resources
+        try:  # the cubin first: a report on disk promises its cubin
+            atomic_write_bytes(path.with_suffix(".cubin"), compiled.cubin)
             atomic_write_text(path, json.dumps(res.as_dict(), sort_keys=True))
         except OSError as exc:
             log.debug("cannot memoize resources in %s: %s", path, exc)
     _RESOURCES[memo_key] = res
     return res
+
+
+def offline_cubin(spec: KernelSpec, arch: str) -> Path | None:
+    """The cubin :func:`offline_resources` compiled for ``spec`` on ``arch``, if on disk (the
+    tuner loads it instead of compiling the spec a second time)."""
+    try:
+        path = _memo_path(spec, arch).with_suffix(".cubin")
+    except ToolchainMissingError:  # no offline NVRTC: nothing was compiled offline
+        return None
+    return path if path.is_file() else None
 
 
 def clear_resource_memo() -> None:

@@ -1,0 +1,94 @@
+"""CPU tier: RuntimeKernel's two ways to a module (a cubin compiled offline, or CuPy's NVRTC),
+with a fake CuPy; and the offline compile memo that keeps the cubin (compile tier)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from conftest import require_toolchain
+
+from kernelgen import launch
+from kernelgen.compile import nvrtc_available
+from kernelgen.spec import spec_from_dict
+
+SPLIT = spec_from_dict(
+    {
+        "loop_order": "v2",
+        "mma": "mma_sync",
+        "dtype": "float16",
+        "head_dim": 128,
+        "block_m": 16,
+        "block_n": 64,
+        "num_warps": 1,
+        "stages": 3,
+        "pack_gqa": True,
+        "split_kv": True,
+    }
+)
+
+
+class FakeCupy:
+    """Records RawModule constructions; ``refuse`` makes loading a cubin fail as a driver would."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.modules: list[dict] = []
+        outer = self
+
+        class CompileError(Exception):
+            pass
+
+        class RawModule:
+            def __init__(self, **kwargs):
+                outer.modules.append(kwargs)
+                self.kwargs = kwargs
+
+            def get_function(self, name):
+                if "path" in self.kwargs and refuse:
+                    raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+                return types.SimpleNamespace(name=name, source=self.kwargs)
+
+        self.RawModule = RawModule
+        compiler = types.SimpleNamespace(CompileException=CompileError)
+        self.cuda = types.SimpleNamespace(compiler=compiler)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_cubin_is_loaded_or_the_source_compiled(monkeypatch, tmp_path, refuse, caplog):
+    fake = FakeCupy(refuse=refuse)
+    monkeypatch.setattr(launch, "import_cupy", lambda: fake)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(b"\x7fELF")
+    kernel = launch.RuntimeKernel(SPLIT, cubin)
+    assert set(kernel.functions) == {SPLIT.uri, SPLIT.combine_uri}
+    main = kernel.functions[SPLIT.uri]
+    assert main.max_dynamic_shared_size_bytes == SPLIT.smem_bytes  # > 48 KiB: opted in
+    if refuse:
+        assert [sorted(m) for m in fake.modules] == [["path"], ["backend", "code", "options"]]
+        assert "cannot load" in caplog.text and SPLIT.uri in caplog.text
+        assert 'extern "C" __global__' in main.source["code"]
+    else:
+        assert fake.modules == [{"path": str(cubin)}]
+
+
+def test_without_a_cubin_the_source_is_compiled(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setattr(launch, "import_cupy", lambda: fake)
+    launch.RuntimeKernel(SPLIT)
+    (module,) = fake.modules
+    assert module["backend"] == "nvrtc" and "--use_fast_math" in module["options"]
+
+
+@pytest.mark.compile
+def test_offline_resources_keep_the_cubin(monkeypatch, tmp_path):
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings)")
+    from kernelgen.tuning import candidates
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    candidates.clear_resource_memo()
+    assert candidates.offline_cubin(SPLIT, "sm_90") is None
+    res = candidates.offline_resources(SPLIT, "sm_90")
+    cubin = candidates.offline_cubin(SPLIT, "sm_90")
+    assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF"
+    assert res.registers > 0 and res.spill_store_bytes == 0
+    assert candidates.offline_cubin(SPLIT, "sm_80") is None  # another arch: not compiled
