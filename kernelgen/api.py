@@ -246,11 +246,12 @@ def default_spec(
     :data:`DECODE_MAX_ROWS`: the decode kernel instead, GQA heads packed into the rows of one
     tile, split-KV, as few warps as hold the rows. ``split_kv`` True/False forces split-KV on or
     off (None: decode shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that
-    fit.
+    fit (decode shapes: 16-row tiles and split-KV as well).
     """
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
+    decode = decode_rows is not None and decode_rows <= DECODE_MAX_ROWS
+    split = decode if split_kv is None else split_kv
     if tensor_cores and dtype in ("float16", "bfloat16"):
-        decode = decode_rows is not None and decode_rows <= DECODE_MAX_ROWS
         warps = 4
         if decode:
             assert decode_rows is not None
@@ -266,10 +267,10 @@ def default_spec(
             mma="mma_sync",
             smem_layout="swizzled" if swizzle_fits(head_dim) else "padded",
             pack_gqa=decode,
-            split_kv=decode if split_kv is None else split_kv,
+            split_kv=split,
             archs=archs,
         )
-    block_m = 64 if head_dim <= 128 else 32
+    block_m = 16 if decode else 64 if head_dim <= 128 else 32
     for block_n in (32, 16):
         try:
             return KernelSpec(
@@ -280,6 +281,7 @@ def default_spec(
                 block_n=block_n,
                 num_warps=4,
                 causal=causal,
+                split_kv=split,
                 archs=archs,
             )
         except ValueError:
@@ -376,19 +378,18 @@ def _untuned_or_tuned_launch(
     capability, arch = device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
     decode_rows = seqlen_q * (heads // call.k.shape[1])
-    tensor_cores = capability >= 80 and aligned and call.dtype != "float32"
-    if split:
-        if not tensor_cores:
-            raise InputError(
-                "num_splits needs the tensor-core split-KV kernels: float16/bfloat16 inputs with "
-                "16-byte aligned rows on sm_80 or newer"
-            )
+    tensor_cores = capability >= 80 and aligned
+    if split or not tensor_cores:
         spec = default_spec(
-            call.dtype, head_dim, causal, arch, decode_rows=decode_rows, split_kv=True
+            call.dtype,
+            head_dim,
+            causal,
+            arch,
+            tensor_cores=tensor_cores,
+            decode_rows=decode_rows,
+            split_kv=True if split else None,
         )
         return spec, None
-    if capability < 80 or not aligned:
-        return default_spec(call.dtype, head_dim, causal, arch, tensor_cores=False), None
     from kernelgen.tuning import ProblemDesc, select_launch
 
     problem = ProblemDesc(

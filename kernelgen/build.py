@@ -84,7 +84,12 @@ def write_generated(built: list[BuiltKernel], out_dir: Path) -> None:
         manifest["kernels"][kernel.spec.uri] = kernel.manifest_entry()
     manifest["generator_version"] = __version__
     manifest["template_hash"] = template_hash()
-    manifest["kernels"] = dict(sorted(manifest["kernels"].items()))
+    # entries describe the sources beside them: one whose .cu is gone (its spec removed) goes
+    manifest["kernels"] = {
+        uri: entry
+        for uri, entry in sorted(manifest["kernels"].items())
+        if (out_dir / f"{uri}.cu").exists()
+    }
     atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
@@ -109,4 +114,7 @@ def stale_files(specs: list[KernelSpec], out_dir: Path) -> list[str]:
     for path in sorted(out_dir.glob("*.cu")):
         if path.name not in wanted:
             problems.append(f"{path}: no spec produces it (delete it or add its spec)")
+    for uri in sorted(kernels):
+        if not (out_dir / f"{uri}.cu").exists():
+            problems.append(f"{out_dir / MANIFEST}: entry for {uri} has no source (rebuild)")
     return problems

@@ -204,12 +204,15 @@ class KernelSpec(BaseModel):
             problems.append(
                 f"smem_layout={self.smem_layout!r} is not allowed with mma='simt'; use 'padded'"
             )
-        for field in ("pack_gqa", "split_kv"):
-            if getattr(self, field):
-                problems.append(
-                    f"{field}=true is not allowed with mma='simt'; use mma: mma_sync "
-                    "(float16/bfloat16)"
-                )
+        if self.pack_gqa:
+            problems.append(
+                "pack_gqa=true is not allowed with mma='simt'; use mma: mma_sync (float16/bfloat16)"
+            )
+        if self.split_kv and self.loop_order != "v2":
+            problems.append(
+                f"split_kv=true is not allowed with loop_order={self.loop_order!r}; use v2 (a "
+                "block per query tile and key chunk)"
+            )
         return problems
 
     def _mma_problems(self) -> list[str]:

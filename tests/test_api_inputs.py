@@ -126,6 +126,10 @@ def test_default_spec_fits_every_head_dim(dtype, head_dim, arch):
     assert spec.mma == ("mma_sync" if dtype != "float32" else "simt")
     simt = default_spec(dtype, head_dim, causal=True, arch=arch, tensor_cores=False)
     assert simt.mma == "simt"
+    decode = default_spec(dtype, head_dim, causal=True, arch=arch, decode_rows=4)
+    assert decode.split_kv and decode.pack_gqa == (dtype != "float32")
+    simt_decode = default_spec(dtype, head_dim, True, arch, tensor_cores=False, decode_rows=4)
+    assert simt_decode.split_kv and simt_decode.mma == "simt" and simt_decode.block_m == 16
 
 
 def test_tensor_core_spec_needs_16_byte_strides():

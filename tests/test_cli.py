@@ -91,6 +91,16 @@ def test_build_writes_sources_and_manifest_then_check_passes(tmp_path):
     (out / f"{spec.uri}.cu").write_text(render(spec))
     (out / "orphan.cu").write_text("//\n")
     assert "no spec produces it" in run("build", str(spec_file), "-o", str(out), "--check").stderr
+    # a manifest entry whose source is gone (its spec was removed) is detected, and dropped by
+    # the next build
+    (out / "orphan.cu").unlink()
+    manifest["kernels"]["fa_fwd_removed"] = entry
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    orphan = run("build", str(spec_file), "-o", str(out), "--check")
+    assert orphan.exit_code == 1 and "entry for fa_fwd_removed has no source" in orphan.stderr
+    assert run("build", str(spec_file), "-o", str(out), "--arch", "sm_90").exit_code == 0
+    rebuilt = json.loads((out / "manifest.json").read_text())
+    assert set(rebuilt["kernels"]) == {spec.uri}
 
 
 def test_committed_generated_folder_is_up_to_date(tmp_path):

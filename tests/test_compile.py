@@ -69,11 +69,14 @@ def test_specs_cover_the_tensor_core_matrix():
 
 
 def test_specs_cover_split_kv_decode():
-    """Issue #5: split-KV decode specs (packed GQA), causal and not, fp16 and bf16."""
+    """Issue #5: split-KV decode specs, causal and not, every dtype: packed GQA on the tensor
+    cores (fp16, bf16), the CUDA-core kernel for the rest (fp32 included)."""
     split = [s for s in (load_spec(p) for p in SPEC_PATHS) if s.split_kv]
-    assert {s.dtype for s in split} == {"float16", "bfloat16"}
+    tensor_cores = [s for s in split if s.mma == "mma_sync"]
+    assert {s.dtype for s in tensor_cores} == {"float16", "bfloat16"}
     assert {s.causal for s in split} == {False, True}
-    assert all(s.pack_gqa for s in split) and {s.num_warps for s in split} >= {1, 2}
+    assert all(s.pack_gqa for s in tensor_cores) and {s.num_warps for s in tensor_cores} >= {1, 2}
+    assert {s.dtype for s in split if s.mma == "simt"} == {"float32", "bfloat16"}
 
 
 def test_sass_tools_are_installed_in_ci():

@@ -212,9 +212,10 @@ def test_decode_at_128k_keys():
     assert_matches(out, lse, data, spec.dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_default_decode_path_on_gpu(dtype, monkeypatch):
-    """Without a spec, a decode shape gets the packed split-KV kernel and a heuristic count."""
+    """Without a spec, a decode shape gets a split-KV kernel (packed on the tensor cores, the
+    CUDA-core one for float32) and a heuristic count."""
     monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
     case = Case(4, 32, 8, 1, 8192 + 5)
     data = make_case(case, dtype, 128, False, seed=9)

@@ -199,13 +199,22 @@ def test_invalid_tensor_core_specs(changes, needle):
     [
         ({"stages": 2}, "stages=2 is not allowed with mma='simt'; use 1"),
         ({"smem_layout": "swizzled"}, "smem_layout='swizzled' is not allowed with mma='simt'"),
-        ({"split_kv": True}, "split_kv=true is not allowed with mma='simt'; use mma: mma_sync"),
+        (
+            {"split_kv": True, "loop_order": "v1"},
+            "split_kv=true is not allowed with loop_order='v1'; use v2",
+        ),
         ({"pack_gqa": True}, "pack_gqa=true is not allowed with mma='simt'"),
     ],
 )
 def test_simt_rejects_tensor_core_fields(changes, needle):
     problems = problems_of(**changes)
     assert any(needle in p for p in problems), problems
+
+
+def test_cuda_core_v2_splits_keys_for_every_dtype():
+    for dtype in ("float32", "float16", "bfloat16"):
+        spec = spec_from_dict({**BASE, "dtype": dtype, "block_m": 16, "split_kv": True})
+        assert spec.mma == "simt" and spec.uri.endswith("_p1_split")
 
 
 def test_several_mode_problems_are_separate_lines():

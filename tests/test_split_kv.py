@@ -40,7 +40,16 @@ DECODE = tc_spec("float16", 64, 1, 32, smem_layout="swizzled", pack_gqa=True, sp
 DECODE_CAUSAL = tc_spec("bfloat16", 40, 2, 16, stages=3, causal=True, pack_gqa=True, split_kv=True)
 SPLIT_ONLY = tc_spec("float16", 64, 4, 32, smem_layout="swizzled", causal=True, split_kv=True)
 PACK_ONLY = tc_spec("bfloat16", 64, 1, 64, smem_layout="swizzled", pack_gqa=True)
-SPECS = [DECODE, DECODE_CAUSAL, SPLIT_ONLY, PACK_ONLY]
+# CUDA cores (every dtype, fp32 included): split-KV without packing
+SIMT_SPLIT = KernelSpec(
+    loop_order="v2", dtype="float32", head_dim=40, block_m=16, block_n=32, num_warps=4,
+    split_kv=True,
+)  # fmt: skip
+SIMT_SPLIT_CAUSAL = KernelSpec(
+    loop_order="v2", dtype="bfloat16", head_dim=64, block_m=32, block_n=16, num_warps=4,
+    causal=True, split_kv=True,
+)  # fmt: skip
+SPECS = [DECODE, DECODE_CAUSAL, SPLIT_ONLY, PACK_ONLY, SIMT_SPLIT, SIMT_SPLIT_CAUSAL]
 
 RUNS = [  # (case, split counts)
     (Case(2, 8, 2, 1, 300), (1, 3, 64)),  # decode, GQA 4: more chunks than key tiles at 64
@@ -87,7 +96,9 @@ def test_seqlens_k_with_zeros_and_ones(spec):
         assert np.isneginf(lse[0]).all() and np.all(out[0] == 0.0)
 
 
-@pytest.mark.parametrize("spec", [DECODE, DECODE_CAUSAL], ids=lambda s: s.uri)
+@pytest.mark.parametrize(
+    "spec", [DECODE, DECODE_CAUSAL, SIMT_SPLIT, SIMT_SPLIT_CAUSAL], ids=lambda s: s.uri
+)
 def test_each_partial_is_its_chunk_and_empty_chunks_are_the_identity(spec):
     case, num_splits = Case(1, 4, 2, 3, 70, mask="broadcast"), 6  # 6 chunks, some empty
     data = _data(spec, case, "partials")

@@ -56,7 +56,7 @@ def decode(**overrides):
         ({}, 4),
         ({"seqlen_q": 16, "num_kv_heads": 8}, 64),
         ({"seqlen_q": 16, "num_kv_heads": 4}, None),  # 128 packed rows: prefill
-        ({"dtype": "float32"}, None),  # no split-KV kernel on CUDA cores
+        ({"dtype": "float32"}, 4),  # the CUDA-core split kernel
         ({"seqlen_q": 1024, "seqlen_k": 1024, "num_kv_heads": 32}, None),
     ],
 )
@@ -76,6 +76,15 @@ def test_decode_candidates_are_packed_split_specs_plus_baselines():
     assert len(specs) <= 20
     prefill, _ = valid_candidates(problem(), "sm_90")
     assert not any(s.split_kv or s.pack_gqa for s in prefill)
+
+
+def test_float32_decode_tries_cuda_core_split_tiles():
+    specs, _ = valid_candidates(decode(dtype="float32"), "sm_90")
+    assert all(s.mma == "simt" for s in specs)
+    split = [s for s in specs if s.split_kv]
+    assert {s.block_n for s in split} == {16, 32, 64} and {s.block_m for s in split} == {16}
+    kept, _ = prune(decode(dtype="float32"), DEVICE, fake_compile())
+    assert kept and all(c.spec.split_kv and c.num_splits for c in kept)  # B*H=32: split
 
 
 def test_wider_packs_also_try_half_the_warps():

@@ -1,8 +1,9 @@
 """Candidate specs for a problem, and the static pruning that runs before any GPU time.
 
 A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. Decode
-problems (``seqlen_q`` x query heads per K/V head <= ``DECODE_MAX_ROWS``) add the split-KV
-decode grid, each spec with a few split counts around the launch heuristic.
+problems (``seqlen_q`` x query heads per K/V head <= ``DECODE_MAX_ROWS``) get the split-KV
+decode grid instead of the prefill grid, each spec with a few split counts around the launch
+heuristic.
 
 Pruning, in order (each drop is logged with its reason):
 
@@ -117,14 +118,20 @@ def decode_rows(problem: ProblemDesc) -> int | None:
     from kernelgen.api import DECODE_MAX_ROWS
 
     rows = problem.seqlen_q * problem.gqa_ratio
-    is_decode = problem.dtype in ("float16", "bfloat16") and rows <= DECODE_MAX_ROWS
-    return rows if is_decode else None
+    return rows if rows <= DECODE_MAX_ROWS else None
 
 
 def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
-    """The split-KV decode grid, and the same tiles without split-KV (one chunk per row tile)."""
+    """The split-KV decode grid, and the same tiles without split-KV (one chunk per row tile).
+
+    float32: the CUDA-core kernel with 16-query tiles (no GQA packing there)."""
     rows = decode_rows(problem)
     if rows is None:
+        return
+    if problem.dtype == "float32":
+        for block_n, split in itertools.product(SIMT_BLOCK_N, (True, False)):
+            yield {"loop_order": "v2", "block_m": 16, "block_n": block_n, "num_warps": 4,
+                   "split_kv": split}  # fmt: skip
         return
     fewest = next(w for w in (1, 2, 4) if 16 * w >= rows)
     layout = "swizzled" if swizzle_fits(problem.head_dim) else "padded"
@@ -144,8 +151,9 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     rows, but no split) and one CUDA-core fallback, not the whole prefill grid."""
     if decode_rows(problem) is not None:
         yield from decode_fields(problem)
-        layout = "swizzled" if swizzle_fits(problem.head_dim) else "padded"
-        yield tc_fields(4, 64 if problem.head_dim <= 128 else 32, 2, layout)
+        if problem.dtype != "float32":
+            layout = "swizzled" if swizzle_fits(problem.head_dim) else "padded"
+            yield tc_fields(4, 64 if problem.head_dim <= 128 else 32, 2, layout)
         yield SIMT_FALLBACKS[0]
         return
     if problem.dtype in ("float16", "bfloat16"):
