@@ -42,13 +42,23 @@ FLASH_PEER = "torch-flash"
 def tensor_core_candidates(quick: bool = False) -> list[dict[str, Any]]:
     """Spec-field overrides for the tensor-core (mma_sync) v2 kernel: the autotuner's grid
     (kernelgen.tuning.candidates), so "best of N" here is the exhaustive check of its choice.
-    Quick: 2 stages, swizzled, block_n 64/128 only."""
-    from kernelgen.tuning.candidates import TC_BLOCK_N, TC_LAYOUTS, TC_STAGES, TC_WARPS, tc_fields
+    Quick: 2 stages, swizzled only."""
+    from kernelgen.tuning.candidates import (
+        TC_BLOCK_N,
+        TC_LAYOUTS,
+        TC_STAGES,
+        TC_WARP_TILINGS,
+        tc_fields,
+    )
 
-    block_ns = (64, 128) if quick else TC_BLOCK_N
     stages = TC_STAGES[:1] if quick else TC_STAGES
     layouts = ("swizzled",) if quick else TC_LAYOUTS
-    return [tc_fields(*fields) for fields in itertools.product(TC_WARPS, block_ns, stages, layouts)]
+    return [
+        tc_fields(warps, block_n, stage_count, layout, rows_per_warp=rows)
+        for (warps, rows), block_n, stage_count, layout in itertools.product(
+            TC_WARP_TILINGS, TC_BLOCK_N, stages, layouts
+        )
+    ]
 
 
 def candidate_label(fields: dict[str, Any]) -> str:

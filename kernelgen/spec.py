@@ -32,6 +32,8 @@ MAX_HEAD_DIM = 256
 # beyond this the kernels spill (checked for real by ptxas in the compile tier).
 MAX_ACCUMULATORS_PER_THREAD = {"simt": 128, "mma_sync": 160}
 MMA_STAGES = (2, 3, 4)
+# Query rows one warp owns on the tensor cores: one or two m16 tiles (two share each K/V fragment).
+MMA_ROWS_PER_WARP = (16, 32)
 # Tensor-core rows are moved in 16-byte chunks (8 elements): the padded layout adds one chunk per
 # row (an odd row stride in chunks), the swizzled one XORs the chunk index with the row (mod 8).
 MMA_PAD_WORDS = {"padded": 4, "swizzled": 0}
@@ -74,7 +76,8 @@ class KernelSpec(BaseModel):
     mma: MmaPath = Field(
         "simt",
         description="simt: CUDA-core FMA kernels (all dtypes, v1 and v2); mma_sync: tensor cores "
-        "(mma.sync m16n8k16, ldmatrix, cp.async; float16/bfloat16, v2, block_m = 16 * num_warps).",
+        "(mma.sync m16n8k16, ldmatrix, cp.async; float16/bfloat16, v2, block_m = 16 or 32 rows "
+        "per warp times num_warps).",
     )
     stages: int | None = Field(
         None,  # resolved by _fill_mode_defaults: 1 for simt, 2 for mma_sync
@@ -102,7 +105,7 @@ class KernelSpec(BaseModel):
         False,
         description="Split the key axis into chunks (their count is chosen at launch): each "
         "thread block writes its chunk's output and LSE in fp32, and a generated combine kernel "
-        "folds them with the attention monoid (mma_sync only).",
+        "folds them with the attention monoid (loop_order v2 only).",
     )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
@@ -226,11 +229,12 @@ class KernelSpec(BaseModel):
             problems.append(
                 f"loop_order={self.loop_order!r} is not allowed with mma='mma_sync'; use v2"
             )
-        if self.block_m != 16 * self.num_warps:
+        if self.block_m not in (rows * self.num_warps for rows in MMA_ROWS_PER_WARP):
+            allowed = " or ".join(str(rows * self.num_warps) for rows in MMA_ROWS_PER_WARP)
             problems.append(
                 f"block_m={self.block_m} is not allowed with num_warps={self.num_warps} and "
-                "mma='mma_sync'; each warp owns 16 query rows, so use "
-                f"block_m={16 * self.num_warps}"
+                "mma='mma_sync'; each warp owns "
+                f"{' or '.join(map(str, MMA_ROWS_PER_WARP))} query rows, so use block_m={allowed}"
             )
         if self.stages not in MMA_STAGES:
             problems.append(
@@ -266,6 +270,11 @@ class KernelSpec(BaseModel):
         return max(1, self.threads // self.block_m)
 
     @property
+    def rows_per_warp(self) -> int:
+        """Query rows of the tile that one warp owns (mma_sync: 16 or 32, the m16 tiles)."""
+        return self.block_m // self.num_warps
+
+    @property
     def keys_per_thread(self) -> int:
         return self.block_n // self.threads_per_row
 
@@ -295,8 +304,8 @@ class KernelSpec(BaseModel):
 
     @property
     def accumulators_per_thread(self) -> int:
-        if self.mma == "mma_sync":  # a warp's 16 rows of scores and of the output, over 32 lanes
-            return (self.block_n + self.head_dim_padded) // 2
+        if self.mma == "mma_sync":  # a warp's rows of scores and of the output, over 32 lanes
+            return self.rows_per_warp * (self.block_n + self.head_dim_padded) // 32
         return self.keys_per_thread + self.cols_per_thread
 
     @property

@@ -172,6 +172,20 @@ def test_tensor_core_geometry():
     # Q tile + 2 stages of K and V, 2-byte elements
     assert spec.smem_bytes == (64 + 2 * 2 * 32) * 56 * 2
     assert spec.accumulators_per_thread == (32 + 48) // 2
+    assert spec.rows_per_warp == 16
+
+
+def test_tensor_core_two_m_tiles_per_warp():
+    """block_m = 32 * num_warps: each warp owns two m16 tiles, twice the accumulators."""
+    wide = spec_from_dict({**TC, "head_dim": 128, "block_m": 128, "block_n": 32})
+    assert (wide.rows_per_warp, wide.accumulators_per_thread) == (32, 32 * (32 + 128) // 32)
+    assert wide.smem_bytes == (128 + 2 * 2 * 32) * (128 + 8) * 2
+    with pytest.raises(SpecError) as info:  # 32 x (64 + 128) / 32 = 192 accumulators
+        spec_from_dict({**TC, "head_dim": 128, "block_m": 128, "block_n": 64})
+    assert any("need 192 fp32 accumulators" in p for p in info.value.problems)
+    with pytest.raises(SpecError) as info:  # 64 rows per warp: not 16 or 32
+        spec_from_dict({**TC, "block_m": 128, "num_warps": 2})
+    assert any("use block_m=32 or 64" in p for p in info.value.problems), info.value.problems
 
 
 @pytest.mark.parametrize(

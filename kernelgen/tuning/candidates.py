@@ -41,8 +41,10 @@ log = logging.getLogger(__name__)
 
 CompileFn = Callable[[KernelSpec, str], Resources]
 
-# Tensor-core grid (fp16/bf16): block_m = 16 * num_warps.
-TC_WARPS = (4, 8)
+# Tensor-core grid (fp16/bf16): (num_warps, query rows per warp), block_m = their product. Two
+# m16 tiles per warp (FlashAttention 2's 128-row, 4-warp tile) halve the K/V fragment reads per
+# flop but double the accumulators: spec validation and ptxas spills prune it for wide heads.
+TC_WARP_TILINGS = ((4, 16), (8, 16), (4, 32))
 TC_BLOCK_N = (32, 64, 128)
 TC_STAGES = (2, 3)
 TC_LAYOUTS = ("swizzled", "padded")
@@ -99,12 +101,14 @@ class Dropped:
     reason: str
 
 
-def tc_fields(warps: int, block_n: int, stages: int, layout: str, **more: Any) -> dict[str, Any]:
-    """Fields of a tensor-core v2 spec: ``warps`` x 16 query rows per tile."""
+def tc_fields(
+    warps: int, block_n: int, stages: int, layout: str, rows_per_warp: int = 16, **more: Any
+) -> dict[str, Any]:
+    """Fields of a tensor-core v2 spec: ``warps`` x ``rows_per_warp`` query rows per tile."""
     return {
         "loop_order": "v2",
         "mma": "mma_sync",
-        "block_m": 16 * warps,
+        "block_m": rows_per_warp * warps,
         "block_n": block_n,
         "num_warps": warps,
         "stages": stages,
@@ -157,10 +161,10 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
         yield SIMT_FALLBACKS[0]
         return
     if problem.dtype in ("float16", "bfloat16"):
-        for warps, block_n, stages, layout in itertools.product(
-            TC_WARPS, TC_BLOCK_N, TC_STAGES, TC_LAYOUTS
+        for (warps, rows), block_n, stages, layout in itertools.product(
+            TC_WARP_TILINGS, TC_BLOCK_N, TC_STAGES, TC_LAYOUTS
         ):
-            yield tc_fields(warps, block_n, stages, layout)
+            yield tc_fields(warps, block_n, stages, layout, rows_per_warp=rows)
         yield from SIMT_FALLBACKS
         return
     for block_m, block_n, warps in itertools.product(SIMT_BLOCK_M, SIMT_BLOCK_N, SIMT_WARPS):
