@@ -29,6 +29,20 @@ def _toolchain():
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings, nvidia-cuda-nvrtc, headers)")
 
 
+def tensor_core_instructions(spec) -> tuple[int, int]:
+    """(HMMA, LDSM) of one key tile's code per warp, from the tile geometry: S = Q K^T is
+    rows/16 x block_n/8 x head_dim/16 mma with one ldmatrix.x4 per A (per m16 tile and k-step)
+    and per two n8 key tiles; O += P V is rows/16 x head_dim/8 x block_n/16 mma with one
+    ldmatrix.x4.trans per two n8 output tiles. Equality with the SASS says the loop body exists
+    once and every K/V fragment is read once per warp, shared by its m16 tiles."""
+    m_tiles = spec.rows_per_warp // 16
+    qk_steps, pv_steps = spec.head_dim_padded // 16, spec.block_n // 16
+    s_tiles, o_tiles = spec.block_n // 8, spec.head_dim_padded // 8
+    hmma = m_tiles * (s_tiles * qk_steps + o_tiles * pv_steps)
+    ldsm = qk_steps * (m_tiles + s_tiles // 2) + pv_steps * o_tiles // 2
+    return hmma, ldsm
+
+
 @pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_compiles_without_spills(path):
     spec = load_spec(path)
@@ -49,7 +63,7 @@ def test_spec_compiles_without_spills(path):
             sass = resources.sass_instructions
             assert sass["LDL"] == 0 and sass["STL"] == 0, sass  # no local memory
             if spec.mma == "mma_sync":  # tensor cores fed by ldmatrix, not a CUDA-core fallback
-                assert sass["HMMA"] > 0 and sass["LDSM"] > 0, sass
+                assert (sass["HMMA"], sass["LDSM"]) == tensor_core_instructions(spec), sass
             else:
                 assert sass["HMMA"] == 0 and sass["LDS"] > 0 and sass["LDG"] > 0, sass
 
