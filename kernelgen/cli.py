@@ -81,9 +81,10 @@ def _summary_table(built) -> Table:
         pad_edge=False,
         collapse_padding=True,
     )
-    table.add_column("kernel", no_wrap=True)
-    for column in ("regs", "local", "smem"):
-        table.add_column(column, justify="right", no_wrap=True)
+    # Numbers never shrink; a kernel name longer than the terminal allows folds onto a second line.
+    table.add_column("kernel", overflow="fold")
+    for column, width in (("regs", 7), ("local", 5), ("smem", 6)):
+        table.add_column(column, justify="right", no_wrap=True, min_width=width)
     for kernel in built:
         res = kernel.resources
         table.add_row(
