@@ -44,6 +44,17 @@ def test_candidate_space_is_tens_not_thousands():
     assert all(s.mma == "simt" for s in fp32)
 
 
+def test_two_m_tiles_per_warp_are_candidates_where_the_accumulators_fit():
+    """The 4-warp x 32-row tiling (block_m 128): every block_n at head dim 64 but 128 (192
+    accumulators), only block_n 32 at 128, none at 256; the rest fail validation, with why."""
+    for head_dim, block_ns in ((64, {32, 64}), (128, {32}), (256, set())):
+        specs, dropped = valid_candidates(problem(head_dim=head_dim), "sm_90")
+        wide = {s.block_n for s in specs if s.mma == "mma_sync" and s.rows_per_warp == 32}
+        assert wide == block_ns, head_dim
+        refused = [d for d in dropped if "block_m=128" in d.uri and "num_warps=4" in d.uri]
+        assert refused and all("accumulators per thread" in d.reason for d in refused)
+
+
 def test_pruning_reasons(caplog):
     spilling = "fa_fwd_v2_tc_bf16_d256_m64_n32_w4_s2_swz"
     broken = "fa_fwd_v2_tc_bf16_d256_m64_n32_w4_s2_pad"
