@@ -162,7 +162,7 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
         ]
         lines.append([*_shape_cells(first), *cells, *ratios])
     align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(DECODE_PEERS) + 3)
-    return _table(header, lines, align)
+    return report.md_table(header, lines, align)
 
 
 def sweep_table(rows: Iterable[dict[str, Any]]) -> str:
@@ -176,13 +176,7 @@ def sweep_table(rows: Iterable[dict[str, Any]]) -> str:
         first = next(iter(peers.values()))
         lines.append([*_shape_cells(first), *(cell(peers.get(split_peer(n))) for n in counts)])
     header = [*SHAPE_HEADER, *(f"s={n}" for n in counts)]
-    return _table(header, lines, ["---"] * len(SHAPE_HEADER) + ["---:"] * len(counts))
-
-
-def _table(header: list[str], lines: list[list[str]], align: list[str]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    out += ["| " + " | ".join(cells) + " |" for cells in lines]
-    return "\n".join(out)
+    return report.md_table(header, lines, ["---"] * len(SHAPE_HEADER) + ["---:"] * len(counts))
 
 
 def kernelgen_table(rows: Iterable[dict[str, Any]]) -> str:
@@ -206,7 +200,7 @@ def kernelgen_table(rows: Iterable[dict[str, Any]]) -> str:
     if not lines:
         return ""
     header = ["shape", "peer", "spec", "splits", "scratch MiB"]
-    return _table(header, lines, ["---", "---", "---", "---:", "---:"])
+    return report.md_table(header, lines, ["---", "---", "---", "---:", "---:"])
 
 
 # ---- targets (issue #5) ---------------------------------------------------------------------

@@ -9,9 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 from bench.candidates import FLASH_PEER, PEER_NAMES, PEERS, TENSOR_CORE_PEER, TORCH_PEERS
 from bench.decode_shapes import DecodeShape
 from bench.shapes import DTYPE_SHORT, Shape
+from kernelgen.fileio import atomic_write_bytes
 
 OK, WRONG, UNAVAILABLE, SKIPPED, ERROR = "ok", "wrong", "unavailable", "skipped", "error"
 STATUSES = (OK, WRONG, UNAVAILABLE, SKIPPED, ERROR)
@@ -134,7 +133,8 @@ def _shape_cells(row: dict[str, Any], compact: bool) -> list[str]:
     return [dtype, str(row["head_dim"]), causal, seq, f"{row['batch']}x{row['heads']}"]
 
 
-def _table(header: Sequence[str], lines: Sequence[Sequence[str]], align: Sequence[str]) -> str:
+def md_table(header: Sequence[str], lines: Sequence[Sequence[str]], align: Sequence[str]) -> str:
+    """A GitHub markdown table; ``align`` holds each column's delimiter ("---", "---:")."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     out += ["| " + " | ".join(cells) + " |" for cells in lines]
     return "\n".join(out)
@@ -158,7 +158,7 @@ def markdown_table(rows: Iterable[dict[str, Any]], compact: bool = False) -> str
             ]
         )
     align = ["---"] * len(shape_header) + ["---:"] * (len(PEERS) + 2)
-    return _table(header, lines, align)
+    return md_table(header, lines, align)
 
 
 def tensor_core_table(rows: Iterable[dict[str, Any]]) -> str:
@@ -182,7 +182,7 @@ def tensor_core_table(rows: Iterable[dict[str, Any]]) -> str:
     if not lines:
         return ""
     header = ["shape", "kg-tc TFLOP/s", "best spec", "timed/tried", "of matmul"]
-    return _table(header, lines, ["---", "---:", "---", "---:", "---:"])
+    return md_table(header, lines, ["---", "---:", "---", "---:", "---:"])
 
 
 def reasons(rows: Rows, sort: SortRows = sort_rows) -> list[str]:
@@ -267,17 +267,8 @@ def build_result(
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    binary = isinstance(data, bytes)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if binary else "w") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` (text or bytes) atomically: kernelgen's temp file + fsync + ``os.replace``."""
+    atomic_write_bytes(path, data.encode() if isinstance(data, str) else data)
 
 
 def to_json(result: dict[str, Any]) -> str:

@@ -143,7 +143,8 @@ def markdown_document(result: dict[str, Any]) -> str:
         ]
         for r in rows
     ]
-    lines.append(report._table(header, table, ["l", "r", "r", "l", "r", "l", "r"]))
+    align = ["---", "---:", "---:", "---", "---:", "---", "---:"]
+    lines.append(report.md_table(header, table, align))
     if overhead:
         lines += [
             "",

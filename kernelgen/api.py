@@ -15,7 +15,7 @@ import numpy as np
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
 from kernelgen.launch import MAX_SPLITS, Problem, import_cupy, runtime_kernel
-from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, swizzle_fits
+from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, default_smem_layout
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -228,6 +228,11 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
 DECODE_MAX_ROWS = 64  # packed query rows (seqlen_q x query heads per K/V head) of a decode call
 
 
+def default_block_n(head_dim: int) -> int:
+    """Key tile of the untuned tensor-core spec: 64 keys, 32 above head dim 128 (registers)."""
+    return 64 if head_dim <= 128 else 32
+
+
 def default_spec(
     dtype: str,
     head_dim: int,
@@ -261,11 +266,11 @@ def default_spec(
             dtype=dtype,
             head_dim=head_dim,
             block_m=16 * warps,
-            block_n=64 if head_dim <= 128 else 32,
+            block_n=default_block_n(head_dim),
             num_warps=warps,
             causal=causal,
             mma="mma_sync",
-            smem_layout="swizzled" if swizzle_fits(head_dim) else "padded",
+            smem_layout=default_smem_layout(head_dim),
             pack_gqa=decode,
             split_kv=split,
             archs=archs,

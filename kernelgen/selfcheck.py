@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -19,17 +18,6 @@ from kernelgen.errors import KernelgenError
 from kernelgen.reference import naive_attention, relative_error
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2}  # relative Frobenius error of out
-
-
-def _device(host: np.ndarray, dtype: str) -> Any:
-    """``host`` as a CuPy array of ``dtype`` (bfloat16 uploaded as its bits)."""
-    import cupy
-
-    from kernelgen.tuning.gpu import bfloat16_bits, element_dtype
-
-    if dtype == "bfloat16":
-        return cupy.asarray(bfloat16_bits(np, host)).view(element_dtype(dtype))
-    return cupy.asarray(host.astype(dtype))
 
 
 def check_call(
@@ -46,14 +34,14 @@ def check_call(
     import cupy
 
     import kernelgen
-    from kernelgen.tuning.gpu import as_float32
+    from kernelgen.tuning.gpu import as_float32, upload
 
     batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, heads, seqlen_q, head_dim))
     k = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim))
     v = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim))
-    q, k, v = (_device(x, dtype) for x in (q, k, v))
+    q, k, v = (upload(cupy, x, dtype) for x in (q, k, v))
     out = kernelgen.attention(q, k, v, causal=causal, seqlens_k=seqlens_k, num_splits=num_splits)
     group = heads // kv_heads
     host = [as_float32(cupy, x).get().astype(np.float64) for x in (q, k, v)]

@@ -50,6 +50,12 @@ def swizzle_fits(head_dim: int) -> bool:
     return padded_head_dim(head_dim) % 64 == 0
 
 
+def default_smem_layout(head_dim: int) -> SmemLayout:
+    """The tensor-core layout kernelgen picks when a spec is not given one: swizzled where the
+    swizzle fits (no padding bytes), else padded."""
+    return "swizzled" if swizzle_fits(head_dim) else "padded"
+
+
 def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
     if value not in allowed:
         raise ValueError(

@@ -67,6 +67,7 @@ def test_markdown_document_lists_rows_overhead_and_targets():
     text = tuning.markdown_document(result)
     assert "| bf16-b1-h32kv8-q1-k32768-d128 | 7.2 | 18 | fa_x@40splits | 0.0500 |" in text
     assert "+10.5 us" in text and "- PASS: a cached attention()" in text
+    assert "|---|---:|---:|---|---:|---|---:|" in text  # a markdown delimiter row
 
 
 def test_shapes_and_list(capsys):

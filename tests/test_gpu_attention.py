@@ -43,16 +43,14 @@ def poisoned_outputs(monkeypatch):
 
 
 def device_array(x: np.ndarray, dtype: str, layout: str):
-    """``x`` on the device as ``dtype`` (bfloat16 uploaded as its bits) in ``layout``."""
+    """``x`` (values of ``dtype``, as float32) on the device as ``dtype`` in ``layout``."""
     import cupy
 
-    from kernelgen.tuning.gpu import bfloat16_bits, element_dtype
+    from kernelgen.tuning.gpu import upload
 
     if layout == "bshd":
         x = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-    if dtype == "bfloat16":
-        return cupy.asarray(bfloat16_bits(np, x)).view(element_dtype(dtype))
-    return cupy.asarray(x.astype(dtype))
+    return upload(cupy, x, dtype)
 
 
 def host_float32(array) -> np.ndarray:

@@ -310,3 +310,17 @@ def test_bfloat16_bits_round_to_nearest_even_and_widen_back():
     # a tie goes to the even bfloat16: 1 + 2^-8 sits halfway between 1 and 1 + 2^-7
     tie = bfloat16_bits(np, np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32))
     assert tie.tolist() == [0x3F80, 0x3F82]
+
+
+def test_as_element_rounds_float32_to_the_element_type():
+    """float16 by astype (NumPy's RNE), float32 unchanged; the values widen back exactly where
+    they were representable."""
+    import numpy as np
+
+    from kernelgen.tuning.gpu import as_element, as_float32
+
+    x = np.array([1.0, -2.5, 1 + 2.0**-11, 65504.0, 1e-8], np.float32)
+    half = as_element(np, x, "float16")
+    assert half.dtype == np.float16
+    assert as_float32(np, half).tolist() == [1.0, -2.5, 1.0, 65504.0, float(np.float16(1e-8))]
+    assert as_element(np, x, "float32").tolist() == x.tolist()

@@ -34,7 +34,7 @@ from kernelgen.compile import Resources
 from kernelgen.errors import KernelgenError, SpecError, ToolchainMissingError
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
-from kernelgen.spec import KernelSpec, spec_from_dict, swizzle_fits
+from kernelgen.spec import KernelSpec, default_smem_layout, spec_from_dict
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, canonical_digest
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
                    "split_kv": split}  # fmt: skip
         return
     fewest = next(w for w in (1, 2, 4) if 16 * w >= rows)
-    layout = "swizzled" if swizzle_fits(problem.head_dim) else "padded"
+    layout = default_smem_layout(problem.head_dim)
     for warps in dict.fromkeys((fewest, max(1, fewest // 2))):
         for block_n, stages, split in itertools.product(
             DECODE_BLOCK_N, DECODE_STAGES, (True, False)
@@ -156,8 +156,10 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     if decode_rows(problem) is not None:
         yield from decode_fields(problem)
         if problem.dtype != "float32":
-            layout = "swizzled" if swizzle_fits(problem.head_dim) else "padded"
-            yield tc_fields(4, 64 if problem.head_dim <= 128 else 32, 2, layout)
+            from kernelgen.api import default_block_n
+
+            head_dim = problem.head_dim
+            yield tc_fields(4, default_block_n(head_dim), 2, default_smem_layout(head_dim))
         yield SIMT_FALLBACKS[0]
         return
     if problem.dtype in ("float16", "bfloat16"):

@@ -92,12 +92,22 @@ def as_float32(xp: Any, array: Any) -> Any:
     return array.astype(xp.float32)
 
 
+def as_element(xp: Any, values: Any, dtype: str) -> Any:
+    """float32 ``values`` (NumPy or CuPy) as ``dtype`` elements; bfloat16 rounded through its
+    bits (:func:`bfloat16_bits`), so no bfloat16 kernel is needed."""
+    if dtype == "bfloat16":
+        return bfloat16_bits(xp, values).view(element_dtype(dtype))
+    return values.astype(dtype)
+
+
+def upload(cupy: Any, host: Any, dtype: str) -> Any:
+    """A host array on the device as ``dtype`` elements (sent as float32, converted there)."""
+    return as_element(cupy, cupy.asarray(host, dtype=cupy.float32), dtype)
+
+
 def device_normal(cupy: Any, state: Any, shape: tuple[int, ...], dtype: str) -> Any:
     """Standard-normal values of ``dtype`` drawn on the device (fresh, never zeros)."""
-    values = state.standard_normal(shape, dtype=cupy.float32)
-    if dtype == "bfloat16":
-        return bfloat16_bits(cupy, values).view(element_dtype(dtype))
-    return values.astype(dtype)
+    return as_element(cupy, state.standard_normal(shape, dtype=cupy.float32), dtype)
 
 
 class CupyBench:
