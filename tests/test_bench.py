@@ -321,3 +321,36 @@ def test_cli_list_and_decode_need_no_gpu():
     assert decode.stdout.startswith("4 decode shapes")
     bad = _run_cli("--dtype", "fp8")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+# ---- static loop analysis (bench.sass_loop) ----
+SASS_SNIPPET = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, RZ ;
+        /*0020*/                   FMUL R2, R2, R3 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0040*/              @!PT LDS RZ, [RZ] ;
+        /*0050*/               @P0 BRA 0x10 ;
+        /*0060*/                   FADD R2, R2, R3 ;
+        /*0070*/               @P1 BRA 0x60 ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_hmma_loop_counts_the_body_of_the_backward_branch_around_the_hmmas():
+    from bench.sass_loop import hmma_loop
+
+    body = hmma_loop(SASS_SNIPPET)
+    # 0x10..0x50: two HMMA, one FMUL, the branch; the @!PT padding and the HMMA-free loop are out
+    assert body.counts == {"HMMA": 2, "FMUL": 1, "BRA": 1}
+    assert body.issued == 4 and body.per_hmma == 2.0
+    with pytest.raises(ValueError, match="no loop"):
+        hmma_loop(SASS_SNIPPET.replace("HMMA", "IMMA"))
+
+
+def test_interior_source_needs_the_exact_test_once():
+    from bench.sass_loop import EXACT_TEST, interior_source
+
+    assert interior_source(f"a({EXACT_TEST} b)") == "a(false, b)"
+    with pytest.raises(ValueError, match="no longer contains"):
+        interior_source("no test here")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import SPEC_PATHS, require_toolchain
+from conftest import ROOT, SPEC_PATHS, require_toolchain
 
 from kernelgen.arch import ARCHS
 from kernelgen.compile import (
@@ -124,3 +124,16 @@ def test_parse_ptxas_report_picks_the_named_kernel():
     assert (other.registers, other.stack_bytes, other.static_smem_bytes) == (40, 8, 512)
     with pytest.raises(ValueError):
         parse_ptxas_report(log, "absent", "sm_90")
+
+
+def test_interior_loop_of_a_tensor_core_spec_issues_its_tile_hmmas():
+    from bench.sass_loop import analyse
+
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    path = ROOT / "specs" / "v2_tc_f16_d64_m64_n64_s2_swz.yaml"
+    row = analyse(path, "sm_90")
+    hmma, ldsm = tensor_core_instructions(load_spec(path))
+    assert (row["HMMA"], row["LDSM"]) == (hmma, ldsm)  # the loop is the whole key-tile body
+    assert row["issued"] == sum(
+        row[c] for c in ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL", "other")
+    )

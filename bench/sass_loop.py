@@ -1,0 +1,122 @@
+"""``python -m bench.sass_loop``: the steady-state key-tile loop of tensor-core specs, from SASS.
+
+No GPU needed (offline NVRTC plus the cuobjdump/nvdisasm wheels). For each tensor-core spec it
+compiles an *interior* variant of the kernel, where every key tile takes the path of a tile
+that hides no key (no bounds, causal or mask test: the case of all but the last few tiles of
+a long sequence), finds the loop that issues the HMMAs (the backward branch around them) and
+counts its instructions by opcode. One warp runs the body once per key tile, so
+``issued / HMMA`` is the issue-slot cost each tensor-core instruction carries: the figure that
+softmax and bookkeeping changes move. It is a static count, not a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.report import md_table
+
+ROOT = Path(__file__).resolve().parent.parent
+# The tensor-core template's test for tiles that may hide keys; the interior variant replaces it
+# with `false`. Kept in sync by the assertion in interior_source().
+EXACT_TEST = "tile >= first_exact || mask != nullptr,"
+COLUMNS = ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL")
+_INSTRUCTION = re.compile(
+    r"^\s+/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<pred>@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)(?P<rest>[^;]*);",
+    re.M,
+)
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+@dataclass(frozen=True)
+class LoopBody:
+    """Opcode families (text before the first dot) of one loop body, `@!PT` padding excluded."""
+
+    counts: dict[str, int]
+
+    @property
+    def issued(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def per_hmma(self) -> float:
+        return self.issued / self.counts.get("HMMA", 0)
+
+
+def hmma_loop(sass: str) -> LoopBody:
+    """The largest loop (backward branch) whose body holds HMMA instructions."""
+    rows = [
+        (int(m["addr"], 16), m["op"].split(".")[0], (m["pred"] or "").strip(), m["rest"])
+        for m in _INSTRUCTION.finditer(sass)
+    ]
+    best: LoopBody | None = None
+    for addr, op, _, rest in rows:
+        target = _TARGET.search(rest) if op == "BRA" else None
+        if target is None or int(target.group(1), 16) >= addr:
+            continue
+        start = int(target.group(1), 16)
+        body = Counter(o for a, o, p, _ in rows if start <= a <= addr and p != "@!PT")
+        if body["HMMA"] and (best is None or sum(body.values()) > best.issued):
+            best = LoopBody(dict(body))
+    if best is None:
+        raise ValueError("no loop with HMMA instructions in the SASS")
+    return best
+
+
+def interior_source(source: str) -> str:
+    """The rendered kernel with every key tile taking the interior (no-test) path."""
+    if source.count(EXACT_TEST) != 1:
+        raise ValueError(f"the tensor-core template no longer contains {EXACT_TEST!r} once")
+    return source.replace(EXACT_TEST, "false,")
+
+
+def analyse(spec_path: Path, arch: str) -> dict[str, object]:
+    from kernelgen.compile import compile_offline, disassemble
+    from kernelgen.render import render
+    from kernelgen.spec import load_spec
+
+    spec = load_spec(spec_path)
+    compiled = compile_offline(interior_source(render(spec)), spec.uri, arch, sass=False)
+    sass = disassemble(compiled.cubin)
+    if sass is None:
+        raise RuntimeError("cuobjdump/nvdisasm are not installed (pip install '.[nvrtc]')")
+    body = hmma_loop(sass)
+    return {
+        "spec": spec_path.stem,
+        "arch": arch,
+        "registers": compiled.resources.registers,
+        "issued": body.issued,
+        "per_hmma": round(body.per_hmma, 2),
+        **{name: body.counts.get(name, 0) for name in COLUMNS},
+        "other": body.issued - sum(body.counts.get(name, 0) for name in COLUMNS),
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.sass_loop", description=__doc__)
+    parser.add_argument(
+        "specs", nargs="*", type=Path, help="spec files (default: tensor-core specs)"
+    )
+    parser.add_argument("--arch", default="sm_90", help="target architecture (default sm_90)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    paths = args.specs or sorted((ROOT / "specs").glob("v2_tc_*.yaml"))
+    rows = [analyse(path, args.arch) for path in paths]
+    header = ["spec", "regs", "issued", "per HMMA", *COLUMNS, "other"]
+    keys = ["spec", "registers", "issued", "per_hmma", *COLUMNS, "other"]
+    table = [[str(r[k]) for k in keys] for r in rows]
+    print(f"Interior key-tile loop, one warp, {args.arch} (static SASS counts)\n")
+    print(md_table(header, table, align=["---"] + ["---:"] * (len(header) - 1)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
