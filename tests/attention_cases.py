@@ -26,6 +26,9 @@ class Case:
     layout: str = "bhsd"
     mask: str | None = None  # None, "broadcast" (1, H, Sq, Sk) with empty rows, "full"
     scale: float | None = None
+    # Key j is scaled by 1 + key_growth * j / seqlen_k: later tiles hold far larger scores, so a
+    # row's maximum keeps passing its running reference (the kernels' rescale path).
+    key_growth: float = 0.0
 
     def __str__(self) -> str:
         parts = [
@@ -33,7 +36,8 @@ class Case:
             f"q{self.seqlen_q}k{self.seqlen_k}",
         ]
         parts += [self.layout] + ([f"mask-{self.mask}"] if self.mask else [])
-        return "-".join(parts + ([f"scale{self.scale}"] if self.scale else []))
+        parts += [f"scale{self.scale}"] if self.scale is not None else []
+        return "-".join(parts + ([f"growth{self.key_growth}"] if self.key_growth else []))
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -72,7 +76,8 @@ def make_case(case: Case, dtype: str, head_dim: int, causal: bool, seed: int) ->
     rng = np.random.default_rng(seed)
     q = round_to(rng.standard_normal((case.batch, case.heads, case.seqlen_q, head_dim)), dtype)
     kv_shape = (case.batch, case.kv_heads, case.seqlen_k, head_dim)
-    k = round_to(rng.standard_normal(kv_shape), dtype)
+    growth = 1.0 + case.key_growth * np.arange(case.seqlen_k) / case.seqlen_k
+    k = round_to(rng.standard_normal(kv_shape) * growth[:, None], dtype)
     v = round_to(rng.standard_normal(kv_shape), dtype)
     mask = None
     if case.mask == "broadcast":

@@ -351,6 +351,6 @@ def test_hmma_loop_counts_the_body_of_the_backward_branch_around_the_hmmas():
 def test_interior_source_needs_the_exact_test_once():
     from bench.sass_loop import EXACT_TEST, interior_source
 
-    assert interior_source(f"a({EXACT_TEST} b)") == "a(false, b)"
+    assert interior_source(f"bool {EXACT_TEST} b") == "bool exact = false; b"
     with pytest.raises(ValueError, match="no longer contains"):
         interior_source("no test here")

@@ -28,6 +28,8 @@ CASES = [
     Case(1, 2, 1, 70, 45, layout="bshd", mask="broadcast"),  # MQA, Sq > Sk, empty rows
     Case(1, 1, 1, 1, 1),
     Case(1, 2, 2, 130, 129, mask="full", scale=0.3),  # several tiles both ways
+    Case(1, 2, 1, 40, 300, key_growth=6.0),  # row maxima keep moving: the rescale path
+    Case(1, 1, 1, 33, 150, scale=-0.2),  # a negative scale: no tile keeps raw dot products
 ]
 
 

@@ -24,6 +24,8 @@ CASES = [
     Case(1, 8, 1, 128, 1000, mask="broadcast"),  # MQA, Sq != Sk, empty rows
     Case(2, 2, 2, 1000, 128, layout="bshd"),  # Sq > Sk (causal: empty rows)
     Case(1, 4, 4, 1000, 1000, mask="full", scale=0.2),
+    Case(1, 2, 1, 300, 2000, key_growth=6.0),  # row maxima keep moving: the rescale path
+    Case(1, 2, 2, 200, 700, scale=-0.2),  # a negative scale: no tile keeps raw dot products
 ]
 
 

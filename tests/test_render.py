@@ -62,7 +62,7 @@ def test_online_softmax_update_is_written_once():
     for loop_order in ("v1", "v2"):
         source = render(spec_from_dict({**BASE, "loop_order": loop_order}))
         assert source.count("online_softmax_fold(float") == 1  # defined once
-        assert source.count("online_softmax_fold(scores, m, l)") == 1  # used by the kernel
+        assert source.count("online_softmax_fold(scores, 1.f, m, l)") == 1  # used by the kernel
         assert "exp2f(" in source
 
 
@@ -99,7 +99,7 @@ def test_tensor_core_source(layout):
     assert not re.search(r"\{%[\s-]|\{\{|\{#", source)  # no unrendered Jinja (PTX has {%0, ...})
     # The one online-softmax fold serves the tensor-core path too.
     assert source.count("online_softmax_fold(float") == 1
-    assert source.count("online_softmax_fold(row, m[half], l[half])") == 1
+    assert source.count("online_softmax_fold(row, score_scale, m[mt][half], l[mt][half])") == 1
 
 
 def test_tensor_core_parameters_match_v2():
