@@ -220,7 +220,7 @@ def sass_instruction_counts(cubin: bytes) -> dict[str, int]:
     if sass is None:
         return {}
     counts = dict.fromkeys(SASS_OPCODES, 0)
-    pattern = r"^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9]+)"
+    pattern = r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9]+)"
     for predicate, opcode in re.findall(pattern, sass, re.M):
         # `@!PT` never executes: ptxas pads with such instructions (e.g. `@!PT LDS RZ, [RZ]`).
         if opcode in counts and predicate.strip() != "@!PT":

@@ -343,14 +343,21 @@ def test_hmma_loop_counts_the_body_of_the_backward_branch_around_the_hmmas():
     body = hmma_loop(SASS_SNIPPET)
     # 0x10..0x50: two HMMA, one FMUL, the branch; the @!PT padding and the HMMA-free loop are out
     assert body.counts == {"HMMA": 2, "FMUL": 1, "BRA": 1}
-    assert body.issued == 4 and body.per_hmma == 2.0
+    assert body.issued == 4 and body.per_hmma == 2.0 and body.inner_loops == 0
+    nested = SASS_SNIPPET.replace("@P1 BRA 0x60", "@P1 BRA 0x0")  # 0x0..0x70 holds 0x10..0x50
+    outer = hmma_loop(nested)
+    assert outer.inner_loops == 1 and outer.counts["HMMA"] == 2 and outer.issued == 7
     with pytest.raises(ValueError, match="no loop"):
         hmma_loop(SASS_SNIPPET.replace("HMMA", "IMMA"))
 
 
-def test_interior_source_needs_the_exact_test_once():
-    from bench.sass_loop import EXACT_TEST, interior_source
+def test_interior_source_replaces_each_tile_test_once():
+    from bench.sass_loop import INTERIOR, interior_source
 
-    assert interior_source(f"bool {EXACT_TEST} b") == "bool exact = false; b"
-    with pytest.raises(ValueError, match="no longer contains"):
-        interior_source("no test here")
+    source = " ".join(INTERIOR)
+    assert interior_source(source) == " ".join(INTERIOR.values())
+    for test in INTERIOR:
+        with pytest.raises(ValueError, match="no longer contains"):
+            interior_source(source.replace(test, ""))
+        with pytest.raises(ValueError, match="no longer contains"):
+            interior_source(source + test)
