@@ -217,8 +217,11 @@ def disassemble(cubin: bytes) -> str | None:
 def sass_instruction_counts(cubin: bytes) -> dict[str, int]:
     """How often each opcode family of interest appears in the SASS ({} without the tools)."""
     sass = disassemble(cubin)
-    if sass is None:
-        return {}
+    return {} if sass is None else count_opcodes(sass)
+
+
+def count_opcodes(sass: str) -> dict[str, int]:
+    """Occurrences of each of SASS_OPCODES in cuobjdump's SASS text (any address width)."""
     counts = dict.fromkeys(SASS_OPCODES, 0)
     pattern = r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9]+)"
     for predicate, opcode in re.findall(pattern, sass, re.M):

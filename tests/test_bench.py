@@ -351,6 +351,14 @@ def test_hmma_loop_counts_the_body_of_the_backward_branch_around_the_hmmas():
         hmma_loop(SASS_SNIPPET.replace("HMMA", "IMMA"))
 
 
+def test_opcode_counts_read_every_address_width():
+    from kernelgen.compile import count_opcodes
+
+    far = "        /*1a2b0*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n"
+    counts = count_opcodes(SASS_SNIPPET + far)  # kernels past 64 KiB have 5-digit addresses
+    assert counts["HMMA"] == 3 and counts["LDS"] == 0  # `@!PT LDS` padding never runs
+
+
 def test_interior_source_replaces_each_tile_test_once():
     from bench.sass_loop import INTERIOR, interior_source
 
