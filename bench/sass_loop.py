@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.report import md_table
+from kernelgen.compile import SassInstruction, sass_instructions
 
 ROOT = Path(__file__).resolve().parent.parent
 # What makes a key tile take the interior path in the tensor-core template, and what the interior
@@ -32,10 +33,6 @@ INTERIOR = {
     "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
 }
 COLUMNS = ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL")
-_INSTRUCTION = re.compile(
-    r"^\s+/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<pred>@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)(?P<rest>[^;]*);",
-    re.M,
-)
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 
 
@@ -60,44 +57,43 @@ class LoopBody:
 
 def hmma_loop(sass: str) -> LoopBody:
     """The largest loop (backward branch) whose body holds HMMA instructions."""
-    rows = [
-        (int(m["addr"], 16), m["op"].split(".")[0], (m["pred"] or "").strip(), m["rest"])
-        for m in _INSTRUCTION.finditer(sass)
-        if (m["pred"] or "").strip() != "@!PT"
-    ]
+    rows = sass_instructions(sass)
     best: LoopBody | None = None
-    for addr, op, _, rest in rows:
-        if not _is_backward(op, rest, addr):
+    for end in rows:
+        start = _backward_target(end)
+        if start is None:
             continue
-        target = _TARGET.search(rest)
-        assert target is not None
-        body = [row for row in rows if int(target.group(1), 16) <= row[0] <= addr]
+        body = [row for row in rows if start <= row.address <= end.address]
         skipped = _vote_skipped(body)
-        counts = Counter(op for a, op, _, _ in body if a not in skipped)
+        counts = Counter(row.family for row in body if row.address not in skipped)
         if counts["HMMA"] and (best is None or sum(counts.values()) > best.issued):
-            inner = sum(_is_backward(op, rest, a) for a, op, _, rest in body[:-1])
+            inner = sum(_backward_target(row) is not None for row in body[:-1])
             best = LoopBody(dict(counts), len(skipped), inner)
     if best is None:
         raise ValueError("no loop with HMMA instructions in the SASS")
     return best
 
 
-def _is_backward(op: str, rest: str, addr: int) -> bool:
-    target = _TARGET.search(rest) if op == "BRA" else None
-    return target is not None and int(target.group(1), 16) < addr
+def _branch_target(row: SassInstruction) -> int | None:
+    target = _TARGET.search(row.operands) if row.family == "BRA" else None
+    return None if target is None else int(target.group(1), 16)
 
 
-def _vote_skipped(body: list[tuple[int, str, str, str]]) -> set[int]:
+def _backward_target(row: SassInstruction) -> int | None:
+    target = _branch_target(row)
+    return target if target is not None and target < row.address else None
+
+
+def _vote_skipped(body: list[SassInstruction]) -> set[int]:
     """Addresses that the first forward branch after each VOTE.ANY jumps over."""
     skipped: set[int] = set()
-    for i, (_, op, _, _) in enumerate(body):
-        if op != "VOTE":
+    for i, row in enumerate(body):
+        if row.family != "VOTE":
             continue
-        for addr, later, _, rest in body[i:]:
-            target = _TARGET.search(rest) if later == "BRA" else None
-            if target and int(target.group(1), 16) > addr:
-                end = int(target.group(1), 16)
-                skipped |= {a for a, _, _, _ in body if addr < a < end}
+        for later in body[i:]:
+            end = _branch_target(later)
+            if end is not None and end > later.address:
+                skipped |= {r.address for r in body if later.address < r.address < end}
                 break
     return skipped
 

@@ -220,12 +220,37 @@ def sass_instruction_counts(cubin: bytes) -> dict[str, int]:
     return {} if sass is None else count_opcodes(sass)
 
 
+@dataclass(frozen=True)
+class SassInstruction:
+    """One executable line of cuobjdump's SASS: address, opcode family (text before the first
+    dot, e.g. HMMA) and operands."""
+
+    address: int
+    family: str
+    operands: str
+
+
+_SASS_LINE = re.compile(
+    r"^\s+/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<pred>@!?U?P\w+\s+)?"
+    r"(?P<op>[A-Z][A-Z0-9_.]*)(?P<operands>[^;]*);",
+    re.M,
+)
+
+
+def sass_instructions(sass: str) -> list[SassInstruction]:
+    """The instructions of SASS text in order (any address width). `@!PT` lines never execute
+    (ptxas pads with them, e.g. `@!PT LDS RZ, [RZ]`) and are left out."""
+    return [
+        SassInstruction(int(m["addr"], 16), m["op"].split(".")[0], m["operands"])
+        for m in _SASS_LINE.finditer(sass)
+        if (m["pred"] or "").strip() != "@!PT"
+    ]
+
+
 def count_opcodes(sass: str) -> dict[str, int]:
-    """Occurrences of each of SASS_OPCODES in cuobjdump's SASS text (any address width)."""
+    """Occurrences of each of SASS_OPCODES in cuobjdump's SASS text."""
     counts = dict.fromkeys(SASS_OPCODES, 0)
-    pattern = r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9]+)"
-    for predicate, opcode in re.findall(pattern, sass, re.M):
-        # `@!PT` never executes: ptxas pads with such instructions (e.g. `@!PT LDS RZ, [RZ]`).
-        if opcode in counts and predicate.strip() != "@!PT":
-            counts[opcode] += 1
+    for instruction in sass_instructions(sass):
+        if instruction.family in counts:
+            counts[instruction.family] += 1
     return counts
