@@ -1019,6 +1019,105 @@ def test_bad_shared_addresses_trap(mode, message):
     kern(grid=1, block=32, shared_mem=1024, args=[src, out, -1])  # still usable, no error
 
 
+# A two-slot cp.async ring read by ldmatrix, the tensor-core kernels' pipeline in miniature:
+# thread t copies chunk (t + 32) % 64 of each 1 KiB tile and warp w reads chunks 32w .. 32w + 31,
+# so every chunk is written by one warp and read by the other. `mode` picks the synchronization:
+# 0 one barrier per tile (wait, barrier, issue the next tile, read), 5 two barriers per tile
+# (issue, wait, barrier, read, barrier): both correct; the others leave out one ordering.
+RING_SRC = (
+    SMEM_ADDR_HELPER
+    + r"""
+extern "C" __global__ void ring(const unsigned char* __restrict__ src, unsigned* __restrict__ out,
+                                int tiles, int mode) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int t = threadIdx.x;
+  const auto issue = [&](int tile) {
+    const int chunk = (t + 32) % 64;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                     smem_addr(smem + (tile % 2) * 1024 + chunk * 16)),
+                 "l"(src + tile * 1024 + chunk * 16));
+  };
+  const auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
+  issue(0);
+  if (mode == 4) issue(0);  // a second copy into the same bytes before the first landed
+  commit();
+  for (int i = 0; i < tiles; ++i) {
+    if (mode == 0 || mode == 4) {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      __syncthreads();
+      if (i + 1 < tiles) issue(i + 1);
+      commit();
+    } else if (mode == 1) {  // the next tile is issued before the barrier: write after read
+      if (i + 1 < tiles) issue(i + 1);
+      commit();
+      asm volatile("cp.async.wait_group 1;\n" ::);
+      __syncthreads();
+    } else if (mode == 2) {  // waited for, but no barrier before another warp reads it
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    } else if (mode == 3) {  // a barrier but no wait: the copies are still in flight
+      __syncthreads();
+    } else if (mode == 5) {
+      if (i + 1 < tiles) issue(i + 1);
+      commit();
+      asm volatile("cp.async.wait_group 1;\n" ::);
+      __syncthreads();
+    }
+    unsigned r[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem + (i % 2) * 1024 + t * 16)));
+    for (int m = 0; m < 4; ++m) out[(i * 64 + t) * 4 + m] = r[m];
+    if (mode == 5) __syncthreads();
+  }
+}
+"""
+)
+
+
+def _ring_expected(src: np.ndarray, tiles: int) -> np.ndarray:
+    """What ldmatrix .x4 returns per (tile, thread, matrix): lane l of warp w gets 4 bytes at
+    column pair l % 4 of row l / 4 of matrix m, whose row addresses lanes 8m .. 8m + 7 gave."""
+    chunks = src.reshape(tiles, 64, 16)
+    want = np.zeros((tiles, 64, 4), np.uint32)
+    for t in range(64):
+        warp, lane = divmod(t, 32)
+        for m in range(4):
+            row = chunks[:, 32 * warp + 8 * m + lane // 4, 4 * (lane % 4) : 4 * (lane % 4) + 4]
+            want[:, t, m] = row.copy().view(np.uint32)[:, 0]
+    return want
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        (0, None),
+        (5, None),
+        (1, r"after barrier \d+ a cp.async writes shared 0x[0-9a-f]+ and another warp reads it"),
+        (2, r"after barrier 0 a cp.async writes shared 0x[0-9a-f]+ and another warp reads it"),
+        (3, r"ldmatrix reads shared 0x[0-9a-f]+ while its cp.async .* is in flight"),
+        (4, r"cp.async into shared 0x[0-9a-f]+ while thread \d+'s copy there .* in flight"),
+    ],
+)
+def test_cp_async_ring_hazards_are_reported(mode, message):
+    """Every missing wait or barrier of the ring is reported on every run (the stamps do not
+    depend on thread timing); both correct schemes run clean and read the right bytes."""
+    kern = build_kernel(
+        RING_SRC,
+        "ring",
+        [("const unsigned char*", "src"), ("unsigned*", "out"), ("int", "tiles"), ("int", "mode")],
+    )
+    tiles = 1 if mode == 2 else 4
+    src = np.random.default_rng(5).integers(0, 256, tiles * 1024, dtype=np.uint64).astype(np.uint8)
+    out = np.zeros((tiles, 64, 4), np.uint32)
+    for _ in range(3 if message else 1):  # the same verdict on repeated runs
+        if message is None:
+            kern(grid=2, block=64, shared_mem=2048, args=[src, out, tiles, mode])
+            np.testing.assert_array_equal(out, _ring_expected(src, tiles))
+        else:
+            with pytest.raises(RuntimeError, match=message):
+                kern(grid=2, block=64, shared_mem=2048, args=[src, out, tiles, mode])
+
+
 PAIRS_SRC = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -65,6 +65,13 @@ What is modelled
   data without the wait and a barrier, sees garbage. Global memory is read when the copy is
   performed; ``src-size`` < size zero-fills the rest. Copies still queued when a thread leaves
   the kernel are dropped.
+* A race check of cp.async against ldmatrix (a small compute-sanitizer racecheck): every 16-byte
+  chunk of dynamic shared memory is stamped with its last ldmatrix read and its last 16-byte
+  cp.async write, in barrier epochs (``__syncthreads`` passed). The launch raises when a copy
+  is issued into bytes another warp read since the last barrier, when ldmatrix reads a copy
+  not yet waited for, or waited for by another thread with no barrier since, and when two
+  copies into one chunk are in flight. Each access publishes its stamp before it checks the
+  other's, so a hazard is reported on every run whatever the thread timing.
 * Math: <cmath> plus the CUDA spellings (``rsqrtf``, ``__expf``, ``__fdividef``, ...),
   ``min``/``max`` for mixed arithmetic types, ``__ldg`` and friends, integer/float atomics,
   ``__trap()`` (raises ``RuntimeError`` from the launch).
@@ -76,7 +83,8 @@ What is NOT modelled
 --------------------
 * No memory model beyond the barriers: between barriers threads really race (as on the GPU,
   but with x86 ordering); no fences other than ``__threadfence*`` = full fence, no ``volatile``
-  tricks, no memory spaces (a "shared" pointer is an ordinary pointer).
+  tricks, no memory spaces (a "shared" pointer is an ordinary pointer). The race check covers
+  cp.async writes and ldmatrix reads only, not plain C++ loads and stores.
 * No warp divergence semantics: shuffles, ``__syncwarp`` and ballots assume all 32 lanes of the
   warp take part (the ``mask`` argument is ignored); a partial warp deadlocks (watchdog) or
   reads stale values of lanes that already exited.

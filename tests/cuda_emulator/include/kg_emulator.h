@@ -230,6 +230,11 @@ struct Launch {
   std::atomic<int> trapped{0};
   uint3 trap_thread{0, 0, 0};
   char trap_msg[256] = "";
+  // Hazard shadow of the dynamic shared memory, one entry per 16-byte chunk (kg_ptx.h: the last
+  // ldmatrix read and the last cp.async write of each chunk); reset before every block.
+  std::atomic<uint64_t>* chunk_reads = nullptr;
+  std::atomic<uint64_t>* chunk_writes = nullptr;
+  size_t chunks = 0;
 };
 
 struct ThreadCtx {
@@ -237,8 +242,24 @@ struct ThreadCtx {
   Warp* warp;
   uint32_t lane;
   uint32_t parity;  // which slot buffer the warp's next exchange uses (lanes stay in step)
+  uint32_t linear;  // thread index in the block
+  // __syncthreads passed in this block: two accesses of different threads with the same epoch
+  // are in the same barrier interval, i.e. unordered.
+  uint32_t epoch;
 };
 inline thread_local ThreadCtx tctx;
+
+// Records an error found while the kernel runs on (the first one wins; the launch raises it
+// after the block) without unwinding the thread, so warp-collective partners do not lose it.
+__attribute__((format(printf, 1, 2))) inline void report_error(const char* fmt, ...) {
+  Launch& L = *tctx.launch;
+  if (L.trapped.exchange(1) != 0) return;
+  L.trap_thread = threadIdx;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(L.trap_msg, sizeof L.trap_msg, fmt, ap);
+  va_end(ap);
+}
 
 // Dynamic shared memory declared at namespace scope: pointers registered at load time and
 // pointed at the buffer before every launch.
@@ -294,6 +315,7 @@ inline void* worker_main(void* p) {
   tctx.launch = &L;
   tctx.warp = &L.warps[t / 32];
   tctx.lane = t % 32;
+  tctx.linear = t;
   uint32_t seen = 0;
   for (;;) {
     uint32_t s;
@@ -302,6 +324,7 @@ inline void* worker_main(void* p) {
     if (L.stop) break;
     blockIdx = L.cur_block;
     tctx.parity = 0;
+    tctx.epoch = 0;
     async_copies.clear();
     try {
       L.thunk(L.args);
@@ -367,6 +390,9 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char
   unsigned char* guard_after = buf + kGuard + smem_bytes;  // up to the end of buf
   L.smem = buf + kGuard;
   L.smem_bytes = smem_bytes;
+  L.chunks = (smem_bytes + 15) / 16;
+  L.chunk_reads = new std::atomic<uint64_t>[L.chunks + 1];
+  L.chunk_writes = new std::atomic<uint64_t>[L.chunks + 1];
   for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
 
   pthread_t* threads = new pthread_t[n];
@@ -391,6 +417,10 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char
         std::memset(guard_after, kGuardByte, static_cast<size_t>(buf + buf_bytes - guard_after));
         L.block_bar.reset(n);
         for (uint32_t w = 0; w < L.nwarps; ++w) L.warps[w].bar.reset(32);
+        for (size_t i = 0; i < L.chunks; ++i) {
+          L.chunk_reads[i].store(0, std::memory_order_relaxed);
+          L.chunk_writes[i].store(0, std::memory_order_relaxed);
+        }
         L.cur_block = uint3{bx, by, bz};
         L.remaining.store(n, std::memory_order_relaxed);
         L.start_seq.fetch_add(1, std::memory_order_acq_rel);
@@ -455,6 +485,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char
   delete[] threads;
   delete[] wargs;
   std::free(buf);
+  delete[] L.chunk_reads;
+  delete[] L.chunk_writes;
   delete[] L.warps;
   delete Lp;
   pthread_mutex_unlock(&launch_mutex);
@@ -466,7 +498,10 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char
 // ---------------------------------------------------------------------------------------------
 // Synchronization, warp primitives
 // ---------------------------------------------------------------------------------------------
-inline void __syncthreads() { kg_emu::tctx.launch->block_bar.arrive_and_wait(); }
+inline void __syncthreads() {
+  kg_emu::tctx.launch->block_bar.arrive_and_wait();
+  ++kg_emu::tctx.epoch;
+}
 inline void __syncwarp(unsigned int /*mask*/ = 0xffffffffu) {
   kg_emu::tctx.warp->bar.arrive_and_wait();
 }

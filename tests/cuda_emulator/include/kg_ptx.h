@@ -57,6 +57,113 @@ inline unsigned char* shared_bytes(uint32_t addr, uint32_t bytes, uint32_t align
   return L.smem + offset;
 }
 
+
+// ---- shared-memory hazards between cp.async writes and ldmatrix reads ------------------------
+// The emulator performs a cp.async only at its thread's wait, so a kernel that lets a copy land
+// while another warp still reads the bytes could pass by luck of timing. Each 16-byte chunk of
+// the dynamic shared memory records its last ldmatrix read and its last cp.async write, stamped
+// with epochs (the __syncthreads a thread has passed: equal epochs of two threads mean no
+// barrier orders them). Reported, naming the chunk:
+//   * a cp.async and another warp's ldmatrix of the chunk at the same epoch, in either order (a
+//     copy may land at any time after it is issued);
+//   * an ldmatrix of a chunk whose copy has not been waited for (read of an in-flight copy);
+//   * an ldmatrix of a chunk whose copy thread T waited for at epoch w, by another thread at an
+//     epoch <= w (T's wait makes the bytes T's, a barrier makes them everyone's);
+//   * a second copy into a chunk while the first is still in flight.
+// Only 16-byte copies (a whole chunk) are tracked; 4- and 8-byte ones may share a chunk legally.
+// Both sides publish their stamp before they look at the other's (sequentially consistent
+// atomics), so of two conflicting accesses the later one always sees the earlier: a hazard is
+// reported on every run, not by chance. Plain C++ loads and stores are not tracked.
+//
+// Read stamp: (epoch + 1) << 32 | warp (kManyWarps: several warps); 0: never read.
+// Write stamp: (done + 1) << 40 | (issued + 1) << 16 | thread; done + 1 == 0 while in flight.
+constexpr uint32_t kManyWarps = 0xFFFFFFFFu;
+// A copy and another warp's ldmatrix of the same bytes after the same barrier, found by
+// whichever of the two comes second (so the message does not depend on thread timing).
+constexpr const char* kSameInterval =
+    "after barrier %u a cp.async writes shared 0x%x and %s reads it by ldmatrix: a "
+    "__syncthreads must separate the reads from the copy";
+
+struct WriteStamp {
+  uint32_t thread, issued, done;  // done == UINT32_MAX: in flight
+  bool any;
+  static WriteStamp of(uint64_t v) {
+    return WriteStamp{static_cast<uint32_t>(v & 0xFFFF),
+                      static_cast<uint32_t>((v >> 16) & 0xFFFFFF) - 1u,
+                      static_cast<uint32_t>(v >> 40) - 1u, v != 0};
+  }
+  bool in_flight() const { return any && done == UINT32_MAX; }
+};
+inline uint64_t write_stamp(uint32_t thread, uint32_t issued, uint32_t done_plus_1) {
+  return static_cast<uint64_t>(done_plus_1) << 40 | static_cast<uint64_t>(issued + 1) << 16 |
+         thread;
+}
+
+inline size_t chunk_of(const unsigned char* host) {
+  return static_cast<size_t>(host - tctx.launch->smem) / 16;
+}
+
+// An ldmatrix lane reads the 16-byte row at `host`.
+inline void note_shared_read(const unsigned char* host) {
+  const Launch& L = *tctx.launch;
+  const size_t chunk = chunk_of(host);
+  const uint32_t warp = tctx.linear / 32, epoch = tctx.epoch;
+  const uint64_t mine = static_cast<uint64_t>(epoch + 1) << 32 | warp;
+  uint64_t old = L.chunk_reads[chunk].load();
+  for (;;) {
+    uint64_t want = mine;
+    if ((old >> 32) == epoch + 1u && static_cast<uint32_t>(old) != warp) want = mine | kManyWarps;
+    if (old == want || L.chunk_reads[chunk].compare_exchange_weak(old, want)) break;
+  }
+  const WriteStamp w = WriteStamp::of(L.chunk_writes[chunk].load());
+  if (!w.any) return;
+  const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
+  if (w.thread / 32 != warp && w.issued == epoch) {  // either order: the same race
+    report_error(kSameInterval, epoch, addr, "another warp");
+  } else if (w.in_flight()) {
+    report_error("ldmatrix reads shared 0x%x while its cp.async (thread %u, issued after "
+                 "barrier %u) is in flight: wait for the copy, then __syncthreads",
+                 addr, w.thread, w.issued);
+  } else if (w.thread != tctx.linear && epoch <= w.done) {
+    report_error("ldmatrix reads shared 0x%x after barrier %u, but thread %u waited for its "
+                 "cp.async there only after barrier %u: no __syncthreads orders the two",
+                 addr, epoch, w.thread, w.done);
+  }
+}
+
+// A cp.async is issued into the chunk at `host`.
+inline void note_async_write(const unsigned char* host) {
+  const Launch& L = *tctx.launch;
+  const size_t chunk = chunk_of(host);
+  const uint32_t epoch = tctx.epoch, warp = tctx.linear / 32;
+  const WriteStamp before =
+      WriteStamp::of(L.chunk_writes[chunk].exchange(write_stamp(tctx.linear, epoch, 0)));
+  const uint64_t read = L.chunk_reads[chunk].load();
+  const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
+  if (before.in_flight()) {
+    report_error("cp.async into shared 0x%x while thread %u's copy there (issued after barrier "
+                 "%u) is still in flight",
+                 addr, before.thread, before.issued);
+  } else if ((read >> 32) == epoch + 1u && static_cast<uint32_t>(read) != warp) {
+    report_error(kSameInterval, epoch, addr,
+                 static_cast<uint32_t>(read) == kManyWarps ? "several warps" : "another warp");
+  }
+}
+
+// The issuing thread's wait performed its copy into the chunk at `host`.
+inline void note_async_done(const unsigned char* host) {
+  const Launch& L = *tctx.launch;
+  const size_t chunk = chunk_of(host);
+  uint64_t old = L.chunk_writes[chunk].load();
+  for (;;) {
+    const WriteStamp w = WriteStamp::of(old);
+    if (!w.in_flight() || w.thread != tctx.linear) return;  // a later copy replaced it
+    if (L.chunk_writes[chunk].compare_exchange_weak(
+            old, write_stamp(w.thread, w.issued, tctx.epoch + 1)))
+      return;
+  }
+}
+
 }  // namespace kg_emu
 
 inline size_t __cvta_generic_to_shared(const void* p) { return kg_emu::shared_address_of(p); }
@@ -116,6 +223,7 @@ inline void ldmatrix(uint32_t addr, R&... regs) {
   for (int i = 0; i < 8 * N; ++i) {
     rows[i] = shared_bytes(static_cast<uint32_t>(slots[i]), 16, 16, "ldmatrix row", i);
   }
+  if (c.lane < 8 * N) note_shared_read(rows[c.lane]);  // each row once, by the lane naming it
   const uint32_t l = c.lane;
   uint32_t out[N];
   for (int m = 0; m < N; ++m) {
@@ -212,6 +320,7 @@ inline void cp_async(uint32_t dst, P src, S src_size_operand) {
     trap_with("cp.async: global source %p is not %d-byte aligned", static_cast<const void*>(s),
               CpSize);
   }
+  if (CpSize == 16) note_async_write(d);
   async_copies.current.push_back(
       PendingCopy{d, s, static_cast<uint32_t>(CpSize), static_cast<uint32_t>(src_size)});
 }
@@ -223,6 +332,7 @@ inline void cp_async(uint32_t dst, P src) {
 inline void perform(const PendingCopy& c) {
   if (c.src_size > 0) std::memcpy(c.dst, c.src, c.src_size);
   std::memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);  // zero-fill the rest
+  if (c.cp_size == 16) note_async_done(c.dst);
 }
 
 inline void cp_async_commit_group() {
