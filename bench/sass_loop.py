@@ -32,7 +32,7 @@ INTERIOR = {
     "exact = tile >= first_exact || mask != nullptr;": "exact = false;",
     "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
 }
-COLUMNS = ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL")
+COLUMNS = ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL", "BAR")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 
 

@@ -135,5 +135,7 @@ def test_interior_loop_of_a_tensor_core_spec_issues_its_tile_hmmas():
     hmma, ldsm = tensor_core_instructions(load_spec(path))
     assert (row["HMMA"], row["LDSM"]) == (hmma, ldsm)  # the loop is the whole key-tile body
     assert row["issued"] == sum(
-        row[c] for c in ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL", "other")
+        row[c]
+        for c in ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL", "BAR", "other")
     )
+    assert row["BAR"] == 1  # one block barrier per key tile (the refill follows the wait's)
