@@ -3,10 +3,13 @@
 # checks and times"): the GPU test tier, the benchmarks, a compute-sanitizer pass. Logs and
 # result files go under $OUT (default ./gpu-out); a short summary is printed last.
 #
-#   bench/gpu_session.sh [tests] [decode] [prefill] [tuning] [sanitize]    (default: all)
+#   bench/gpu_session.sh [tests] [decode] [prefill] [tuning] [sanitize] [versions]
 #
-# Each stage has its own time limit (seconds, environment): TESTS_S=240 DECODE_S=240
-# PREFILL_S=240 TUNING_S=240 SANITIZE_S=120, so a subset fits one 10-minute device command. Expects
+# (default: all but versions). `versions` times the template folders bench/versions.sh exported
+# (bench/.versions/*, carried to the device) and the working tree, one process each, on bf16
+# d128 4k against torch's flash backend. Each stage has its own time limit (seconds,
+# environment): TESTS_S=240 DECODE_S=240 PREFILL_S=240 TUNING_S=240 SANITIZE_S=120 VERSION_S=120
+# (per version), so a subset fits one 10-minute device command. Expects
 # kernelgen and its dependencies importable (e.g. PYTHONPATH=$PWD plus a pydantic wheel).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -57,8 +60,20 @@ for stage in "${stages[@]}"; do
                 python3 -m kernelgen.selfcheck
         done
         ;;
+    versions)
+        for dir in bench/.versions/*/ "$PWD/templates/"; do
+            [ -d "$dir" ] || continue
+            label=$(basename "$dir")
+            [ "$label" = templates ] && label=tree
+            run_stage "v-$label" "${VERSION_S:-120}" "bench-version-$label.log" \
+                env KERNELGEN_TEMPLATE_DIR="$dir" python3 -m bench.attention \
+                --peers torch-flash,kg-tc-v2 --dtype bf16 --head-dim 128 --seqlen 4096 \
+                --budget-ms 200 --tag "version-$label" --out "$OUT/results"
+        done
+        ;;
     *)
-        echo "gpu_session: unknown stage $stage (tests, decode, prefill, tuning, sanitize)" >&2
+        echo "gpu_session: unknown stage $stage (tests, decode, prefill, tuning, sanitize," \
+            "versions)" >&2
         exit 2
         ;;
     esac

@@ -11,6 +11,7 @@ from kernelgen.errors import (
     InputError,
     InputTypeError,
     KernelgenError,
+    SettingError,
     SpecError,
     ToolchainMissingError,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "InputTypeError",
     "KernelSpec",
     "KernelgenError",
+    "SettingError",
     "SpecError",
     "ToolchainMissingError",
     "TuningMissError",

@@ -189,7 +189,11 @@ register_tuning(app)  # kernelgen tune, kernelgen cache ...
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KernelgenError as exc:  # one a command did not catch, e.g. a bad KERNELGEN_TEMPLATE_DIR
+        err_console.print(str(exc), markup=False)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

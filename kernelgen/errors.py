@@ -38,3 +38,8 @@ class CompileError(KernelgenError, RuntimeError):
 
 class ToolchainMissingError(KernelgenError, RuntimeError):
     """A CUDA component (NVRTC, headers, CuPy, a GPU) needed for this operation is missing."""
+
+
+class SettingError(KernelgenError, ValueError):
+    """An environment variable kernelgen reads (e.g. KERNELGEN_TEMPLATE_DIR) holds a value it
+    cannot use."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -11,7 +12,13 @@ from pathlib import Path
 import jinja2
 
 from kernelgen import __version__
+from kernelgen.errors import SettingError
 from kernelgen.spec import KernelSpec
+
+# Render from another copy of templates/ (e.g. an older commit's, to time two versions of a
+# kernel on one machine). Read once per process; the folder's hash keys every cache as usual.
+TEMPLATE_DIR_ENV = "KERNELGEN_TEMPLATE_DIR"
+ENTRY_TEMPLATES = ("fa_fwd_v1.cu.j2", "fa_fwd_v2.cu.j2", "fa_fwd_v2_tc.cu.j2")
 
 
 @dataclass(frozen=True)
@@ -125,8 +132,20 @@ def _environment() -> jinja2.Environment:
     )
 
 
+@cache
 def template_dir() -> Path:
-    return Path(str(resources.files("kernelgen.templates")))
+    """The templates' folder: the package's own, or $KERNELGEN_TEMPLATE_DIR when set."""
+    override = os.environ.get(TEMPLATE_DIR_ENV)
+    if not override:
+        return Path(str(resources.files("kernelgen.templates")))
+    folder = Path(override).expanduser()
+    missing = [name for name in ENTRY_TEMPLATES if not (folder / name).is_file()]
+    if missing:
+        raise SettingError(
+            f"{TEMPLATE_DIR_ENV}={override!r}: not a templates folder (missing "
+            f"{', '.join(missing)}); unset it or point it at a copy of kernelgen's templates/"
+        )
+    return folder
 
 
 @cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -130,6 +131,21 @@ def test_console_script_exits_2_without_traceback(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "dtype='float64' is not allowed" in done.stderr
+
+
+def test_bad_template_dir_exits_2_in_one_line(tmp_path):
+    import subprocess
+
+    script = Path(sys.executable).parent / "kernelgen"
+    spec_file = tmp_path / "ok.yaml"
+    spec_file.write_text(GOOD)
+    env = {**os.environ, "KERNELGEN_TEMPLATE_DIR": str(tmp_path / "nowhere")}
+    for args in (["show", str(spec_file)], ["build", str(spec_file), "--check"]):
+        done = subprocess.run([str(script), *args], capture_output=True, text=True, env=env)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert done.stderr.strip().count("\n") == 0
+        assert "KERNELGEN_TEMPLATE_DIR=" in done.stderr and "missing fa_fwd_v1.cu.j2" in done.stderr
 
 
 def test_every_subpackage_ships_in_the_wheel():

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from kernelgen.render import kernel_params, render, template_dir, template_hash
 from kernelgen.spec import load_spec, spec_from_dict
 
+ROOT = Path(__file__).resolve().parent.parent
 BASE = dict(loop_order="v2", dtype="float16", head_dim=64, block_m=64, block_n=64, num_warps=4)
 
 
@@ -107,3 +109,49 @@ def test_tensor_core_parameters_match_v2():
     tc = spec_from_dict({**TC, "dtype": "float16", "head_dim": 64})
     assert kernel_params(tc) == kernel_params(simt)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in render(tc)
+
+
+@pytest.fixture
+def reread_templates():
+    """template_dir, template_hash and the Jinja environment read the folder once per process:
+    the returned function forgets it (and it is forgotten again afterwards)."""
+    import importlib
+
+    render_module = importlib.import_module("kernelgen.render")  # the package exports render()
+
+    def forget() -> None:
+        for cached in (template_dir, template_hash, render_module._environment):
+            cached.cache_clear()
+
+    forget()
+    yield forget
+    forget()
+
+
+def test_template_dir_override_renders_from_that_folder(tmp_path, monkeypatch, reread_templates):
+    import shutil
+
+    own_hash = template_hash()
+    copy = tmp_path / "templates"
+    shutil.copytree(template_dir(), copy)
+    marked = copy / "fa_fwd_base.cu.j2"  # every kernel extends it
+    marked.write_text(marked.read_text() + "// rendered from the copy\n")
+    monkeypatch.setenv("KERNELGEN_TEMPLATE_DIR", str(copy))
+    reread_templates()
+    spec = load_spec(ROOT / "specs" / "v2_tc_f16_d64_m64_n64_s2_swz.yaml")
+    assert template_dir() == copy
+    assert render(spec).endswith("// rendered from the copy\n")
+    assert template_hash() != own_hash  # so compile and tuning caches never mix the versions
+
+
+def test_template_dir_override_must_hold_the_entry_templates(
+    tmp_path, monkeypatch, reread_templates
+):
+    from kernelgen.errors import SettingError
+
+    (tmp_path / "fa_fwd_v1.cu.j2").write_text("")
+    monkeypatch.setenv("KERNELGEN_TEMPLATE_DIR", str(tmp_path))
+    with pytest.raises(
+        SettingError, match=r"KERNELGEN_TEMPLATE_DIR=.*missing fa_fwd_v2.cu.j2, fa_fwd_v2_tc.cu.j2"
+    ):
+        template_dir()

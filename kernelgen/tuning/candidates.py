@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelgen.compile import Resources
-from kernelgen.errors import KernelgenError, SpecError, ToolchainMissingError
+from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
 from kernelgen.spec import KernelSpec, default_smem_layout, spec_from_dict
@@ -308,7 +308,7 @@ def _resource_verdict(spec: KernelSpec, arch: str, compile_fn: CompileFn) -> Res
     """ptxas' resources for ``spec``, or why it is disqualified."""
     try:
         res = compile_fn(spec, arch)
-    except ToolchainMissingError:
+    except (ToolchainMissingError, SettingError):  # the machine's problem, not the candidate's
         raise
     except (KernelgenError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
