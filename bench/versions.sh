@@ -15,7 +15,8 @@ kernelgen=${KERNELGEN:-kernelgen}
 command -v "$kernelgen" >/dev/null || kernelgen=.venv/bin/kernelgen
 mkdir -p bench/.versions
 for commit in "$@"; do
-    sha=$(git rev-parse --short "$commit^{commit}") || exit 2
+    sha=$(git rev-parse --short --verify -q "$commit^{commit}") ||
+        { echo "versions: $commit: not a commit of this repository" >&2; exit 2; }
     dest=bench/.versions/$sha
     tmp=$(mktemp -d)
     git archive "$sha" templates | tar -x -C "$tmp"
