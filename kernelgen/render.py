@@ -18,7 +18,13 @@ from kernelgen.spec import KernelSpec
 # Render from another copy of templates/ (e.g. an older commit's, to time two versions of a
 # kernel on one machine). Read once per process; the folder's hash keys every cache as usual.
 TEMPLATE_DIR_ENV = "KERNELGEN_TEMPLATE_DIR"
-ENTRY_TEMPLATES = ("fa_fwd_v1.cu.j2", "fa_fwd_v2.cu.j2", "fa_fwd_v2_tc.cu.j2")
+# The template each kernel family renders from: (mma, loop order) -> file. The tensor-core path
+# is v2 only (the spec enforces it).
+ENTRY_TEMPLATE = {
+    ("simt", "v1"): "fa_fwd_v1.cu.j2",
+    ("simt", "v2"): "fa_fwd_v2.cu.j2",
+    ("mma_sync", "v2"): "fa_fwd_v2_tc.cu.j2",
+}
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ def template_dir() -> Path:
     if not override:
         return Path(str(resources.files("kernelgen.templates")))
     folder = Path(override).expanduser()
-    missing = [name for name in ENTRY_TEMPLATES if not (folder / name).is_file()]
+    missing = [name for name in ENTRY_TEMPLATE.values() if not (folder / name).is_file()]
     if missing:
         raise SettingError(
             f"{TEMPLATE_DIR_ENV}={override!r}: not a templates folder (missing "
@@ -159,9 +165,7 @@ def template_hash() -> str:
 
 
 def template_name(spec: KernelSpec) -> str:
-    if spec.mma == "mma_sync":
-        return "fa_fwd_v2_tc.cu.j2"  # the spec only allows v2 on the tensor cores
-    return f"fa_fwd_{spec.loop_order}.cu.j2"
+    return ENTRY_TEMPLATE[spec.mma, spec.loop_order]
 
 
 def render(spec: KernelSpec) -> str:
