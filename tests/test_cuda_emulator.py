@@ -686,11 +686,19 @@ def _row_offset(layout: str, matrix: int, row: int) -> int:
     """Element offset of row ``row`` of 8x8 matrix ``matrix`` in a shared tile."""
     if layout == "padded":  # a 16x16 tile, rows padded to 24 elements; matrices like an A frag
         return (8 * (matrix % 2) + row) * 24 + 8 * (matrix // 2)
+    if layout == "unswizzled":  # 8 rows of 64 elements: a matrix's rows share one bank group
+        return row * 64 + 8 * (2 * matrix + 1)
+    if layout == "stride32":  # rows of 32 elements: 2 bank groups of 4 rows each
+        return row * 32 + 8 * matrix
     # 8 rows of 64 elements (8 chunks of 16 bytes), chunk c stored at c ^ (row % 8)
     return row * 64 + 8 * ((2 * matrix + 1) ^ (row % 8))
 
 
-@pytest.mark.parametrize("layout", ["padded", "swizzled"])
+# Shared-memory wavefronts per 8x8 matrix: the most rows (at distinct addresses) in one group.
+LAYOUT_WAYS = {"padded": 1, "swizzled": 1, "unswizzled": 8, "stride32": 4}
+
+
+@pytest.mark.parametrize("layout", LAYOUT_WAYS)
 def test_ldmatrix_fragments(ldmatrix_kernel, layout):
     rng = np.random.default_rng(10)
     mats = rng.integers(0, 2**16, (4, 8, 8), dtype=np.uint64).astype(np.uint16)
@@ -705,9 +713,21 @@ def test_ldmatrix_fragments(ldmatrix_kernel, layout):
             lane_offset[v, lane] = _row_offset(layout, lane // 8, lane % 8)
     out = np.zeros((6, 32, 4), np.uint32)
     addrs = np.zeros(32, np.uint32)
-    ldmatrix_kernel(
+    stats = ldmatrix_kernel(
         grid=1, block=32, shared_mem=2048, args=[image, image.size, lane_offset, out, addrs]
     )
+    matrices = sum(n for n, _ in LDMATRIX_VARIANTS)
+    assert (stats.ldmatrix, stats.ldmatrix_ideal) == (len(LDMATRIX_VARIANTS), matrices)
+    assert stats.ldmatrix_wavefronts == LAYOUT_WAYS[layout] * matrices
+    assert stats.cp_async_global_bytes == 0
+    if LAYOUT_WAYS[layout] == 1:
+        assert stats.first_conflict == ""
+    else:
+        first_rows = " ".join(f"0x{a:x}" for a in addrs[0] + 2 * lane_offset[0, :8])
+        assert stats.first_conflict == (
+            f"ldmatrix.x1 in block (0,0,0) warp 0: matrix 0 takes {LAYOUT_WAYS[layout]} "
+            f"wavefronts, rows at {first_rows}"
+        )
     assert addrs[0] != 0
     np.testing.assert_array_equal(addrs - addrs[0], 2 * np.arange(32))
 
@@ -936,7 +956,11 @@ def test_cp_async_groups_and_zero_fill():
     src_bytes = rng.integers(0, 17, (nb, n)).astype(np.int32)
     src_bytes[:, :3] = [0, 16, 5]
     snap = np.zeros((nb, 7, n, 64), np.uint8)
-    kern(grid=nb, block=n, shared_mem=n * 64, args=[src, src_bytes, snap.view(np.uint32)])
+    stats = kern(grid=nb, block=n, shared_mem=n * 64, args=[src, src_bytes, snap.view(np.uint32)])
+    # Source bytes of every copy issued (the never-committed one too): src-size, else the size.
+    issued = src_bytes + np.minimum(src_bytes, 8) + 8 + (4 + 0 + 4 + 2) + 16
+    assert stats.cp_async_global_bytes == issued.sum()
+    assert stats.ldmatrix == 0
 
     garbage = np.full(16, 0xFF, np.uint8)
     for blk in range(nb):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import zlib
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -20,6 +21,9 @@ from kernelgen.api import TensorInfo, check_inputs, plan
 from kernelgen.launch import Problem, kernel_arguments, launch_steps, scratch_floats
 from kernelgen.render import render
 from kernelgen.spec import KernelSpec, load_spec
+
+if TYPE_CHECKING:
+    from cuda_emulator import LaunchStats
 
 pytestmark = pytest.mark.emulate
 
@@ -42,14 +46,20 @@ def emulated(spec: KernelSpec, symbol: str, params: tuple):
 
 def launch_emulated(
     spec: KernelSpec, problem: Problem, arrays: dict[str, np.ndarray], scale: float
-) -> None:
-    """Every launch of the spec's plan, in order, with NaN-poisoned scratch buffers."""
+) -> dict[str, LaunchStats]:
+    """Every launch of the spec's plan, in order, with NaN-poisoned scratch buffers; returns
+    each kernel's launch statistics by symbol."""
+    from cuda_emulator import LaunchStats
+
     for name, floats in scratch_floats(spec, problem).items():
         arrays[name] = np.full(floats, np.nan, dtype=np.float32)
+    stats: dict[str, LaunchStats] = {}
     for step in launch_steps(spec, problem):
         args = kernel_arguments(step.params, problem, arrays, scale, null=None)
         kernel = emulated(spec, step.symbol, step.params)
-        kernel(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
+        launched = kernel(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
+        stats[step.symbol] = stats.get(step.symbol, LaunchStats()) + launched
+    return stats
 
 
 def to_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -78,8 +88,10 @@ def run_emulated(
     num_splits: int | None = None,
     seqlens_k: np.ndarray | None = None,
     keep: dict | None = None,
+    stats: dict | None = None,
 ):
-    """out and lse of the spec's launches on ``data`` (and, into ``keep``, every array).
+    """out and lse of the spec's launches on ``data`` (and, into ``keep``, every array; into
+    ``stats``, each kernel's LaunchStats by symbol).
 
     Split-KV specs default to 3 key chunks, so every case goes through the combine kernel."""
     if num_splits is None:
@@ -107,7 +119,9 @@ def run_emulated(
     out_dtype = np.uint16 if dtype == "bfloat16" else arrays["q"].dtype
     arrays["out"] = np.full(out_shape, 0xFFFF if dtype == "bfloat16" else np.nan, dtype=out_dtype)
     arrays["lse"] = np.full(call.q.shape[:3], np.nan, dtype=np.float32)
-    launch_emulated(spec, problem, arrays, call.scale)
+    launched = launch_emulated(spec, problem, arrays, call.scale)
+    if stats is not None:
+        stats.update(launched)
     if keep is not None:
         keep.update(arrays)
     out = from_device_dtype(arrays["out"], dtype)

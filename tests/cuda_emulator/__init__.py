@@ -5,7 +5,7 @@ header (``include/kg_emulator.h``, force-included) that supplies the CUDA subset
 then loaded with :mod:`ctypes` and launched over numpy arrays::
 
     kern = build_kernel(source, "attn_fwd", [("const __half*", "q"), ..., ("int", "n")])
-    kern(grid=(gx, gy, gz), block=(128, 1, 1), shared_mem=nbytes, args=[q, ..., n])
+    stats = kern(grid=(gx, gy, gz), block=(128, 1, 1), shared_mem=nbytes, args=[q, ..., n])
 
 What is modelled
 ----------------
@@ -72,6 +72,11 @@ What is modelled
   not yet waited for, or waited for by another thread with no barrier since, and when two
   copies into one chunk are in flight. Each access publishes its stamp before it checks the
   other's, so a hazard is reported on every run whatever the thread timing.
+* Launch statistics: a launch returns :class:`LaunchStats`: ldmatrix instructions, the
+  shared-memory wavefronts they took under the 32-bank model (one per 8x8 matrix when its 8
+  rows sit in 8 different 16-byte bank groups, more when rows at different addresses share a
+  group; ncu's ``l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld`` on the GPU) with the
+  first conflicting instruction described, and the global bytes cp.async read (src-size).
 * Math: <cmath> plus the CUDA spellings (``rsqrtf``, ``__expf``, ``__fdividef``, ...),
   ``min``/``max`` for mixed arithmetic types, ``__ldg`` and friends, integer/float atomics,
   ``__trap()`` (raises ``RuntimeError`` from the launch).
@@ -137,7 +142,7 @@ CXX_FLAGS = (
 MAX_DYNAMIC_SMEM = 227 * 1024
 DEFAULT_FILL_BYTE = 0xFF
 DEFAULT_TIMEOUT_S = 120.0
-_CODEGEN_VERSION = "1"
+_CODEGEN_VERSION = "2"
 
 
 class EmulatorUnavailableError(RuntimeError):
@@ -689,8 +694,9 @@ static void thunk(void** a) {{
 }}
 }}  // namespace kg_emu_generated
 
-extern "C" int kg_emulator_launch(void** args, const long long* cfg, char* err, int errlen) {{
-  return ::kg_emu::launch(&kg_emu_generated::thunk, args, cfg, err, errlen);
+extern "C" int kg_emulator_launch(void** args, const long long* cfg, long long* stats,
+                                  char* note, int notelen, char* err, int errlen) {{
+  return ::kg_emu::launch(&kg_emu_generated::thunk, args, cfg, stats, note, notelen, err, errlen);
 }}
 """
 
@@ -741,6 +747,29 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class LaunchStats:
+    """What one launch did (summed over its blocks); fields in kg_emulator.h's LaunchStat order."""
+
+    ldmatrix: int = 0  # ldmatrix instructions, one per warp
+    ldmatrix_wavefronts: int = 0  # shared-memory wavefronts they took
+    ldmatrix_ideal: int = 0  # wavefronts without bank conflicts (one per 8x8 matrix)
+    cp_async_global_bytes: int = 0  # global bytes of the cp.async copies issued (src-size)
+    first_conflict: str = ""  # the first ldmatrix that took extra wavefronts, or ""
+
+    def __add__(self, other: LaunchStats) -> LaunchStats:
+        return LaunchStats(
+            self.ldmatrix + other.ldmatrix,
+            self.ldmatrix_wavefronts + other.ldmatrix_wavefronts,
+            self.ldmatrix_ideal + other.ldmatrix_ideal,
+            self.cp_async_global_bytes + other.cp_async_global_bytes,
+            self.first_conflict or other.first_conflict,
+        )
+
+
+_NUM_STATS = 4  # the integer fields of LaunchStats (kNumStats)
+
+
 _loaded: dict[str, ctypes.CDLL] = {}
 _loaded_lock = threading.Lock()
 
@@ -768,6 +797,9 @@ class EmulatedKernel:
         self._launch.argtypes = [
             ctypes.POINTER(ctypes.c_void_p),
             ctypes.POINTER(ctypes.c_longlong),
+            ctypes.POINTER(ctypes.c_longlong),
+            ctypes.c_char_p,
+            ctypes.c_int,
             ctypes.c_char_p,
             ctypes.c_int,
         ]
@@ -825,7 +857,7 @@ class EmulatedKernel:
         args: Sequence[Any] = (),
         *,
         timeout: float | None = None,
-    ) -> None:
+    ) -> LaunchStats:
         g, b = _dims(grid, "grid"), _dims(block, "block")
         if b[0] > 1024 or b[1] > 1024 or b[2] > 64:
             raise ValueError(f"block {b} exceeds the CUDA limits (1024, 1024, 64)")
@@ -852,9 +884,12 @@ class EmulatedKernel:
         fill = int(os.environ.get("KG_EMULATOR_SMEM_FILL", str(DEFAULT_FILL_BYTE)), 0) & 0xFF
         cfg = (ctypes.c_longlong * 9)(*g, *b, shared_mem, fill, int(timeout * 1000))
         err = ctypes.create_string_buffer(1024)
-        rc = self._launch(argv, cfg, err, len(err))
+        note = ctypes.create_string_buffer(256)
+        stats = (ctypes.c_longlong * _NUM_STATS)()
+        rc = self._launch(argv, cfg, stats, note, len(note), err, len(err))
         if rc != 0:
             raise RuntimeError(f"emulated launch of {self.kernel_name}: {err.value.decode()}")
+        return LaunchStats(*stats, first_conflict=note.value.decode())
 
 
 def _dims(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:

@@ -214,6 +214,17 @@ struct AsyncCopies {
 };
 inline thread_local AsyncCopies async_copies;
 
+// What a launch did, for tests of properties no output shows: shared-memory bank conflicts of
+// ldmatrix and the global bytes the cp.async copies read. Order of the `stats` array the launch
+// entry point fills.
+enum LaunchStat : int {
+  kLdmatrix = 0,           // ldmatrix instructions (warp-level, as the profiler counts them)
+  kLdmatrixWavefronts,     // shared-memory wavefronts they took
+  kLdmatrixIdeal,          // wavefronts without bank conflicts: one per 8x8 matrix
+  kCpAsyncGlobalBytes,     // global bytes of the cp.async copies issued (src-size, not zero-fill)
+  kNumStats
+};
+
 struct Launch {
   void (*thunk)(void**) = nullptr;
   void** args = nullptr;
@@ -235,7 +246,13 @@ struct Launch {
   std::atomic<uint64_t>* chunk_reads = nullptr;
   std::atomic<uint64_t>* chunk_writes = nullptr;
   size_t chunks = 0;
+  // Counters over the whole launch (LaunchStat), summed from the threads' own at the end
+  // of every block; the first ldmatrix that needed extra wavefronts, described.
+  std::atomic<uint64_t> stats[kNumStats] = {};
+  std::atomic<int> conflict_noted{0};
+  char first_conflict[256] = "";
 };
+
 
 struct ThreadCtx {
   Launch* launch;
@@ -246,6 +263,7 @@ struct ThreadCtx {
   // __syncthreads passed in this block: two accesses of different threads with the same epoch
   // are in the same barrier interval, i.e. unordered.
   uint32_t epoch;
+  uint64_t stats[kNumStats];  // this thread's share of Launch::stats in the current block
 };
 inline thread_local ThreadCtx tctx;
 
@@ -325,6 +343,7 @@ inline void* worker_main(void* p) {
     blockIdx = L.cur_block;
     tctx.parity = 0;
     tctx.epoch = 0;
+    for (uint64_t& v : tctx.stats) v = 0;
     async_copies.clear();
     try {
       L.thunk(L.args);
@@ -333,6 +352,9 @@ inline void* worker_main(void* p) {
         L.trap_thread = threadIdx;
         snprintf(L.trap_msg, sizeof L.trap_msg, "%s", trap.msg[0] ? trap.msg : "__trap()");
       }
+    }
+    for (int i = 0; i < kNumStats; ++i) {
+      if (tctx.stats[i] != 0) L.stats[i].fetch_add(tctx.stats[i], std::memory_order_relaxed);
     }
     // cp.async copies never waited for are dropped (nothing can observe them legally).
     async_copies.clear();
@@ -361,8 +383,9 @@ inline int fail(char* err, int errlen, const char* msg) {
 }
 
 // cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-block timeout in ms (<=0: none)
-inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char* err,
-                  int errlen) {
+// stats: kNumStats counters, filled when the launch succeeds; note: the first bank conflict.
+inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long long* stats,
+                  char* note, int notelen, char* err, int errlen) {
   char msg[512];
   const dim3 grid(static_cast<unsigned>(cfg[0]), static_cast<unsigned>(cfg[1]),
                   static_cast<unsigned>(cfg[2]));
@@ -478,6 +501,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, char
     pthread_mutex_unlock(&launch_mutex);
     return rc;
   }
+  for (int i = 0; i < kNumStats; ++i) stats[i] = static_cast<long long>(L.stats[i].load());
+  if (note && notelen > 0) snprintf(note, static_cast<size_t>(notelen), "%s", L.first_conflict);
   L.stop = true;
   L.start_seq.fetch_add(1, std::memory_order_acq_rel);
   futex_wake_all(L.start_seq);

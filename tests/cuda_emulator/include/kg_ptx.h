@@ -164,6 +164,47 @@ inline void note_async_done(const unsigned char* host) {
   }
 }
 
+// ---- shared-memory bank conflicts of ldmatrix ----------------------------------------------
+// Shared memory has 32 banks of 4 bytes. An ldmatrix reads one 8x8 matrix (8 rows of 16 bytes,
+// 128 bytes) per wavefront when its 8 rows fall in 8 different 16-byte bank groups (address / 16
+// mod 8); rows at equal addresses are one read (broadcast). Otherwise the matrix takes as many
+// wavefronts as the most-used group has distinct rows. Called by one lane per instruction with
+// the 8 * N row addresses.
+template <int N>
+inline void note_ldmatrix_banks(const uint64_t* rows) {
+  ThreadCtx& c = tctx;
+  uint32_t wavefronts = 0;
+  for (int m = 0; m < N; ++m) {
+    const uint64_t* mat = rows + 8 * m;
+    uint32_t worst = 0;
+    for (int i = 0; i < 8; ++i) {
+      uint32_t distinct = 0;  // rows of i's bank group, counted at their first occurrence
+      for (int j = 0; j < 8; ++j) {
+        if ((mat[j] / 16) % 8 != (mat[i] / 16) % 8) continue;
+        bool seen = false;
+        for (int k = 0; k < j; ++k) seen = seen || mat[k] == mat[j];
+        distinct += seen ? 0u : 1u;
+      }
+      worst = distinct > worst ? distinct : worst;
+    }
+    wavefronts += worst;
+    if (worst > 1 && c.launch->conflict_noted.exchange(1) == 0) {
+      char* out = c.launch->first_conflict;
+      const size_t len = sizeof c.launch->first_conflict;
+      int used = snprintf(out, len, "ldmatrix.x%d in block (%u,%u,%u) warp %u: matrix %d takes %u "
+                          "wavefronts, rows at", N, blockIdx.x, blockIdx.y, blockIdx.z,
+                          c.linear / 32, m, worst);
+      for (int j = 0; j < 8 && used > 0 && static_cast<size_t>(used) < len; ++j) {
+        used += snprintf(out + used, len - static_cast<size_t>(used), " 0x%x",
+                         static_cast<uint32_t>(mat[j]));
+      }
+    }
+  }
+  c.stats[kLdmatrix] += 1;
+  c.stats[kLdmatrixWavefronts] += wavefronts;
+  c.stats[kLdmatrixIdeal] += N;
+}
+
 }  // namespace kg_emu
 
 inline size_t __cvta_generic_to_shared(const void* p) { return kg_emu::shared_address_of(p); }
@@ -224,6 +265,7 @@ inline void ldmatrix(uint32_t addr, R&... regs) {
     rows[i] = shared_bytes(static_cast<uint32_t>(slots[i]), 16, 16, "ldmatrix row", i);
   }
   if (c.lane < 8 * N) note_shared_read(rows[c.lane]);  // each row once, by the lane naming it
+  if (c.lane == 0) note_ldmatrix_banks<N>(slots);
   const uint32_t l = c.lane;
   uint32_t out[N];
   for (int m = 0; m < N; ++m) {
@@ -321,6 +363,7 @@ inline void cp_async(uint32_t dst, P src, S src_size_operand) {
               CpSize);
   }
   if (CpSize == 16) note_async_write(d);
+  tctx.stats[kCpAsyncGlobalBytes] += static_cast<uint64_t>(src_size);
   async_copies.current.push_back(
       PendingCopy{d, s, static_cast<uint32_t>(CpSize), static_cast<uint32_t>(src_size)});
 }
