@@ -4,7 +4,10 @@ Two properties that no output shows and that the profiler would measure on a GPU
 * ldmatrix is free of shared-memory bank conflicts in both layouts (issue #3: "padded or
   XOR-swizzled, no bank conflicts on ldmatrix"; ncu's bank-conflict counter on hardware);
 * the cp.async copies read every K/V row a block needs exactly once, and with packed GQA once
-  per K/V head rather than once per query head (issue #5), within each sequence's length.
+  per K/V head rather than once per query head (issue #5), within each sequence's length;
+* causal blocks skip the key tiles entirely above their diagonal (issue #3).
+Removing the causal bound from the template (kv_end = seqlen_k) fails the diagonal test for
+all 7 causal tensor-core specs.
 """
 
 from __future__ import annotations
@@ -98,4 +101,36 @@ def test_each_kv_row_is_read_once_per_kv_head(spec):
     kv_bytes = 2 * case.kv_heads * int(lengths.sum()) * row_bytes  # K and V
     kv_readers = 1 if spec.pack_gqa else group  # blocks that stream one K/V head
     expected = num_splits * q_bytes + kv_readers * kv_bytes
+    assert stats[spec.uri].cp_async_global_bytes == expected
+
+
+def _kv_rows_read(spec, case: Case) -> int:
+    """K (or V) rows a prefill launch must read: each row tile (a block) reads the key tiles up
+    to its last query's causal diagonal, whole tiles, no key past Sk; tiles entirely above the
+    diagonal are skipped."""
+    group = case.heads // case.kv_heads
+    rows_per_query = group if spec.pack_gqa else 1
+    num_rows = case.seqlen_q * rows_per_query
+    rows = 0
+    for row0 in range(0, num_rows, spec.block_m):
+        last_query = (min(row0 + spec.block_m, num_rows) - 1) // rows_per_query
+        visible = case.seqlen_k
+        if spec.causal:
+            visible = max(0, min(visible, last_query + 1 + case.seqlen_k - case.seqlen_q))
+        tiles = -(-visible // spec.block_n)
+        rows += min(case.seqlen_k, tiles * spec.block_n)
+    blocks_per_batch = case.kv_heads if spec.pack_gqa else case.heads
+    return case.batch * blocks_per_batch * rows
+
+
+@pytest.mark.parametrize("spec", TC_SPECS, ids=lambda s: s.uri)
+def test_prefill_reads_only_key_tiles_up_to_the_diagonal(spec):
+    """Several row tiles, Sq < Sk, one split: each block reads its query rows once and K/V up
+    to its diagonal (causal) or to Sk, in whole key tiles."""
+    case = Case(1, 2, 1, 170, 200)  # two row tiles even at block_m 128
+    stats: dict = {}
+    run_emulated(spec, case, _data(spec, case), num_splits=1, stats=stats)
+    row_bytes = spec.head_dim * ELEM_BYTES[spec.dtype]
+    q_bytes = case.batch * case.heads * case.seqlen_q * row_bytes
+    expected = q_bytes + 2 * _kv_rows_read(spec, case) * row_bytes
     assert stats[spec.uri].cp_async_global_bytes == expected
