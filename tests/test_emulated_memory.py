@@ -86,22 +86,25 @@ def test_bank_conflict_check_sees_an_unswizzled_tile(monkeypatch):
 def test_each_kv_row_is_read_once_per_kv_head(spec):
     """A decode step (2 queries, 4 query heads per K/V head, one query tile) with per-sequence
     lengths: the copies read each visible K/V row once per K/V head when GQA heads are packed,
-    once per query head otherwise, and keys past a sequence's length never. Every block reads
-    its query tile, so with split-KV each of the chunks (empty ones too) reads Q once."""
-    case = Case(2, 8, 2, 2, 150)
-    lengths = np.array([150, 77], dtype=np.int32)  # 64-key tiles: sequence 1 has an empty chunk
+    once per query head otherwise, and keys past a sequence's length never. Each block with a
+    key tile reads its queries once; an empty split-KV chunk reads nothing."""
+    case = Case(3, 8, 2, 2, 150)
+    lengths = np.array([150, 77, 0], dtype=np.int32)  # 64-key tiles: sequence 1 has an empty chunk
     num_splits = 3 if spec.split_kv else 1
     group = case.heads // case.kv_heads
     stats: dict = {}
     run_emulated(
         spec, case, _data(spec, case), num_splits=num_splits, seqlens_k=lengths, stats=stats
     )
+    # Chunks are cut per sequence: ceil(tiles / num_splits) key tiles each.
+    tiles = -(-lengths // spec.block_n)
+    tiles_per_chunk = np.maximum(1, -(-tiles // num_splits))
+    chunks_with_keys = -(-tiles // tiles_per_chunk)
     row_bytes = spec.head_dim * ELEM_BYTES[spec.dtype]
-    q_bytes = case.batch * case.heads * case.seqlen_q * row_bytes
+    q_bytes = int(chunks_with_keys.sum()) * case.heads * case.seqlen_q * row_bytes
     kv_bytes = 2 * case.kv_heads * int(lengths.sum()) * row_bytes  # K and V
     kv_readers = 1 if spec.pack_gqa else group  # blocks that stream one K/V head
-    expected = num_splits * q_bytes + kv_readers * kv_bytes
-    assert stats[spec.uri].cp_async_global_bytes == expected
+    assert stats[spec.uri].cp_async_global_bytes == q_bytes + kv_readers * kv_bytes
 
 
 def _kv_rows_read(spec, case: Case) -> int:
@@ -125,12 +128,27 @@ def _kv_rows_read(spec, case: Case) -> int:
 
 @pytest.mark.parametrize("spec", TC_SPECS, ids=lambda s: s.uri)
 def test_prefill_reads_only_key_tiles_up_to_the_diagonal(spec):
-    """Several row tiles, Sq < Sk, one split: each block reads its query rows once and K/V up
-    to its diagonal (causal) or to Sk, in whole key tiles."""
+    """Several row tiles, one split: each block reads its query rows once and K/V up to its
+    diagonal (causal) or to Sk, in whole key tiles."""
     case = Case(1, 2, 1, 170, 200)  # two row tiles even at block_m 128
     stats: dict = {}
     run_emulated(spec, case, _data(spec, case), num_splits=1, stats=stats)
     row_bytes = spec.head_dim * ELEM_BYTES[spec.dtype]
     q_bytes = case.batch * case.heads * case.seqlen_q * row_bytes
     expected = q_bytes + 2 * _kv_rows_read(spec, case) * row_bytes
+    assert stats[spec.uri].cp_async_global_bytes == expected
+
+
+@pytest.mark.parametrize("spec", [s for s in TC_SPECS if s.causal], ids=lambda s: s.uri)
+def test_causal_rows_that_see_no_key_read_nothing(spec):
+    """Sq > Sk, bottom-right aligned: the first Sq - Sk queries see no key. A block made only of
+    such rows writes the identity without reading its queries."""
+    case = Case(1, 1, 1, 3 * spec.block_m, spec.block_m // 2)
+    stats: dict = {}
+    out, lse = run_emulated(spec, case, _data(spec, case), num_splits=1, stats=stats)
+    blind = case.seqlen_q - case.seqlen_k  # queries above every key: 2.5 row tiles
+    assert np.isneginf(lse[0, 0, :blind]).all() and (out[0, 0, :blind] == 0).all()
+    q_rows = case.seqlen_q - blind // spec.block_m * spec.block_m  # the last row tile's
+    row_bytes = spec.head_dim * ELEM_BYTES[spec.dtype]
+    expected = (q_rows + 2 * _kv_rows_read(spec, case)) * row_bytes
     assert stats[spec.uri].cp_async_global_bytes == expected
