@@ -16,6 +16,7 @@ from kernelgen.compile import COMMON_OPTIONS, cuda_include_dir
 from kernelgen.errors import CompileError, ToolchainMissingError
 from kernelgen.render import (
     COMBINE_WARPS,
+    MAX_SPLITS,
     Param,
     combine_params,
     kernel_params,
@@ -63,7 +64,6 @@ class Problem:
         return self.num_heads // self.num_kv_heads
 
 
-MAX_SPLITS = 128
 Grid = tuple[int, int, int]
 
 
@@ -106,7 +106,7 @@ def launch_steps(spec: KernelSpec, problem: Problem) -> list[LaunchStep]:
             LaunchStep(
                 spec.combine_uri,
                 combine_params(spec),
-                (math.ceil(rows / COMBINE_WARPS), 1, 1),
+                (rows, 1, 1),
                 (32 * COMBINE_WARPS, 1, 1),
                 0,
             )

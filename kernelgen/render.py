@@ -63,7 +63,8 @@ CXX_ELEMENT: dict[str, CxxElement] = {
 }
 
 
-COMBINE_WARPS = 4  # the split-KV combine kernel folds one (batch, head, query) row per warp
+COMBINE_WARPS = 4  # warps of a split-KV combine block, which combines one (batch, head, query) row
+MAX_SPLITS = 128  # key chunks of a split-KV launch; the combine's lanes hold MAX_SPLITS / 32 each
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ def render(spec: KernelSpec) -> str:
         combine_params=combine_params(spec) if spec.split_kv else (),
         combine_uri=spec.combine_uri,
         combine_warps=COMBINE_WARPS,
+        max_splits=MAX_SPLITS,
         spec_yaml=spec.to_yaml().rstrip("\n").splitlines(),
         generator_version=__version__,
         template_hash=template_hash()[:16],

@@ -17,6 +17,7 @@ from attention_cases import LSE_TOLERANCE, OUT_TOLERANCE, Case, assert_matches, 
 from conftest import require_toolchain
 from test_emulated_kernels import run_emulated
 
+from kernelgen.launch import MAX_SPLITS
 from kernelgen.reference import naive_attention, relative_error, split_kv_partials
 from kernelgen.spec import KernelSpec
 
@@ -55,6 +56,7 @@ RUNS = [  # (case, split counts)
     (Case(2, 8, 2, 1, 300), (1, 3, 64)),  # decode, GQA 4: more chunks than key tiles at 64
     (Case(1, 4, 1, 5, 77, mask="full"), (2,)),  # MQA, a few queries per head
     (Case(2, 6, 3, 16, 129, layout="bshd", mask="broadcast"), (4,)),  # rows span 2 tiles
+    (Case(1, 2, 1, 1, 4096), (MAX_SPLITS,)),  # 128+ key tiles: every chunk in both combine rounds
 ]
 
 
