@@ -369,3 +369,17 @@ def test_interior_source_replaces_each_tile_test_once():
             interior_source(source.replace(test, ""))
         with pytest.raises(ValueError, match="no longer contains"):
             interior_source(source + test)
+
+
+def test_schedule_model_runs_longest_blocks_first_to_a_shorter_finish():
+    from bench.schedule_model import causal_costs, makespan, table
+
+    assert makespan([2.0] * 5, slots=2) == 6.0  # three waves
+    assert makespan([1, 1, 1, 3], slots=2) == 4.0  # the long block starts last
+    assert makespan([3, 1, 1, 1], slots=2) == 3.0  # longest first: the short ones fill in
+    # Sq = Sk = 256, 128-row tiles over 64-key tiles: the tiles see 2 and 4 key tiles.
+    assert causal_costs(256, 128, 64, grids=2, descending=False, overhead=0.5) == [2.5, 4.5] * 2
+    assert causal_costs(256, 128, 64, grids=1, descending=True, overhead=0.0) == [4, 2]
+    rows = table(sms=132, overhead=0.5)
+    assert all(r["descending"] <= r["ascending"] + 1e-12 for r in rows)
+    assert all(r["descending"] >= 1.0 for r in rows)  # never below the ideal
