@@ -10,11 +10,36 @@ from pathlib import Path
 
 import pytest
 
+from kernelgen.spec import KernelSpec
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a folder of the repository, not of the package
     sys.path.insert(0, str(ROOT))
 SPEC_PATHS = sorted((ROOT / "specs").glob("*.yaml"))
+
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _head_dim_spec(index: int, head_dim: int) -> KernelSpec:
+    """Tensor-core spec number ``index`` of the head-dim sweep: dtype, stages, layout and the
+    causal mask vary along it (swizzled where the padded row holds whole groups of 8 chunks)."""
+    padded = -(-head_dim // 16) * 16
+    return KernelSpec(
+        loop_order="v2",
+        mma="mma_sync",
+        dtype="bfloat16" if index % 2 == 0 else "float16",
+        head_dim=head_dim,
+        block_m=64,
+        block_n=32,
+        num_warps=4,
+        stages=2 + index % 2,
+        smem_layout="swizzled" if padded % 64 == 0 and index % 2 else "padded",
+        causal=index % 3 == 0,
+    )
+
+
+# Issue #3: the tensor-core path takes every head dim from 32 to 256 in steps of 8.
+HEAD_DIM_SWEEP = [_head_dim_spec(i, d) for i, d in enumerate(range(32, 257, 8))]
 
 
 @cache

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SPEC_PATHS, require_toolchain
+from conftest import HEAD_DIM_SWEEP, ROOT, SPEC_PATHS, require_toolchain
 
 from kernelgen.arch import ARCHS
 from kernelgen.compile import (
@@ -45,7 +45,17 @@ def tensor_core_instructions(spec) -> tuple[int, int]:
 
 @pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_compiles_without_spills(path):
-    spec = load_spec(path)
+    assert_static_quality(load_spec(path))
+
+
+@pytest.mark.parametrize("spec", HEAD_DIM_SWEEP, ids=lambda s: s.uri)
+def test_every_head_dim_compiles_without_spills(spec):
+    assert_static_quality(spec)
+
+
+def assert_static_quality(spec) -> None:
+    """Issue #3's static checks on every architecture the spec lists: no spill or stack bytes,
+    shared memory within the limit, and (with cuobjdump) tensor-core SASS without local memory."""
     source = render(spec)
     for arch in spec.archs:
         compiled = compile_offline(source, spec.uri, arch)
