@@ -7,6 +7,8 @@ typed error naming the argument and leaves the GPU untouched.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
-from kernelgen.launch import MAX_SPLITS, Problem, import_cupy, runtime_kernel
+from kernelgen.launch import MAX_SPLITS, PreparedLaunch, Problem, import_cupy, runtime_kernel
 from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, default_smem_layout
 
 Layout = Literal["bhsd", "bshd"]
@@ -318,6 +320,9 @@ def attention(
     Returns out (same layout and dtype as q), and with ``return_lse`` also the fp32 log-sum-exp
     of shape (B, H, Sq). CuPy inputs give CuPy outputs, torch tensors give torch tensors.
     """
+    plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
+    if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
+        return known.run(q, k, v, seqlens_k, return_lse)
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_info = describe(mask, "mask") if mask is not None else None
     call = check_inputs(
@@ -356,13 +361,79 @@ def attention(
         )
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
+    launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
+    if plan_key is not None:
+        if len(_CALL_PLANS) >= MAX_CALL_PLANS:
+            _CALL_PLANS.clear()
+        _CALL_PLANS[plan_key] = CallPlan(launch, out_shape, call.q.shape[:3])
     out = _empty(out_shape, arrays["q"].dtype)
     lse = _empty(call.q.shape[:3], cupy.float32)
-    tensors = {**arrays, "out": out, "lse": lse, "mask": mask_array, "seqlens_k": seqlens}
-    kernel(tensors, problem, call.scale, num_splits=num_splits if spec.split_kv else None)
+    launch({**arrays, "out": out, "lse": lse, "mask": mask_array, "seqlens_k": seqlens})
     if type(q).__module__.split(".")[0] == "torch":
         out, lse = _to_torch(out), _to_torch(lse)
     return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What a checked call decided (spec, prepared launches, output shapes), for the calls
+    after it with the same :func:`_call_plan_key`: those skip the checks, the tuner lookup and
+    the argument conversion, and only allocate the outputs and launch."""
+
+    launch: PreparedLaunch
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+
+    def run(self, q: Any, k: Any, v: Any, seqlens_k: Any, return_lse: bool) -> Any:
+        out = _empty(self.out_shape, q.dtype)
+        lse = _empty(self.lse_shape, import_cupy().float32)
+        self.launch({"q": q, "k": k, "v": v, "out": out, "lse": lse, "seqlens_k": seqlens_k})
+        return (out, lse) if return_lse else out
+
+
+MAX_CALL_PLANS = 1024  # distinct call signatures remembered (then the table starts over)
+_CALL_PLANS: dict[tuple[Any, ...], CallPlan] = {}
+
+
+def _call_plan_key(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    seqlens_k: Any,
+    causal: Any,
+    scale: Any,
+    spec: Any,
+    layout: Any,
+    num_splits: Any,
+) -> tuple[Any, ...] | None:
+    """Everything a call's launches depend on but its data: shapes, strides, dtypes and 16-byte
+    alignment of q, k, v, the options, the device, the autotune mode and the tuner memo's
+    generation (a new winner or a cleared memo makes every plan stale). None where calls always
+    take the checked path: anything but CuPy arrays, a mask, host seqlens_k, unhashable options."""
+    if mask is not None:
+        return None
+    cupy = sys.modules.get("cupy")
+    ndarray = getattr(cupy, "ndarray", None)
+    if ndarray is None or not (type(q) is type(k) is type(v) is ndarray):
+        return None
+    if seqlens_k is not None and type(seqlens_k) is not ndarray:
+        return None
+    lengths = None if seqlens_k is None else (seqlens_k.shape, seqlens_k.strides, seqlens_k.dtype)
+    from kernelgen.tuning.autotune import memo_generation
+
+    key = (
+        q.shape, q.strides, q.dtype, q.data.ptr % 16,
+        k.shape, k.strides, k.dtype, k.data.ptr % 16,
+        v.shape, v.strides, v.dtype, v.data.ptr % 16,
+        lengths, bool(causal), scale, spec, layout, num_splits,
+        cupy.cuda.runtime.getDevice(), os.environ.get("KERNELGEN_AUTOTUNE"), memo_generation(),
+    )  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def device_arch() -> tuple[int, str]:

@@ -7,6 +7,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,7 @@ class RuntimeKernel:
         cupy = import_cupy()
         self.spec = spec
         symbols = [spec.uri] + ([spec.combine_uri] if spec.split_kv else [])
+        self._prepared: dict[tuple[Problem, float], PreparedLaunch] = {}
         self.functions = self._load(cupy, cubin_path, symbols) if cubin_path else {}
         if not self.functions:
             self.functions = self._compile(cupy, symbols)
@@ -194,28 +196,82 @@ class RuntimeKernel:
             log.warning("cannot load %s (%s); compiling %s instead", cubin_path, exc, self.spec.uri)
             return {}
 
+    def prepare(
+        self, problem: Problem, scale: float, num_splits: int | None = None
+    ) -> PreparedLaunch:
+        """The launches of one call shape, scalars converted once and kept (see
+        :class:`PreparedLaunch`). ``num_splits`` (split-KV specs) defaults to
+        :func:`default_num_splits`."""
+        if self.spec.split_kv:
+            if num_splits is None:
+                num_splits = default_num_splits(self.spec, problem, _sm_count(current_device()))
+            problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
+        key = (problem, scale)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            if len(self._prepared) >= MAX_PREPARED:
+                self._prepared.clear()
+            prepared = PreparedLaunch(self.spec, self.functions, problem, scale)
+            self._prepared[key] = prepared
+        return prepared
+
     def __call__(
         self, tensors: dict[str, Any], problem: Problem, scale: float, num_splits: int | None = None
     ) -> None:
-        """Launch on CuPy arrays ``tensors`` (q, k, v, out, lse; optionally mask, seqlens_k).
+        """Launch on CuPy arrays ``tensors`` (q, k, v, out, lse; optionally mask, seqlens_k)."""
+        self.prepare(problem, scale, num_splits)(tensors)
 
-        ``num_splits`` (split-KV specs) defaults to :func:`default_num_splits`."""
-        cupy = import_cupy()
-        if self.spec.split_kv:
-            if num_splits is None:
-                sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
-                num_splits = default_num_splits(self.spec, problem, sm_count)
-            problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
-        scratch = {
-            name: cupy.empty(floats, dtype=cupy.float32)
-            for name, floats in scratch_floats(self.spec, problem).items()
-        }
-        tensors = {**tensors, **scratch}
-        for step in launch_steps(self.spec, problem):
-            args = kernel_arguments(step.params, problem, tensors, scale, null=np.uint64(0))
-            self.functions[step.symbol](
-                step.grid, step.block, tuple(args), shared_mem=step.shared_mem
+
+MAX_PREPARED = 256  # call shapes a RuntimeKernel keeps prepared (then it starts over)
+_POINTER_CTYPES = ("*",)
+
+
+class PreparedLaunch:
+    """The launches of one call shape (a spec, a Problem, a scale): grids, blocks and every
+    scalar argument converted once, so a call only allocates the scratch buffers and puts its
+    tensors into the argument lists. This is what keeps a repeated attention() call cheap."""
+
+    def __init__(
+        self, spec: KernelSpec, functions: dict[str, Any], problem: Problem, scale: float
+    ) -> None:
+        self.scratch = tuple(scratch_floats(spec, problem).items())
+        self.steps: list[tuple[Any, Grid, Grid, int, list[Any], tuple[tuple[int, str], ...]]] = []
+        for step in launch_steps(spec, problem):
+            template = kernel_arguments(step.params, problem, {}, scale, null=np.uint64(0))
+            tensor_slots = tuple(
+                (index, param.name)
+                for index, param in enumerate(step.params)
+                if param.ctype.endswith(_POINTER_CTYPES)
             )
+            function = functions[step.symbol]
+            self.steps.append(
+                (function, step.grid, step.block, step.shared_mem, template, tensor_slots)
+            )
+
+    def __call__(self, tensors: dict[str, Any]) -> None:
+        """Launch on CuPy arrays ``tensors`` by parameter name (absent ones are null)."""
+        if self.scratch:
+            cupy = import_cupy()
+            tensors = dict(tensors)
+            for name, floats in self.scratch:
+                tensors[name] = cupy.empty(floats, dtype=cupy.float32)
+        for function, grid, block, shared_mem, template, tensor_slots in self.steps:
+            args = list(template)
+            for index, name in tensor_slots:
+                tensor = tensors.get(name)
+                if tensor is not None:
+                    args[index] = tensor
+            function(grid, block, tuple(args), shared_mem=shared_mem)
+
+
+def current_device() -> int:
+    """Index of the current CUDA device."""
+    return import_cupy().cuda.runtime.getDevice()
+
+
+@cache
+def _sm_count(device: int) -> int:
+    return int(import_cupy().cuda.Device(device).attributes["MultiProcessorCount"])
 
 
 def kernel_arguments(
@@ -252,20 +308,23 @@ def kernel_arguments(
 
 
 _KERNELS: dict[tuple[str, int], RuntimeKernel] = {}
+_KERNELS_BY_SPEC: dict[tuple[KernelSpec, int], RuntimeKernel] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
 def runtime_kernel(spec: KernelSpec, cubin_path: str | Path | None = None) -> RuntimeKernel:
     """The compiled kernel for ``spec`` on the current device, compiled once per process (or
     loaded from ``cubin_path``, a cubin of the spec for this device's arch, when given)."""
-    cupy = import_cupy()
-    key = (spec.canonical_json(), cupy.cuda.Device().id)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        with _KERNELS_LOCK:
-            kernel = _KERNELS.get(key)
-            if kernel is None:
-                kernel = _KERNELS[key] = RuntimeKernel(spec, cubin_path)
+    device = current_device()
+    kernel = _KERNELS_BY_SPEC.get((spec, device))  # equal specs hash alike: no JSON per call
+    if kernel is not None:
+        return kernel
+    key = (spec.canonical_json(), device)
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            kernel = _KERNELS[key] = RuntimeKernel(spec, cubin_path)
+        _KERNELS_BY_SPEC[(spec, device)] = kernel
     return kernel
 
 
@@ -273,3 +332,4 @@ def clear_kernel_cache() -> None:
     """Forget the compiled kernels of this process (CuPy's on-disk cache is CuPy's own)."""
     with _KERNELS_LOCK:
         _KERNELS.clear()
+        _KERNELS_BY_SPEC.clear()

@@ -31,6 +31,12 @@ BenchFactory = Callable[[ProblemDesc, DeviceInfo], Bench]
 
 _MEMO: dict[TuningKey, TunedLaunch] = {}
 _MEMO_LOCK = threading.Lock()
+_MEMO_GENERATION = [0]  # bumped whenever the memo changes; attention()'s call plans key on it
+
+
+def memo_generation() -> int:
+    """A number that changes whenever the memo does (a new winner, or a clear)."""
+    return _MEMO_GENERATION[0]
 
 
 class TuningMissError(KernelgenError, LookupError):
@@ -201,6 +207,7 @@ def select_launch(
     _report(key, launch, record, source)
     with _MEMO_LOCK:
         _MEMO[key] = launch
+        _MEMO_GENERATION[0] += 1
     return launch
 
 
@@ -235,3 +242,4 @@ def clear_memo() -> None:
     """Forget the in-process memo (tests; after importing records)."""
     with _MEMO_LOCK:
         _MEMO.clear()
+        _MEMO_GENERATION[0] += 1

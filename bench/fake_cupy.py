@@ -1,0 +1,119 @@
+"""A host-only stand-in for the slice of CuPy that ``kernelgen.attention`` touches.
+
+Arrays carry a shape, byte strides, a dtype and a made-up device pointer; ``empty`` allocates
+nothing; the "device" is an sm_90 with 132 SMs. Kernel functions are whatever the caller puts
+into ``RuntimeKernel.functions`` (see :func:`install`). It exists to measure and test the host
+side of a call (checks, tuner lookup, argument packing) where there is no GPU; it computes
+nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+_POINTERS = itertools.count(1 << 20, 1 << 12)  # 4 KiB apart: 16-byte aligned
+
+
+class _Memory:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class ndarray:  # noqa: N801 (CuPy's spelling)
+    """Shape, strides (bytes), dtype and a pointer; no data."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, strides: Any = None, offset: int = 0):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+        if strides is None:
+            strides, running = [], self.dtype.itemsize
+            for size in reversed(self.shape):
+                strides.insert(0, running)
+                running *= size
+        self.strides = tuple(strides)
+        self.data = _Memory(next(_POINTERS) + offset)
+
+    def astype(self, dtype: Any) -> ndarray:
+        return ndarray(self.shape, dtype)
+
+
+ndarray.__module__ = "cupy"  # kernelgen.api.describe recognises CuPy arrays by module
+
+
+def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
+    return ndarray(shape if isinstance(shape, tuple) else (shape,), dtype)
+
+
+class _Device:
+    def __init__(self, index: int = 0) -> None:
+        self.id = index
+        self.compute_capability = "90"
+        self.attributes = {"MultiProcessorCount": 132}
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def _properties(index: int) -> dict[str, Any]:
+    return {
+        "name": b"Fake sm_90",
+        "major": 9,
+        "minor": 0,
+        "multiProcessorCount": 132,
+        "l2CacheSize": 50 << 20,
+    }
+
+
+def module() -> types.ModuleType:
+    """A fresh ``cupy`` module object."""
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "0.0.0-fake"
+    cupy.ndarray = ndarray
+    cupy.empty = empty
+    cupy.asarray = lambda host: ndarray(np.shape(host), np.asarray(host).dtype)
+    cupy.float32 = np.float32
+    cupy.broadcast_to = lambda array, shape: array
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: 1,
+        getDevice=lambda: 0,
+        getDeviceProperties=_properties,
+        runtimeGetVersion=lambda: 13000,
+        CUDARuntimeError=CUDARuntimeError,
+    )
+    nvrtc = types.SimpleNamespace(getVersion=lambda: (13, 0))
+    cupy.cuda = types.SimpleNamespace(Device=_Device, runtime=runtime, nvrtc=nvrtc)
+    return cupy
+
+
+def stub_compile(launch: Callable[..., None]) -> Callable[..., dict[str, Any]]:
+    """A ``RuntimeKernel._compile`` whose functions call ``launch(symbol, grid, block, args,
+    shared_mem)`` instead of a GPU."""
+
+    def compile_stub(kernel: Any, cupy: Any, symbols: list[str]) -> dict[str, Any]:
+        def function_for(symbol: str) -> Callable[..., None]:
+            return lambda grid, block, args, shared_mem=0: launch(
+                symbol, grid, block, args, shared_mem
+            )
+
+        return {symbol: function_for(symbol) for symbol in symbols}
+
+    return compile_stub
+
+
+def install(launch: Callable[..., None]) -> types.ModuleType:
+    """Put a fake ``cupy`` into ``sys.modules`` and make kernelgen's runtime kernels call
+    ``launch`` instead of compiling (for a process of its own; tests patch with monkeypatch)."""
+    from kernelgen.launch import RuntimeKernel
+
+    fake = module()
+    sys.modules["cupy"] = fake
+    RuntimeKernel._compile = stub_compile(launch)  # type: ignore[method-assign]
+    return fake

@@ -1,0 +1,75 @@
+"""Host time of kernelgen.attention() itself, with CuPy replaced by a stand-in that allocates
+and launches nothing (bench/fake_cupy.py): what kernelgen's Python adds to a call, on any
+machine. Issue #4's target (a cached call adds under 15 us over launching the kernel directly)
+is measured on a GPU by ``bench.tuning``; this is the part of it that does not need one.
+
+    python -m bench.host_path [--calls 5000]
+
+Rows: a repeated call (the remembered plan: signature, outputs, argument lists) and the
+checked path every first call of a signature takes (checks, spec choice, launch preparation).
+CuPy's own costs (two or four allocations from its memory pool, the launch) come on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from bench import fake_cupy
+
+SHAPES = {  # (B, H, Hkv, Sq, Sk, D)
+    "prefill b4 h16 4k d128": (4, 16, 16, 4096, 4096, 128),
+    "decode b1 h32/8 32k d128": (1, 32, 8, 1, 32768, 128),
+}
+
+
+def per_call_us(call: Callable[[], object], calls: int, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean host time of ``calls`` calls, in microseconds."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=5000)
+    args = parser.parse_args(argv)
+    os.environ["KERNELGEN_AUTOTUNE"] = "0"  # the heuristic spec: no tuner, no GPU
+    fake_cupy.install(lambda *launch: None)
+    import kernelgen
+    from kernelgen import api
+
+    print("| call | repeated (plan) us | checked path us |")
+    print("| --- | ---: | ---: |")
+    for label, (b, h, hkv, sq, sk, d) in SHAPES.items():
+        q = fake_cupy.ndarray((b, h, sq, d), np.float16)
+        k = fake_cupy.ndarray((b, hkv, sk, d), np.float16)
+        v = fake_cupy.ndarray((b, hkv, sk, d), np.float16)
+        repeated, checked = row(kernelgen.attention, api._CALL_PLANS, (q, k, v), args.calls)
+        print(f"| {label} | {repeated:.1f} | {checked:.1f} |")
+
+
+def row(
+    attention: Callable[..., object], plans: dict, qkv: tuple, calls: int
+) -> tuple[float, float]:
+    """(repeated, checked) host microseconds per call of ``attention(*qkv)``."""
+    attention(*qkv)  # compiles (stub) and remembers the plan
+
+    def checked() -> None:
+        plans.clear()
+        attention(*qkv)
+
+    return per_call_us(lambda: attention(*qkv), calls), per_call_us(checked, max(1, calls // 5))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""CPU tier: a repeated attention() call takes its remembered plan, and only when nothing that
+decides the launches has changed. CuPy is replaced by bench/fake_cupy (no GPU, nothing runs);
+the launches are recorded."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import kernelgen
+from bench import fake_cupy
+from kernelgen import api
+from kernelgen.launch import RuntimeKernel, clear_kernel_cache
+from kernelgen.tuning import clear_memo
+
+
+@pytest.fixture
+def recorded(monkeypatch, tuning_sandbox):
+    """Launches as (symbol, grid, block, args, shared_mem); a fake CuPy; no tuning (heuristic);
+    check_inputs counted."""
+    launches: list[tuple] = []
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module())
+    monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(
+        lambda *launch: launches.append(launch)))  # fmt: skip
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    monkeypatch.setattr(api, "_CALL_PLANS", {})
+    checks = []
+    real_check = api.check_inputs
+    monkeypatch.setattr(
+        api, "check_inputs", lambda *a, **kw: checks.append(1) or real_check(*a, **kw)
+    )
+    clear_kernel_cache()
+    yield launches, checks
+    clear_kernel_cache()
+
+
+def qkv(batch=2, heads=4, kv_heads=2, seqlen_q=100, seqlen_k=120, head_dim=64, dtype=np.float16):
+    q = fake_cupy.ndarray((batch, heads, seqlen_q, head_dim), dtype)
+    k = fake_cupy.ndarray((batch, kv_heads, seqlen_k, head_dim), dtype)
+    v = fake_cupy.ndarray((batch, kv_heads, seqlen_k, head_dim), dtype)
+    return q, k, v
+
+
+def pointer(arg):
+    return arg.data.ptr if isinstance(arg, fake_cupy.ndarray) else arg
+
+
+def test_a_repeated_call_reuses_its_plan_with_the_new_arrays(recorded):
+    launches, checks = recorded
+    first = qkv()
+    out1 = kernelgen.attention(*first, causal=True)
+    second = qkv()
+    out2, lse2 = kernelgen.attention(*second, causal=True, return_lse=True)
+    assert len(checks) == 1  # the second call skipped the checks and the spec choice
+    assert len(launches) == 2
+    (sym1, grid1, block1, args1, smem1), (sym2, grid2, block2, args2, smem2) = launches
+    assert (sym1, grid1, block1, smem1) == (sym2, grid2, block2, smem2)
+    assert out2.shape == out1.shape == first[0].shape and lse2.shape == first[0].shape[:3]
+    # Same scalars, the second call's tensors where the first call's were.
+    swap = {pointer(a): pointer(b) for a, b in zip((*first, out1), (*second, out2), strict=True)}
+    expected = [swap.get(pointer(a), pointer(a)) for a in args1]
+    expected[[pointer(a) for a in args2].index(pointer(lse2))] = pointer(lse2)
+    assert [pointer(a) for a in args2] == expected
+    assert [type(a) for a in args2] == [type(a) for a in args1]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["causal", "scale", "shape", "dtype", "misaligned", "autotune", "memo", "num_splits", "spec"],
+)
+def test_anything_that_decides_the_launches_takes_the_checked_path(recorded, monkeypatch, change):
+    _, checks = recorded
+    kernelgen.attention(*qkv())
+    q, k, v = qkv()
+    options: dict = {}
+    if change == "causal":
+        options["causal"] = True
+    elif change == "scale":
+        options["scale"] = 0.5
+    elif change == "shape":
+        q, k, v = qkv(seqlen_q=101)
+    elif change == "dtype":
+        q, k, v = qkv(dtype=np.float32)
+    elif change == "misaligned":
+        q = fake_cupy.ndarray(q.shape, q.dtype, offset=8)
+    elif change == "autotune":
+        monkeypatch.setenv("KERNELGEN_AUTOTUNE", "off")
+    elif change == "memo":
+        clear_memo()
+    elif change == "num_splits":
+        options["num_splits"] = 2
+    elif change == "spec":
+        options["spec"] = api.default_spec("float16", 64, False, "sm_90", tensor_cores=False)
+    kernelgen.attention(q, k, v, **options)
+    assert len(checks) == 2
+    kernelgen.attention(q, k, v, **options)  # and that call's plan is remembered in turn
+    assert len(checks) == 2
+
+
+def test_masks_and_host_lengths_are_checked_every_call(recorded):
+    _, checks = recorded
+    q, k, v = qkv()
+    mask = fake_cupy.ndarray((1, 1, q.shape[2], k.shape[2]), np.float32)
+    for _ in range(2):
+        kernelgen.attention(q, k, v, mask=mask)
+        kernelgen.attention(q, k, v, seqlens_k=[120, 7])
+    assert len(checks) == 4
+
+
+def test_bad_input_still_raises_after_a_good_call(recorded):
+    launches, _ = recorded
+    q, k, v = qkv()
+    kernelgen.attention(q, k, v)
+    with pytest.raises(kernelgen.InputError, match="scale"):
+        kernelgen.attention(q, k, v, scale=float("nan"))
+    bad_k = fake_cupy.ndarray((2, 3, 120, 64), np.float16)  # 4 heads over 3 K/V heads
+    with pytest.raises(kernelgen.InputError):
+        kernelgen.attention(q, bad_k, bad_k)
+    assert len(launches) == 1
