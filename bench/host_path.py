@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bench import fake_cupy
+from bench import fake_cupy, tuning
 
 SHAPES = {  # (B, H, Hkv, Sq, Sk, D)
     "prefill b4 h16 4k d128": (4, 16, 16, 4096, 4096, 128),
@@ -29,14 +28,8 @@ SHAPES = {  # (B, H, Hkv, Sq, Sk, D)
 
 
 def per_call_us(call: Callable[[], object], calls: int, rounds: int = 5) -> float:
-    """Median over ``rounds`` of the mean host time of ``calls`` calls, in microseconds."""
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    """Median over ``rounds`` of bench.tuning's per-call host time (nothing to synchronise)."""
+    return statistics.median(tuning.per_call_us(call, lambda: None, calls) for _ in range(rounds))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

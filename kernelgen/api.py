@@ -322,7 +322,8 @@ def attention(
     """
     plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
-        return known.run(q, k, v, seqlens_k, return_lse)
+        out, lse = known.outputs({"q": q, "k": k, "v": v, "seqlens_k": seqlens_k})
+        return (out, lse) if return_lse else out
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_info = describe(mask, "mask") if mask is not None else None
     call = check_inputs(
@@ -362,13 +363,12 @@ def attention(
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
     launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
+    call_plan = CallPlan(launch, out_shape, call.q.shape[:3])
     if plan_key is not None:
         if len(_CALL_PLANS) >= MAX_CALL_PLANS:
             _CALL_PLANS.clear()
-        _CALL_PLANS[plan_key] = CallPlan(launch, out_shape, call.q.shape[:3])
-    out = _empty(out_shape, arrays["q"].dtype)
-    lse = _empty(call.q.shape[:3], cupy.float32)
-    launch({**arrays, "out": out, "lse": lse, "mask": mask_array, "seqlens_k": seqlens})
+        _CALL_PLANS[plan_key] = call_plan
+    out, lse = call_plan.outputs({**arrays, "mask": mask_array, "seqlens_k": seqlens})
     if type(q).__module__.split(".")[0] == "torch":
         out, lse = _to_torch(out), _to_torch(lse)
     return (out, lse) if return_lse else out
@@ -384,11 +384,13 @@ class CallPlan:
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
 
-    def run(self, q: Any, k: Any, v: Any, seqlens_k: Any, return_lse: bool) -> Any:
-        out = _empty(self.out_shape, q.dtype)
+    def outputs(self, tensors: dict[str, Any]) -> tuple[Any, Any]:
+        """Allocate out and lse, launch on ``tensors`` (CuPy arrays by parameter name) and
+        return (out, lse)."""
+        out = _empty(self.out_shape, tensors["q"].dtype)
         lse = _empty(self.lse_shape, import_cupy().float32)
-        self.launch({"q": q, "k": k, "v": v, "out": out, "lse": lse, "seqlens_k": seqlens_k})
-        return (out, lse) if return_lse else out
+        self.launch({**tensors, "out": out, "lse": lse})
+        return out, lse
 
 
 MAX_CALL_PLANS = 1024  # distinct call signatures remembered (then the table starts over)

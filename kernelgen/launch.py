@@ -223,7 +223,9 @@ class RuntimeKernel:
 
 
 MAX_PREPARED = 256  # call shapes a RuntimeKernel keeps prepared (then it starts over)
-_POINTER_CTYPES = ("*",)
+# C type of each scalar kernel parameter -> the NumPy type its argument is passed as; every other
+# parameter is a tensor.
+SCALAR_CASTS: dict[str, Any] = {"int": np.int32, "long long": np.int64, "float": np.float32}
 
 
 class PreparedLaunch:
@@ -241,7 +243,7 @@ class PreparedLaunch:
             tensor_slots = tuple(
                 (index, param.name)
                 for index, param in enumerate(step.params)
-                if param.ctype.endswith(_POINTER_CTYPES)
+                if param.ctype not in SCALAR_CASTS
             )
             function = functions[step.symbol]
             self.steps.append(
@@ -296,35 +298,30 @@ def kernel_arguments(
     ):
         for axis, stride in zip(axes, strides, strict=True):
             values[f"{tensor}_stride_{axis}"] = stride
-    casts = {"int": np.int32, "long long": np.int64, "float": np.float32}
     args = []
     for param in params:
-        if param.ctype in casts:
-            args.append(casts[param.ctype](values[param.name]))
+        if param.ctype in SCALAR_CASTS:
+            args.append(SCALAR_CASTS[param.ctype](values[param.name]))
         else:
             tensor = tensors.get(param.name)
             args.append(null if tensor is None else tensor)
     return args
 
 
-_KERNELS: dict[tuple[str, int], RuntimeKernel] = {}
-_KERNELS_BY_SPEC: dict[tuple[KernelSpec, int], RuntimeKernel] = {}
+_KERNELS: dict[tuple[KernelSpec, int], RuntimeKernel] = {}  # equal specs hash alike
 _KERNELS_LOCK = threading.Lock()
 
 
 def runtime_kernel(spec: KernelSpec, cubin_path: str | Path | None = None) -> RuntimeKernel:
     """The compiled kernel for ``spec`` on the current device, compiled once per process (or
     loaded from ``cubin_path``, a cubin of the spec for this device's arch, when given)."""
-    device = current_device()
-    kernel = _KERNELS_BY_SPEC.get((spec, device))  # equal specs hash alike: no JSON per call
-    if kernel is not None:
-        return kernel
-    key = (spec.canonical_json(), device)
-    with _KERNELS_LOCK:
-        kernel = _KERNELS.get(key)
-        if kernel is None:
-            kernel = _KERNELS[key] = RuntimeKernel(spec, cubin_path)
-        _KERNELS_BY_SPEC[(spec, device)] = kernel
+    key = (spec, current_device())
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        with _KERNELS_LOCK:
+            kernel = _KERNELS.get(key)
+            if kernel is None:
+                kernel = _KERNELS[key] = RuntimeKernel(spec, cubin_path)
     return kernel
 
 
@@ -332,4 +329,3 @@ def clear_kernel_cache() -> None:
     """Forget the compiled kernels of this process (CuPy's on-disk cache is CuPy's own)."""
     with _KERNELS_LOCK:
         _KERNELS.clear()
-        _KERNELS_BY_SPEC.clear()

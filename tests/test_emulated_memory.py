@@ -23,12 +23,11 @@ from conftest import SPEC_PATHS, require_toolchain
 from test_emulated_kernels import run_emulated
 
 from kernelgen.render import render
-from kernelgen.spec import load_spec
+from kernelgen.spec import DTYPE_BYTES, load_spec
 
 pytestmark = pytest.mark.emulate
 
 TC_SPECS = [s for s in map(load_spec, SPEC_PATHS) if s.mma == "mma_sync"]
-ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,7 +99,7 @@ def test_each_kv_row_is_read_once_per_kv_head(spec):
     tiles = -(-lengths // spec.block_n)
     tiles_per_chunk = np.maximum(1, -(-tiles // num_splits))
     chunks_with_keys = -(-tiles // tiles_per_chunk)
-    row_bytes = spec.head_dim * ELEM_BYTES[spec.dtype]
+    row_bytes = spec.head_dim * DTYPE_BYTES[spec.dtype]
     q_bytes = int(chunks_with_keys.sum()) * case.heads * case.seqlen_q * row_bytes
     kv_bytes = 2 * case.kv_heads * int(lengths.sum()) * row_bytes  # K and V
     kv_readers = 1 if spec.pack_gqa else group  # blocks that stream one K/V head
@@ -133,7 +132,7 @@ def test_prefill_reads_only_key_tiles_up_to_the_diagonal(spec):
     case = Case(1, 2, 1, 170, 200)  # two row tiles even at block_m 128
     stats: dict = {}
     run_emulated(spec, case, _data(spec, case), num_splits=1, stats=stats)
-    row_bytes = spec.head_dim * ELEM_BYTES[spec.dtype]
+    row_bytes = spec.head_dim * DTYPE_BYTES[spec.dtype]
     q_bytes = case.batch * case.heads * case.seqlen_q * row_bytes
     expected = q_bytes + 2 * _kv_rows_read(spec, case) * row_bytes
     assert stats[spec.uri].cp_async_global_bytes == expected
@@ -149,6 +148,6 @@ def test_causal_rows_that_see_no_key_read_nothing(spec):
     blind = case.seqlen_q - case.seqlen_k  # queries above every key: 2.5 row tiles
     assert np.isneginf(lse[0, 0, :blind]).all() and (out[0, 0, :blind] == 0).all()
     q_rows = case.seqlen_q - blind // spec.block_m * spec.block_m  # the last row tile's
-    row_bytes = spec.head_dim * ELEM_BYTES[spec.dtype]
+    row_bytes = spec.head_dim * DTYPE_BYTES[spec.dtype]
     expected = (q_rows + 2 * _kv_rows_read(spec, case)) * row_bytes
     assert stats[spec.uri].cp_async_global_bytes == expected

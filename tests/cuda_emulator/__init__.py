@@ -110,6 +110,7 @@ What is NOT modelled
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -767,7 +768,7 @@ class LaunchStats:
         )
 
 
-_NUM_STATS = 4  # the integer fields of LaunchStats (kNumStats)
+_NUM_STATS = len(dataclasses.fields(LaunchStats)) - 1  # its counters (kNumStats), not the text
 
 
 _loaded: dict[str, ctypes.CDLL] = {}
