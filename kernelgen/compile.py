@@ -223,11 +223,12 @@ def sass_instruction_counts(cubin: bytes) -> dict[str, int]:
 @dataclass(frozen=True)
 class SassInstruction:
     """One executable line of cuobjdump's SASS: address, opcode family (text before the first
-    dot, e.g. HMMA) and operands."""
+    dot, e.g. STG), operands and the whole opcode with its modifiers (e.g. STG.E.128)."""
 
     address: int
     family: str
     operands: str
+    opcode: str = ""
 
 
 _SASS_LINE = re.compile(
@@ -241,10 +242,19 @@ def sass_instructions(sass: str) -> list[SassInstruction]:
     """The instructions of SASS text in order (any address width). `@!PT` lines never execute
     (ptxas pads with them, e.g. `@!PT LDS RZ, [RZ]`) and are left out."""
     return [
-        SassInstruction(int(m["addr"], 16), m["op"].split(".")[0], m["operands"])
+        SassInstruction(int(m["addr"], 16), m["op"].split(".")[0], m["operands"], m["op"])
         for m in _SASS_LINE.finditer(sass)
         if (m["pred"] or "").strip() != "@!PT"
     ]
+
+
+def function_sass(sass: str, name: str) -> str:
+    """The part of cuobjdump's SASS text that belongs to the kernel ``name`` ('' if absent)."""
+    sections = re.split(r"^\s*Function : ", sass, flags=re.M)
+    for section in sections[1:]:
+        if section.split(None, 1)[0] == name:
+            return section
+    return ""
 
 
 def count_opcodes(sass: str) -> dict[str, int]:

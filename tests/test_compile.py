@@ -14,11 +14,14 @@ from kernelgen.arch import ARCHS
 from kernelgen.compile import (
     compile_offline,
     cuobjdump_path,
+    disassemble,
+    function_sass,
     nvrtc_available,
     parse_ptxas_report,
+    sass_instructions,
 )
 from kernelgen.errors import CompileError
-from kernelgen.render import render
+from kernelgen.render import MAX_SPLITS, render
 from kernelgen.spec import load_spec
 
 pytestmark = pytest.mark.compile
@@ -101,6 +104,36 @@ def test_specs_cover_split_kv_decode():
     assert {s.causal for s in split} == {False, True}
     assert all(s.pack_gqa for s in tensor_cores) and {s.num_warps for s in tensor_cores} >= {1, 2}
     assert {s.dtype for s in split if s.mma == "simt"} == {"float32", "bfloat16"}
+
+
+SPLIT_SPEC_PATHS = [p for p in SPEC_PATHS if load_spec(p).split_kv]
+
+
+@pytest.mark.parametrize("path", SPLIT_SPEC_PATHS, ids=lambda p: p.stem)
+def test_combine_moves_rows_in_16_byte_pieces(path):
+    """The split-KV combine's global traffic is vectorised: one 16-byte store of the output
+    per thread and one 4-byte store of the LSE, partial rows read 16 bytes at a time; the only
+    narrow loads are the chunk LSEs (MAX_SPLITS / 32 per lane)."""
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    spec = load_spec(path)
+    for arch in spec.archs:
+        compiled = compile_offline(render(spec), spec.uri, arch, sass=False)
+        body = function_sass(disassemble(compiled.cubin) or "", spec.combine_uri)
+        opcodes = [i.opcode for i in sass_instructions(body)]
+        stores = sorted(op for op in opcodes if op.startswith("STG"))
+        assert stores == ["STG.E", "STG.E.128"], (arch, stores)
+        narrow_loads = [op for op in opcodes if op.startswith("LDG") and ".128" not in op]
+        assert len(narrow_loads) == MAX_SPLITS // 32, (arch, narrow_loads)
+
+
+def test_function_sass_picks_the_named_kernel():
+    sass = (
+        "\tcode for sm_90\n\t\tFunction : first\n        /*0000*/  STG.E [R2], R0 ;\n"
+        "\t\tFunction : second\n        /*0000*/  STG.E.128 [R2], R4 ;\n"
+    )
+    assert [i.opcode for i in sass_instructions(function_sass(sass, "second"))] == ["STG.E.128"]
+    assert [i.opcode for i in sass_instructions(function_sass(sass, "first"))] == ["STG.E"]
+    assert function_sass(sass, "third") == ""
 
 
 def test_sass_tools_are_installed_in_ci():
