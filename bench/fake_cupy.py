@@ -1,7 +1,9 @@
 """A host-only stand-in for the slice of CuPy that ``kernelgen.attention`` touches.
 
-Arrays carry a shape, byte strides, a dtype and a made-up device pointer; ``empty`` allocates
-nothing; the "device" is an sm_90 with 132 SMs. Kernel functions are whatever the caller puts
+Arrays carry a shape, byte strides, a dtype, a made-up device pointer and the device they were
+made on; ``empty`` allocates nothing; every "device" is an sm_90 with 132 SMs. The current
+device and stream (``Device`` and ``ExternalStream`` contexts) are kept in :data:`CURRENT` so
+that tests can see where a launch went. Kernel functions are whatever the caller puts
 into ``RuntimeKernel.functions`` (see :func:`install`). It exists to measure and test the host
 side of a call (checks, tuner lookup, argument packing) where there is no GPU; it computes
 nothing.
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 _POINTERS = itertools.count(1 << 20, 1 << 12)  # 4 KiB apart: 16-byte aligned
+CURRENT = {"device": 0, "stream": 0}  # the current device index and stream pointer
 
 
 class _Memory:
@@ -28,7 +31,14 @@ class _Memory:
 class ndarray:  # noqa: N801 (CuPy's spelling)
     """Shape, strides (bytes), dtype and a pointer; no data."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, strides: Any = None, offset: int = 0):
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: Any,
+        strides: Any = None,
+        offset: int = 0,
+        device: int | None = None,
+    ):
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
@@ -39,6 +49,11 @@ class ndarray:  # noqa: N801 (CuPy's spelling)
                 running *= size
         self.strides = tuple(strides)
         self.data = _Memory(next(_POINTERS) + offset)
+        self._device_index = CURRENT["device"] if device is None else device
+
+    @property
+    def device(self) -> _Device:
+        return _Device(self._device_index)
 
     def astype(self, dtype: Any) -> ndarray:
         return ndarray(self.shape, dtype)
@@ -52,10 +67,37 @@ def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
 
 
 class _Device:
-    def __init__(self, index: int = 0) -> None:
-        self.id = index
+    """``cupy.cuda.Device``: a device, and a context that makes it current."""
+
+    def __init__(self, index: int | None = None) -> None:
+        self.id = CURRENT["device"] if index is None else index
         self.compute_capability = "90"
         self.attributes = {"MultiProcessorCount": 132}
+        self._saved: list[int] = []
+
+    def __enter__(self) -> _Device:
+        self._saved.append(CURRENT["device"])
+        CURRENT["device"] = self.id
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        CURRENT["device"] = self._saved.pop()
+
+
+class ExternalStream:
+    """``cupy.cuda.ExternalStream``: a context that makes the stream ``ptr`` current."""
+
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        self.ptr, self.device_id = ptr, device_id
+        self._saved: list[int] = []
+
+    def __enter__(self) -> ExternalStream:
+        self._saved.append(CURRENT["stream"])
+        CURRENT["stream"] = self.ptr
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        CURRENT["stream"] = self._saved.pop()
 
 
 class CUDARuntimeError(RuntimeError):
@@ -73,7 +115,8 @@ def _properties(index: int) -> dict[str, Any]:
 
 
 def module() -> types.ModuleType:
-    """A fresh ``cupy`` module object."""
+    """A fresh ``cupy`` module object (device 0 and the null stream current)."""
+    CURRENT.update(device=0, stream=0)
     cupy = types.ModuleType("cupy")
     cupy.__version__ = "0.0.0-fake"
     cupy.ndarray = ndarray
@@ -83,13 +126,15 @@ def module() -> types.ModuleType:
     cupy.broadcast_to = lambda array, shape: array
     runtime = types.SimpleNamespace(
         getDeviceCount=lambda: 1,
-        getDevice=lambda: 0,
+        getDevice=lambda: CURRENT["device"],
         getDeviceProperties=_properties,
         runtimeGetVersion=lambda: 13000,
         CUDARuntimeError=CUDARuntimeError,
     )
     nvrtc = types.SimpleNamespace(getVersion=lambda: (13, 0))
-    cupy.cuda = types.SimpleNamespace(Device=_Device, runtime=runtime, nvrtc=nvrtc)
+    cupy.cuda = types.SimpleNamespace(
+        Device=_Device, ExternalStream=ExternalStream, runtime=runtime, nvrtc=nvrtc
+    )
     return cupy
 
 

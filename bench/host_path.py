@@ -6,8 +6,10 @@ is measured on a GPU by ``bench.tuning``; this is the part of it that does not n
     python -m bench.host_path [--calls 5000]
 
 Rows: a repeated call (the remembered plan: signature, outputs, argument lists) and the
-checked path every first call of a signature takes (checks, spec choice, launch preparation).
-CuPy's own costs (two or four allocations from its memory pool, the launch) come on top.
+checked path every first call of a signature takes (checks, spec choice, launch preparation),
+for CuPy arrays and for torch tensors (bench/fake_torch.py: the stream lookup and allocations
+are stand-ins too). The libraries' own costs (two or four allocations from their memory pools,
+torch's current-stream lookup, the launch) come on top.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bench import fake_cupy, tuning
+from bench import fake_cupy, fake_torch, tuning
 
 SHAPES = {  # (B, H, Hkv, Sq, Sk, D)
     "prefill b4 h16 4k d128": (4, 16, 16, 4096, 4096, 128),
@@ -38,17 +41,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ["KERNELGEN_AUTOTUNE"] = "0"  # the heuristic spec: no tuner, no GPU
     fake_cupy.install(lambda *launch: None)
+    sys.modules["torch"] = fake_torch.module()
     import kernelgen
     from kernelgen import api
 
-    print("| call | repeated (plan) us | checked path us |")
-    print("| --- | ---: | ---: |")
+    print("| call | arrays | repeated (plan) us | checked path us |")
+    print("| --- | --- | ---: | ---: |")
     for label, (b, h, hkv, sq, sk, d) in SHAPES.items():
-        q = fake_cupy.ndarray((b, h, sq, d), np.float16)
-        k = fake_cupy.ndarray((b, hkv, sk, d), np.float16)
-        v = fake_cupy.ndarray((b, hkv, sk, d), np.float16)
-        repeated, checked = row(kernelgen.attention, api._CALL_PLANS, (q, k, v), args.calls)
-        print(f"| {label} | {repeated:.1f} | {checked:.1f} |")
+        shapes = ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
+        for arrays, qkv in (
+            ("cupy", tuple(fake_cupy.ndarray(s, np.float16) for s in shapes)),
+            ("torch", tuple(fake_torch.Tensor(s, fake_torch.float16) for s in shapes)),
+        ):
+            repeated, checked = row(kernelgen.attention, api._CALL_PLANS, qkv, args.calls)
+            print(f"| {label} | {arrays} | {repeated:.1f} | {checked:.1f} |")
 
 
 def row(

@@ -16,6 +16,19 @@ import numpy as np
 
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
+from kernelgen.frameworks import (
+    Arrays,
+    CupyArrays,
+    TorchArrays,
+    arrays_of,
+    as_cupy,
+    device_of,
+    dtype_name,
+    float32_broadcast,
+    launch_arg,
+    module_of,
+    pointer_of,
+)
 from kernelgen.launch import MAX_SPLITS, PreparedLaunch, Problem, import_cupy, runtime_kernel
 from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, default_smem_layout
 
@@ -44,11 +57,6 @@ class TensorInfo:
         )
 
 
-def _dtype_name(dtype: Any) -> str:
-    name = str(getattr(dtype, "name", dtype))
-    return name.removeprefix("torch.")
-
-
 def describe(array: Any, name: str) -> TensorInfo:
     """Shape, strides and dtype of a device array, read without copying or launching anything."""
     module = type(array).__module__.split(".")[0]
@@ -63,7 +71,7 @@ def describe(array: Any, name: str) -> TensorInfo:
             name,
             tuple(array.shape),
             tuple(s // itemsize for s in array.strides),
-            _dtype_name(array.dtype),
+            dtype_name(array.dtype),
             array,
         )
     if module == "torch":
@@ -72,7 +80,7 @@ def describe(array: Any, name: str) -> TensorInfo:
                 f"{name} is a torch tensor on {array.device}; move it to a CUDA device first"
             )
         return TensorInfo(
-            name, tuple(array.shape), tuple(array.stride()), _dtype_name(array.dtype), array
+            name, tuple(array.shape), tuple(array.stride()), dtype_name(array.dtype), array
         )
     interface = getattr(array, "__cuda_array_interface__", None)
     if interface is not None:
@@ -95,7 +103,7 @@ def describe(array: Any, name: str) -> TensorInfo:
             raise InputTypeError(
                 f"{name} lives on DLPack device type {int(device_type)}, not a CUDA device (2)"
             )
-        return describe(import_cupy().from_dlpack(array), name)
+        return describe(as_cupy(array), name)
     raise InputTypeError(
         f"{name} has type {type(array).__name__}; expected a CuPy array or an object exposing "
         "__cuda_array_interface__ or __dlpack__ (e.g. a CUDA torch tensor)"
@@ -203,8 +211,7 @@ def _misaligned_strides(t: TensorInfo) -> str | None:
     return None
 
 
-def _misaligned_pointer(array: Any, name: str) -> str | None:
-    ptr = array.data.ptr
+def _misaligned_pointer(ptr: int, name: str) -> str | None:
     if ptr % CHUNK_BYTES:
         return f"{name}'s data pointer {ptr:#x} is not {CHUNK_BYTES}-byte aligned"
     return None
@@ -318,11 +325,12 @@ def attention(
     sequence is range-checked, an int32 device array is clamped to [0, Sk] by the kernels.
     ``num_splits``: key chunks of a split-KV kernel (1 to 128; default: tuned or heuristic).
     Returns out (same layout and dtype as q), and with ``return_lse`` also the fp32 log-sum-exp
-    of shape (B, H, Sq). CuPy inputs give CuPy outputs, torch tensors give torch tensors.
+    of shape (B, H, Sq). CuPy inputs give CuPy outputs; torch tensors give torch tensors and run
+    on torch's current stream (see docs/design-decisions.md).
     """
     plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
-        out, lse = known.outputs({"q": q, "k": k, "v": v, "seqlens_k": seqlens_k})
+        out, lse = known.run(q, {"q": q, "k": k, "v": v, "seqlens_k": seqlens_k})
         return (out, lse) if return_lse else out
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_info = describe(mask, "mask") if mask is not None else None
@@ -330,66 +338,118 @@ def attention(
         *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=bool(causal)
     )
     num_splits = check_num_splits(num_splits, spec)
-    cupy = import_cupy()
-    batch, _, _, _ = call.q.shape
+    arrays = arrays_of(q)
+    device = _common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
+    with arrays.scope(device):
+        call_plan, tensors = _checked_plan(
+            call, bool(causal), seqlens_k, spec, num_splits, layout, arrays, device
+        )
+        if plan_key is not None:
+            if len(_CALL_PLANS) >= MAX_CALL_PLANS:
+                _CALL_PLANS.clear()
+            _CALL_PLANS[plan_key] = call_plan
+        dtype = q.dtype if arrays is TorchArrays else tensors["q"].dtype  # CuPy's view's
+        out, lse = call_plan.launch_outputs(dtype, tensors)
+    return (out, lse) if return_lse else out
+
+
+def _common_device(named: dict[str, Any]) -> int:
+    """The device all device arrays among ``named`` live on (host sequences are skipped)."""
+    where = {
+        name: device_of(x)
+        for name, x in named.items()
+        if x is not None and not isinstance(x, (list, tuple)) and module_of(x) != "numpy"
+    }
+    device = where["q"]
+    for name, index in where.items():
+        if index != device:
+            raise InputError(
+                f"{name} is on CUDA device {index} but q is on device {device}; pass "
+                f"{', '.join(where)} on one device"
+            )
+    return device
+
+
+def _checked_plan(
+    call: CheckedCall,
+    causal: bool,
+    seqlens_k: Any,
+    spec: KernelSpec | None,
+    num_splits: int | None,
+    layout: str,
+    arrays: Arrays,
+    device: int,
+) -> tuple[CallPlan, dict[str, Any]]:
+    """The plan of a checked call (spec, split count, prepared launch) and its kernel arguments
+    by parameter name; runs with the call's device and stream current."""
+    batch = call.q.shape[0]
     seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
-    arrays = {name: _as_cupy(t.source) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
     misaligned = [
         why
-        for name, t in (("q", call.q), ("k", call.k), ("v", call.v))
-        if (why := _misaligned_strides(t) or _misaligned_pointer(arrays[name], name))
+        for t in (call.q, call.k, call.v)
+        if (why := _misaligned_strides(t) or _misaligned_pointer(pointer_of(t.source), t.name))
     ]
     if spec is None:
         spec, tuned_splits = _untuned_or_tuned_launch(
-            call, bool(causal), aligned=not misaligned, split=num_splits is not None
+            call, causal, aligned=not misaligned, split=num_splits is not None
         )
         num_splits = num_splits or tuned_splits
     elif spec.mma == "mma_sync" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     kernel = runtime_kernel(spec)
-    mask_array = None
+    tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
+    if seqlens is not None:
+        tensors["seqlens_k"] = launch_arg(arrays, seqlens)
     if call.mask is not None:
-        mask_array = _as_cupy(call.mask.source)
-        if mask_array.dtype != cupy.float32:
-            mask_array = mask_array.astype(cupy.float32)  # documented: a copy for other dtypes
-        mask_array = cupy.broadcast_to(mask_array, mask_shape(call))
-        mask_info = TensorInfo(
-            "mask",
-            mask_array.shape,
-            tuple(s // 4 for s in mask_array.strides),
-            "float32",
-            mask_array,
-        )
+        mask_array, strides = float32_broadcast(call.mask.source, mask_shape(call))
+        tensors["mask"] = launch_arg(arrays, mask_array)
+        mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
     launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
-    call_plan = CallPlan(launch, out_shape, call.q.shape[:3])
-    if plan_key is not None:
-        if len(_CALL_PLANS) >= MAX_CALL_PLANS:
-            _CALL_PLANS.clear()
-        _CALL_PLANS[plan_key] = call_plan
-    out, lse = call_plan.outputs({**arrays, "mask": mask_array, "seqlens_k": seqlens})
-    if type(q).__module__.split(".")[0] == "torch":
-        out, lse = _to_torch(out), _to_torch(lse)
-    return (out, lse) if return_lse else out
+    return CallPlan(launch, out_shape, call.q.shape[:3], arrays, device), tensors
 
 
 @dataclass(frozen=True)
 class CallPlan:
-    """What a checked call decided (spec, prepared launches, output shapes), for the calls
-    after it with the same :func:`_call_plan_key`: those skip the checks, the tuner lookup and
-    the argument conversion, and only allocate the outputs and launch."""
+    """What a checked call decided (spec, prepared launches, output shapes, library, device),
+    for the calls after it with the same :func:`_call_plan_key`: those skip the checks, the
+    tuner lookup and the argument conversion, and only allocate the outputs and launch."""
 
     launch: PreparedLaunch
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
+    arrays: Arrays
+    device: int
 
-    def outputs(self, tensors: dict[str, Any]) -> tuple[Any, Any]:
-        """Allocate out and lse, launch on ``tensors`` (CuPy arrays by parameter name) and
-        return (out, lse)."""
-        out = _empty(self.out_shape, tensors["q"].dtype)
-        lse = _empty(self.lse_shape, import_cupy().float32)
-        self.launch({**tensors, "out": out, "lse": lse})
+    def run(self, q: Any, inputs: dict[str, Any]) -> tuple[Any, Any]:
+        """A repeated call: ``inputs`` (q, k, v, seqlens_k; None: absent) are arrays of the
+        plan's library; returns (out, lse)."""
+        arrays = self.arrays
+        tensors = {name: arrays.launch_arg(x) for name, x in inputs.items() if x is not None}
+        with arrays.scope(self.device):
+            return self.launch_outputs(q.dtype, tensors)
+
+    def launch_outputs(self, dtype: Any, tensors: dict[str, Any]) -> tuple[Any, Any]:
+        """Allocate out (of ``dtype``), lse and any split-KV partials, add them to ``tensors``
+        (kernel arguments by parameter name), launch and return (out, lse). Runs in the plan's
+        scope."""
+        arrays = self.arrays
+        if arrays is CupyArrays:
+            empty = _empty  # looked up per call: the test hook
+        else:
+
+            def empty(shape: tuple[int, ...], dtype: Any) -> Any:
+                return arrays.empty(shape, dtype, self.device)
+
+        float32 = arrays.float32()
+        out = empty(self.out_shape, dtype)
+        lse = empty(self.lse_shape, float32)
+        tensors["out"], tensors["lse"] = arrays.launch_arg(out), arrays.launch_arg(lse)
+        partials = [empty((floats,), float32) for _, floats in self.launch.scratch]
+        for (name, _), partial in zip(self.launch.scratch, partials, strict=True):
+            tensors[name] = arrays.launch_arg(partial)  # alive until launched: enough, as
+        self.launch(tensors)  # each library frees in stream order
         return out, lse
 
 
@@ -412,24 +472,26 @@ def _call_plan_key(
     """Everything a call's launches depend on but its data: shapes, strides, dtypes and 16-byte
     alignment of q, k, v, the options, the device, the autotune mode and the tuner memo's
     generation (a new winner or a cleared memo makes every plan stale). None where calls always
-    take the checked path: anything but CuPy arrays, a mask, host seqlens_k, unhashable options."""
-    if mask is not None:
+    take the checked path: q, k, v not all CuPy arrays or all torch tensors (of one type), a
+    mask, seqlens_k not of q's type (host lengths), unhashable options."""
+    if mask is not None or not type(q) is type(k) is type(v):
         return None
-    cupy = sys.modules.get("cupy")
-    ndarray = getattr(cupy, "ndarray", None)
-    if ndarray is None or not (type(q) is type(k) is type(v) is ndarray):
+    module = module_of(q)
+    if module == "torch":
+        arrays: Arrays = TorchArrays
+    elif module == "cupy" and type(q) is getattr(sys.modules.get("cupy"), "ndarray", None):
+        arrays = CupyArrays
+    else:
         return None
-    if seqlens_k is not None and type(seqlens_k) is not ndarray:
+    if seqlens_k is not None and type(seqlens_k) is not type(q):
         return None
-    lengths = None if seqlens_k is None else (seqlens_k.shape, seqlens_k.strides, seqlens_k.dtype)
+    lengths = None if seqlens_k is None else arrays.signature(seqlens_k)[:3]
     from kernelgen.tuning.autotune import memo_generation
 
     key = (
-        q.shape, q.strides, q.dtype, q.data.ptr % 16,
-        k.shape, k.strides, k.dtype, k.data.ptr % 16,
-        v.shape, v.strides, v.dtype, v.data.ptr % 16,
+        *arrays.signature(q), *arrays.signature(k), *arrays.signature(v),
         lengths, bool(causal), scale, spec, layout, num_splits,
-        cupy.cuda.runtime.getDevice(), os.environ.get("KERNELGEN_AUTOTUNE"), memo_generation(),
+        arrays.device_of(q), os.environ.get("KERNELGEN_AUTOTUNE"), memo_generation(),
     )  # fmt: skip
     try:
         hash(key)
@@ -526,7 +588,7 @@ def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
         raise InputTypeError(f"seqlens_k has dtype {info.dtype}; expected int32")
     if info.strides != (1,):
         raise InputError(f"seqlens_k has stride {info.strides[0]}; expected a contiguous array")
-    return _as_cupy(info.source)
+    return info.source
 
 
 def mask_shape(call: CheckedCall) -> tuple[int, int, int, int]:
@@ -565,43 +627,6 @@ def plan(call: CheckedCall, layout: str) -> tuple[Problem, tuple[int, ...]]:
 def _empty(shape: tuple[int, ...], dtype: Any) -> Any:
     """Output allocation (tests replace it to poison outputs with NaN)."""
     return import_cupy().empty(shape, dtype=dtype)
-
-
-# DLPack exchange of bfloat16 is recent in CuPy (import in 14.x, export later); a same-size
-# integer view carries the bits through any version without a copy.
-_DLPACK_REFUSALS = (NotImplementedError, TypeError, BufferError, ValueError)
-
-
-def _as_cupy(array: Any) -> Any:
-    cupy = import_cupy()
-    if isinstance(array, cupy.ndarray):
-        return array
-    if (
-        hasattr(array, "__cuda_array_interface__")
-        and type(array).__module__.split(".")[0] != "torch"
-    ):
-        return cupy.asarray(array)
-    try:
-        return cupy.from_dlpack(array)
-    except _DLPACK_REFUSALS:
-        if _dtype_name(getattr(array, "dtype", "")) != "bfloat16":
-            raise
-        import ml_dtypes
-        import torch
-
-        return cupy.from_dlpack(array.view(torch.int16)).view(ml_dtypes.bfloat16)
-
-
-def _to_torch(array: Any) -> Any:
-    """A CuPy array as a torch tensor sharing its memory."""
-    import torch
-
-    try:
-        return torch.from_dlpack(array)
-    except _DLPACK_REFUSALS:
-        if _dtype_name(array.dtype) != "bfloat16":
-            raise
-        return torch.from_dlpack(array.view(import_cupy().int16)).view(torch.bfloat16)
 
 
 __all__ = ["KernelgenError", "attention", "check_inputs", "default_spec", "describe"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 from dataclasses import dataclass
 from functools import cache
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def import_cupy() -> Any:
+    """The cupy module (from sys.modules when imported: this sits on every call's path)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        return cupy
     try:
         import cupy
     except ImportError as exc:
@@ -251,12 +256,14 @@ class PreparedLaunch:
             )
 
     def __call__(self, tensors: dict[str, Any]) -> None:
-        """Launch on CuPy arrays ``tensors`` by parameter name (absent ones are null)."""
-        if self.scratch:
+        """Launch on ``tensors`` by parameter name (CuPy arrays or device pointers as
+        ``np.uint64``; absent ones are null). Scratch buffers not given are allocated by CuPy."""
+        if any(name not in tensors for name, _ in self.scratch):
             cupy = import_cupy()
             tensors = dict(tensors)
             for name, floats in self.scratch:
-                tensors[name] = cupy.empty(floats, dtype=cupy.float32)
+                if name not in tensors:
+                    tensors[name] = cupy.empty(floats, dtype=cupy.float32)
         for function, grid, block, shared_mem, template, tensor_slots in self.steps:
             args = list(template)
             for index, name in tensor_slots:

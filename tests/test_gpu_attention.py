@@ -119,6 +119,45 @@ def test_torch_tensors_in_torch_tensors_out():
     assert_matches(out.float().cpu().numpy(), lse.cpu().numpy(), data, "bfloat16")
 
 
+def _torch_inputs(torch, data, dtype):
+    return [torch.from_numpy(getattr(data, n)).to("cuda", getattr(torch, dtype)) for n in "qkv"]
+
+
+@pytest.mark.parametrize(
+    "case, num_splits",
+    [(Case(1, 4, 2, 64, 300), None), (Case(2, 8, 2, 1, 3000), 8)],
+    ids=["prefill", "split-decode"],
+)
+def test_torch_calls_run_on_torchs_stream_and_in_a_cuda_graph(case, num_splits, monkeypatch):
+    """A torch call launches on torch's current stream (a side stream here, no synchronisation
+    with the default one) and allocates with torch, so a torch CUDA graph captures it: replayed
+    on new inputs copied into the captured tensors, it gives their attention."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    first, second = (make_case(case, "float16", 64, True, seed=s) for s in (1, 2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q, k, v = _torch_inputs(torch, first, "float16")
+        out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True, num_splits=num_splits)
+    side.synchronize()
+    assert out.device == q.device and out.dtype == torch.float16
+    assert_matches(out.float().cpu().numpy(), lse.cpu().numpy(), first, "float16")
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_out, captured_lse = kernelgen.attention(
+            q, k, v, causal=True, return_lse=True, num_splits=num_splits
+        )
+    for tensor, fresh in zip((q, k, v), _torch_inputs(torch, second, "float16"), strict=True):
+        tensor.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(
+        captured_out.float().cpu().numpy(), captured_lse.cpu().numpy(), second, "float16"
+    )
+
+
 def test_bad_input_launches_nothing():
     import cupy
 
