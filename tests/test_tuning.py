@@ -6,7 +6,16 @@ import dataclasses
 import logging
 
 import pytest
-from test_tuning_fakes import DEVICE, FAST, SOFTWARE, FakeBench, fake_compile, fake_tuner, problem
+from test_tuning_fakes import (
+    DEVICE,
+    FAST,
+    SOFTWARE,
+    FakeBench,
+    fake_compile,
+    fake_tuner,
+    problem,
+    stable_ms,
+)
 
 from kernelgen.api import default_spec
 from kernelgen.errors import KernelgenError
@@ -172,9 +181,46 @@ def test_failures_score_infinity_and_the_best_few_are_retimed():
     failed = next(m for m in results if m.spec == fastest)
     assert failed.status == "failed" and failed.median_ms == float("inf")
     assert winner is not None and winner.spec != fastest
-    assert len(bench.timed) == len(specs) - 1 + FAST.retime_top
+    screened = len(specs) - 1  # the failure drops out in the screen
+    assert len(bench.timed) == screened + FAST.kept_after_screen(screened) + FAST.retime_top
     assert sum(m.retime_ms is not None for m in results) == FAST.retime_top
     assert failed.as_dict()["median_ms"] is None  # JSON has no infinity
+
+
+class BudgetBench(FakeBench):
+    """Times that depend on the round: the short screen reads 2x faster than the full pass."""
+
+    def time(self, spec, budget_ms, num_splits=None):
+        samples = super().time(spec, budget_ms, num_splits)
+        return [x / 2 for x in samples] if budget_ms < FAST.budget_ms else samples
+
+
+def test_a_screen_sends_only_the_best_on_to_the_full_pass():
+    specs = specs_for(problem())
+    assert len(specs) > FAST.screen_keep
+    bench = BudgetBench()
+    winner, results = measure(specs, bench, FAST)
+    kept = FAST.kept_after_screen(len(specs))
+    by_screen = sorted(results, key=lambda m: (m.screen_ms, m.launch.label))
+    assert [m.status for m in by_screen[kept:]] == ["screened"] * (len(specs) - kept)
+    assert "place" in by_screen[-1].reason and f"the best {kept} went on" in by_screen[-1].reason
+    went_on = by_screen[:kept]
+    assert all(m.median_ms == 2 * m.screen_ms for m in went_on)  # timed again in the full pass
+    # screened-out candidates rank after every full-pass time, though their screens read lower
+    assert winner is not None and winner in went_on[: FAST.retime_top]
+    assert winner.spec == min(specs, key=lambda s: (stable_ms(s), s.uri))
+    assert len(bench.timed) == len(specs) + kept + FAST.retime_top
+    assert sorted(bench.compiled) == sorted(s.uri for s in specs)  # one compile each
+    assert all(m.as_dict()["screen_ms"] is not None for m in results)
+
+
+def test_a_few_candidates_skip_the_screen():
+    specs = specs_for(problem())[: FAST.screen_keep]
+    bench = FakeBench()
+    winner, results = measure(specs, bench, FAST)
+    assert winner is not None and all(m.screen_ms is None for m in results)
+    assert len(bench.timed) == len(specs) + FAST.retime_top
+    assert "screened" not in {m.status for m in results}
 
 
 def test_a_wrong_output_rejects_the_winner_for_the_next_best():

@@ -21,7 +21,7 @@ from kernelgen.tuning import (
 
 DEVICE = DeviceInfo("Fake GPU 80GB", "9.0", 132)
 SOFTWARE = SoftwareInfo("0.1.0", "ab" * 32, "13.0", "13.0", "14.0.0")
-FAST = MeasureSettings(budget_ms=1.0, retime_top=3, retime_budget_ms=1.0)
+FAST = MeasureSettings(budget_ms=1.0, retime_top=3, retime_budget_ms=1.0, screen_budget_ms=0.5)
 
 
 def problem(**overrides: object) -> ProblemDesc:

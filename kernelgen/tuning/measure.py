@@ -2,10 +2,11 @@
 
 A :class:`Bench` compiles a spec (outside any timed region), times a launch of it (a spec and,
 for split-KV specs, a split count; one duration per repetition, in ms) and checks its output
-against a reference once. The flow
-here is GPU-free: a candidate that fails to compile or launch scores infinity and tuning goes
-on; the fastest few are timed again; the winner's output is checked, and a mismatch rejects it
-in favour of the next best.
+against a reference once. The flow here is GPU-free, in three rounds of growing budgets (a
+successive halving): a short screen of every candidate where there are many, a full pass of
+the best of the screen, a re-timing of the best few; a candidate that fails to compile or
+launch scores infinity and tuning goes on; the winner's output is checked, and a mismatch
+rejects it in favour of the next best.
 """
 
 from __future__ import annotations
@@ -43,20 +44,31 @@ class Bench(Protocol):
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    budget_ms: float = 200.0  # timed work per candidate (first pass)
+    budget_ms: float = 200.0  # timed work per candidate of the full pass
     retime_top: int = 3  # candidates timed again before choosing
     retime_budget_ms: float = 400.0
+    # With more than screen_keep candidates, each is first timed for screen_budget_ms and only
+    # the fastest max(screen_keep, screen_share of them) go on to the full pass: the slow bulk
+    # of a large candidate set (tilings 1.5-10x off the best) costs a quarter of the time.
+    screen_budget_ms: float = 50.0
+    screen_keep: int = 6
+    screen_share: float = 0.25
+
+    def kept_after_screen(self, timed: int) -> int:
+        """How many of ``timed`` candidates (finite screen times) go on to the full pass."""
+        return min(timed, max(self.screen_keep, math.ceil(self.screen_share * timed)))
 
 
 @dataclass
 class Measurement:
     launch: TunedLaunch
-    median_ms: float = math.inf  # first pass; inf when the candidate failed
+    median_ms: float = math.inf  # full pass (screened out: the screen); inf when it failed
     retime_ms: float | None = None
     spread_ms: float | None = None  # interquartile range of the samples used
     samples: int = 0
-    status: str = "timed"  # timed | failed | rejected | winner
+    status: str = "timed"  # timed | screened (out) | failed | rejected | winner
     reason: str = ""
+    screen_ms: float | None = None  # the screen's median, where there was a screen
 
     @property
     def spec(self) -> KernelSpec:
@@ -81,6 +93,7 @@ class Measurement:
             "num_splits": self.num_splits,
             "median_ms": finite(self.median_ms),
             "retime_ms": finite(self.retime_ms),
+            "screen_ms": finite(self.screen_ms),
             "spread_ms": finite(self.spread_ms),
             "samples": self.samples,
             "status": self.status,
@@ -103,10 +116,12 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def _time_one(bench: Bench, m: Measurement, budget_ms: float, retime: bool) -> None:
+def _time_one(bench: Bench, m: Measurement, budget_ms: float, round_: str) -> None:
+    """Time ``m`` in one round: "screen" or "full" (the first of them compiles first, outside
+    the timed region) or "retime"; a failure scores infinity."""
     try:
-        if not retime:
-            bench.compile(m.spec)  # outside the timed region
+        if round_ == "screen" or (round_ == "full" and m.screen_ms is None):
+            bench.compile(m.spec)
         samples = bench.time(m.spec, budget_ms, num_splits=m.num_splits)
         median, spread = _summary(samples)
     except (KernelgenError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as exc:
@@ -114,16 +129,19 @@ def _time_one(bench: Bench, m: Measurement, budget_ms: float, retime: bool) -> N
         m.reason = _first_line(exc)
         log.warning("candidate %s failed: %s", m.launch.label, m.reason)
         return
-    if retime:
+    if round_ == "retime":
         m.retime_ms = median
     else:
         m.median_ms = median
+        if round_ == "screen":
+            m.screen_ms = median
     m.spread_ms, m.samples = spread, len(samples)
 
 
 def ranked(measurements: list[Measurement]) -> list[Measurement]:
-    """Fastest first; ties broken by the label so the choice is deterministic."""
-    return sorted(measurements, key=lambda m: (m.score, m.launch.label))
+    """Fastest first, candidates screened out after all others (their only time is the short
+    screen's); ties broken by the label so the choice is deterministic."""
+    return sorted(measurements, key=lambda m: (m.status == "screened", m.score, m.launch.label))
 
 
 def measure(
@@ -132,10 +150,11 @@ def measure(
     settings: MeasureSettings | None = None,
     console: Console | None = None,
 ) -> tuple[Measurement | None, list[Measurement]]:
-    """Time every launch (a bare spec: its heuristic split count), re-time the best few, check
-    the winner; (winner or None, all)."""
+    """Time every launch (a bare spec: its heuristic split count): a screen where there are many,
+    the full pass, a re-timing of the best few; check the winner; (winner or None, all)."""
     settings = settings or MeasureSettings()
     results = [Measurement(x if isinstance(x, TunedLaunch) else TunedLaunch(x)) for x in launches]
+    screening = len(results) > settings.screen_keep
     console = console or Console(stderr=True)
     columns = (
         TextColumn("[bold]tuning"),
@@ -144,16 +163,30 @@ def measure(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("", total=len(results) + settings.retime_top)
-        for m in results:
-            progress.update(task, description=m.launch.label)
-            _time_one(bench, m, settings.budget_ms, retime=False)
-            progress.advance(task)
-        top = [m for m in ranked(results) if math.isfinite(m.score)][: settings.retime_top]
-        for m in top:
-            progress.update(task, description=f"re-timing {m.launch.label}")
-            _time_one(bench, m, settings.retime_budget_ms, retime=True)
-            progress.advance(task)
+        full_pass = settings.kept_after_screen(len(results)) if screening else 0
+        task = progress.add_task("", total=len(results) + full_pass + settings.retime_top)
+
+        def run_round(batch: list[Measurement], budget_ms: float, round_: str) -> None:
+            for m in batch:
+                progress.update(task, description=f"{round_} {m.launch.label}")
+                _time_one(bench, m, budget_ms, round_)
+                progress.advance(task)
+
+        if screening:
+            run_round(results, settings.screen_budget_ms, "screen")
+            timed = [m for m in ranked(results) if math.isfinite(m.score)]
+            kept = settings.kept_after_screen(len(timed))
+            for place, m in enumerate(timed[kept:], start=kept + 1):
+                m.status = "screened"
+                m.reason = (
+                    f"screened out: {m.median_ms:.4g} ms in the {settings.screen_budget_ms:g} ms "
+                    f"screen, place {place} of {len(timed)} (the best {kept} went on)"
+                )
+            run_round(timed[:kept], settings.budget_ms, "full")
+        else:
+            run_round(results, settings.budget_ms, "full")
+        top = [m for m in ranked(results) if math.isfinite(m.score) and m.status != "screened"]
+        run_round(top[: settings.retime_top], settings.retime_budget_ms, "retime")
     return choose(results, bench), results
 
 
