@@ -3,7 +3,9 @@
 Arrays carry a shape, byte strides, a dtype, a made-up device pointer and the device they were
 made on; ``empty`` allocates nothing; every "device" is an sm_90 with 132 SMs. The current
 device and stream (``Device`` and ``ExternalStream`` contexts) are kept in :data:`CURRENT` so
-that tests can see where a launch went. Kernel functions are whatever the caller puts
+that tests can see where a launch went. ``module(backed=True)`` backs arrays with host memory
+(``ndarray.host``; :data:`HOST` maps each pointer to it), so that the CPU emulator can run the
+kernels that kernelgen launches. Kernel functions are whatever the caller puts
 into ``RuntimeKernel.functions`` (see :func:`install`). It exists to measure and test the host
 side of a call (checks, tuner lookup, argument packing) where there is no GPU; it computes
 nothing.
@@ -21,6 +23,8 @@ import numpy as np
 
 _POINTERS = itertools.count(1 << 20, 1 << 12)  # 4 KiB apart: 16-byte aligned
 CURRENT = {"device": 0, "stream": 0}  # the current device index and stream pointer
+HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed arrays
+BACKED = {"on": False}  # whether empty() and asarray() allocate host memory
 
 
 class _Memory:
@@ -29,7 +33,7 @@ class _Memory:
 
 
 class ndarray:  # noqa: N801 (CuPy's spelling)
-    """Shape, strides (bytes), dtype and a pointer; no data."""
+    """Shape, strides (bytes), dtype and a pointer; data only when backed by ``host``."""
 
     def __init__(
         self,
@@ -38,7 +42,11 @@ class ndarray:  # noqa: N801 (CuPy's spelling)
         strides: Any = None,
         offset: int = 0,
         device: int | None = None,
+        host: np.ndarray | None = None,
     ):
+        self.host = host
+        if host is not None:
+            shape, dtype, strides = host.shape, host.dtype, host.strides
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
@@ -48,7 +56,11 @@ class ndarray:  # noqa: N801 (CuPy's spelling)
                 strides.insert(0, running)
                 running *= size
         self.strides = tuple(strides)
-        self.data = _Memory(next(_POINTERS) + offset)
+        if host is None:
+            self.data = _Memory(next(_POINTERS) + offset)
+        else:
+            self.data = _Memory(host.__array_interface__["data"][0])
+            HOST.setdefault(self.data.ptr, host)
         self._device_index = CURRENT["device"] if device is None else device
 
     @property
@@ -56,14 +68,44 @@ class ndarray:  # noqa: N801 (CuPy's spelling)
         return _Device(self._device_index)
 
     def astype(self, dtype: Any) -> ndarray:
+        if self.host is not None:
+            return ndarray((), dtype, host=self.host.astype(dtype))
         return ndarray(self.shape, dtype)
+
+
+def from_host(host: np.ndarray, device: int | None = None) -> ndarray:
+    """A backed array over ``host`` (not copied: strided views keep their strides)."""
+    return ndarray((), host.dtype, device=device, host=host)
+
+
+def _poison(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Host memory for a backed allocation: NaN (all ones for integers) until written."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return np.full(shape, np.nan, dtype)
+    return np.full(shape, -1, dtype)
+
+
+def broadcast_to(array: ndarray, shape: tuple[int, ...]) -> ndarray:
+    if array.host is not None:
+        return from_host(np.broadcast_to(array.host, shape), array._device_index)
+    return array
+
+
+def asarray(host: Any) -> ndarray:
+    if BACKED["on"]:
+        return from_host(np.array(host))
+    return ndarray(np.shape(host), np.asarray(host).dtype)
 
 
 ndarray.__module__ = "cupy"  # kernelgen.api.describe recognises CuPy arrays by module
 
 
 def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
-    return ndarray(shape if isinstance(shape, tuple) else (shape,), dtype)
+    shape = shape if isinstance(shape, tuple) else (shape,)
+    if BACKED["on"]:
+        return from_host(_poison(shape, dtype))
+    return ndarray(shape, dtype)
 
 
 class _Device:
@@ -114,16 +156,19 @@ def _properties(index: int) -> dict[str, Any]:
     }
 
 
-def module() -> types.ModuleType:
-    """A fresh ``cupy`` module object (device 0 and the null stream current)."""
+def module(backed: bool = False) -> types.ModuleType:
+    """A fresh ``cupy`` module object (device 0 and the null stream current; host memory
+    behind every array with ``backed``)."""
     CURRENT.update(device=0, stream=0)
+    HOST.clear()
+    BACKED["on"] = backed
     cupy = types.ModuleType("cupy")
     cupy.__version__ = "0.0.0-fake"
     cupy.ndarray = ndarray
     cupy.empty = empty
-    cupy.asarray = lambda host: ndarray(np.shape(host), np.asarray(host).dtype)
+    cupy.asarray = asarray
     cupy.float32 = np.float32
-    cupy.broadcast_to = lambda array, shape: array
+    cupy.broadcast_to = broadcast_to
     runtime = types.SimpleNamespace(
         getDeviceCount=lambda: 1,
         getDevice=lambda: CURRENT["device"],

@@ -3,8 +3,9 @@ tensors: shape, ``stride()``, dtype, ``data_ptr()``, ``get_device()``, ``to`` an
 ``torch.empty``; ``torch.cuda.current_stream(device).cuda_stream``. Tensors hold no data and
 nothing is computed. Every allocation is logged in :data:`ALLOCATED` (pointer -> tensor) and
 each device's current stream is :data:`STREAMS` [device], so tests can see what a call
-allocated and where it launched. Used with bench/fake_cupy (which kernelgen still compiles and
-launches through).
+allocated and where it launched. ``module(backed=True)`` backs tensors with host memory
+(``Tensor.host``; :data:`HOST` maps each pointer to it) for the CPU emulator. Used with
+bench/fake_cupy (which kernelgen still compiles and launches through).
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import sys
 import types
 from typing import Any
 
+import numpy as np
+
 _POINTERS = itertools.count(1 << 32, 1 << 12)  # 4 KiB apart: 16-byte aligned
 ALLOCATED: dict[int, Tensor] = {}
 STREAMS: dict[int, int] = {}  # device -> current stream pointer (0: the default stream)
+HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed tensors
+BACKED = {"on": False}  # whether empty() allocates host memory
 
 
 class dtype:  # noqa: N801 (torch's spelling)
@@ -33,6 +38,8 @@ float16 = dtype("float16", 2)
 bfloat16 = dtype("bfloat16", 2)
 float32 = dtype("float32", 4)
 int32 = dtype("int32", 4)
+_NUMPY = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
+_TORCH = {np.dtype(v).name: globals()[k] for k, v in _NUMPY.items() if k != "bfloat16"}
 
 
 class device:  # noqa: N801
@@ -53,7 +60,11 @@ class Tensor:
         device_index: int = 0,
         strides: tuple[int, ...] | None = None,
         offset: int = 0,
+        host: np.ndarray | None = None,
     ) -> None:
+        self.host = host
+        if host is not None:
+            shape, strides = host.shape, tuple(s // host.itemsize for s in host.strides)
         self.shape = tuple(shape)
         self.dtype = dtype
         if strides is None:
@@ -63,7 +74,11 @@ class Tensor:
                 running *= size
         self._strides = tuple(strides)
         self._device_index = device_index
-        self._ptr = next(_POINTERS) + offset
+        if host is None:
+            self._ptr = next(_POINTERS) + offset
+        else:
+            self._ptr = host.__array_interface__["data"][0]
+            HOST.setdefault(self._ptr, host)
         self.is_cuda = device_index >= 0
         self.device = device("cuda", device_index) if self.is_cuda else device("cpu")
         ALLOCATED[self._ptr] = self
@@ -78,6 +93,8 @@ class Tensor:
         return self._device_index
 
     def to(self, dtype: dtype) -> Tensor:
+        if self.host is not None:
+            return from_numpy(self.host.astype(_NUMPY[dtype.name]), self._device_index)
         return Tensor(self.shape, dtype, self._device_index)
 
     def expand(self, shape: tuple[int, ...]) -> Tensor:
@@ -89,20 +106,36 @@ class Tensor:
         )
         view = Tensor.__new__(Tensor)
         view.__dict__.update(self.__dict__, shape=tuple(shape), _strides=strides)
+        if self.host is not None:
+            view.host = np.broadcast_to(self.host, shape)
         return view
+
+
+def from_numpy(host: np.ndarray, device_index: int = 0) -> Tensor:
+    """A backed CUDA tensor over ``host`` (not copied; uint16 holds bfloat16 bits)."""
+    kind = bfloat16 if host.dtype == np.uint16 else _TORCH[host.dtype.name]
+    return Tensor((), kind, device_index, host=host)
 
 
 Tensor.__module__ = "torch"  # kernelgen recognises torch tensors by module
 
 
 def empty(shape: tuple[int, ...], dtype: dtype, device: device) -> Tensor:
-    return Tensor(shape, dtype, device.index if device.index is not None else 0)
+    index = device.index if device.index is not None else 0
+    if BACKED["on"]:
+        kind = np.dtype(_NUMPY[dtype.name])
+        poison = np.nan if kind.kind == "f" else -1
+        return from_numpy(np.full(shape, poison, kind), index)
+    return Tensor(shape, dtype, index)
 
 
-def module() -> types.ModuleType:
-    """A fresh ``torch`` module object (empty allocation log, default streams)."""
+def module(backed: bool = False) -> types.ModuleType:
+    """A fresh ``torch`` module object (empty allocation log, default streams; host memory
+    behind every tensor with ``backed``)."""
     ALLOCATED.clear()
     STREAMS.clear()
+    HOST.clear()
+    BACKED["on"] = backed
     torch = types.ModuleType("torch")
     torch.__version__ = "0.0.0-fake"
     torch.Tensor = Tensor

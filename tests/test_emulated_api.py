@@ -1,0 +1,129 @@
+"""Emulation tier, end to end: ``kernelgen.attention()`` itself (checks, spec choice, plan, the
+library's scope and allocations, launch arguments: raw pointers for torch, arrays for CuPy)
+runs the generated kernels in the CPU emulator, on CuPy arrays and torch tensors faked over
+host memory (bench/fake_cupy, bench/fake_torch with ``backed=True``), against float64."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from attention_cases import Case, assert_matches, make_case
+from conftest import require_toolchain
+from test_emulated_kernels import emulated
+
+import kernelgen
+from bench import fake_cupy, fake_torch
+from kernelgen import api
+from kernelgen.launch import _KERNELS, RuntimeKernel, clear_kernel_cache
+from kernelgen.reference import naive_attention
+from kernelgen.render import combine_params, kernel_params
+
+pytestmark = pytest.mark.emulate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gxx():
+    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
+
+
+def host_of(arg):
+    """A launch argument as the emulator takes it: host memory behind a pointer, or a scalar."""
+    if isinstance(arg, fake_cupy.ndarray):
+        return arg.host
+    if type(arg) is np.uint64:
+        if int(arg) == 0:
+            return None  # an absent tensor
+        host = fake_cupy.HOST.get(int(arg), fake_torch.HOST.get(int(arg)))
+        assert host is not None, f"pointer {int(arg):#x} is no backed allocation"
+        return host
+    return arg
+
+
+@pytest.fixture
+def symbols(monkeypatch, tuning_sandbox):
+    """Backed fakes of both libraries; every kernelgen launch runs in the emulator; the
+    launched symbols are recorded."""
+    launched: list[str] = []
+
+    def launch(symbol, grid, block, args, shared_mem):
+        spec = next(s for s, _ in _KERNELS if symbol in (s.uri, s.combine_uri))
+        params = kernel_params(spec) if symbol == spec.uri else combine_params(spec)
+        values = [host_of(a) for a in args]
+        emulated(spec, symbol, params)(grid=grid, block=block, shared_mem=shared_mem, args=values)
+        launched.append(symbol)
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module(backed=True))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch.module(backed=True))
+    monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(launch))
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")  # the heuristic spec (sm_90 fake: tensor cores)
+    monkeypatch.setattr(api, "_CALL_PLANS", {})
+    clear_kernel_cache()
+    yield launched
+    clear_kernel_cache()
+
+
+def torch_inputs(data, layout: str):
+    """q, k, v as fp16 fake torch tensors; "bshd": (B, S, H, D) views of (B, H, S, D) memory
+    transposed, so the strides are not the contiguous ones."""
+    tensors = []
+    for name in "qkv":
+        x = getattr(data, name).astype(np.float16)
+        if layout == "bshd":
+            x = np.ascontiguousarray(x).transpose(0, 2, 1, 3)  # strided view, no copy
+        tensors.append(fake_torch.from_numpy(x))
+    return tensors
+
+
+def host_float(tensor_or_array) -> np.ndarray:
+    return np.asarray(tensor_or_array.host, dtype=np.float64)
+
+
+def reference(data, out: np.ndarray, lse: np.ndarray):
+    """``data`` with its float64 reference replaced."""
+    return dataclasses.replace(data, ref_out=out, ref_lse=lse)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_torch_prefill_with_a_torch_mask_matches_float64(symbols, layout):
+    """GQA, causal, a (1, H, Sq, Sk) fp16 mask converted and broadcast by torch; the second call
+    (new data, the remembered plan) is checked too."""
+    case = Case(2, 4, 2, 40, 72, mask="broadcast")
+    for seed in (1, 2):
+        data = make_case(case, "float16", 64, True, seed=seed)
+        q, k, v = torch_inputs(data, layout)
+        mask = fake_torch.from_numpy(data.mask.astype(np.float16))
+        out, lse = kernelgen.attention(
+            q, k, v, causal=True, mask=mask, layout=layout, return_lse=True
+        )
+        assert isinstance(out, fake_torch.Tensor) and out.shape == q.shape
+        got = host_float(out)
+        if layout == "bshd":
+            got = got.transpose(0, 2, 1, 3)
+        # the kernels see the mask rounded to fp16, then widened: so does the reference
+        rounded = data.mask.astype(np.float16).astype(np.float64)
+        want = naive_attention(data.q, data.k, data.v, causal=True, mask=rounded)
+        assert_matches(got, host_float(lse), reference(data, *want), "float16")
+    assert len(symbols) == 2 and not any(s.endswith("_combine") for s in symbols)
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_split_kv_decode_with_lengths_matches_float64(symbols, framework):
+    """Sq = 1 with packed GQA over 4 key chunks, per-sequence key lengths (a host list for
+    torch, an int32 device array for CuPy): partials allocated by the call's library, combined."""
+    case = Case(3, 8, 2, 1, 300)
+    data = make_case(case, "float16", 64, False, seed=7)
+    lengths = [300, 1, 129]
+    if framework == "torch":
+        q, k, v = torch_inputs(data, "bhsd")
+        seqlens = lengths
+    else:
+        q, k, v = (fake_cupy.from_host(getattr(data, n).astype(np.float16)) for n in "qkv")
+        seqlens = fake_cupy.from_host(np.asarray(lengths, dtype=np.int32))
+    out, lse = kernelgen.attention(q, k, v, seqlens_k=seqlens, num_splits=4, return_lse=True)
+    assert [s.endswith("_combine") for s in symbols] == [False, True]
+    want = naive_attention(data.q, data.k, data.v, seqlens_k=lengths)
+    assert_matches(host_float(out), host_float(lse), reference(data, *want), "float16")
