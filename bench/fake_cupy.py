@@ -108,38 +108,40 @@ def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
     return ndarray(shape, dtype)
 
 
-class _Device:
+class _MakesCurrent:
+    """A context that makes ``self.current`` the value of CURRENT[slot] (restored on exit)."""
+
+    slot = ""
+    current: int
+
+    def __enter__(self) -> _MakesCurrent:
+        self.__dict__.setdefault("_saved", []).append(CURRENT[self.slot])
+        CURRENT[self.slot] = self.current
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        CURRENT[self.slot] = self.__dict__["_saved"].pop()
+
+
+class _Device(_MakesCurrent):
     """``cupy.cuda.Device``: a device, and a context that makes it current."""
 
+    slot = "device"
+
     def __init__(self, index: int | None = None) -> None:
-        self.id = CURRENT["device"] if index is None else index
+        self.id = self.current = CURRENT["device"] if index is None else index
         self.compute_capability = "90"
         self.attributes = {"MultiProcessorCount": 132}
-        self._saved: list[int] = []
-
-    def __enter__(self) -> _Device:
-        self._saved.append(CURRENT["device"])
-        CURRENT["device"] = self.id
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        CURRENT["device"] = self._saved.pop()
 
 
-class ExternalStream:
+class ExternalStream(_MakesCurrent):
     """``cupy.cuda.ExternalStream``: a context that makes the stream ``ptr`` current."""
 
+    slot = "stream"
+
     def __init__(self, ptr: int, device_id: int = -1) -> None:
-        self.ptr, self.device_id = ptr, device_id
-        self._saved: list[int] = []
-
-    def __enter__(self) -> ExternalStream:
-        self._saved.append(CURRENT["stream"])
-        CURRENT["stream"] = self.ptr
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        CURRENT["stream"] = self._saved.pop()
+        self.ptr = self.current = ptr
+        self.device_id = device_id
 
 
 class CUDARuntimeError(RuntimeError):
