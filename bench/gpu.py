@@ -306,28 +306,38 @@ def compile_spec(env: Env, spec: Any) -> float:
 
 @contextlib.contextmanager
 def poisoned_kernelgen_outputs(env: Env) -> Iterator[None]:
-    """Make kernelgen.api's output allocations NaN-filled (its documented test hook ``_empty``);
-    without that hook its outputs are still fresh arrays and NaN is still checked."""
-    api = env.kg_module("api")
-    original = getattr(api, "_empty", None)
-    if original is None:
-        yield
-        return
+    """Make kernelgen's CuPy output allocations NaN-filled through its documented test hook
+    (``kernelgen.frameworks.CupyArrays.empty``; ``kernelgen.api._empty`` in versions before
+    frameworks.py, which bench/versions.sh may time); without a hook its outputs are still
+    fresh arrays and NaN is still checked."""
     cupy = env.cupy
 
-    def nan_empty(shape: Any, dtype: Any) -> Any:
-        array = original(shape, dtype)
+    def poisoned(array: Any, dtype: Any) -> Any:
         name = str(getattr(dtype, "name", None) or cupy.dtype(dtype).name)
         bits = NAN_BITS.get(name)
         if bits is not None:
             array.view(cupy.uint16 if bits[1] == 16 else cupy.uint32).fill(bits[0])
         return array
 
-    api._empty = nan_empty
+    try:
+        holder, attribute = env.kg_module("frameworks").CupyArrays, "empty"
+        empty = holder.empty
+        replacement: Any = staticmethod(
+            lambda shape, dtype, device: poisoned(empty(shape, dtype, device), dtype)
+        )
+    except ImportError:
+        holder, attribute = env.kg_module("api"), "_empty"
+        empty = getattr(holder, attribute, None)
+        if empty is None:
+            yield
+            return
+        replacement = lambda shape, dtype: poisoned(empty(shape, dtype), dtype)  # noqa: E731
+    original = holder.__dict__[attribute]
+    setattr(holder, attribute, replacement)
     try:
         yield
     finally:
-        api._empty = original
+        setattr(holder, attribute, original)
 
 
 def poison_allocators(env: Env, nbytes: int) -> None:

@@ -330,7 +330,7 @@ def attention(
     """
     plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
-        out, lse = known.run(q, {"q": q, "k": k, "v": v, "seqlens_k": seqlens_k})
+        out, lse = known.run({"q": q, "k": k, "v": v, "seqlens_k": seqlens_k})
         return (out, lse) if return_lse else out
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_info = describe(mask, "mask") if mask is not None else None
@@ -348,8 +348,7 @@ def attention(
             if len(_CALL_PLANS) >= MAX_CALL_PLANS:
                 _CALL_PLANS.clear()
             _CALL_PLANS[plan_key] = call_plan
-        dtype = q.dtype if arrays is TorchArrays else tensors["q"].dtype  # CuPy's view's
-        out, lse = call_plan.launch_outputs(dtype, tensors)
+        out, lse = call_plan.launch_outputs(tensors)
     return (out, lse) if return_lse else out
 
 
@@ -407,7 +406,8 @@ def _checked_plan(
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
     launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
-    return CallPlan(launch, out_shape, call.q.shape[:3], arrays, device), tensors
+    out_dtype = arrays.dtype_of(call.q.source)
+    return CallPlan(launch, out_shape, out_dtype, call.q.shape[:3], arrays, device), tensors
 
 
 @dataclass(frozen=True)
@@ -418,35 +418,29 @@ class CallPlan:
 
     launch: PreparedLaunch
     out_shape: tuple[int, ...]
+    out_dtype: Any  # q's dtype, in the plan's library
     lse_shape: tuple[int, ...]
     arrays: Arrays
     device: int
 
-    def run(self, q: Any, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    def run(self, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """A repeated call: ``inputs`` (q, k, v, seqlens_k; None: absent) are arrays of the
         plan's library; returns (out, lse)."""
         arrays = self.arrays
         tensors = {name: arrays.launch_arg(x) for name, x in inputs.items() if x is not None}
         with arrays.scope(self.device):
-            return self.launch_outputs(q.dtype, tensors)
+            return self.launch_outputs(tensors)
 
-    def launch_outputs(self, dtype: Any, tensors: dict[str, Any]) -> tuple[Any, Any]:
-        """Allocate out (of ``dtype``), lse and any split-KV partials, add them to ``tensors``
-        (kernel arguments by parameter name), launch and return (out, lse). Runs in the plan's
-        scope."""
-        arrays = self.arrays
-        if arrays is CupyArrays:
-            empty = _empty  # looked up per call: the test hook
-        else:
-
-            def empty(shape: tuple[int, ...], dtype: Any) -> Any:
-                return arrays.empty(shape, dtype, self.device)
-
+    def launch_outputs(self, tensors: dict[str, Any]) -> tuple[Any, Any]:
+        """Allocate out, lse and any split-KV partials with the plan's library, add them to
+        ``tensors`` (kernel arguments by parameter name), launch and return (out, lse). Runs in
+        the plan's scope."""
+        arrays, device = self.arrays, self.device
         float32 = arrays.float32()
-        out = empty(self.out_shape, dtype)
-        lse = empty(self.lse_shape, float32)
+        out = arrays.empty(self.out_shape, self.out_dtype, device)
+        lse = arrays.empty(self.lse_shape, float32, device)
         tensors["out"], tensors["lse"] = arrays.launch_arg(out), arrays.launch_arg(lse)
-        partials = [empty((floats,), float32) for _, floats in self.launch.scratch]
+        partials = [arrays.empty((floats,), float32, device) for _, floats in self.launch.scratch]
         for (name, _), partial in zip(self.launch.scratch, partials, strict=True):
             tensors[name] = arrays.launch_arg(partial)  # alive until launched: enough, as
         self.launch(tensors)  # each library frees in stream order
@@ -622,11 +616,6 @@ def plan(call: CheckedCall, layout: str) -> tuple[Problem, tuple[int, ...]]:
         mask_strides=call.mask.strides if call.mask is not None else (0, 0, 0, 0),
     )
     return problem, out_shape
-
-
-def _empty(shape: tuple[int, ...], dtype: Any) -> Any:
-    """Output allocation (tests replace it to poison outputs with NaN)."""
-    return import_cupy().empty(shape, dtype=dtype)
 
 
 __all__ = ["KernelgenError", "attention", "check_inputs", "default_spec", "describe"]

@@ -76,8 +76,14 @@ class CupyArrays:
         return array  # CuPy passes its own arrays to kernels as pointers
 
     @staticmethod
+    def dtype_of(array: Any) -> Any:
+        """The library's dtype of ``array`` (outputs are allocated with it)."""
+        return as_cupy(array).dtype
+
+    @staticmethod
     def empty(shape: tuple[int, ...], dtype: Any, device: int) -> Any:
-        """Uninitialised memory on the current device (the caller's ``scope``)."""
+        """Uninitialised memory on the current device (the caller's ``scope``). Also the hook
+        through which the GPU tests and the benchmark NaN-poison kernelgen's CuPy outputs."""
         return import_cupy().empty(shape, dtype=dtype)
 
     @staticmethod
@@ -111,6 +117,10 @@ class TorchArrays:
     @staticmethod
     def launch_arg(array: Any) -> Any:
         return np.uint64(array.data_ptr())  # a raw pointer: no DLPack round trip
+
+    @staticmethod
+    def dtype_of(array: Any) -> Any:
+        return array.dtype
 
     @staticmethod
     def empty(shape: tuple[int, ...], dtype: Any, device: int) -> Any:

@@ -33,15 +33,16 @@ CASES = [
 def poisoned_outputs(monkeypatch):
     import cupy
 
+    from kernelgen.frameworks import CupyArrays
     from kernelgen.tuning.gpu import NAN_BITS
 
-    def nan_filled(shape, dtype):  # NaN by bit pattern: no fill kernel of the dtype needed
+    def nan_filled(shape, dtype, device):  # NaN by bit pattern: no fill kernel of the dtype needed
         array = cupy.empty(shape, dtype=dtype)
         bits, width = NAN_BITS[str(array.dtype)]
         array.view(cupy.uint16 if width == 16 else cupy.uint32).fill(bits)
         return array
 
-    monkeypatch.setattr(kernelgen.api, "_empty", nan_filled)
+    monkeypatch.setattr(CupyArrays, "empty", staticmethod(nan_filled))
 
 
 def device_array(x: np.ndarray, dtype: str, layout: str):

@@ -117,10 +117,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _time_one(bench: Bench, m: Measurement, budget_ms: float, round_: str) -> None:
-    """Time ``m`` in one round: "screen" or "full" (the first of them compiles first, outside
-    the timed region) or "retime"; a failure scores infinity."""
+    """Time ``m`` in one round: "screen", "full" or "retime" (the first timing of a candidate
+    compiles it first, outside the timed region); a failure scores infinity."""
     try:
-        if round_ == "screen" or (round_ == "full" and m.screen_ms is None):
+        if m.samples == 0:
             bench.compile(m.spec)
         samples = bench.time(m.spec, budget_ms, num_splits=m.num_splits)
         median, spread = _summary(samples)
