@@ -32,8 +32,9 @@ from kernelgen.tuning import (
     warmup,
 )
 from kernelgen.tuning.candidates import valid_candidates
+from kernelgen.tuning.gpu import MAX_REPS, repetitions
 from kernelgen.tuning.key import pow2_bucket
-from kernelgen.tuning.measure import measure
+from kernelgen.tuning.measure import MeasureSettings, measure
 
 
 @pytest.fixture(autouse=True)
@@ -190,8 +191,8 @@ def test_failures_score_infinity_and_the_best_few_are_retimed():
 class BudgetBench(FakeBench):
     """Times that depend on the round: the short screen reads 2x faster than the full pass."""
 
-    def time(self, spec, budget_ms, num_splits=None):
-        samples = super().time(spec, budget_ms, num_splits)
+    def time(self, spec, budget_ms, num_splits=None, min_reps=20):
+        samples = super().time(spec, budget_ms, num_splits, min_reps)
         return [x / 2 for x in samples] if budget_ms < FAST.budget_ms else samples
 
 
@@ -210,8 +211,21 @@ def test_a_screen_sends_only_the_best_on_to_the_full_pass():
     assert winner is not None and winner in went_on[: FAST.retime_top]
     assert winner.spec == min(specs, key=lambda s: (stable_ms(s), s.uri))
     assert len(bench.timed) == len(specs) + kept + FAST.retime_top
+    # the screen asks for fewer repetitions than the later rounds, so long launches save time
+    rounds = [len(specs), kept, FAST.retime_top]
+    assert bench.min_reps == [FAST.screen_min_reps] * rounds[0] + [FAST.min_reps] * sum(rounds[1:])
+    assert FAST.screen_min_reps < FAST.min_reps
     assert sorted(bench.compiled) == sorted(s.uri for s in specs)  # one compile each
     assert all(m.as_dict()["screen_ms"] is not None for m in results)
+
+
+def test_repetitions_fill_the_budget_between_the_floor_and_the_cap():
+    settings = MeasureSettings()
+    # a 10 ms launch: the screen's floor (5 x 10 ms), not 20 x 10 ms = 4x its 50 ms budget
+    assert repetitions(settings.screen_budget_ms, 10.0, settings.screen_min_reps) == 5
+    assert repetitions(settings.budget_ms, 10.0, settings.min_reps) == 20
+    assert repetitions(settings.budget_ms, 0.5, settings.min_reps) == 400
+    assert repetitions(settings.budget_ms, 1e-6, settings.min_reps) == MAX_REPS
 
 
 def test_a_few_candidates_skip_the_screen():

@@ -70,6 +70,7 @@ class FakeBench:
         self.timing, self.fail, self.wrong = timing, fail, wrong
         self.compiled: list[str] = []
         self.timed: list[str] = []
+        self.min_reps: list[int] = []  # what each time() call was asked for
         self.checked: list[str] = []
 
     def compile(self, spec: KernelSpec) -> None:
@@ -78,9 +79,14 @@ class FakeBench:
             raise CompileError(spec.uri, "launch failed", None)
 
     def time(
-        self, spec: KernelSpec, budget_ms: float, num_splits: int | None = None
+        self,
+        spec: KernelSpec,
+        budget_ms: float,
+        num_splits: int | None = None,
+        min_reps: int = 20,
     ) -> list[float]:
         self.timed.append(TunedLaunch(spec, num_splits).label)
+        self.min_reps.append(min_reps)
         base = self.timing(spec, num_splits)
         return [base * f for f in (1.02, 0.99, 1.0, 1.01, 1.0)]
 

@@ -17,7 +17,12 @@ from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, local_so
 NAN_BITS = {"float16": (0x7E00, 16), "bfloat16": (0x7FC0, 16), "float32": (0x7FC00000, 32)}
 TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}  # relative Frobenius error
 WARMUP_MS = 10.0
-MIN_REPS, MAX_REPS = 20, 1000
+MAX_REPS = 1000
+
+
+def repetitions(budget_ms: float, launch_ms: float, min_reps: int) -> int:
+    """Timed launches for a budget: as many as fit, at least ``min_reps``, at most MAX_REPS."""
+    return int(min(MAX_REPS, max(min_reps, budget_ms / max(launch_ms, 1e-3))))
 
 
 def require_device() -> Any:
@@ -166,7 +171,11 @@ class CupyBench:
         self.cupy.cuda.get_current_stream().synchronize()
 
     def time(
-        self, spec: KernelSpec, budget_ms: float, num_splits: int | None = None
+        self,
+        spec: KernelSpec,
+        budget_ms: float,
+        num_splits: int | None = None,
+        min_reps: int = 20,
     ) -> list[float]:
         cuda = self.cupy.cuda
         start, stop = cuda.Event(), cuda.Event()
@@ -180,7 +189,7 @@ class CupyBench:
             elapsed = cuda.get_elapsed_time(start, stop)
             if elapsed >= WARMUP_MS or launches >= 100:
                 break
-        reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms / max(elapsed / launches, 1e-3))))
+        reps = repetitions(budget_ms, elapsed / launches, min_reps)
         events = [(cuda.Event(), cuda.Event()) for _ in range(reps)]
         for i, (a, b) in enumerate(events):
             a.record()

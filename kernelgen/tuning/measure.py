@@ -34,9 +34,14 @@ class Bench(Protocol):
         """Build the kernel for the current device; raises if it cannot."""
 
     def time(
-        self, spec: KernelSpec, budget_ms: float, num_splits: int | None = None
+        self,
+        spec: KernelSpec,
+        budget_ms: float,
+        num_splits: int | None = None,
+        min_reps: int = 20,
     ) -> list[float]:
-        """Warm up, then per-repetition durations in ms, within about ``budget_ms``."""
+        """Warm up, then per-repetition durations in ms: about ``budget_ms`` of them, and at
+        least ``min_reps``."""
 
     def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
         """None when the kernel's output matches the reference, else why not."""
@@ -45,6 +50,7 @@ class Bench(Protocol):
 @dataclass(frozen=True)
 class MeasureSettings:
     budget_ms: float = 200.0  # timed work per candidate of the full pass
+    min_reps: int = 20  # repetitions of a full pass or re-timing, however long a launch takes
     retime_top: int = 3  # candidates timed again before choosing
     retime_budget_ms: float = 400.0
     # With more than screen_keep candidates, each is first timed for screen_budget_ms and only
@@ -53,6 +59,10 @@ class MeasureSettings:
     screen_budget_ms: float = 50.0
     screen_keep: int = 6
     screen_share: float = 0.25
+    # The screen's own floor: a launch longer than screen_budget_ms / min_reps (2.5 ms) would
+    # otherwise take min_reps repetitions and the screen would save nothing. A few repetitions
+    # of a long launch are steady enough to tell a candidate 1.5x off the best.
+    screen_min_reps: int = 5
 
     def kept_after_screen(self, timed: int) -> int:
         """How many of ``timed`` candidates (finite screen times) go on to the full pass."""
@@ -116,13 +126,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def _time_one(bench: Bench, m: Measurement, budget_ms: float, round_: str) -> None:
+def _time_one(bench: Bench, m: Measurement, budget_ms: float, min_reps: int, round_: str) -> None:
     """Time ``m`` in one round: "screen", "full" or "retime" (the first timing of a candidate
     compiles it first, outside the timed region); a failure scores infinity."""
     try:
         if m.samples == 0:
             bench.compile(m.spec)
-        samples = bench.time(m.spec, budget_ms, num_splits=m.num_splits)
+        samples = bench.time(m.spec, budget_ms, num_splits=m.num_splits, min_reps=min_reps)
         median, spread = _summary(samples)
     except (KernelgenError, RuntimeError, ValueError, TypeError, OSError, MemoryError) as exc:
         m.median_ms, m.retime_ms, m.status = math.inf, None, "failed"
@@ -167,9 +177,10 @@ def measure(
         task = progress.add_task("", total=len(results) + full_pass + settings.retime_top)
 
         def run_round(batch: list[Measurement], budget_ms: float, round_: str) -> None:
+            reps = settings.screen_min_reps if round_ == "screen" else settings.min_reps
             for m in batch:
                 progress.update(task, description=f"{round_} {m.launch.label}")
-                _time_one(bench, m, budget_ms, round_)
+                _time_one(bench, m, budget_ms, reps, round_)
                 progress.advance(task)
 
         if screening:
