@@ -330,7 +330,8 @@ def attention(
     """
     plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
-        out, lse = known.run({"q": q, "k": k, "v": v, "seqlens_k": seqlens_k})
+        inputs = {"q": q, "k": k, "v": v, "seqlens_k": seqlens_k}
+        out, lse = known.run(inputs, return_lse)
         return (out, lse) if return_lse else out
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_info = describe(mask, "mask") if mask is not None else None
@@ -348,7 +349,7 @@ def attention(
             if len(_CALL_PLANS) >= MAX_CALL_PLANS:
                 _CALL_PLANS.clear()
             _CALL_PLANS[plan_key] = call_plan
-        out, lse = call_plan.launch_outputs(tensors)
+        out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
     return (out, lse) if return_lse else out
 
 
@@ -423,28 +424,36 @@ class CallPlan:
     arrays: Arrays
     device: int
 
-    def run(self, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    def run(self, inputs: dict[str, Any], want_lse: bool) -> tuple[Any, Any]:
         """A repeated call: ``inputs`` (q, k, v, seqlens_k; None: absent) are arrays of the
-        plan's library; returns (out, lse)."""
+        plan's library; returns (out, lse or None)."""
         arrays = self.arrays
         tensors = {name: arrays.launch_arg(x) for name, x in inputs.items() if x is not None}
         with arrays.scope(self.device):
-            return self.launch_outputs(tensors)
+            return self.launch_outputs(tensors, want_lse)
 
-    def launch_outputs(self, tensors: dict[str, Any]) -> tuple[Any, Any]:
-        """Allocate out, lse and any split-KV partials with the plan's library, add them to
-        ``tensors`` (kernel arguments by parameter name), launch and return (out, lse). Runs in
-        the plan's scope."""
+    def launch_outputs(self, tensors: dict[str, Any], want_lse: bool) -> tuple[Any, Any]:
+        """Allocate out, lse (only if wanted: the kernels skip a null lse) and the scratch
+        buffers with the plan's library, add them to ``tensors`` (kernel arguments by parameter
+        name), launch and return (out, lse or None). Runs in the plan's scope.
+
+        The scratch buffers (split-KV partials, v1's row states) share one allocation: every
+        allocation is a few microseconds of host time on the call's path."""
         arrays, device = self.arrays, self.device
-        float32 = arrays.float32()
         out = arrays.empty(self.out_shape, self.out_dtype, device)
-        lse = arrays.empty(self.lse_shape, float32, device)
-        tensors["out"], tensors["lse"] = arrays.launch_arg(out), arrays.launch_arg(lse)
-        partials = [arrays.empty((floats,), float32, device) for _, floats in self.launch.scratch]
-        for (name, _), partial in zip(self.launch.scratch, partials, strict=True):
-            tensors[name] = arrays.launch_arg(partial)  # alive until launched: enough, as
-        self.launch(tensors)  # each library frees in stream order
-        return out, lse
+        tensors["out"] = arrays.launch_arg(out)
+        lse = None
+        if want_lse:
+            lse = arrays.empty(self.lse_shape, arrays.float32(), device)
+            tensors["lse"] = arrays.launch_arg(lse)
+        scratch = None
+        if self.launch.scratch_floats:
+            scratch = arrays.empty((self.launch.scratch_floats,), arrays.float32(), device)
+            base = arrays.pointer(scratch)
+            for name, offset in self.launch.scratch_offsets:
+                tensors[name] = np.uint64(base + 4 * offset)
+        self.launch(tensors)  # scratch stays alive until launched: enough, as each library frees
+        return out, lse  # memory in stream order
 
 
 MAX_CALL_PLANS = 1024  # distinct call signatures remembered (then the table starts over)

@@ -135,6 +135,21 @@ def scratch_floats(spec: KernelSpec, problem: Problem) -> dict[str, int]:
     return buffers
 
 
+SCRATCH_ALIGN_FLOATS = 64  # each scratch buffer starts on a 256-byte boundary
+
+
+def scratch_layout(
+    buffers: tuple[tuple[str, int], ...],
+) -> tuple[tuple[tuple[str, int], ...], int]:
+    """Scratch buffers (name, floats) packed into one fp32 allocation: ((name, offset in
+    floats), ...) and the total floats."""
+    offsets, total = [], 0
+    for name, floats in buffers:
+        offsets.append((name, total))
+        total += -(-floats // SCRATCH_ALIGN_FLOATS) * SCRATCH_ALIGN_FLOATS
+    return tuple(offsets), total
+
+
 def default_num_splits(
     spec: KernelSpec, problem: Problem, sm_count: int, smem_per_sm: int = 228 * 1024
 ) -> int:
@@ -223,7 +238,7 @@ class RuntimeKernel:
     def __call__(
         self, tensors: dict[str, Any], problem: Problem, scale: float, num_splits: int | None = None
     ) -> None:
-        """Launch on CuPy arrays ``tensors`` (q, k, v, out, lse; optionally mask, seqlens_k)."""
+        """Launch on CuPy arrays ``tensors`` (q, k, v, out; optionally lse, mask, seqlens_k)."""
         self.prepare(problem, scale, num_splits)(tensors)
 
 
@@ -242,6 +257,7 @@ class PreparedLaunch:
         self, spec: KernelSpec, functions: dict[str, Any], problem: Problem, scale: float
     ) -> None:
         self.scratch = tuple(scratch_floats(spec, problem).items())
+        self.scratch_offsets, self.scratch_floats = scratch_layout(self.scratch)
         self.steps: list[tuple[Any, Grid, Grid, int, list[Any], tuple[tuple[int, str], ...]]] = []
         for step in launch_steps(spec, problem):
             template = kernel_arguments(step.params, problem, {}, scale, null=np.uint64(0))
@@ -257,13 +273,14 @@ class PreparedLaunch:
 
     def __call__(self, tensors: dict[str, Any]) -> None:
         """Launch on ``tensors`` by parameter name (CuPy arrays or device pointers as
-        ``np.uint64``; absent ones are null). Scratch buffers not given are allocated by CuPy."""
+        ``np.uint64``; absent ones are null, lse included). Scratch buffers not given are allocated
+        by CuPy, in one allocation."""
         if any(name not in tensors for name, _ in self.scratch):
             cupy = import_cupy()
             tensors = dict(tensors)
-            for name, floats in self.scratch:
-                if name not in tensors:
-                    tensors[name] = cupy.empty(floats, dtype=cupy.float32)
+            scratch = cupy.empty(self.scratch_floats, dtype=cupy.float32)  # alive until launched
+            for name, offset in self.scratch_offsets:
+                tensors.setdefault(name, np.uint64(scratch.data.ptr + 4 * offset))
         for function, grid, block, shared_mem, template, tensor_slots in self.steps:
             args = list(template)
             for index, name in tensor_slots:

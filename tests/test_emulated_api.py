@@ -37,10 +37,21 @@ def host_of(arg):
     if type(arg) is np.uint64:
         if int(arg) == 0:
             return None  # an absent tensor
-        host = fake_cupy.HOST.get(int(arg), fake_torch.HOST.get(int(arg)))
-        assert host is not None, f"pointer {int(arg):#x} is no backed allocation"
-        return host
+        return host_at(int(arg))
     return arg
+
+
+def host_at(address: int) -> np.ndarray:
+    """Host memory at a device pointer: a backed allocation, or the rest of the contiguous one
+    the pointer falls into (kernelgen packs its scratch buffers into one allocation)."""
+    for registry in (fake_cupy.HOST, fake_torch.HOST):
+        if address in registry:
+            return registry[address]
+        for start, host in registry.items():
+            if host.flags.c_contiguous and start < address < start + host.nbytes:
+                assert (address - start) % host.itemsize == 0, f"{address:#x} splits an element"
+                return host.reshape(-1)[(address - start) // host.itemsize :]
+    raise AssertionError(f"pointer {address:#x} is in no backed allocation")
 
 
 @pytest.fixture

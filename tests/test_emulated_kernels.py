@@ -89,9 +89,11 @@ def run_emulated(
     seqlens_k: np.ndarray | None = None,
     keep: dict | None = None,
     stats: dict | None = None,
+    want_lse: bool = True,
 ):
     """out and lse of the spec's launches on ``data`` (and, into ``keep``, every array; into
-    ``stats``, each kernel's LaunchStats by symbol).
+    ``stats``, each kernel's LaunchStats by symbol). Without ``want_lse`` the kernels get a
+    null lse, as attention() passes when the lse is not asked for, and lse is None.
 
     Split-KV specs default to 3 key chunks, so every case goes through the combine kernel."""
     if num_splits is None:
@@ -118,7 +120,8 @@ def run_emulated(
         arrays["seqlens_k"] = np.asarray(seqlens_k, dtype=np.int32)
     out_dtype = np.uint16 if dtype == "bfloat16" else arrays["q"].dtype
     arrays["out"] = np.full(out_shape, 0xFFFF if dtype == "bfloat16" else np.nan, dtype=out_dtype)
-    arrays["lse"] = np.full(call.q.shape[:3], np.nan, dtype=np.float32)
+    if want_lse:
+        arrays["lse"] = np.full(call.q.shape[:3], np.nan, dtype=np.float32)
     launched = launch_emulated(spec, problem, arrays, call.scale)
     if stats is not None:
         stats.update(launched)
@@ -127,7 +130,7 @@ def run_emulated(
     out = from_device_dtype(arrays["out"], dtype)
     if case.layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
-    return out, arrays["lse"]
+    return out, arrays.get("lse")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -143,6 +146,18 @@ def test_spec_matches_float64_reference(path, case):
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
     out, lse = run_emulated(spec, case, data)
     assert_matches(out, lse, data, spec.dtype)
+
+
+@pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
+def test_a_null_lse_is_not_written(path):
+    """attention() passes a null lse when the caller did not ask for it: every kernel (the
+    combine too) must skip that store and still write out (a store through null would crash)."""
+    spec = load_spec(path)
+    case = Case(1, 2, 1, 17, 40)  # GQA, partial tiles, rows that see no key when causal
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=11)
+    out, lse = run_emulated(spec, case, data, want_lse=False)
+    assert lse is None
+    assert_matches(out, None, data, spec.dtype)
 
 
 def test_nan_inputs_propagate_only_to_their_rows():

@@ -5,6 +5,7 @@ launches are recorded with the device and stream current at launch time."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -89,15 +90,26 @@ def test_a_repeated_torch_call_takes_its_plan_on_the_current_stream(recorded, mo
     assert [int(args[n]) for n in ("q", "k", "v", "out")] == [t.data_ptr() for t in (q, k, v, out)]
 
 
-def test_split_kv_partials_of_a_torch_call_are_torch_allocations(recorded):
+def test_split_kv_partials_of_a_torch_call_share_one_torch_allocation(recorded):
     q, k, v = torch_qkv(seqlen_q=1, seqlen_k=4096)
     allocated_before = set(fake_torch.ALLOCATED)
-    kernelgen.attention(q, k, v, num_splits=8)
+    out = kernelgen.attention(q, k, v, num_splits=8)
     assert [launch["symbol"].endswith("_combine") for launch in recorded] == [False, True]
     main, combine = (args_by_name(launch) for launch in recorded)
-    allocated = set(fake_torch.ALLOCATED) - allocated_before
+    new = [t for p, t in fake_torch.ALLOCATED.items() if p not in allocated_before]
+    scratch, *rest = [t for t in new if t.dtype is fake_torch.float32]
+    assert rest == [] and [t for t in new if t.dtype is not fake_torch.float32] == [out]
+    start = scratch.data_ptr()
+    end = start + 4 * math.prod(scratch.shape)
+    places = []
     for name in ("o_partial", "lse_partial"):
-        assert int(main[name]) == int(combine[name]) and int(main[name]) in allocated, name
+        assert int(main[name]) == int(combine[name]), name
+        assert start <= int(main[name]) < end and int(main[name]) % 256 == start % 256, name
+        places.append(int(main[name]))
+    rows = q.shape[0] * q.shape[1] * q.shape[2]
+    assert places[1] - places[0] >= 4 * 8 * rows * q.shape[3]  # o_partial fits before lse_partial
+    assert end - places[1] >= 4 * 8 * rows
+    assert int(combine["lse"]) == 0  # not asked for: not allocated, and the kernel skips it
     assert {launch["stream"] for launch in recorded} == {0}
 
 

@@ -65,10 +65,10 @@ def host_float32(array) -> np.ndarray:
     return as_float32(cupy, array).get()
 
 
-def run(spec, case: Case, data, **options):
+def run(spec, case: Case, data, want_lse: bool = True, **options):
     q, k, v = (device_array(getattr(data, n), spec.dtype, case.layout) for n in "qkv")
     mask = None if data.mask is None else __import__("cupy").asarray(data.mask)
-    out, lse = kernelgen.attention(
+    result = kernelgen.attention(
         q,
         k,
         v,
@@ -76,14 +76,15 @@ def run(spec, case: Case, data, **options):
         scale=case.scale,
         mask=mask,
         spec=spec,
-        return_lse=True,
+        return_lse=want_lse,
         layout=case.layout,
         **options,
     )
+    out, lse = result if want_lse else (result, None)
     out = host_float32(out)
     if case.layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
-    return out, lse.get()
+    return out, None if lse is None else lse.get()
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -94,6 +95,19 @@ def test_spec_on_gpu(path, case):
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=seed)
     out, lse = run(spec, case, data)
     assert_matches(out, lse, data, spec.dtype)
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=str)
+@pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
+def test_spec_without_lse_on_gpu(path, case):
+    """Without return_lse the kernels get a null lse (no allocation) and skip that store."""
+    spec = load_spec(path)
+    data = make_case(
+        case, spec.dtype, spec.head_dim, spec.causal, seed=zlib.crc32(path.stem.encode())
+    )
+    out, lse = run(spec, case, data, want_lse=False)
+    assert lse is None
+    assert_matches(out, None, data, spec.dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
