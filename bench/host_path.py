@@ -55,19 +55,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         ):
             repeated, checked = row(kernelgen.attention, api._CALL_PLANS, qkv, args.calls)
             print(f"| {label} | {arrays} | {repeated:.1f} | {checked:.1f} |")
+    # a KV-cache decode step whose lengths live on the host (checked and uploaded every call)
+    b, h, hkv, sq, sk, d = 8, 32, 8, 1, 32768, 128
+    shapes = ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
+    qkv = tuple(fake_cupy.ndarray(s, np.float16) for s in shapes)
+    lengths = {"seqlens_k": [sk - 17 * i for i in range(b)]}
+    repeated, checked = row(kernelgen.attention, api._CALL_PLANS, qkv, args.calls, lengths)
+    print(f"| decode b8 h32/8 32k d128, host seqlens_k | cupy | {repeated:.1f} | {checked:.1f} |")
 
 
 def row(
-    attention: Callable[..., object], plans: dict, qkv: tuple, calls: int
+    attention: Callable[..., object],
+    plans: dict,
+    qkv: tuple,
+    calls: int,
+    options: dict | None = None,
 ) -> tuple[float, float]:
-    """(repeated, checked) host microseconds per call of ``attention(*qkv)``."""
-    attention(*qkv)  # compiles (stub) and remembers the plan
+    """(repeated, checked) host microseconds per call of ``attention(*qkv, **options)``."""
+    options = options or {}
+    attention(*qkv, **options)  # compiles (stub) and remembers the plan
 
     def checked() -> None:
         plans.clear()
-        attention(*qkv)
+        attention(*qkv, **options)
 
-    return per_call_us(lambda: attention(*qkv), calls), per_call_us(checked, max(1, calls // 5))
+    repeated = per_call_us(lambda: attention(*qkv, **options), calls)
+    return repeated, per_call_us(checked, max(1, calls // 5))
 
 
 if __name__ == "__main__":

@@ -408,7 +408,10 @@ def _checked_plan(
     problem, out_shape = plan(call, layout)
     launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
     out_dtype = arrays.dtype_of(call.q.source)
-    return CallPlan(launch, out_shape, out_dtype, call.q.shape[:3], arrays, device), tensors
+    call_plan = CallPlan(
+        launch, out_shape, out_dtype, call.q.shape[:3], call.k.shape[2], arrays, device
+    )
+    return call_plan, tensors
 
 
 @dataclass(frozen=True)
@@ -421,15 +424,23 @@ class CallPlan:
     out_shape: tuple[int, ...]
     out_dtype: Any  # q's dtype, in the plan's library
     lse_shape: tuple[int, ...]
+    max_seqlen_k: int  # keys k and v hold: the bound of host seqlens_k
     arrays: Arrays
     device: int
 
     def run(self, inputs: dict[str, Any], want_lse: bool) -> tuple[Any, Any]:
         """A repeated call: ``inputs`` (q, k, v, seqlens_k; None: absent) are arrays of the
-        plan's library; returns (out, lse or None)."""
+        plan's library, seqlens_k also a host sequence (range-checked and uploaded here, on the
+        call's stream); returns (out, lse or None)."""
         arrays = self.arrays
-        tensors = {name: arrays.launch_arg(x) for name, x in inputs.items() if x is not None}
+        lengths = inputs.pop("seqlens_k")
+        tensors = {name: arrays.launch_arg(x) for name, x in inputs.items()}
         with arrays.scope(self.device):
+            if isinstance(lengths, HOST_LENGTHS):
+                lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k)
+                tensors["seqlens_k"] = launch_arg(arrays, lengths)  # alive until launched
+            elif lengths is not None:
+                tensors["seqlens_k"] = arrays.launch_arg(lengths)
             return self.launch_outputs(tensors, want_lse)
 
     def launch_outputs(self, tensors: dict[str, Any], want_lse: bool) -> tuple[Any, Any]:
@@ -476,7 +487,7 @@ def _call_plan_key(
     alignment of q, k, v, the options, the device, the autotune mode and the tuner memo's
     generation (a new winner or a cleared memo makes every plan stale). None where calls always
     take the checked path: q, k, v not all CuPy arrays or all torch tensors (of one type), a
-    mask, seqlens_k not of q's type (host lengths), unhashable options."""
+    mask, seqlens_k neither of q's type nor a host sequence, unhashable options."""
     if mask is not None or not type(q) is type(k) is type(v):
         return None
     module = module_of(q)
@@ -486,9 +497,14 @@ def _call_plan_key(
         arrays = CupyArrays
     else:
         return None
-    if seqlens_k is not None and type(seqlens_k) is not type(q):
+    if seqlens_k is None:
+        lengths = None
+    elif type(seqlens_k) is type(q):
+        lengths = arrays.signature(seqlens_k)[:3]
+    elif isinstance(seqlens_k, HOST_LENGTHS):
+        lengths = ("host",)  # every call checks and uploads its own values (CallPlan.run)
+    else:
         return None
-    lengths = None if seqlens_k is None else arrays.signature(seqlens_k)[:3]
     from kernelgen.tuning.autotune import memo_generation
 
     key = (
@@ -565,9 +581,13 @@ def check_num_splits(num_splits: Any, spec: KernelSpec | None) -> int | None:
     return num_splits
 
 
+HOST_LENGTHS = (list, tuple, np.ndarray)  # seqlens_k given on the host
+
+
 def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
-    """seqlens_k as a contiguous int32 device array of shape (batch,)."""
-    if isinstance(seqlens_k, (list, tuple)) or type(seqlens_k).__module__ == "numpy":
+    """seqlens_k as a contiguous int32 device array of shape (batch,) (host sequences are
+    checked and uploaded to the current device, on the current stream)."""
+    if isinstance(seqlens_k, HOST_LENGTHS) or type(seqlens_k).__module__ == "numpy":
         host = np.asarray(seqlens_k)
         if host.ndim != 1 or host.shape[0] != batch:
             raise InputError(

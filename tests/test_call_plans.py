@@ -102,14 +102,38 @@ def test_anything_that_decides_the_launches_takes_the_checked_path(recorded, mon
     assert len(checks) == 2
 
 
-def test_masks_and_host_lengths_are_checked_every_call(recorded):
+def test_masks_are_checked_every_call(recorded):
     _, checks = recorded
     q, k, v = qkv()
     mask = fake_cupy.ndarray((1, 1, q.shape[2], k.shape[2]), np.float32)
     for _ in range(2):
         kernelgen.attention(q, k, v, mask=mask)
-        kernelgen.attention(q, k, v, seqlens_k=[120, 7])
-    assert len(checks) == 4
+    assert len(checks) == 2
+
+
+@pytest.mark.parametrize("host", [list, tuple, np.asarray], ids=["list", "tuple", "numpy"])
+def test_host_lengths_take_the_plan_and_are_checked_and_uploaded_every_call(
+    recorded, monkeypatch, host
+):
+    launches, checks = recorded
+    uploads = []
+    cupy = sys.modules["cupy"]  # the recording fake
+    real_asarray = cupy.asarray
+    monkeypatch.setattr(cupy, "asarray", lambda x: uploads.append(x) or real_asarray(x))
+    q, k, v = qkv()
+    for lengths in ([120, 7], [0, 120]):
+        kernelgen.attention(q, k, v, seqlens_k=host(lengths))
+    assert len(checks) == 1 and len(launches) == 2  # the second call took the plan
+    assert [list(u) for u in uploads] == [[120, 7], [0, 120]]  # each call's own values
+    assert all(u.dtype == np.int32 for u in uploads)
+    for bad, error, match in (
+        ([121, 0], kernelgen.InputError, "121"),
+        ([1, 2, 3], kernelgen.InputError, "shape"),
+        ([1.5, 2.0], kernelgen.InputTypeError, "dtype"),
+    ):
+        with pytest.raises(error, match=match):
+            kernelgen.attention(q, k, v, seqlens_k=host(bad))
+    assert len(launches) == 2  # refused before any launch
 
 
 def test_bad_input_still_raises_after_a_good_call(recorded):
