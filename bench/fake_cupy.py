@@ -78,7 +78,7 @@ def from_host(host: np.ndarray, device: int | None = None) -> ndarray:
     return ndarray((), host.dtype, device=device, host=host)
 
 
-def _poison(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def poisoned_host(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """Host memory for a backed allocation: NaN (all ones for integers) until written."""
     dtype = np.dtype(dtype)
     if dtype.kind == "f":
@@ -104,7 +104,7 @@ ndarray.__module__ = "cupy"  # kernelgen.api.describe recognises CuPy arrays by 
 def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
     shape = shape if isinstance(shape, tuple) else (shape,)
     if BACKED["on"]:
-        return from_host(_poison(shape, dtype))
+        return from_host(poisoned_host(shape, dtype))
     return ndarray(shape, dtype)
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.fake_cupy import poisoned_host
+
 _POINTERS = itertools.count(1 << 32, 1 << 12)  # 4 KiB apart: 16-byte aligned
 ALLOCATED: dict[int, Tensor] = {}
 STREAMS: dict[int, int] = {}  # device -> current stream pointer (0: the default stream)
@@ -123,9 +125,7 @@ Tensor.__module__ = "torch"  # kernelgen recognises torch tensors by module
 def empty(shape: tuple[int, ...], dtype: dtype, device: device) -> Tensor:
     index = device.index if device.index is not None else 0
     if BACKED["on"]:
-        kind = np.dtype(_NUMPY[dtype.name])
-        poison = np.nan if kind.kind == "f" else -1
-        return from_numpy(np.full(shape, poison, kind), index)
+        return from_numpy(poisoned_host(shape, _NUMPY[dtype.name]), index)
     return Tensor(shape, dtype, index)
 
 

@@ -20,7 +20,6 @@ from typing import Any
 from bench.metrics import percentile, repetitions, summarize
 
 # Quiet-NaN bit patterns used to poison outputs before the correctness check.
-NAN_BITS = {"float16": (0x7E00, 16), "bfloat16": (0x7FC0, 16), "float32": (0x7FC00000, 32)}
 TIMING_METHOD = (
     "CUDA events around each call on torch's current stream; warm-up >= 3 calls and >= 25 ms; "
     "the host queues all timed calls behind a sleep kernel so that the events time the device, "
@@ -306,38 +305,20 @@ def compile_spec(env: Env, spec: Any) -> float:
 
 @contextlib.contextmanager
 def poisoned_kernelgen_outputs(env: Env) -> Iterator[None]:
-    """Make kernelgen's CuPy output allocations NaN-filled through its documented test hook
-    (``kernelgen.frameworks.CupyArrays.empty``; ``kernelgen.api._empty`` in versions before
-    frameworks.py, which bench/versions.sh may time); without a hook its outputs are still
-    fresh arrays and NaN is still checked."""
-    cupy = env.cupy
-
-    def poisoned(array: Any, dtype: Any) -> Any:
-        name = str(getattr(dtype, "name", None) or cupy.dtype(dtype).name)
-        bits = NAN_BITS.get(name)
-        if bits is not None:
-            array.view(cupy.uint16 if bits[1] == 16 else cupy.uint32).fill(bits[0])
-        return array
-
-    try:
-        holder, attribute = env.kg_module("frameworks").CupyArrays, "empty"
-        empty = holder.empty
-        replacement: Any = staticmethod(
-            lambda shape, dtype, device: poisoned(empty(shape, dtype, device), dtype)
-        )
-    except ImportError:
-        holder, attribute = env.kg_module("api"), "_empty"
-        empty = getattr(holder, attribute, None)
-        if empty is None:
-            yield
-            return
-        replacement = lambda shape, dtype: poisoned(empty(shape, dtype), dtype)  # noqa: E731
-    original = holder.__dict__[attribute]
-    setattr(holder, attribute, replacement)
+    """Make kernelgen's CuPy allocations NaN-filled through its documented test hook,
+    ``kernelgen.frameworks.CupyArrays.empty`` (bench/versions.sh swaps templates only, so the
+    Python and its hook are always this tree's)."""
+    cupy, holder = env.cupy, env.kg_module("frameworks").CupyArrays
+    nan_fill = env.kg_module("tuning.gpu").nan_fill
+    original = holder.__dict__["empty"]
+    empty = holder.empty
+    holder.empty = staticmethod(
+        lambda shape, dtype, device: nan_fill(cupy, empty(shape, dtype, device))
+    )
     try:
         yield
     finally:
-        setattr(holder, attribute, original)
+        holder.empty = original
 
 
 def poison_allocators(env: Env, nbytes: int) -> None:

@@ -172,6 +172,7 @@ def tune_row(shape: TuneShape, scratch: Path) -> dict[str, Any]:
     from kernelgen.tuning import ProblemDesc, TuningDB, clear_memo, make_key, select_launch
     from kernelgen.tuning.candidates import TunedLaunch, clear_resource_memo
     from kernelgen.tuning.gpu import CupyBench, detect_device
+    from kernelgen.tuning.measure import MeasureSettings
 
     cold_caches(scratch / shape.key)
     clear_memo()
@@ -190,7 +191,12 @@ def tune_row(shape: TuneShape, scratch: Path) -> dict[str, Any]:
         if c.get("median_ms") is None:
             continue
         candidate = TunedLaunch(spec_from_dict(c["spec"]), c.get("num_splits"))
-        samples = bench.time(candidate.spec, EXHAUSTIVE_BUDGET_MS, candidate.num_splits)
+        samples = bench.time(
+            candidate.spec,
+            EXHAUSTIVE_BUDGET_MS,
+            candidate.num_splits,
+            min_reps=MeasureSettings().min_reps,  # as many as the tuner's own full pass
+        )
         retimed[candidate.label] = statistics.median(samples)
     winner_ms = retimed.get(launch.label)
     ratio, best = choice_ratio(winner_ms, retimed)

@@ -59,7 +59,7 @@ class TensorInfo:
 
 def describe(array: Any, name: str) -> TensorInfo:
     """Shape, strides and dtype of a device array, read without copying or launching anything."""
-    module = type(array).__module__.split(".")[0]
+    module = module_of(array)
     if module == "numpy":
         raise InputTypeError(
             f"{name} is a host (NumPy) array; kernelgen runs on the GPU: pass a CuPy array "
@@ -356,9 +356,7 @@ def attention(
 def _common_device(named: dict[str, Any]) -> int:
     """The device all device arrays among ``named`` live on (host sequences are skipped)."""
     where = {
-        name: device_of(x)
-        for name, x in named.items()
-        if x is not None and not isinstance(x, (list, tuple)) and module_of(x) != "numpy"
+        name: device_of(x) for name, x in named.items() if x is not None and not is_host_sequence(x)
     }
     device = where["q"]
     for name, index in where.items():
@@ -436,7 +434,7 @@ class CallPlan:
         lengths = inputs.pop("seqlens_k")
         tensors = {name: arrays.launch_arg(x) for name, x in inputs.items()}
         with arrays.scope(self.device):
-            if isinstance(lengths, HOST_LENGTHS):
+            if is_host_sequence(lengths):
                 lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k)
                 tensors["seqlens_k"] = launch_arg(arrays, lengths)  # alive until launched
             elif lengths is not None:
@@ -460,11 +458,11 @@ class CallPlan:
         scratch = None
         if self.launch.scratch_floats:
             scratch = arrays.empty((self.launch.scratch_floats,), arrays.float32(), device)
-            base = arrays.pointer(scratch)
-            for name, offset in self.launch.scratch_offsets:
-                tensors[name] = np.uint64(base + 4 * offset)
-        self.launch(tensors)  # scratch stays alive until launched: enough, as each library frees
-        return out, lse  # memory in stream order
+            tensors.update(self.launch.scratch_pointers(arrays.pointer(scratch)))
+        # scratch lives until the launches are queued: enough, as each library frees in stream
+        # order
+        self.launch(tensors)
+        return out, lse
 
 
 MAX_CALL_PLANS = 1024  # distinct call signatures remembered (then the table starts over)
@@ -501,7 +499,7 @@ def _call_plan_key(
         lengths = None
     elif type(seqlens_k) is type(q):
         lengths = arrays.signature(seqlens_k)[:3]
-    elif isinstance(seqlens_k, HOST_LENGTHS):
+    elif is_host_sequence(seqlens_k):
         lengths = ("host",)  # every call checks and uploads its own values (CallPlan.run)
     else:
         return None
@@ -581,13 +579,15 @@ def check_num_splits(num_splits: Any, spec: KernelSpec | None) -> int | None:
     return num_splits
 
 
-HOST_LENGTHS = (list, tuple, np.ndarray)  # seqlens_k given on the host
+def is_host_sequence(x: Any) -> bool:
+    """Whether ``x`` lives on the host (a list, tuple or NumPy value): host ``seqlens_k``."""
+    return isinstance(x, (list, tuple)) or module_of(x) == "numpy"
 
 
 def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
     """seqlens_k as a contiguous int32 device array of shape (batch,) (host sequences are
     checked and uploaded to the current device, on the current stream)."""
-    if isinstance(seqlens_k, HOST_LENGTHS) or type(seqlens_k).__module__ == "numpy":
+    if is_host_sequence(seqlens_k):
         host = np.asarray(seqlens_k)
         if host.ndim != 1 or host.shape[0] != batch:
             raise InputError(

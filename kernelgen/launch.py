@@ -256,8 +256,8 @@ class PreparedLaunch:
     def __init__(
         self, spec: KernelSpec, functions: dict[str, Any], problem: Problem, scale: float
     ) -> None:
-        self.scratch = tuple(scratch_floats(spec, problem).items())
-        self.scratch_offsets, self.scratch_floats = scratch_layout(self.scratch)
+        buffers = tuple(scratch_floats(spec, problem).items())
+        self.scratch_offsets, self.scratch_floats = scratch_layout(buffers)
         self.steps: list[tuple[Any, Grid, Grid, int, list[Any], tuple[tuple[int, str], ...]]] = []
         for step in launch_steps(spec, problem):
             template = kernel_arguments(step.params, problem, {}, scale, null=np.uint64(0))
@@ -271,16 +271,21 @@ class PreparedLaunch:
                 (function, step.grid, step.block, step.shared_mem, template, tensor_slots)
             )
 
+    def scratch_pointers(self, base: int) -> dict[str, Any]:
+        """Each scratch buffer's device pointer (``np.uint64``) in the one fp32 allocation of
+        ``scratch_floats`` floats at address ``base`` (:func:`scratch_layout`)."""
+        return {name: np.uint64(base + 4 * offset) for name, offset in self.scratch_offsets}
+
     def __call__(self, tensors: dict[str, Any]) -> None:
         """Launch on ``tensors`` by parameter name (CuPy arrays or device pointers as
         ``np.uint64``; absent ones are null, lse included). Scratch buffers not given are allocated
         by CuPy, in one allocation."""
-        if any(name not in tensors for name, _ in self.scratch):
+        if any(name not in tensors for name, _ in self.scratch_offsets):
             cupy = import_cupy()
             tensors = dict(tensors)
             scratch = cupy.empty(self.scratch_floats, dtype=cupy.float32)  # alive until launched
-            for name, offset in self.scratch_offsets:
-                tensors.setdefault(name, np.uint64(scratch.data.ptr + 4 * offset))
+            for name, pointer in self.scratch_pointers(scratch.data.ptr).items():
+                tensors.setdefault(name, pointer)
         for function, grid, block, shared_mem, template, tensor_slots in self.steps:
             args = list(template)
             for index, name in tensor_slots:

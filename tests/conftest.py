@@ -70,6 +70,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
+    """CuPy and torch replaced by bench's host-only fakes (host memory behind every array with
+    ``backed``), every runtime kernel calling ``launch(symbol, grid, block, args, shared_mem)``
+    instead of a GPU, the heuristic specs (no tuning), no remembered call plans or kernels.
+    Fixtures that use it call ``clear_kernel_cache()`` when they end."""
+    from bench import fake_cupy, fake_torch
+    from kernelgen import api
+    from kernelgen.launch import RuntimeKernel, clear_kernel_cache
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module(backed=backed))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch.module(backed=backed))
+    monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(launch))
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    monkeypatch.setattr(api, "_CALL_PLANS", {})
+    clear_kernel_cache()
+
+
+def launched_kernel(symbol: str) -> tuple[KernelSpec, tuple]:
+    """The spec of a compiled (faked) kernel symbol, main kernel or combine, and its parameter
+    list, as the launch that used it saw them."""
+    from kernelgen.launch import _KERNELS
+    from kernelgen.render import combine_params, kernel_params
+
+    spec = next(s for s, _ in _KERNELS if symbol in (s.uri, s.combine_uri))
+    return spec, kernel_params(spec) if symbol == spec.uri else combine_params(spec)
+
+
 @pytest.fixture(scope="session")
 def spec_paths() -> list[Path]:
     return SPEC_PATHS

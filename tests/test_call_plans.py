@@ -8,11 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import install_fake_libraries
 
 import kernelgen
 from bench import fake_cupy
 from kernelgen import api
-from kernelgen.launch import RuntimeKernel, clear_kernel_cache
+from kernelgen.launch import clear_kernel_cache
 from kernelgen.tuning import clear_memo
 
 
@@ -21,17 +22,12 @@ def recorded(monkeypatch, tuning_sandbox):
     """Launches as (symbol, grid, block, args, shared_mem); a fake CuPy; no tuning (heuristic);
     check_inputs counted."""
     launches: list[tuple] = []
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module())
-    monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(
-        lambda *launch: launches.append(launch)))  # fmt: skip
-    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
-    monkeypatch.setattr(api, "_CALL_PLANS", {})
+    install_fake_libraries(monkeypatch, lambda *launch: launches.append(launch))
     checks = []
     real_check = api.check_inputs
     monkeypatch.setattr(
         api, "check_inputs", lambda *a, **kw: checks.append(1) or real_check(*a, **kw)
     )
-    clear_kernel_cache()
     yield launches, checks
     clear_kernel_cache()
 

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 
 import numpy as np
 import pytest
 from attention_cases import Case, assert_matches, make_case
-from conftest import require_toolchain
+from conftest import install_fake_libraries, launched_kernel, require_toolchain
 from test_emulated_kernels import emulated
 
 import kernelgen
 from bench import fake_cupy, fake_torch
-from kernelgen import api
-from kernelgen.launch import _KERNELS, RuntimeKernel, clear_kernel_cache
+from kernelgen.launch import clear_kernel_cache
 from kernelgen.reference import naive_attention
-from kernelgen.render import combine_params, kernel_params
 
 pytestmark = pytest.mark.emulate
 
@@ -61,18 +58,12 @@ def symbols(monkeypatch, tuning_sandbox):
     launched: list[str] = []
 
     def launch(symbol, grid, block, args, shared_mem):
-        spec = next(s for s, _ in _KERNELS if symbol in (s.uri, s.combine_uri))
-        params = kernel_params(spec) if symbol == spec.uri else combine_params(spec)
+        spec, params = launched_kernel(symbol)
         values = [host_of(a) for a in args]
         emulated(spec, symbol, params)(grid=grid, block=block, shared_mem=shared_mem, args=values)
         launched.append(symbol)
 
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module(backed=True))
-    monkeypatch.setitem(sys.modules, "torch", fake_torch.module(backed=True))
-    monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(launch))
-    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")  # the heuristic spec (sm_90 fake: tensor cores)
-    monkeypatch.setattr(api, "_CALL_PLANS", {})
-    clear_kernel_cache()
+    install_fake_libraries(monkeypatch, launch, backed=True)  # sm_90 fake: tensor-core specs
     yield launched
     clear_kernel_cache()
 

@@ -6,16 +6,16 @@ launches are recorded with the device and stream current at launch time."""
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 import pytest
+from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
 from bench import fake_cupy, fake_torch
 from kernelgen import api
-from kernelgen.launch import _KERNELS, RuntimeKernel, clear_kernel_cache
-from kernelgen.render import combine_params, kernel_params
+from kernelgen.launch import clear_kernel_cache
+from kernelgen.render import kernel_params
 
 
 @pytest.fixture
@@ -33,12 +33,7 @@ def recorded(monkeypatch, tuning_sandbox):
             }
         )
 
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module())
-    monkeypatch.setitem(sys.modules, "torch", fake_torch.module())
-    monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(launch))
-    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
-    monkeypatch.setattr(api, "_CALL_PLANS", {})
-    clear_kernel_cache()
+    install_fake_libraries(monkeypatch, launch)
     yield launches
     clear_kernel_cache()
 
@@ -53,8 +48,7 @@ def torch_qkv(device=0, seqlen_q=100, seqlen_k=120, dtype=None):
 
 def args_by_name(launch: dict) -> dict:
     """A recorded launch's arguments by kernel parameter name (main kernel or combine)."""
-    spec = next(s for s, _ in _KERNELS if launch["symbol"] in (s.uri, s.combine_uri))
-    params = kernel_params(spec) if launch["symbol"] == spec.uri else combine_params(spec)
+    _, params = launched_kernel(launch["symbol"])
     return {p.name: a for p, a in zip(params, launch["args"], strict=True)}
 
 

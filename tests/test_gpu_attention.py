@@ -34,13 +34,10 @@ def poisoned_outputs(monkeypatch):
     import cupy
 
     from kernelgen.frameworks import CupyArrays
-    from kernelgen.tuning.gpu import NAN_BITS
+    from kernelgen.tuning.gpu import nan_fill
 
-    def nan_filled(shape, dtype, device):  # NaN by bit pattern: no fill kernel of the dtype needed
-        array = cupy.empty(shape, dtype=dtype)
-        bits, width = NAN_BITS[str(array.dtype)]
-        array.view(cupy.uint16 if width == 16 else cupy.uint32).fill(bits)
-        return array
+    def nan_filled(shape, dtype, device):
+        return nan_fill(cupy, cupy.empty(shape, dtype=dtype))
 
     monkeypatch.setattr(CupyArrays, "empty", staticmethod(nan_filled))
 

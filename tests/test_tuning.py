@@ -191,8 +191,8 @@ def test_failures_score_infinity_and_the_best_few_are_retimed():
 class BudgetBench(FakeBench):
     """Times that depend on the round: the short screen reads 2x faster than the full pass."""
 
-    def time(self, spec, budget_ms, num_splits=None, min_reps=20):
-        samples = super().time(spec, budget_ms, num_splits, min_reps)
+    def time(self, spec, budget_ms, num_splits=None, *, min_reps):
+        samples = super().time(spec, budget_ms, num_splits, min_reps=min_reps)
         return [x / 2 for x in samples] if budget_ms < FAST.budget_ms else samples
 
 

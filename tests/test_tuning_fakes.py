@@ -83,7 +83,8 @@ class FakeBench:
         spec: KernelSpec,
         budget_ms: float,
         num_splits: int | None = None,
-        min_reps: int = 20,
+        *,
+        min_reps: int,
     ) -> list[float]:
         self.timed.append(TunedLaunch(spec, num_splits).label)
         self.min_reps.append(min_reps)

@@ -25,6 +25,14 @@ def repetitions(budget_ms: float, launch_ms: float, min_reps: int) -> int:
     return int(min(MAX_REPS, max(min_reps, budget_ms / max(launch_ms, 1e-3))))
 
 
+def nan_fill(cupy: Any, array: Any) -> Any:
+    """Fill a float16, bfloat16 or float32 CuPy array with NaN by bit pattern (no fill kernel of
+    the dtype needed), so that elements a kernel leaves unwritten show up; returns ``array``."""
+    bits, width = NAN_BITS[str(array.dtype)]
+    array.view(cupy.uint16 if width == 16 else cupy.uint32).fill(bits)
+    return array
+
+
 def require_device() -> Any:
     """CuPy, once a CUDA device is known to be visible (ToolchainMissingError otherwise)."""
     from kernelgen.launch import import_cupy
@@ -175,7 +183,8 @@ class CupyBench:
         spec: KernelSpec,
         budget_ms: float,
         num_splits: int | None = None,
-        min_reps: int = 20,
+        *,
+        min_reps: int,
     ) -> list[float]:
         cuda = self.cupy.cuda
         start, stop = cuda.Event(), cuda.Event()
@@ -223,8 +232,7 @@ class CupyBench:
     def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
         cp = self.cupy
         s = self.sets[0]
-        bits, width = NAN_BITS[self.problem.dtype]  # poison, so unwritten rows show up
-        s["out"].view(cp.uint16 if width == 16 else cp.uint32).fill(bits)
+        nan_fill(cp, s["out"])  # poison, so unwritten rows show up
         self._launch(spec, 0, num_splits)
         ref = self.reference(s)
         got = as_float32(cp, s["out"])

@@ -38,7 +38,8 @@ class Bench(Protocol):
         spec: KernelSpec,
         budget_ms: float,
         num_splits: int | None = None,
-        min_reps: int = 20,
+        *,
+        min_reps: int,
     ) -> list[float]:
         """Warm up, then per-repetition durations in ms: about ``budget_ms`` of them, and at
         least ``min_reps``."""
