@@ -3,7 +3,7 @@
 The block scheduler starts blocks in index order on the first free slot (SMs x blocks per SM).
 A causal row tile's time grows with the key tiles it sees, so the order decides how the last
 wave is filled: ascending (tile x at index x) leaves the longest blocks for the end, descending
-(the kernels' order, `row_tile_index()`) runs them first and lets the short ones fill the gaps,
+(the kernels' order, `block_tile()`) runs them first and lets the short ones fill the gaps,
 the longest-processing-time rule. This is arithmetic on the benchmark's shapes, not a
 measurement; it predicts the change in causal time, which `bench.attention` then measures.
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kernelgen.compile import COMMON_OPTIONS, cuda_include_dir
-from kernelgen.errors import CompileError, ToolchainMissingError
+from kernelgen.errors import CompileError, InputError, ToolchainMissingError
 from kernelgen.render import (
     COMBINE_WARPS,
     MAX_SPLITS,
@@ -90,15 +90,26 @@ def tile_rows(spec: KernelSpec, problem: Problem) -> int:
     return problem.seqlen_q * (problem.group if spec.pack_gqa else 1)
 
 
+# CUDA's grid limits: gridDim.x up to 2^31 - 1 blocks, gridDim.y and gridDim.z up to 65535.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+
+
 def launch_geometry(spec: KernelSpec, problem: Problem) -> tuple[Grid, Grid]:
-    """(grid, block) of the main kernel: v2 launches a block per row tile, head (key/value head
-    with ``pack_gqa``) and key chunk (``split_kv``); v1 one block per head."""
+    """(grid, block) of the main kernel. v2: gridDim.x runs over the row tiles of a head (a
+    key/value head with ``pack_gqa``), then the (batch, head) pairs; gridDim.y over the key
+    chunks (``split_kv``). v1: one block per (batch, head) on gridDim.x. The heads share x,
+    whose limit is 2^31 - 1, so a large batch never meets y's 65535."""
     heads = problem.batch * (problem.num_kv_heads if spec.pack_gqa else problem.num_heads)
     if spec.loop_order == "v2":
         splits = problem.num_splits if spec.split_kv else 1
-        grid = (math.ceil(tile_rows(spec, problem) / spec.block_m), heads, splits)
+        grid = (math.ceil(tile_rows(spec, problem) / spec.block_m) * heads, splits, 1)
     else:
         grid = (heads, 1, 1)
+    if any(size > limit for size, limit in zip(grid, MAX_GRID, strict=True)):
+        raise InputError(
+            f"{spec.uri}: batch={problem.batch} x heads x seqlen_q={problem.seqlen_q} needs the "
+            f"grid {grid}, over CUDA's limit of {MAX_GRID} blocks; split the call over the batch"
+        )
     return grid, (spec.threads, 1, 1)
 
 

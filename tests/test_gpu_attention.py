@@ -107,6 +107,23 @@ def test_spec_without_lse_on_gpu(path, case):
     assert_matches(out, None, data, spec.dtype)
 
 
+@pytest.mark.parametrize(
+    "stem",
+    [
+        "v2_f16_d64_causal",  # CUDA cores: 2048 x 66 = 135168 (batch, head) pairs
+        "v2_tc_f16_d64_m64_n64_s2_swz",  # tensor cores, one block per row tile and query head
+        "v2_tc_f16_d64_m32_n64_s3_swz_gqa_split",  # 2048 x 33 K/V heads, split over keys
+    ],
+)
+def test_more_than_65535_heads_in_a_batch(stem):
+    """batch x heads past gridDim.y's limit of 65535: the heads are on gridDim.x (launch.py)."""
+    spec = load_spec(next(p for p in SPEC_PATHS if p.stem == stem))
+    case = Case(2048, 66, 33, 2, 17)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=zlib.crc32(stem.encode()))
+    out, lse = run(spec, case, data)
+    assert_matches(out, lse, data, spec.dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_default_spec_on_gpu(dtype, head_dim, monkeypatch):

@@ -92,3 +92,63 @@ def test_offline_resources_keep_the_cubin(monkeypatch, tmp_path):
     assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF"
     assert res.registers > 0 and res.spill_store_bytes == 0
     assert candidates.offline_cubin(SPLIT, "sm_80") is None  # another arch: not compiled
+
+
+def _problem(batch: int, heads: int, kv_heads: int, seqlen_q: int, splits: int = 1):
+    strides = (heads * seqlen_q * 128, seqlen_q * 128, 128)
+    kv_strides = (kv_heads * 4096 * 128, 4096 * 128, 128)
+    return launch.Problem(
+        batch=batch,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        seqlen_q=seqlen_q,
+        seqlen_k=4096,
+        head_dim=128,
+        q_strides=strides,
+        k_strides=kv_strides,
+        v_strides=kv_strides,
+        out_strides=strides,
+        num_splits=splits,
+    )
+
+
+PREFILL = spec_from_dict(
+    {
+        "loop_order": "v2",
+        "mma": "mma_sync",
+        "dtype": "float16",
+        "head_dim": 128,
+        "block_m": 64,
+        "block_n": 64,
+        "num_warps": 4,
+        "stages": 2,
+        "causal": True,
+    }
+)
+SIMT = spec_from_dict(
+    {"loop_order": "v2", "dtype": "float32", "head_dim": 128, "block_m": 64, "block_n": 32}
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem", "row_tiles", "heads", "splits"),
+    [
+        (PREFILL, _problem(2048, 32, 32, 100), 2, 2048 * 32, 1),  # 65536 heads
+        (SIMT, _problem(4096, 32, 8, 64), 1, 4096 * 32, 1),
+        (SPLIT, _problem(4096, 32, 32, 1, splits=7), 1, 4096 * 32, 7),  # no GQA to pack
+        (SPLIT, _problem(8192, 64, 8, 4, splits=3), 2, 8192 * 8, 3),  # packed: 4 x 8 rows
+    ],
+)
+def test_large_batches_stay_within_the_grid_limits(spec, problem, row_tiles, heads, splits):
+    # CUDA refuses a launch whose gridDim.y or .z passes 65535: batch x heads must not go there.
+    grid, block = launch.launch_geometry(spec, problem)
+    assert grid == (row_tiles * heads, splits, 1)
+    assert all(n <= limit for n, limit in zip(grid, launch.MAX_GRID, strict=True))
+    assert block == (spec.threads, 1, 1)
+
+
+def test_a_grid_over_the_limit_is_an_input_error():
+    from kernelgen.errors import InputError
+
+    with pytest.raises(InputError, match=r"batch=2097152 .* CUDA's limit"):
+        launch.launch_geometry(SIMT, _problem(2**21, 64, 64, 1024))
