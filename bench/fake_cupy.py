@@ -131,7 +131,7 @@ class _Device(_MakesCurrent):
     def __init__(self, index: int | None = None) -> None:
         self.id = self.current = CURRENT["device"] if index is None else index
         self.compute_capability = "90"
-        self.attributes = {"MultiProcessorCount": 132}
+        self.attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
 
 
 class ExternalStream(_MakesCurrent):

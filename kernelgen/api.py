@@ -29,7 +29,14 @@ from kernelgen.frameworks import (
     module_of,
     pointer_of,
 )
-from kernelgen.launch import MAX_SPLITS, PreparedLaunch, Problem, import_cupy, runtime_kernel
+from kernelgen.launch import (
+    MAX_SPLITS,
+    PreparedLaunch,
+    Problem,
+    check_fits_device,
+    import_cupy,
+    runtime_kernel,
+)
 from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, default_smem_layout
 
 Layout = Literal["bhsd", "bshd"]
@@ -394,6 +401,7 @@ def _checked_plan(
         num_splits = num_splits or tuned_splits
     elif spec.mma == "mma_sync" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
+    check_fits_device(spec, device)
     kernel = runtime_kernel(spec)
     tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
     if seqlens is not None:

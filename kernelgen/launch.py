@@ -316,6 +316,33 @@ def _sm_count(device: int) -> int:
     return int(import_cupy().cuda.Device(device).attributes["MultiProcessorCount"])
 
 
+@cache
+def _device_limits(device: int) -> tuple[int, int]:
+    """(compute capability, e.g. 90; shared memory a block may opt in to, bytes) of a device."""
+    gpu = import_cupy().cuda.Device(device)
+    return int(gpu.compute_capability), int(gpu.attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+MIN_CAPABILITY = {"simt": 0, "mma_sync": 80}  # ldmatrix, cp.async and bf16 mma.sync: sm_80
+
+
+def check_fits_device(spec: KernelSpec, device: int) -> None:
+    """Raise an InputError naming the spec when ``device`` cannot run it (too old for its
+    instructions, too little shared memory per block), before CUDA refuses the launch."""
+    capability, smem_limit = _device_limits(device)
+    if capability < MIN_CAPABILITY[spec.mma]:
+        raise InputError(
+            f"spec {spec.uri} has mma={spec.mma}, which needs compute capability "
+            f"{MIN_CAPABILITY[spec.mma]} or newer; device {device} is sm_{capability}"
+        )
+    if spec.smem_bytes > smem_limit:
+        raise InputError(
+            f"spec {spec.uri} needs {spec.smem_bytes} bytes of shared memory per block; device "
+            f"{device} (sm_{capability}) allows at most {smem_limit}: use smaller block_m, "
+            "block_n or stages"
+        )
+
+
 def kernel_arguments(
     params: tuple[Param, ...], problem: Problem, tensors: dict[str, Any], scale: float, null: Any
 ) -> list[Any]:

@@ -142,3 +142,37 @@ def test_bad_input_still_raises_after_a_good_call(recorded):
     with pytest.raises(kernelgen.InputError):
         kernelgen.attention(q, bad_k, bad_k)
     assert len(launches) == 1
+
+
+TC_FIELDS = {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "num_warps": 4}
+
+
+@pytest.mark.parametrize(
+    ("limits", "fields", "message"),
+    [
+        (
+            (75, 65536),
+            {"head_dim": 64, "block_m": 64, "block_n": 64, "stages": 2},
+            r"mma=mma_sync, which needs compute capability 80 or newer; device 0 is sm_75",
+        ),
+        (
+            (89, 101376),  # an RTX 4090's opt-in limit (99 KiB)
+            {"head_dim": 256, "block_m": 64, "block_n": 32, "stages": 3, "smem_layout": "padded"},
+            r"needs 135168 bytes of shared memory per block; device 0 \(sm_89\) allows at most "
+            r"101376",
+        ),
+    ],
+)
+def test_a_spec_the_device_cannot_run_is_an_input_error(
+    recorded, monkeypatch, limits, fields, message
+):
+    from kernelgen import launch
+    from kernelgen.errors import InputError
+    from kernelgen.spec import spec_from_dict
+
+    launches, _ = recorded
+    spec = spec_from_dict({**TC_FIELDS, **fields})
+    monkeypatch.setattr(launch, "_device_limits", lambda device: limits)
+    with pytest.raises(InputError, match=message):
+        kernelgen.attention(*qkv(head_dim=spec.head_dim), spec=spec)
+    assert launches == []
