@@ -235,7 +235,9 @@ class RuntimeKernel:
         :func:`default_num_splits`."""
         if self.spec.split_kv:
             if num_splits is None:
-                num_splits = default_num_splits(self.spec, problem, _sm_count(current_device()))
+                num_splits = default_num_splits(
+                    self.spec, problem, _device_limits(current_device()).sm_count
+                )
             problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
         key = (problem, scale)
         prepared = self._prepared.get(key)
@@ -311,16 +313,23 @@ def current_device() -> int:
     return import_cupy().cuda.runtime.getDevice()
 
 
-@cache
-def _sm_count(device: int) -> int:
-    return int(import_cupy().cuda.Device(device).attributes["MultiProcessorCount"])
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a launch needs to know of a device, read once per device."""
+
+    capability: int  # compute capability, e.g. 90
+    sm_count: int
+    smem_optin: int  # shared memory a block may opt in to, bytes
 
 
 @cache
-def _device_limits(device: int) -> tuple[int, int]:
-    """(compute capability, e.g. 90; shared memory a block may opt in to, bytes) of a device."""
+def _device_limits(device: int) -> DeviceLimits:
     gpu = import_cupy().cuda.Device(device)
-    return int(gpu.compute_capability), int(gpu.attributes["MaxSharedMemoryPerBlockOptin"])
+    return DeviceLimits(
+        capability=int(gpu.compute_capability),
+        sm_count=int(gpu.attributes["MultiProcessorCount"]),
+        smem_optin=int(gpu.attributes["MaxSharedMemoryPerBlockOptin"]),
+    )
 
 
 MIN_CAPABILITY = {"simt": 0, "mma_sync": 80}  # ldmatrix, cp.async and bf16 mma.sync: sm_80
@@ -329,17 +338,17 @@ MIN_CAPABILITY = {"simt": 0, "mma_sync": 80}  # ldmatrix, cp.async and bf16 mma.
 def check_fits_device(spec: KernelSpec, device: int) -> None:
     """Raise an InputError naming the spec when ``device`` cannot run it (too old for its
     instructions, too little shared memory per block), before CUDA refuses the launch."""
-    capability, smem_limit = _device_limits(device)
-    if capability < MIN_CAPABILITY[spec.mma]:
+    limits = _device_limits(device)
+    if limits.capability < MIN_CAPABILITY[spec.mma]:
         raise InputError(
             f"spec {spec.uri} has mma={spec.mma}, which needs compute capability "
-            f"{MIN_CAPABILITY[spec.mma]} or newer; device {device} is sm_{capability}"
+            f"{MIN_CAPABILITY[spec.mma]} or newer; device {device} is sm_{limits.capability}"
         )
-    if spec.smem_bytes > smem_limit:
+    if spec.smem_bytes > limits.smem_optin:
         raise InputError(
             f"spec {spec.uri} needs {spec.smem_bytes} bytes of shared memory per block; device "
-            f"{device} (sm_{capability}) allows at most {smem_limit}: use smaller block_m, "
-            "block_n or stages"
+            f"{device} (sm_{limits.capability}) allows at most {limits.smem_optin}: use "
+            "smaller block_m, block_n or stages"
         )
 
 

@@ -12,7 +12,7 @@ from conftest import install_fake_libraries
 
 import kernelgen
 from bench import fake_cupy
-from kernelgen import api
+from kernelgen import api, launch
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.tuning import clear_memo
 
@@ -151,12 +151,12 @@ TC_FIELDS = {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "num_war
     ("limits", "fields", "message"),
     [
         (
-            (75, 65536),
+            launch.DeviceLimits(capability=75, sm_count=40, smem_optin=65536),
             {"head_dim": 64, "block_m": 64, "block_n": 64, "stages": 2},
             r"mma=mma_sync, which needs compute capability 80 or newer; device 0 is sm_75",
         ),
         (
-            (89, 101376),  # an RTX 4090's opt-in limit (99 KiB)
+            launch.DeviceLimits(capability=89, sm_count=128, smem_optin=101376),  # RTX 4090
             {"head_dim": 256, "block_m": 64, "block_n": 32, "stages": 3, "smem_layout": "padded"},
             r"needs 135168 bytes of shared memory per block; device 0 \(sm_89\) allows at most "
             r"101376",
@@ -166,7 +166,6 @@ TC_FIELDS = {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "num_war
 def test_a_spec_the_device_cannot_run_is_an_input_error(
     recorded, monkeypatch, limits, fields, message
 ):
-    from kernelgen import launch
     from kernelgen.errors import InputError
     from kernelgen.spec import spec_from_dict
 
