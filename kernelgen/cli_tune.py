@@ -51,6 +51,8 @@ def _dry_run_device(arch: str | None, sms: int | None) -> DeviceInfo:
             raise _fail([f"--arch {arch}: expected a name like sm_90"])
         device = DeviceInfo(f"(assumed) {arch}", f"{digits[:-1]}.{digits[-1]}", 132)
     if sms is not None:
+        if sms < 1:
+            raise _fail([f"--sms {sms}: the SM count must be at least 1"])
         device = DeviceInfo(device.name, device.compute_capability, sms, device.l2_bytes)
     return device
 
@@ -165,13 +167,12 @@ def cache_export(file: Annotated[Path, typer.Argument(help="Bundle to write (JSO
 def cache_import(file: Annotated[Path, typer.Argument(help="A bundle from cache export.")]) -> None:
     """Store a bundle's records whose device and software match this machine."""
     from kernelgen.tuning.autotune import clear_memo
-    from kernelgen.tuning.key import TuningKey
+    from kernelgen.tuning.key import environment_id
 
     db = TuningDB()
     try:
-        device, software = current_environment()
-        here = TuningKey(ProblemDesc("bf16", 1, 1, 1, 1, 1, 8).bucket(), device, software)
-        imported, rejected = db.import_bundle(file, here.environment_id)
+        records = db.read_bundle(file)  # a bad file is reported before the GPU is looked at
+        imported, rejected = db.import_records(records, environment_id(*current_environment()))
     except (KernelgenError, ValueError) as exc:
         raise _fail(str(exc).splitlines()[:1]) from None
     except OSError as exc:

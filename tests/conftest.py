@@ -106,12 +106,13 @@ def spec_paths() -> list[Path]:
 def tuning_sandbox(tmp_path, monkeypatch):
     """A fresh tuning cache under tmp_path, default controls, an empty memo."""
     from kernelgen.tuning import clear_memo
-    from kernelgen.tuning.db import _WARNED_READ_ONLY
+    from kernelgen.tuning.db import _WARNED_CORRUPT, _WARNED_READ_ONLY
 
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
     monkeypatch.delenv("KERNELGEN_PRINT_AUTOTUNING", raising=False)
     clear_memo()
     _WARNED_READ_ONLY.clear()
+    _WARNED_CORRUPT.clear()
     yield
     clear_memo()

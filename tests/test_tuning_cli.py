@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from kernelgen import cli_tune
 from kernelgen.compile import nvrtc_available
 from kernelgen.tuning import TuningDB, clear_memo, make_key, select_spec
+from kernelgen.tuning.db import wrap
 
 runner = CliRunner()
 app = typer.Typer()
@@ -88,10 +89,12 @@ def test_dry_run_compiles_offline_without_a_gpu():
         ("tune", "--shape", "1,8,8,64,64,64", "--dry-run", "--arch", "hopper"),
         ("tune", "--shape", "1,8,8,64,64,64"),  # no GPU (or no CuPy) here
         ("cache", "show", "no-such-key"),
+        ("tune", "--shape", "1,8,8,64,64,64", "--dry-run", "--sms", "0"),
+        ("cache", "import", "/no/such/bundle.json"),  # read before the GPU is looked for
     ],
 )
 def test_problems_are_one_line_and_exit_2(args, monkeypatch):
-    if args[-1] == "1,8,8,64,64,64":
+    if args[-1] in ("1,8,8,64,64,64", "/no/such/bundle.json"):
         from kernelgen.errors import ToolchainMissingError
 
         def no_gpu():
@@ -102,6 +105,10 @@ def test_problems_are_one_line_and_exit_2(args, monkeypatch):
     assert result.exit_code == 2, result.output
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.output
+    if args[0] == "cache" and args[1] == "import":
+        assert "cannot read /no/such/bundle.json" in result.stderr
+    if "--sms" in args:
+        assert "--sms 0" in result.stderr
 
 
 def test_cache_round_trip(tmp_path, monkeypatch):
@@ -152,3 +159,20 @@ def test_import_of_a_damaged_bundle_is_one_line(tmp_path, monkeypatch):
     result = run("cache", "import", str(bundle))
     assert result.exit_code == 2 and "not a kernelgen tuning export" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_import_of_a_bundle_with_a_bad_record_writes_nothing(tmp_path, monkeypatch):
+    """Every record is checked before the first is stored: no half-imported bundle."""
+    for p in (problem(), problem(dtype="float16")):
+        select_spec(p, DEVICE, software=SOFTWARE, tuner=fake_tuner())
+    bundle = tmp_path / "tuning.json"
+    assert run("cache", "export", str(bundle)).exit_code == 0
+    run("cache", "clear")
+    document = json.loads(bundle.read_text())
+    document["payload"]["records"][1].pop("winner")
+    bundle.write_text(json.dumps(wrap(document["payload"])))
+    monkeypatch.setattr(cli_tune, "current_environment", lambda: (DEVICE, SOFTWARE))
+    result = run("cache", "import", str(bundle))
+    assert result.exit_code == 2
+    assert "record 1 is unusable" in result.stderr, result.stderr
+    assert TuningDB().records() == []

@@ -83,7 +83,8 @@ def test_a_corrupt_file_is_a_miss_with_a_warning(damage, caplog):
         path.write_text("")
     with caplog.at_level(logging.WARNING, logger="kernelgen.tuning"):
         assert db.load(key) is None
-    assert any("corrupt" in r.message for r in caplog.records)
+        assert db.load(key) is None  # a lookup reads twice (before and under the lock)
+    assert sum("corrupt" in r.message for r in caplog.records) == 1
     clear_memo()  # select_spec re-tunes and replaces the file
     select_spec(problem(), DEVICE, software=SOFTWARE, tuner=fake_tuner())
     assert db.load(key) is not None
@@ -180,3 +181,12 @@ def test_records_listing_skips_nothing_and_flags_corrupt_files():
     assert db.find(key.id[:10]) == db.path(key) or db.find(key.id) == db.path(key)
     with pytest.raises(KeyError):
         db.find("nope")
+
+
+def test_clear_keeps_lock_files_a_tuner_may_hold():
+    """Unlinking a held lock file would let a second tuner lock a new file of the same name."""
+    db, key, _ = saved_record()
+    with db.lock(key):
+        assert db.clear() == 1
+        assert (db.dir / f"{key.id}.lock").exists()
+    assert db.load(key) is None and db.records() == []

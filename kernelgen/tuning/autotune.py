@@ -216,13 +216,14 @@ def autotune(
     device: DeviceInfo | None = None,
     *,
     force: bool = False,
-    **kwargs: object,
+    software: SoftwareInfo | None = None,
+    db: TuningDB | None = None,
+    tuner: Tuner | None = None,
 ) -> list[KernelSpec]:
-    """Tune (or read) each problem now, so later attention() calls only look up the memo."""
-    return [
-        select_spec(p, device, force=force, mode="on", **kwargs)  # type: ignore[arg-type]
-        for p in problems
-    ]
+    """Tune (or read) each problem now, whatever ``KERNELGEN_AUTOTUNE`` says, so that later
+    attention() calls only look up the memo. Options as for :func:`select_launch`."""
+    options = {"software": software, "db": db, "tuner": tuner, "force": force}
+    return [select_spec(p, device, mode="on", **options) for p in problems]
 
 
 def warmup(
@@ -231,11 +232,16 @@ def warmup(
     *,
     causal: bool = False,
     mask: bool = False,
-    **kwargs: object,
+    device: DeviceInfo | None = None,
+    force: bool = False,
+    software: SoftwareInfo | None = None,
+    db: TuningDB | None = None,
+    tuner: Tuner | None = None,
 ) -> list[KernelSpec]:
-    """:func:`autotune` for shapes given as ``(B, H, HKV, SQ, SK, D)`` or ``"B,H,HKV,SQ,SK,D"``."""
+    """:func:`autotune` for shapes given as ``(B, H, HKV, SQ, SK, D)`` or ``"B,H,HKV,SQ,SK,D"``
+    (one ``dtype``: a shape alone does not say which kernel it needs)."""
     problems = [ProblemDesc.from_shape(s, dtype, causal, mask) for s in shapes]
-    return autotune(problems, **kwargs)  # type: ignore[arg-type]
+    return autotune(problems, device, force=force, software=software, db=db, tuner=tuner)
 
 
 def clear_memo() -> None:

@@ -3,6 +3,8 @@
 Writes are atomic (temp file beside the target, then ``os.replace``); a file lock serializes
 processes tuning the same key; a corrupt, truncated or foreign file is a miss with a warning;
 a read-only directory works without persistence (one warning per process and directory).
+Lock files stay when records are cleared: a process may hold one, and a new file of the same
+name would let a second process in beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 EXPORT_KIND = "kernelgen-tuning-export"
 _WARNED_READ_ONLY: set[str] = set()
+_WARNED_CORRUPT: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) already reported
 
 
 def cache_dir() -> Path:
@@ -139,6 +142,7 @@ class TuningDB:
         """The record in ``path``; None (with a warning) when it is missing or unusable."""
         try:
             data = path.read_bytes()
+            stat = path.stat()
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -147,7 +151,12 @@ class TuningDB:
         try:
             return TuningRecord.from_payload(unwrap(json.loads(data)))
         except ValueError as exc:
-            log.warning("ignoring corrupt tuning record %s (%s); treating it as a miss", path, exc)
+            seen = (str(path), stat.st_size, stat.st_mtime_ns)
+            if seen not in _WARNED_CORRUPT:  # once per file version, not per lookup
+                _WARNED_CORRUPT.add(seen)
+                log.warning(
+                    "ignoring corrupt tuning record %s (%s); treating it as a miss", path, exc
+                )
             return None
 
     def load(self, key: TuningKey) -> TuningRecord | None:
@@ -200,12 +209,11 @@ class TuningDB:
         return matches[0]
 
     def clear(self) -> int:
-        """Remove every record and lock file; returns how many records were removed."""
+        """Remove every record (lock files stay, see the module docstring); returns the count."""
         removed = 0
-        for pattern in ("*.json", "*.lock"):
-            for path in self.dir.glob(pattern) if self.dir.is_dir() else []:
-                path.unlink(missing_ok=True)
-                removed += pattern == "*.json"
+        for path in self.dir.glob("*.json") if self.dir.is_dir() else []:
+            path.unlink(missing_ok=True)
+            removed += 1
         return removed
 
     def export(self, path: str | Path) -> int:
@@ -215,11 +223,10 @@ class TuningDB:
         atomic_write_text(path, json.dumps(bundle, indent=1, sort_keys=True) + "\n")
         return len(payloads)
 
-    def import_bundle(self, path: str | Path, environment_id: str | None) -> tuple[int, list[str]]:
-        """Store the records of a bundle whose device and software match ``environment_id``.
-
-        Returns (imported count, one line per rejected record). ValueError for an unreadable
-        bundle; OSError when the directory is not writable."""
+    @staticmethod
+    def read_bundle(path: str | Path) -> list[TuningRecord]:
+        """Every record of an export bundle, all checked before any is used: ValueError naming
+        the file (and the record) when the bundle or one of its records is unusable."""
         try:
             bundle = unwrap(json.loads(Path(path).read_bytes()))
         except OSError as exc:
@@ -228,9 +235,23 @@ class TuningDB:
             raise ValueError(f"{path} is not a kernelgen tuning export: {exc}") from None
         if bundle.get("kind") != EXPORT_KIND or not isinstance(bundle.get("records"), list):
             raise ValueError(f"{path} is not a kernelgen tuning export")
+        records = []
+        for index, payload in enumerate(bundle["records"]):
+            try:
+                records.append(TuningRecord.from_payload(payload))
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"{path}: record {index} is unusable ({exc})") from None
+        return records
+
+    def import_records(
+        self, records: list[TuningRecord], environment_id: str | None
+    ) -> tuple[int, list[str]]:
+        """Store the records whose device and software match ``environment_id``.
+
+        Returns (imported count, one line per rejected record); OSError when the directory is
+        not writable."""
         imported, rejected = 0, []
-        for payload in bundle["records"]:
-            record = TuningRecord.from_payload(payload)
+        for record in records:
             if record.key.environment_id != environment_id:
                 dev, sw = record.key.device, record.key.software
                 rejected.append(

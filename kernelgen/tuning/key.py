@@ -193,6 +193,11 @@ def local_software(nvrtc: str | None, cuda_runtime: str | None, cupy: str | None
     return SoftwareInfo(__version__, template_hash(), nvrtc, cuda_runtime, cupy)
 
 
+def environment_id(device: DeviceInfo, software: SoftwareInfo) -> str:
+    """Short digest of a device and a toolchain: records of another one are never used."""
+    return canonical_digest({"device": device.key_dict(), "software": asdict(software)})[:12]
+
+
 @dataclass(frozen=True)
 class TuningKey:
     """problem bucket x device x software: equal keys may share a record, nothing else."""
@@ -210,9 +215,8 @@ class TuningKey:
 
     @property
     def environment_id(self) -> str:
-        """Short digest of the device and software parts."""
-        parts = self.as_dict()
-        return canonical_digest({"device": parts["device"], "software": parts["software"]})[:12]
+        """Short digest of the device and software parts (:func:`environment_id`)."""
+        return environment_id(self.device, self.software)
 
     @property
     def id(self) -> str:
