@@ -241,7 +241,17 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
     return mask
 
 
-DECODE_MAX_ROWS = 64  # packed query rows (seqlen_q x query heads per K/V head) of a decode call
+DECODE_MAX_ROWS = 64  # packed rows (seqlen_q x query heads per K/V head) of one decode tile
+DECODE_MAX_SEQLEN_Q = 16  # queries per sequence of a decode step, whatever the GQA ratio
+
+
+def decode_rows(seqlen_q: int, group: int) -> int | None:
+    """Packed rows (``seqlen_q`` x ``group`` query heads per K/V head) when a call is a decode
+    step, None otherwise: at most :data:`DECODE_MAX_ROWS` rows (one tile per K/V head), or any
+    number of rows with at most :data:`DECODE_MAX_SEQLEN_Q` queries (64-row tiles, each reading
+    the K/V head once, instead of one mostly idle tile per query head)."""
+    rows = seqlen_q * group
+    return rows if rows <= DECODE_MAX_ROWS or seqlen_q <= DECODE_MAX_SEQLEN_Q else None
 
 
 def default_block_n(head_dim: int) -> int:
@@ -263,20 +273,19 @@ def default_spec(
 
     float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps x 16 rows, 64 keys
     per tile (32 above head_dim 128), two stages, swizzled where the head dim allows. With
-    ``decode_rows`` (seqlen_q times the query heads per K/V head) of at most
-    :data:`DECODE_MAX_ROWS`: the decode kernel instead, GQA heads packed into the rows of one
-    tile, split-KV, as few warps as hold the rows. ``split_kv`` True/False forces split-KV on or
-    off (None: decode shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that
-    fit (decode shapes: 16-row tiles and split-KV as well).
+    ``decode_rows`` (a decode step's packed rows, :func:`decode_rows`): the decode kernel
+    instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
+    rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode
+    shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that fit (decode
+    shapes: 16-row tiles and split-KV as well).
     """
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
-    decode = decode_rows is not None and decode_rows <= DECODE_MAX_ROWS
+    decode = decode_rows is not None
     split = decode if split_kv is None else split_kv
     if tensor_cores and dtype in ("float16", "bfloat16"):
         warps = 4
-        if decode:
-            assert decode_rows is not None
-            warps = next(w for w in (1, 2, 4) if 16 * w >= decode_rows)
+        if decode_rows is not None:
+            warps = next((w for w in (1, 2, 4) if 16 * w >= decode_rows), 4)
         return KernelSpec(
             loop_order="v2",
             dtype=dtype,
@@ -542,7 +551,6 @@ def _untuned_or_tuned_launch(
     where the caller fixed ``num_splits`` (``split``: then the default split-KV spec)."""
     capability, arch = device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
-    decode_rows = seqlen_q * (heads // call.k.shape[1])
     tensor_cores = capability >= 80 and aligned
     if split or not tensor_cores:
         spec = default_spec(
@@ -551,7 +559,7 @@ def _untuned_or_tuned_launch(
             causal,
             arch,
             tensor_cores=tensor_cores,
-            decode_rows=decode_rows,
+            decode_rows=decode_rows(seqlen_q, heads // call.k.shape[1]),
             split_kv=True if split else None,
         )
         return spec, None

@@ -152,7 +152,9 @@ def test_decode_rows_choose_the_packed_split_spec():
     assert SPLIT_SPEC.pack_gqa and SPLIT_SPEC.split_kv and SPLIT_SPEC.num_warps == 1
     wide = default_spec("float16", 64, causal=False, arch="sm_90", decode_rows=40)
     assert wide.num_warps == 4 and wide.block_m == 64
-    prefill = default_spec("float16", 64, causal=False, arch="sm_90", decode_rows=65)
+    many = default_spec("float16", 64, causal=False, arch="sm_90", decode_rows=96)
+    assert many.pack_gqa and many.split_kv and many.block_m == 64  # two tiles per K/V head
+    prefill = default_spec("float16", 64, causal=False, arch="sm_90")
     assert not prefill.pack_gqa and not prefill.split_kv
     forced = default_spec("float16", 64, causal=False, arch="sm_90", split_kv=True)
     assert forced.split_kv and not forced.pack_gqa

@@ -129,3 +129,18 @@ def test_split_kv_decode_with_lengths_matches_float64(symbols, framework):
     assert [s.endswith("_combine") for s in symbols] == [False, True]
     want = naive_attention(data.q, data.k, data.v, seqlens_k=lengths)
     assert_matches(host_float(out), host_float(lse), reference(data, *want), "float16")
+
+
+def test_mqa_decode_step_past_one_tile_packs_every_query_head(symbols):
+    """Sq = 3 queries x 32 query heads on one K/V head: 96 packed rows, more than a tile holds,
+    so the default spec packs them into two 64-row tiles per K/V head (each reads K/V once)
+    rather than one mostly idle tile per query head; causal, a key length not a tile multiple."""
+    case = Case(1, 32, 1, 3, 100)
+    data = make_case(case, "float16", 64, True, seed=11)
+    q, k, v = (fake_cupy.from_host(getattr(data, n).astype(np.float16)) for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, causal=True, num_splits=2, return_lse=True)
+    main, combine = symbols
+    spec, _ = launched_kernel(main)
+    assert spec.pack_gqa and spec.split_kv and spec.block_m == 64 and combine.endswith("_combine")
+    want = naive_attention(data.q, data.k, data.v, causal=True)
+    assert_matches(host_float(out), host_float(lse), reference(data, *want), "float16")

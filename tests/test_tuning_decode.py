@@ -55,13 +55,24 @@ def decode(**overrides):
     [
         ({}, 4),
         ({"seqlen_q": 16, "num_kv_heads": 8}, 64),
-        ({"seqlen_q": 16, "num_kv_heads": 4}, None),  # 128 packed rows: prefill
+        ({"seqlen_q": 16, "num_kv_heads": 4}, 128),  # two 64-row tiles per K/V head
+        ({"seqlen_q": 16, "num_kv_heads": 1}, 512),  # MQA: eight tiles, not 32 query heads
+        ({"seqlen_q": 17, "num_kv_heads": 4}, None),  # past 16 queries and 64 rows: prefill
+        ({"seqlen_q": 64, "num_kv_heads": 32}, 64),  # 64 queries of one head fill one tile
         ({"dtype": "float32"}, 4),  # the CUDA-core split kernel
         ({"seqlen_q": 1024, "seqlen_k": 1024, "num_kv_heads": 32}, None),
     ],
 )
 def test_decode_problems(overrides, rows):
     assert decode_rows(decode(**overrides)) == rows
+
+
+def test_a_decode_step_past_one_tile_gets_packed_multi_tile_candidates():
+    """16 queries on an MQA model: 512 packed rows, 64-row (and 32-row) packed split tiles."""
+    specs, _ = valid_candidates(decode(seqlen_q=16, num_kv_heads=1), "sm_90")
+    split = [s for s in specs if s.split_kv]
+    assert split and all(s.pack_gqa for s in split)
+    assert {s.block_m for s in split} == {64, 32}
 
 
 def test_decode_candidates_are_packed_split_specs_plus_baselines():

@@ -1,9 +1,9 @@
 """Candidate specs for a problem, and the static pruning that runs before any GPU time.
 
 A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. Decode
-problems (``seqlen_q`` x query heads per K/V head <= ``DECODE_MAX_ROWS``) get the split-KV
-decode grid instead of the prefill grid, each spec with a few split counts around the launch
-heuristic.
+problems (:func:`kernelgen.api.decode_rows`: at most 16 queries, or at most 64 packed rows)
+get the split-KV decode grid instead of the prefill grid, each spec with a few split counts
+around the launch heuristic.
 
 Pruning, in order (each drop is logged with its reason):
 
@@ -118,11 +118,11 @@ def tc_fields(
 
 
 def decode_rows(problem: ProblemDesc) -> int | None:
-    """Packed rows of a decode problem (``seqlen_q`` x GQA ratio), None for other problems."""
-    from kernelgen.api import DECODE_MAX_ROWS
+    """Packed rows of a decode problem (``seqlen_q`` x GQA ratio), None for other problems
+    (:func:`kernelgen.api.decode_rows`)."""
+    from kernelgen import api
 
-    rows = problem.seqlen_q * problem.gqa_ratio
-    return rows if rows <= DECODE_MAX_ROWS else None
+    return api.decode_rows(problem.seqlen_q, problem.gqa_ratio)
 
 
 def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
@@ -137,7 +137,7 @@ def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
             yield {"loop_order": "v2", "block_m": 16, "block_n": block_n, "num_warps": 4,
                    "split_kv": split}  # fmt: skip
         return
-    fewest = next(w for w in (1, 2, 4) if 16 * w >= rows)
+    fewest = next((w for w in (1, 2, 4) if 16 * w >= rows), 4)  # beyond 64 rows: 64-row tiles
     layout = default_smem_layout(problem.head_dim)
     for warps in dict.fromkeys((fewest, max(1, fewest // 2))):
         for block_n, stages, split in itertools.product(
