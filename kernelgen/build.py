@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernelgen import __version__
+from kernelgen.arch import ARCHS
 from kernelgen.compile import Resources, compile_offline
 from kernelgen.errors import SpecError
 from kernelgen.fileio import atomic_write_text
@@ -36,6 +37,34 @@ class BuiltKernel:
             "threads": self.spec.threads,
             "resources": {r.arch: r.as_dict() for r in self.resources},
         }
+
+
+SASS_SHOWN = ("HMMA", "LDSM", "LDL", "STL")  # `kernelgen check` prints these even at 0
+
+
+def static_problems(spec: KernelSpec, res: Resources) -> list[str]:
+    """Why a compiled kernel fails issue #3's static bar on ``res.arch`` (empty: it passes):
+    spill or stack bytes, shared memory over the arch's limit and, where the SASS was
+    disassembled, local-memory loads/stores or a tensor-core spec without HMMA and LDSM."""
+    problems = []
+    if res.spill_store_bytes or res.spill_load_bytes or res.stack_bytes:
+        problems.append(
+            f"ptxas on {res.arch}: {res.spill_store_bytes} B spill stores, "
+            f"{res.spill_load_bytes} B spill loads, {res.stack_bytes} B stack "
+            f"({res.registers} registers)"
+        )
+    smem, limit = spec.smem_bytes + res.static_smem_bytes, ARCHS[res.arch].max_smem_per_block
+    if smem > limit:
+        problems.append(f"{smem} B of shared memory, over the {limit}-byte limit of {res.arch}")
+    sass = res.sass_instructions
+    if sass and (sass.get("LDL", 0) or sass.get("STL", 0)):
+        problems.append(
+            f"local memory in the SASS for {res.arch} "
+            f"(LDL {sass.get('LDL', 0)}, STL {sass.get('STL', 0)})"
+        )
+    if sass and spec.mma == "mma_sync" and not (sass.get("HMMA", 0) and sass.get("LDSM", 0)):
+        problems.append(f"tensor-core spec without HMMA or LDSM in its SASS for {res.arch}")
+    return problems
 
 
 def load_specs(paths: list[Path]) -> list[KernelSpec]:

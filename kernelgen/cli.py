@@ -96,24 +96,27 @@ def _summary_table(built) -> Table:
     return table
 
 
-def _resource_table(built) -> Table:
-    """One row per kernel and arch, with the SASS opcode counts (for `kernelgen check`)."""
-    table = Table(title="kernelgen check (bytes)", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("kernel / arch", no_wrap=True)
-    for column in ("regs", "spill", "stack", "smem"):
-        table.add_column(column, justify="right", no_wrap=True)
+def _print_resources(built) -> None:
+    """Per kernel, one line per arch (registers, spill/stack/shared bytes against the arch's
+    limit) and its SASS opcode counts, local memory shown even at 0 (`kernelgen check`)."""
+    from kernelgen.build import SASS_SHOWN
+
     for kernel in built:
+        out_console.print(kernel.spec.uri, markup=False, highlight=False)
         for r in kernel.resources:
-            sass = ", ".join(f"{k} {v}" for k, v in r.sass_instructions.items() if v) or "-"
-            table.add_row(
-                f"{kernel.spec.uri} {r.arch}",
-                str(r.registers),
-                str(r.spill_store_bytes + r.spill_load_bytes),
-                str(r.stack_bytes),
-                str(kernel.spec.smem_bytes + r.static_smem_bytes),
+            smem = kernel.spec.smem_bytes + r.static_smem_bytes
+            out_console.print(
+                f"  {r.arch}: {r.registers} registers, "
+                f"spill {r.spill_store_bytes + r.spill_load_bytes} B, stack {r.stack_bytes} B, "
+                f"shared {smem} of {ARCHS[r.arch].max_smem_per_block} B",
+                markup=False,
+                highlight=False,
             )
-            table.add_row(f"  SASS: {sass}", "", "", "", "")
-    return table
+            counts = r.sass_instructions
+            shown = [f"{k}={counts.get(k, 0)}" for k in SASS_SHOWN]
+            shown += [f"{k}={v}" for k, v in counts.items() if v and k not in SASS_SHOWN]
+            sass = ", ".join(shown) if counts else "not disassembled (no cuobjdump)"
+            out_console.print(f"    SASS: {sass}", markup=False, highlight=False)
 
 
 def _compile(specs, archs):
@@ -164,19 +167,22 @@ def show(spec: Annotated[Path, typer.Argument(help="A spec YAML file.")]) -> Non
 
 @app.command()
 def check(specs: SpecPaths, arch: ArchOption = None) -> None:
-    """Compile specs offline and print registers, spills, stack, shared memory and SASS facts."""
+    """Compile specs offline and print registers, spills, stack, shared memory and SASS facts;
+    exit 1, one line per problem, when a kernel spills, uses a stack or local memory, exceeds
+    its arch's shared memory, or is a tensor-core spec without HMMA/LDSM in its SASS."""
+    from kernelgen.build import static_problems
+
     paths, archs = _split_archs(specs, arch)
     built = _compile(_load(paths), archs)
-    out_console.print(_resource_table(built))
-    spilling = [
-        f"{k.spec.uri} on {r.arch}: {r.spill_store_bytes + r.spill_load_bytes} spill bytes, "
-        f"{r.stack_bytes} stack bytes"
+    _print_resources(built)
+    problems = [
+        f"{k.spec.uri}: {why}"
         for k in built
         for r in k.resources
-        if r.spill_store_bytes or r.spill_load_bytes or r.stack_bytes
+        for why in static_problems(k.spec, r)
     ]
-    if spilling:
-        raise _fail(spilling, 1)
+    if problems:
+        raise _fail(problems, 1)
 
 
 @app.command()

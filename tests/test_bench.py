@@ -212,6 +212,19 @@ def test_markdown_table_rows_and_cells():
     assert second[-2:] == ["-", "-"]
 
 
+def test_plot_draws_every_panel_as_a_png():
+    """The .png the benchmark writes (matplotlib: the `bench` extra, which `dev` installs) is
+    drawn from result rows; no rows is a ValueError, which the benchmark reports and skips."""
+    pytest.importorskip("matplotlib")
+    from bench.plot import plot_png
+
+    rows = _fake_rows()
+    png = plot_png(rows, "attention forward, Fake GPU")
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    with pytest.raises(ValueError, match="no rows"):
+        plot_png([], "empty")
+
+
 def test_markdown_compact_and_document():
     compact = report.markdown_table(_fake_rows(), compact=True)
     assert compact.splitlines()[0].startswith("| dtype | D | c | S | flash")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -12,9 +13,9 @@ from conftest import ROOT, SPEC_PATHS, cuda_device_count, require_toolchain
 from typer.testing import CliRunner
 
 from kernelgen.cli import app
-from kernelgen.compile import nvrtc_available
+from kernelgen.compile import cuobjdump_path, nvrtc_available
 from kernelgen.render import render
-from kernelgen.spec import load_spec
+from kernelgen.spec import KernelSpec, load_spec
 
 runner = CliRunner()
 GOOD = "loop_order: v2\ndtype: float16\nhead_dim: 64\nblock_m: 64\nblock_n: 32\nnum_warps: 4\n"
@@ -117,6 +118,33 @@ def test_check_reports_resources(tmp_path):
     result = run("check", str(spec_file), "--arch", "sm_90")
     assert result.exit_code == 0, result.output
     assert "sm_90" in result.stdout
+    assert "232448" in result.stdout  # the arch's shared-memory limit beside the kernel's
+    if cuobjdump_path():  # local memory is shown even when there is none
+        assert "LDL=0, STL=0" in result.stdout
+
+
+def test_static_problems_name_each_way_a_kernel_fails_the_bar():
+    """What `kernelgen check` exits 1 on (and the tuner drops): spills/stack, shared memory
+    over the arch's limit, local memory or, for a tensor-core spec, no HMMA/LDSM in the SASS."""
+    from kernelgen.build import static_problems
+    from kernelgen.compile import Resources
+
+    spec = KernelSpec(loop_order="v2", mma="mma_sync", dtype="float16", head_dim=64,
+                      block_m=64, block_n=64, num_warps=4)  # fmt: skip
+    clean = {"HMMA": 64, "LDSM": 40, "LDL": 0, "STL": 0}
+    ok = Resources("sm_80", 180, 0, 0, 0, 0, clean)
+    assert static_problems(spec, ok) == []
+    assert static_problems(spec, dataclasses.replace(ok, sass_instructions={})) == []
+    cases = [
+        (dataclasses.replace(ok, spill_store_bytes=8, spill_load_bytes=4), "4 B spill loads"),
+        (dataclasses.replace(ok, stack_bytes=24), "24 B stack"),
+        (dataclasses.replace(ok, static_smem_bytes=200_000), "over the 166912-byte limit"),
+        (dataclasses.replace(ok, sass_instructions={**clean, "LDL": 6}), "LDL 6, STL 0"),
+        (dataclasses.replace(ok, sass_instructions={**clean, "HMMA": 0}), "without HMMA"),
+    ]
+    for res, words in cases:
+        (why,) = static_problems(spec, res)
+        assert words in why and "sm_80" in why, why
 
 
 def test_console_script_exits_2_without_traceback(tmp_path):

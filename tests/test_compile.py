@@ -82,17 +82,23 @@ def assert_static_quality(spec) -> None:
 
 
 def test_specs_cover_the_tensor_core_matrix():
-    """The issue's coverage: tensor-core specs for head dims 64, 96, 128, 256 in fp16 and bf16,
-    causal and not, and more than one tile shape per head dim."""
+    """The issue's coverage: tensor-core prefill specs for head dims 64, 96, 128, 256, each in
+    fp16 and bf16, causal and not, and at least two tile shapes (block_m x block_n) per head dim."""
     specs = [load_spec(p) for p in SPEC_PATHS]
     tc = [s for s in specs if s.mma == "mma_sync"]
     assert {s.head_dim for s in tc} >= {64, 96, 128, 256}
     assert {s.dtype for s in tc} == {"float16", "bfloat16"}
     assert {s.causal for s in tc} == {False, True}
     assert {s.smem_layout for s in tc} == {"padded", "swizzled"}
+    prefill = [s for s in tc if not s.split_kv]
     for head_dim in (64, 96, 128, 256):
-        shapes = {(s.block_m, s.block_n, s.stages) for s in tc if s.head_dim == head_dim}
-        assert len(shapes) >= 2, (head_dim, shapes)
+        covered = {(s.dtype, s.causal) for s in prefill if s.head_dim == head_dim}
+        assert covered == {(d, c) for d in ("float16", "bfloat16") for c in (False, True)}, (
+            head_dim,
+            covered,
+        )
+        tiles = {(s.block_m, s.block_n) for s in prefill if s.head_dim == head_dim}
+        assert len(tiles) >= 2, (head_dim, tiles)
 
 
 def test_specs_cover_split_kv_decode():
@@ -124,6 +130,27 @@ def test_combine_moves_rows_in_16_byte_pieces(path):
         assert stores == ["STG.E", "STG.E.128"], (arch, stores)
         narrow_loads = [op for op in opcodes if op.startswith("LDG") and ".128" not in op]
         assert len(narrow_loads) == MAX_SPLITS // 32, (arch, narrow_loads)
+
+
+TC_SPEC_PATHS = [p for p in SPEC_PATHS if load_spec(p).mma == "mma_sync"]
+
+
+@pytest.mark.parametrize("path", TC_SPEC_PATHS, ids=lambda p: p.stem)
+def test_tensor_core_kernels_move_tiles_in_16_byte_pieces(path):
+    """Issue #3's 128-bit global traffic in the main kernel's SASS: every Q/K/V copy is a
+    16-byte cp.async (LDGSTS.128); the output leaves in 16-byte stores beside the 4-byte LSE
+    store (split-KV: fp32 partial rows as 8-byte pairs, the fragment layout's natural width)."""
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    spec = load_spec(path)
+    for arch in spec.archs:
+        compiled = compile_offline(render(spec), spec.uri, arch, sass=False)
+        body = function_sass(disassemble(compiled.cubin) or "", spec.uri)
+        opcodes = [i.opcode for i in sass_instructions(body)]
+        copies = [op for op in opcodes if op.startswith("LDGSTS")]
+        assert copies and all(op.endswith(".128") for op in copies), (arch, set(copies))
+        stores = {op for op in opcodes if op.startswith("STG")}
+        wide = "STG.E.64" if spec.split_kv else "STG.E.128"
+        assert stores == {"STG.E", wide}, (arch, stores)
 
 
 def test_function_sass_picks_the_named_kernel():

@@ -12,8 +12,8 @@ Pruning, in order (each drop is logged with its reason):
 2. occupancy: a launch whose grid has fewer thread blocks than
    ``min(SM count, most blocks any launch gives)`` is dropped: when some launch fills the
    GPU, launches that leave SMs idle are not worth timing;
-3. resources: the offline NVRTC compile reports spill stores/loads or a stack frame (> 0 bytes),
-   or the compile fails.
+3. resources: the offline NVRTC compile fails, or fails the static bar of ``kernelgen check``
+   (:func:`kernelgen.build.static_problems`: spill or stack bytes, local memory in the SASS).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from kernelgen.build import static_problems
 from kernelgen.compile import Resources
 from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
@@ -271,17 +272,6 @@ def prune_occupancy(
     return kept, dropped
 
 
-def resource_problem(res: Resources) -> str | None:
-    """Why ptxas' report disqualifies a kernel (spills or a stack frame), or None."""
-    if res.spill_store_bytes or res.spill_load_bytes or res.stack_bytes:
-        return (
-            f"ptxas on {res.arch}: {res.spill_store_bytes} B spill stores, "
-            f"{res.spill_load_bytes} B spill loads, {res.stack_bytes} B stack "
-            f"({res.registers} registers)"
-        )
-    return None
-
-
 def prune_resources(
     launches: list[TunedLaunch], arch: str, compile_fn: CompileFn
 ) -> tuple[list[Candidate], list[Dropped]]:
@@ -313,7 +303,7 @@ def _resource_verdict(spec: KernelSpec, arch: str, compile_fn: CompileFn) -> Res
     except (KernelgenError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return f"offline compile failed: {first}"
-    return resource_problem(res) or res
+    return "; ".join(static_problems(spec, res)) or res  # spills, stack, local memory
 
 
 def prune(
