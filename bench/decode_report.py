@@ -246,6 +246,15 @@ TARGETS: tuple[Target, ...] = (
         strict=False,
         percent=False,
     ),
+    Target(  # the same reading without the GQA packing's share of the gain
+        "vs-one-chunk",
+        ">= 5x the same packed tiles in one chunk (kg-split-1, --sweep-splits) at B=1, Sk=32k",
+        lambda r: r["batch"] == 1 and r["seqlen_k"] == 32768,
+        lambda row, peers: report.ratio(row, peers.get(split_peer(1))),
+        5.0,
+        strict=False,
+        percent=False,
+    ),
     Target(
         "vs-torch",
         "faster than every timed torch SDPA backend at Sk >= 4k",

@@ -236,7 +236,9 @@ def _targets(rows: list[dict]) -> dict[tuple[str, str], dr.TargetResult]:
 
 def test_targets_pass_miss_and_not_measured():
     results = _targets(synthetic_rows())
-    assert len(results) == 3 * 2
+    assert len(results) == 4 * 2
+    one_chunk = results[("vs-one-chunk", "kg-decode")]  # no --sweep-splits rows
+    assert one_chunk.status == dr.NOT_MEASURED and "0 of 1" in one_chunk.detail
     bw = results[("bandwidth", "kg-decode")]  # B=1, Sk=32k at 89.5%
     assert bw.status == dr.PASS
     assert "1 of 1 shapes measured" in bw.detail and "89.5%" in bw.detail
@@ -528,3 +530,13 @@ def test_settings_are_plain(tmp_path):
     args = decode.parse_args(["--out", str(tmp_path)])
     assert isinstance(args, argparse.Namespace) and args.max_kv_gib == 24.0
     assert args.peers.split(",") == list(dr.DECODE_PEER_NAMES)
+
+
+def test_one_chunk_target_reads_the_sweeps_first_count():
+    """kg-decode against its own tiles in one chunk (kg-split-1): the split's gain alone."""
+    a = shape()  # B=1, Sk=32k
+    rows = [ok(a, "kg-decode", 0.05), ok(a, dr.split_peer(1), 0.2)]
+    result = _targets(rows)[("vs-one-chunk", "kg-decode")]
+    assert result.status == dr.MISS and "4.00x" in result.detail  # 0.2 / 0.05 < 5
+    rows[1] = ok(a, dr.split_peer(1), 0.3)
+    assert _targets(rows)[("vs-one-chunk", "kg-decode")].status == dr.PASS  # 6.00x

@@ -217,18 +217,38 @@ def test_misaligned_inputs_on_the_tensor_cores(monkeypatch):
     assert_matches(host_float32(out), lse.get(), data, "float16")
 
 
-@pytest.mark.parametrize("case", [Case(2, 4, 2, 300, 300), Case(1, 8, 1, 128, 1000)], ids=str)
-def test_tuned_attention_is_correct(case, monkeypatch, tmp_path):
-    """attention() without a spec tunes (fresh cache), records the winner, and is correct."""
+# The foundation's cases, each with a (dtype, head dim, causal) of its own: one tuning each.
+TUNED = [
+    (case, *kernel)
+    for case, kernel in zip(
+        [Case(2, 4, 2, 300, 300), *CASES],
+        [("bfloat16", 128, True), ("float16", 64, False), ("bfloat16", 96, True)] * 3,
+        strict=False,
+    )
+]
+
+
+@pytest.mark.parametrize(("case", "dtype", "head_dim", "causal"), TUNED, ids=str)
+def test_tuned_attention_is_correct(case, dtype, head_dim, causal, monkeypatch, tmp_path):
+    """attention() without a spec tunes (fresh cache), records the winner, and is correct:
+    masks, both layouts, GQA/MQA, odd lengths and scales, fp16 and bf16."""
+    import cupy
+
     import kernelgen.tuning
 
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("KERNELGEN_AUTOTUNE", "1")
     kernelgen.tuning.clear_memo()
-    data = make_case(case, "bfloat16", 128, True, seed=case.seqlen_q)
-    q, k, v = (device_array(getattr(data, n), "bfloat16", "bhsd") for n in "qkv")
-    out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True)
-    assert_matches(host_float32(out), lse.get(), data, "bfloat16")
+    data = make_case(case, dtype, head_dim, causal, seed=case.seqlen_q + head_dim)
+    q, k, v = (device_array(getattr(data, n), dtype, case.layout) for n in "qkv")
+    mask = None if data.mask is None else cupy.asarray(data.mask)
+    out, lse = kernelgen.attention(
+        q, k, v, causal=causal, scale=case.scale, mask=mask, layout=case.layout, return_lse=True
+    )
+    out = host_float32(out)
+    if case.layout == "bshd":
+        out = out.transpose(0, 2, 1, 3)
+    assert_matches(out, lse.get(), data, dtype)
     assert list(tmp_path.rglob("*.json")), "the tuning record was not written"
 
 
@@ -253,6 +273,18 @@ def test_split_kv_decode_on_gpu(path, case, num_splits):
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=seed)
     out, lse = run(spec, case, data, num_splits=num_splits)
     assert_matches(out, lse, data, spec.dtype)
+
+
+@pytest.mark.parametrize("path", SPLIT_PATHS, ids=lambda p: p.stem)
+def test_every_split_count_from_1_to_64_on_gpu(path):
+    """Issue #5's split counts 1..64, every one: a causal 3-query step on 2011 keys (32 or 63
+    key tiles, so the larger counts leave chunks empty)."""
+    spec = load_spec(path)
+    case = Case(1, 8, 2, 3, 2011)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=len(path.stem))
+    for num_splits in range(1, 65):
+        out, lse = run(spec, case, data, num_splits=num_splits)
+        assert_matches(out, lse, data, spec.dtype)
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host-list", "device-int32"])

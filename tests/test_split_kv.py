@@ -83,13 +83,16 @@ def test_combined_output_matches_float64(spec, case, splits):
         assert_matches(out, lse, data, spec.dtype)
 
 
+@pytest.mark.parametrize("mask", [None, "full"])
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.uri)
-def test_seqlens_k_with_zeros_and_ones(spec):
-    case = Case(4, 4, 2, 2, 96)
+def test_seqlens_k_with_zeros_and_ones(spec, mask):
+    """Per-sequence key lengths, alone and under an additive mask (a key past its sequence's
+    length is hidden whatever the mask says)."""
+    case = Case(4, 4, 2, 2, 96, mask=mask)
     lengths = np.array([0, 1, 96, 45], dtype=np.int32)
     data = _data(spec, case, "seqlens")
     ref_out, ref_lse = naive_attention(
-        data.q, data.k, data.v, causal=spec.causal, seqlens_k=lengths
+        data.q, data.k, data.v, causal=spec.causal, mask=data.mask, seqlens_k=lengths
     )
     data = dataclasses.replace(data, ref_out=ref_out, ref_lse=ref_lse)
     for num_splits in _splits(spec, (1, 3)):
