@@ -353,11 +353,12 @@ class DecodeRunner(Runner):
         return impl, {**facts, **self.launch_facts(launch.spec, shape, splits)}
 
     def heuristic_splits(self, spec: Any, shape: DecodeShape) -> int:
-        """``kernelgen.launch.default_num_splits`` on this device (what a call without
-        ``num_splits`` launches)."""
-        from kernelgen.tuning.candidates import heuristic_splits
+        """The split count a call without ``num_splits`` launches: the runtime kernel's own
+        heuristic (this device's SMs and limits, the compiled kernel's registers)."""
+        from kernelgen.launch import runtime_kernel
+        from kernelgen.tuning.candidates import launch_problem
 
-        return heuristic_splits(spec, problem_desc(shape), self.env.info["sm_count"])
+        return runtime_kernel(spec).default_num_splits(launch_problem(problem_desc(shape)))
 
     def launch_facts(self, spec: Any, shape: DecodeShape, splits: int) -> dict[str, Any]:
         """Split count, spec flags, fp32 scratch bytes and the extra-memory bound of a launch."""

@@ -185,17 +185,25 @@ def module(backed: bool = False) -> types.ModuleType:
     return cupy
 
 
-def stub_compile(launch: Callable[..., None]) -> Callable[..., dict[str, Any]]:
+class StubFunction:
+    """A compiled kernel function that calls ``launch(symbol, grid, block, args, shared_mem)``;
+    ``num_regs`` as CuPy's RawKernel reports it (None: unknown)."""
+
+    def __init__(self, symbol: str, launch: Callable[..., None], num_regs: int | None) -> None:
+        self.symbol, self.launch, self.num_regs = symbol, launch, num_regs
+
+    def __call__(self, grid: Any, block: Any, args: Any, shared_mem: int = 0) -> None:
+        self.launch(self.symbol, grid, block, args, shared_mem)
+
+
+def stub_compile(
+    launch: Callable[..., None], num_regs: int | None = None
+) -> Callable[..., dict[str, Any]]:
     """A ``RuntimeKernel._compile`` whose functions call ``launch(symbol, grid, block, args,
     shared_mem)`` instead of a GPU."""
 
     def compile_stub(kernel: Any, cupy: Any, symbols: list[str]) -> dict[str, Any]:
-        def function_for(symbol: str) -> Callable[..., None]:
-            return lambda grid, block, args, shared_mem=0: launch(
-                symbol, grid, block, args, shared_mem
-            )
-
-        return {symbol: function_for(symbol) for symbol in symbols}
+        return {symbol: StubFunction(symbol, launch, num_regs) for symbol in symbols}
 
     return compile_stub
 

@@ -7,23 +7,29 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Arch:
-    """One compile target: ``name`` is the NVRTC ``-arch`` value."""
+    """One compile target: ``name`` is the NVRTC ``-arch`` value; the per-SM figures are the
+    CUDA programming guide's table of compute-capability limits (occupancy, kernelgen.occupancy)."""
 
     name: str
     compute_capability: int
     max_smem_per_block: int  # bytes, with the dynamic shared-memory opt-in
+    smem_per_sm: int  # bytes of shared memory an SM can give its resident blocks
+    threads_per_sm: int
+    blocks_per_sm: int  # resident blocks an SM can hold at most
     registers_per_thread: int = 255
+    registers_per_sm: int = 64 * 1024
 
 
+KIB = 1024
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in (
-        Arch("sm_80", 80, 163 * 1024),  # A100
-        Arch("sm_86", 86, 99 * 1024),  # RTX 30xx, A10, A40
-        Arch("sm_89", 89, 99 * 1024),  # RTX 40xx, L4, L40
-        Arch("sm_90", 90, 227 * 1024),  # H100, H200
-        Arch("sm_100", 100, 227 * 1024),  # B200
-        Arch("sm_120", 120, 99 * 1024),  # RTX 50xx
+        Arch("sm_80", 80, 163 * KIB, 164 * KIB, 2048, 32),  # A100
+        Arch("sm_86", 86, 99 * KIB, 100 * KIB, 1536, 16),  # RTX 30xx, A10, A40
+        Arch("sm_89", 89, 99 * KIB, 100 * KIB, 1536, 24),  # RTX 40xx, L4, L40
+        Arch("sm_90", 90, 227 * KIB, 228 * KIB, 2048, 32),  # H100, H200
+        Arch("sm_100", 100, 227 * KIB, 228 * KIB, 2048, 32),  # B200
+        Arch("sm_120", 120, 99 * KIB, 100 * KIB, 1536, 32),  # RTX 50xx
     )
 }
 
@@ -33,3 +39,10 @@ DEFAULT_ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
 def arch_for_capability(major: int, minor: int) -> str:
     """NVRTC target name for a device's compute capability, e.g. (9, 0) -> ``sm_90``."""
     return f"sm_{major}{minor}"
+
+
+def nearest_arch(capability: int) -> str | None:
+    """The newest architecture of :data:`ARCHS` at or below compute ``capability`` (e.g. 87 ->
+    ``sm_86``), whose limits a device of that capability meets; None below all of them."""
+    known = [a for a in ARCHS.values() if a.compute_capability <= capability]
+    return max(known, key=lambda a: a.compute_capability).name if known else None

@@ -58,6 +58,7 @@ def _dry_run_device(arch: str | None, sms: int | None) -> DeviceInfo:
 
 
 def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
+    from kernelgen.occupancy import blocks_per_sm
     from kernelgen.tuning.candidates import prune
 
     kept, dropped = prune(problem, device)
@@ -70,10 +71,19 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     table.add_column("splits", justify="right")
     table.add_column("regs", justify="right")
     table.add_column("smem", justify="right")
+    table.add_column("blocks/SM", justify="right")  # resident blocks, and what limits them
     for c in kept:
         regs = str(c.resources.registers) if c.resources else "?"
         splits = str(c.num_splits) if c.num_splits else "-"
-        table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes))
+        occupancy = blocks_per_sm(
+            device.target_arch,
+            c.spec.threads,
+            c.spec.smem_bytes + (c.resources.static_smem_bytes if c.resources else 0),
+            c.resources.registers if c.resources else None,
+        )
+        short = {"registers": "regs", "shared memory": "smem"}.get(occupancy.limiter)
+        blocks = f"{occupancy.blocks} {short or occupancy.limiter}"
+        table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes), blocks)
     out_console.print(table)
     for d in dropped:
         out_console.print(f"drop [{d.stage}] {d.uri}: {d.reason}", markup=False, highlight=False)

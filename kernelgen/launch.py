@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.arch import nearest_arch
 from kernelgen.compile import COMMON_OPTIONS, cuda_include_dir
 from kernelgen.errors import CompileError, InputError, ToolchainMissingError
+from kernelgen.occupancy import blocks_per_sm
 from kernelgen.render import (
     COMBINE_WARPS,
     MAX_SPLITS,
@@ -162,17 +164,23 @@ def scratch_layout(
 
 
 def default_num_splits(
-    spec: KernelSpec, problem: Problem, sm_count: int, smem_per_sm: int = 228 * 1024
+    spec: KernelSpec,
+    problem: Problem,
+    sm_count: int,
+    arch: str = "sm_90",
+    registers: int | None = None,
 ) -> int:
-    """Key chunks for a split-KV launch: enough blocks to fill the GPU's block slots in nearly
-    whole waves, never more chunks than key tiles, 1 when the grid already fills the GPU.
+    """Key chunks for a split-KV launch: enough blocks to fill the GPU's block slots (SMs x
+    resident blocks per SM on ``arch``, from shared memory, threads and, when known, the
+    kernel's ``registers`` per thread) in nearly whole waves, never more chunks than key
+    tiles, 1 when the grid already fills the GPU.
 
     Uses the padded ``problem.seqlen_k`` (per-sequence lengths are on the device)."""
     if not spec.split_kv:
         return 1
     grid, _ = launch_geometry(spec, Problem(**{**problem.__dict__, "num_splits": 1}))
     blocks = grid[0] * grid[1]
-    per_sm = max(1, min(smem_per_sm // max(spec.smem_bytes, 1), 2048 // spec.threads))
+    per_sm = max(1, blocks_per_sm(arch, spec.threads, spec.smem_bytes, registers).blocks)
     slots = sm_count * per_sm
     if blocks >= 0.8 * slots:
         return 1
@@ -235,9 +243,7 @@ class RuntimeKernel:
         :func:`default_num_splits`."""
         if self.spec.split_kv:
             if num_splits is None:
-                num_splits = default_num_splits(
-                    self.spec, problem, _device_limits(current_device()).sm_count
-                )
+                num_splits = self.default_num_splits(problem)
             problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
         key = (problem, scale)
         prepared = self._prepared.get(key)
@@ -247,6 +253,18 @@ class RuntimeKernel:
             prepared = PreparedLaunch(self.spec, self.functions, problem, scale)
             self._prepared[key] = prepared
         return prepared
+
+    def default_num_splits(self, problem: Problem) -> int:
+        """:func:`default_num_splits` on the current device, with this kernel's registers."""
+        limits = _device_limits(current_device())
+        registers = getattr(self.functions.get(self.spec.uri), "num_regs", None)
+        return default_num_splits(
+            self.spec,
+            problem,
+            limits.sm_count,
+            limits.arch,
+            registers if isinstance(registers, int) else None,
+        )
 
     def __call__(
         self, tensors: dict[str, Any], problem: Problem, scale: float, num_splits: int | None = None
@@ -320,6 +338,12 @@ class DeviceLimits:
     capability: int  # compute capability, e.g. 90
     sm_count: int
     smem_optin: int  # shared memory a block may opt in to, bytes
+
+    @property
+    def arch(self) -> str:
+        """The architecture whose per-SM limits the split heuristic uses (devices before sm_80,
+        which run only the CUDA-core kernels, are counted as sm_80)."""
+        return nearest_arch(self.capability) or "sm_80"
 
 
 @cache

@@ -106,14 +106,14 @@ def test_wider_packs_also_try_half_the_warps():
 def test_split_counts_surround_the_heuristic_within_the_key_tiles():
     p = decode()
     spec = next(s for s in valid_candidates(p, "sm_90")[0] if s.split_kv and s.block_n == 64)
-    h = heuristic_splits(spec, p, DEVICE.sm_count)
-    counts = split_counts(spec, p, DEVICE.sm_count)
+    h = heuristic_splits(spec, p, DEVICE)
+    counts = split_counts(spec, p, DEVICE)
     assert h in counts and h > 1
     assert counts == sorted({min(n, 512, MAX_SPLITS) for n in (h // 2, h, 2 * h, 4 * h)})
     short = decode(seqlen_k=200)  # 4 key tiles of 64: never more chunks than tiles
-    assert max(split_counts(spec, short, DEVICE.sm_count)) <= math.ceil(200 / 64)
+    assert max(split_counts(spec, short, DEVICE)) <= math.ceil(200 / 64)
     plain = next(s for s in valid_candidates(p, "sm_90")[0] if not s.split_kv)
-    assert split_counts(plain, p, DEVICE.sm_count) == [None]
+    assert split_counts(plain, p, DEVICE) == [None]
 
 
 def test_grid_blocks_count_heads_tiles_and_chunks():

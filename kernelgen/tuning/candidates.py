@@ -208,19 +208,20 @@ def grid_blocks(spec: KernelSpec, problem: ProblemDesc, num_splits: int | None =
     return math.prod(grid)
 
 
-def heuristic_splits(spec: KernelSpec, problem: ProblemDesc, sm_count: int) -> int:
-    """:func:`kernelgen.launch.default_num_splits` for ``problem`` on ``sm_count`` SMs."""
-    return default_num_splits(spec, launch_problem(problem), sm_count)
+def heuristic_splits(spec: KernelSpec, problem: ProblemDesc, device: DeviceInfo) -> int:
+    """:func:`kernelgen.launch.default_num_splits` for ``problem`` on ``device`` (its SMs and
+    per-SM limits; registers are not known before the offline compile)."""
+    return default_num_splits(spec, launch_problem(problem), device.sm_count, device.target_arch)
 
 
-def split_counts(spec: KernelSpec, problem: ProblemDesc, sm_count: int) -> list[int | None]:
+def split_counts(spec: KernelSpec, problem: ProblemDesc, device: DeviceInfo) -> list[int | None]:
     """Split counts to time for a spec: None for one without split-KV; else the heuristic's
     count h, h/2, 2h and 4h, at most one chunk per key tile and MAX_SPLITS. (One chunk is the
     same tiles without split-KV, a candidate of its own.)"""
     if not spec.split_kv:
         return [None]
     key_tiles = math.ceil(problem.seqlen_k / spec.block_n)
-    h = heuristic_splits(spec, problem, sm_count)
+    h = heuristic_splits(spec, problem, device)
     counts = {min(n, key_tiles, MAX_SPLITS) for n in (max(1, h // 2), h, 2 * h, 4 * h)}
     return sorted(counts)
 
@@ -249,16 +250,17 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
 
 
 def prune_occupancy(
-    specs: list[KernelSpec], problem: ProblemDesc, sm_count: int
+    specs: list[KernelSpec], problem: ProblemDesc, device: DeviceInfo
 ) -> tuple[list[TunedLaunch], list[Dropped]]:
     """The launches of ``specs`` (split-KV specs with :func:`split_counts`), less those whose
     grid has fewer blocks than min(SMs, the most any launch gives)."""
     launches = [
-        TunedLaunch(spec, n) for spec in specs for n in split_counts(spec, problem, sm_count)
+        TunedLaunch(spec, n) for spec in specs for n in split_counts(spec, problem, device)
     ]
     if not launches:
         return [], []
     blocks = {x: grid_blocks(x.spec, problem, x.num_splits) for x in launches}
+    sm_count = device.sm_count
     target = min(sm_count, max(blocks.values()))
     kept, dropped = [], []
     for launch in launches:
@@ -315,7 +317,7 @@ def prune(
     skipped with a warning (the kernels are still compiled, by CuPy, before timing)."""
     arch = device.target_arch
     specs, dropped = valid_candidates(problem, arch)
-    launches, more = prune_occupancy(specs, problem, device.sm_count)
+    launches, more = prune_occupancy(specs, problem, device)
     dropped += more
     try:
         kept, more = prune_resources(launches, arch, compile_fn or offline_resources)

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from functools import cache
 
-from kernelgen.arch import ARCHS, arch_for_capability
+from kernelgen.arch import ARCHS, arch_for_capability, nearest_arch
 from kernelgen.errors import InputError
 
 DTYPE_ALIASES: dict[str, str] = {
@@ -159,11 +159,10 @@ class DeviceInfo:
         """The known architecture whose limits candidates are checked against."""
         if self.arch in ARCHS:
             return self.arch
-        cc = int(self.arch.removeprefix("sm_"))
-        known = [a for a in ARCHS.values() if a.compute_capability <= cc]
-        if not known:
+        nearest = nearest_arch(int(self.arch.removeprefix("sm_")))
+        if nearest is None:
             raise InputError(f"compute capability {self.compute_capability} is below sm_80")
-        return max(known, key=lambda a: a.compute_capability).name
+        return nearest
 
     def key_dict(self) -> dict[str, object]:
         return {
