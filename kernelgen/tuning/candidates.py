@@ -254,9 +254,7 @@ def prune_occupancy(
 ) -> tuple[list[TunedLaunch], list[Dropped]]:
     """The launches of ``specs`` (split-KV specs with :func:`split_counts`), less those whose
     grid has fewer blocks than min(SMs, the most any launch gives)."""
-    launches = [
-        TunedLaunch(spec, n) for spec in specs for n in split_counts(spec, problem, device)
-    ]
+    launches = [TunedLaunch(spec, n) for spec in specs for n in split_counts(spec, problem, device)]
     if not launches:
         return [], []
     blocks = {x: grid_blocks(x.spec, problem, x.num_splits) for x in launches}
