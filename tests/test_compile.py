@@ -5,6 +5,7 @@ Runs in CI and fails there (never skips) when NVRTC or the CUDA headers are miss
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from kernelgen.compile import (
 )
 from kernelgen.errors import CompileError
 from kernelgen.render import MAX_SPLITS, render
-from kernelgen.spec import load_spec
+from kernelgen.spec import KernelSpec, load_spec
 
 pytestmark = pytest.mark.compile
 
@@ -115,17 +116,27 @@ def test_specs_cover_split_kv_decode():
 SPLIT_SPEC_PATHS = [p for p in SPEC_PATHS if load_spec(p).split_kv]
 
 
+@cache
+def disassembly(spec: KernelSpec, arch: str) -> str:
+    """The SASS of ``spec``'s source (main kernel and combine) compiled offline for ``arch``."""
+    compiled = compile_offline(render(spec), spec.uri, arch, sass=False)
+    return disassemble(compiled.cubin) or ""
+
+
+def kernel_opcodes(spec: KernelSpec, arch: str, symbol: str) -> list[str]:
+    """SASS opcodes of the kernel ``symbol`` of ``spec``'s source on ``arch``."""
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    return [i.opcode for i in sass_instructions(function_sass(disassembly(spec, arch), symbol))]
+
+
 @pytest.mark.parametrize("path", SPLIT_SPEC_PATHS, ids=lambda p: p.stem)
 def test_combine_moves_rows_in_16_byte_pieces(path):
     """The split-KV combine's global traffic is vectorised: one 16-byte store of the output
     per thread and one 4-byte store of the LSE, partial rows read 16 bytes at a time; the only
     narrow loads are the chunk LSEs (MAX_SPLITS / 32 per lane)."""
-    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
     spec = load_spec(path)
     for arch in spec.archs:
-        compiled = compile_offline(render(spec), spec.uri, arch, sass=False)
-        body = function_sass(disassemble(compiled.cubin) or "", spec.combine_uri)
-        opcodes = [i.opcode for i in sass_instructions(body)]
+        opcodes = kernel_opcodes(spec, arch, spec.combine_uri)
         stores = sorted(op for op in opcodes if op.startswith("STG"))
         assert stores == ["STG.E", "STG.E.128"], (arch, stores)
         narrow_loads = [op for op in opcodes if op.startswith("LDG") and ".128" not in op]
@@ -140,12 +151,9 @@ def test_tensor_core_kernels_move_tiles_in_16_byte_pieces(path):
     """Issue #3's 128-bit global traffic in the main kernel's SASS: every Q/K/V copy is a
     16-byte cp.async (LDGSTS.128); the output leaves in 16-byte stores beside the 4-byte LSE
     store (split-KV: fp32 partial rows as 8-byte pairs, the fragment layout's natural width)."""
-    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
     spec = load_spec(path)
     for arch in spec.archs:
-        compiled = compile_offline(render(spec), spec.uri, arch, sass=False)
-        body = function_sass(disassemble(compiled.cubin) or "", spec.uri)
-        opcodes = [i.opcode for i in sass_instructions(body)]
+        opcodes = kernel_opcodes(spec, arch, spec.uri)
         copies = [op for op in opcodes if op.startswith("LDGSTS")]
         assert copies and all(op.endswith(".128") for op in copies), (arch, set(copies))
         stores = {op for op in opcodes if op.startswith("STG")}
