@@ -8,7 +8,7 @@
 # (default: all but versions). `versions` times the template folders bench/versions.sh exported
 # (bench/.versions/*, carried to the device) and the working tree, one process each, on bf16
 # d128 4k against torch's flash backend. Each stage has its own time limit (seconds,
-# environment): TESTS_S=240 DECODE_S=240 PREFILL_S=240 TUNING_S=240 SANITIZE_S=120 VERSION_S=120
+# environment): TESTS_S=480 DECODE_S=240 PREFILL_S=240 TUNING_S=240 SANITIZE_S=120 VERSION_S=120
 # (per version), so a subset fits one 10-minute device command. Expects
 # kernelgen and its dependencies importable (e.g. PYTHONPATH=$PWD plus a pydantic wheel).
 set -u
@@ -36,7 +36,7 @@ export KERNELGEN_CACHE_DIR="$OUT/kernelgen-cache"  # a fresh tuning database, ke
 for stage in "${stages[@]}"; do
     case $stage in
     tests)
-        run_stage tests "${TESTS_S:-240}" pytest-gpu.log \
+        run_stage tests "${TESTS_S:-480}" pytest-gpu.log \
             python3 -m pytest -m gpu -q -p no:cacheprovider -x --junitxml="$OUT/pytest-gpu.xml"
         ;;
     decode)
