@@ -98,17 +98,21 @@ def _summary_table(built) -> Table:
 
 def _print_resources(built) -> None:
     """Per kernel, one line per arch (registers, spill/stack/shared bytes against the arch's
-    limit) and its SASS opcode counts, local memory shown even at 0 (`kernelgen check`)."""
+    limit, resident blocks per SM) and its SASS opcode counts, local memory shown even at 0
+    (`kernelgen check`)."""
     from kernelgen.build import SASS_SHOWN
+    from kernelgen.occupancy import blocks_per_sm
 
     for kernel in built:
         out_console.print(kernel.spec.uri, markup=False, highlight=False)
         for r in kernel.resources:
             smem = kernel.spec.smem_bytes + r.static_smem_bytes
+            resident = blocks_per_sm(r.arch, kernel.spec.threads, smem, r.registers)
             out_console.print(
                 f"  {r.arch}: {r.registers} registers, "
                 f"spill {r.spill_store_bytes + r.spill_load_bytes} B, stack {r.stack_bytes} B, "
-                f"shared {smem} of {ARCHS[r.arch].max_smem_per_block} B",
+                f"shared {smem} of {ARCHS[r.arch].max_smem_per_block} B, "
+                f"{resident.blocks} blocks/SM ({resident.limiter})",
                 markup=False,
                 highlight=False,
             )

@@ -119,6 +119,7 @@ def test_check_reports_resources(tmp_path):
     assert result.exit_code == 0, result.output
     assert "sm_90" in result.stdout
     assert "232448" in result.stdout  # the arch's shared-memory limit beside the kernel's
+    assert "blocks/SM (" in result.stdout  # resident blocks and what limits them
     if cuobjdump_path():  # local memory is shown even when there is none
         assert "LDL=0, STL=0" in result.stdout
 
