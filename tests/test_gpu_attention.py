@@ -312,12 +312,16 @@ def test_decode_at_128k_keys():
     assert_matches(out, lse, data, spec.dtype)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [Case(4, 32, 8, 1, 8192 + 5), Case(1, 32, 1, 16, 5000)],  # the second: 512 packed rows
+    ids=["gqa4-sq1", "mqa-sq16"],
+)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_default_decode_path_on_gpu(dtype, monkeypatch):
-    """Without a spec, a decode shape gets a split-KV kernel (packed on the tensor cores, the
-    CUDA-core one for float32) and a heuristic count."""
+def test_default_decode_path_on_gpu(dtype, case, monkeypatch):
+    """Without a spec, a decode shape gets a split-KV kernel (packed on the tensor cores, in
+    several 64-row tiles past 64 rows; the CUDA-core one for float32) and a heuristic count."""
     monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
-    case = Case(4, 32, 8, 1, 8192 + 5)
     data = make_case(case, dtype, 128, False, seed=9)
     q, k, v = (device_array(getattr(data, n), dtype, "bhsd") for n in "qkv")
     out, lse = kernelgen.attention(q, k, v, return_lse=True)
