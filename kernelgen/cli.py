@@ -101,13 +101,13 @@ def _print_resources(built) -> None:
     limit, resident blocks per SM) and its SASS opcode counts, local memory shown even at 0
     (`kernelgen check`)."""
     from kernelgen.build import SASS_SHOWN
-    from kernelgen.occupancy import blocks_per_sm
+    from kernelgen.occupancy import kernel_occupancy
 
     for kernel in built:
         out_console.print(kernel.spec.uri, markup=False, highlight=False)
         for r in kernel.resources:
             smem = kernel.spec.smem_bytes + r.static_smem_bytes
-            resident = blocks_per_sm(r.arch, kernel.spec.threads, smem, r.registers)
+            resident = kernel_occupancy(kernel.spec, r.arch, r)
             out_console.print(
                 f"  {r.arch}: {r.registers} registers, "
                 f"spill {r.spill_store_bytes + r.spill_load_bytes} B, stack {r.stack_bytes} B, "

@@ -58,7 +58,7 @@ def _dry_run_device(arch: str | None, sms: int | None) -> DeviceInfo:
 
 
 def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
-    from kernelgen.occupancy import blocks_per_sm
+    from kernelgen.occupancy import kernel_occupancy
     from kernelgen.tuning.candidates import prune
 
     kept, dropped = prune(problem, device)
@@ -75,12 +75,7 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     for c in kept:
         regs = str(c.resources.registers) if c.resources else "?"
         splits = str(c.num_splits) if c.num_splits else "-"
-        occupancy = blocks_per_sm(
-            device.target_arch,
-            c.spec.threads,
-            c.spec.smem_bytes + (c.resources.static_smem_bytes if c.resources else 0),
-            c.resources.registers if c.resources else None,
-        )
+        occupancy = kernel_occupancy(c.spec, device.target_arch, c.resources)
         short = {"registers": "regs", "shared memory": "smem"}.get(occupancy.limiter)
         blocks = f"{occupancy.blocks} {short or occupancy.limiter}"
         table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes), blocks)

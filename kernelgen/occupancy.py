@@ -4,7 +4,7 @@ The CUDA occupancy rules for the architectures in :data:`kernelgen.arch.ARCHS`: 
 handed to warps in granules of 256 (a thread's count rounded up to 8), each block also takes
 1 KiB of shared memory the system reserves, and threads and blocks per SM have their own caps.
 Used by the split-KV heuristic (how many block slots a grid has to fill) and shown by
-``kernelgen tune --dry-run`` beside each candidate's registers.
+``kernelgen check`` and ``kernelgen tune --dry-run`` beside each kernel's registers.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernelgen.arch import ARCHS
+from kernelgen.compile import Resources
+from kernelgen.spec import KernelSpec
 
 REGISTER_GRANULE = 256  # registers a warp is given at a time
 SMEM_RESERVED_PER_BLOCK = 1024  # bytes of shared memory the system keeps per resident block
@@ -40,3 +42,11 @@ def blocks_per_sm(
         limits["registers"] = facts.registers_per_sm // (per_warp * warps)
     limiter = min(limits, key=lambda name: limits[name])
     return Occupancy(limits[limiter], limiter)
+
+
+def kernel_occupancy(spec: KernelSpec, arch: str, res: Resources | None) -> Occupancy:
+    """:func:`blocks_per_sm` of ``spec``'s main kernel on ``arch``, with its ptxas report
+    ``res`` (registers, static shared memory) where there is one."""
+    if res is None:
+        return blocks_per_sm(arch, spec.threads, spec.smem_bytes)
+    return blocks_per_sm(arch, spec.threads, spec.smem_bytes + res.static_smem_bytes, res.registers)

@@ -87,6 +87,17 @@ def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
     clear_kernel_cache()
 
 
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    """:func:`install_fake_libraries` with launches that do nothing; the kernel cache is
+    cleared afterwards."""
+    from kernelgen.launch import clear_kernel_cache
+
+    install_fake_libraries(monkeypatch, lambda *args: None)
+    yield
+    clear_kernel_cache()
+
+
 def launched_kernel(symbol: str) -> tuple[KernelSpec, tuple]:
     """The spec of a compiled (faked) kernel symbol, main kernel or combine, and its parameter
     list, as the launch that used it saw them."""

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import install_fake_libraries
 
 from bench import attention, decode, gpu, metrics, report
 from bench import decode_report as dr
@@ -353,17 +352,7 @@ def runner(**flags: Any) -> decode.DecodeRunner:
     return decode.DecodeRunner(FakeEnv(), args, {"copy_gbps": 3000.0})
 
 
-@pytest.fixture
-def fake_runtime(monkeypatch):
-    """Fake CuPy under kernelgen's runtime kernels (the bench asks them for split counts)."""
-    from kernelgen.launch import clear_kernel_cache
-
-    install_fake_libraries(monkeypatch, lambda *args: None)
-    yield
-    clear_kernel_cache()
-
-
-def test_launch_facts_from_kernelgen(fake_runtime):
+def test_launch_facts_from_kernelgen(fake_runtime):  # the split count is the runtime's
     r, s = runner(), shape()
     spec = r.kg_spec(s, decode=True)
     assert spec.split_kv and spec.pack_gqa and spec.num_warps == 1  # 4 packed rows

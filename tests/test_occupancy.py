@@ -4,7 +4,6 @@ them, against occupancies worked out by hand from the CUDA limits of each archit
 from __future__ import annotations
 
 import pytest
-from conftest import install_fake_libraries
 
 from bench import fake_cupy
 from kernelgen.launch import (
@@ -79,17 +78,13 @@ def test_registers_and_arch_change_the_slots_the_split_count_fills():
     assert default_num_splits(SPLIT, wide, 132, "sm_90") > 1
 
 
-def test_the_runtime_heuristic_uses_the_compiled_kernels_registers(monkeypatch):
+def test_the_runtime_heuristic_uses_the_compiled_kernels_registers(fake_runtime, monkeypatch):
     """RuntimeKernel.default_num_splits: the device's SMs and arch, CuPy's num_regs."""
-    install_fake_libraries(monkeypatch, lambda *args: None)
-    try:
-        problem = decode_problem()
-        plain = runtime_kernel(SPLIT).default_num_splits(problem)
-        assert plain == default_num_splits(SPLIT, problem, 132, "sm_90")  # num_regs unknown
-        monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(print, 255))
-        clear_kernel_cache()
-        heavy = runtime_kernel(SPLIT).default_num_splits(problem)
-        assert heavy == default_num_splits(SPLIT, problem, 132, "sm_90", registers=255)
-        assert heavy < plain
-    finally:
-        clear_kernel_cache()
+    problem = decode_problem()
+    plain = runtime_kernel(SPLIT).default_num_splits(problem)
+    assert plain == default_num_splits(SPLIT, problem, 132, "sm_90")  # num_regs unknown
+    monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(print, 255))
+    clear_kernel_cache()
+    heavy = runtime_kernel(SPLIT).default_num_splits(problem)
+    assert heavy == default_num_splits(SPLIT, problem, 132, "sm_90", registers=255)
+    assert heavy < plain

@@ -167,11 +167,15 @@ class TuningDB:
             return None
         return record
 
-    def save(self, record: TuningRecord) -> bool:
-        """Write ``record`` atomically; False (and one warning) when the directory is read-only."""
+    def write(self, record: TuningRecord) -> None:
+        """Write ``record`` to its file atomically (OSError when the directory is not writable)."""
         text = json.dumps(wrap(record.payload()), indent=1, sort_keys=True, allow_nan=False)
+        atomic_write_text(self.path(record.key), text + "\n")
+
+    def save(self, record: TuningRecord) -> bool:
+        """:meth:`write`; False (and one warning) when the directory is read-only."""
         try:
-            atomic_write_text(self.path(record.key), text + "\n")
+            self.write(record)
         except OSError as exc:
             self._warn_read_only(exc)
             return False
@@ -239,7 +243,7 @@ class TuningDB:
         for index, payload in enumerate(bundle["records"]):
             try:
                 records.append(TuningRecord.from_payload(payload))
-            except (ValueError, AttributeError) as exc:
+            except ValueError as exc:
                 raise ValueError(f"{path}: record {index} is unusable ({exc})") from None
         return records
 
@@ -261,7 +265,6 @@ class TuningDB:
                     "device/software key differs"
                 )
                 continue
-            text = json.dumps(wrap(record.payload()), indent=1, sort_keys=True)
-            atomic_write_text(self.path(record.key), text + "\n")
+            self.write(record)
             imported += 1
         return imported, rejected
