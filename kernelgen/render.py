@@ -141,10 +141,14 @@ def _environment() -> jinja2.Environment:
 
 @cache
 def template_dir() -> Path:
-    """The templates' folder: the package's own, or $KERNELGEN_TEMPLATE_DIR when set."""
+    """The templates' folder: $KERNELGEN_TEMPLATE_DIR when set, else the installed package's
+    own, else (a source checkout on PYTHONPATH, not installed) the checkout's templates/."""
     override = os.environ.get(TEMPLATE_DIR_ENV)
     if not override:
-        return Path(str(resources.files("kernelgen.templates")))
+        try:
+            return Path(str(resources.files("kernelgen.templates")))
+        except ModuleNotFoundError:
+            return Path(__file__).resolve().parent.parent / "templates"
     folder = Path(override).expanduser()
     missing = [name for name in ENTRY_TEMPLATE.values() if not (folder / name).is_file()]
     if missing:
