@@ -31,7 +31,9 @@ run_stage() {  # name, limit, log, command...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
     >"$OUT/gpu.txt" 2>&1
-export KERNELGEN_CACHE_DIR="$OUT/kernelgen-cache"  # a fresh tuning database, kept with the logs
+# a fresh tuning database, outside $OUT: the device tool brings back at most 8 files, so the
+# cache's many small files would crowd out the results (bundled into one archive at the end)
+export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-$(mktemp -d)/kernelgen-cache}
 
 for stage in "${stages[@]}"; do
     case $stage in
@@ -85,3 +87,4 @@ for f in "$OUT"/results/*-decode*.md "$OUT"/results/*-tuning*.md; do
     [ -f "$f" ] && grep -E "^(- )?(PASS|MISS|not measured)|target" "$f" | head -n 12
 done
 printf '%s\n' "${summary[@]}"
+tar czf "$OUT/session.tgz" -C "$OUT" --exclude session.tgz . 2>/dev/null && echo "bundled: $OUT/session.tgz"
