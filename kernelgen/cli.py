@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernelgen.arch import ARCHS
+from kernelgen.cli_model import register as register_model
 from kernelgen.cli_tune import register as register_tuning
 from kernelgen.errors import CompileError, KernelgenError, SpecError
 from kernelgen.spec import spec_json_schema
@@ -170,15 +171,30 @@ def show(spec: Annotated[Path, typer.Argument(help="A spec YAML file.")]) -> Non
 
 
 @app.command()
-def check(specs: SpecPaths, arch: ArchOption = None) -> None:
+def check(
+    specs: SpecPaths,
+    arch: ArchOption = None,
+    model: Annotated[
+        bool, typer.Option("--model", help="Also print the static performance model's line.")
+    ] = False,
+) -> None:
     """Compile specs offline and print registers, spills, stack, shared memory and SASS facts;
     exit 1, one line per problem, when a kernel spills, uses a stack or local memory, exceeds
     its arch's shared memory, or is a tensor-core spec without HMMA/LDSM in its SASS."""
     from kernelgen.build import static_problems
+    from kernelgen.cli_model import model_reports
 
     paths, archs = _split_archs(specs, arch)
-    built = _compile(_load(paths), archs)
+    loaded = _load(paths)
+    built = _compile(loaded, archs)
     _print_resources(built)
+    if model:
+        try:
+            reports = model_reports(loaded, archs)
+        except KernelgenError as exc:
+            raise _fail([str(exc)]) from None
+        for report in reports:
+            out_console.print(f"{report.uri} {report.arch}: {report.summary()}", markup=False)
     problems = [
         f"{k.spec.uri}: {why}"
         for k in built
@@ -196,6 +212,7 @@ def schema() -> None:
 
 
 register_tuning(app)  # kernelgen tune, kernelgen cache ...
+register_model(app)  # kernelgen model
 
 
 def main() -> None:

@@ -351,7 +351,7 @@ SASS_SNIPPET = """
 
 
 def test_hmma_loop_counts_the_body_of_the_backward_branch_around_the_hmmas():
-    from bench.sass_loop import hmma_loop
+    from kernelgen.perfmodel import hmma_loop
 
     body = hmma_loop(SASS_SNIPPET)
     # 0x10..0x50: two HMMA, one FMUL, the branch; the @!PT padding and the HMMA-free loop are out
@@ -373,7 +373,7 @@ def test_opcode_counts_read_every_address_width():
 
 
 def test_interior_source_replaces_each_tile_test_once():
-    from bench.sass_loop import INTERIOR, interior_source
+    from kernelgen.perfmodel import INTERIOR, interior_source
 
     source = " ".join(INTERIOR)
     assert interior_source(source) == " ".join(INTERIOR.values())

@@ -1,0 +1,126 @@
+"""The static performance model (kernelgen.perfmodel): its arithmetic on hand-made figures, and
+its SASS counts against what the tiling alone says every tensor-core spec must issue."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SPEC_PATHS, require_toolchain
+
+from kernelgen.compile import compile_offline, cuobjdump_path, disassemble, nvrtc_available
+from kernelgen.errors import SettingError
+from kernelgen.perfmodel import (
+    FA2_D128,
+    UnitFigures,
+    analytic_cost,
+    analytic_figures,
+    hmma_loop,
+    interior_source,
+    model_spec,
+    predict,
+    unit_figures,
+)
+from kernelgen.render import render
+from kernelgen.spec import load_spec, spec_from_dict
+
+# The prefill kernels: the decode tiles (1-2 warps, split-KV) copy K/V in inner loops whose
+# repeats a loop-body count cannot see, so the model is for the prefill kernels.
+TC_SPECS = [p for p in SPEC_PATHS if load_spec(p).mma == "mma_sync" and not load_spec(p).split_kv]
+
+
+def tc_spec(**fields):
+    base = {"loop_order": "v2", "mma": "mma_sync", "dtype": "bfloat16", "head_dim": 128}
+    return spec_from_dict({**base, "num_warps": 4, "stages": 2, **fields})
+
+
+def test_fa2_reference_is_bound_by_the_tensor_cores_on_a100_and_ties_shared_memory_on_h100():
+    a100, h100 = predict(FA2_D128, "sm_80"), predict(FA2_D128, "sm_90")
+    # 512 HMMA at 0.5 per clock; 96 KiB at 128 B per clock; 1866 instructions at 4 per clock
+    assert a100.clocks == pytest.approx(
+        {"issue": 466.5, "shared memory": 768, "tensor": 1024, "MUFU": 272}
+    )
+    assert a100.limiter == "tensor" and a100.fraction_of_peak == 1.0
+    assert h100.clocks["tensor"] == pytest.approx(768) and h100.cost == pytest.approx(768)
+
+
+def test_the_binding_resource_sets_the_fraction_of_peak():
+    figures = UnitFigures(6000, {"HMMA": 512, "MUFU": 100}, 64 * 1024)
+    prediction = predict(figures, "sm_80")
+    assert prediction.limiter == "issue" and prediction.cost == 1500
+    assert prediction.fraction_of_peak == pytest.approx(1024 / 1500)
+    slow_memory = predict(UnitFigures(100, {"HMMA": 512}, 256 * 1024), "sm_80")
+    assert slow_memory.limiter == "shared memory"
+    assert slow_memory.fraction_of_peak == pytest.approx(1024 / 2048)
+    with pytest.raises(SettingError, match="sm_70"):
+        predict(figures, "sm_70")
+
+
+@pytest.mark.parametrize(
+    ("fields", "ldsm", "ldgsts", "kib"),
+    [
+        # 16 rows per warp: every warp re-reads K and V for 16 rows (FA2 figures' 1.8x traffic)
+        ({"block_m": 64, "block_n": 64}, 288, 64, 176),
+        # 32 rows per warp, 32-key tiles: Q re-read per 32 keys
+        ({"block_m": 128, "block_n": 32}, 192, 32, 112),
+        # head dim 64, 32 rows x 64 keys: half the k-steps of d128, so half the traffic
+        ({"block_m": 128, "block_n": 64, "head_dim": 64}, 80, 16, 48),
+        # 8 warps x 16 rows: the K/V tile is copied once for 128 rows, read by 8 warps
+        ({"block_m": 128, "block_n": 64, "num_warps": 8}, 288, 32, 160),
+    ],
+)
+def test_analytic_traffic_per_unit(fields, ldsm, ldgsts, kib):
+    spec = tc_spec(**fields)
+    figures = analytic_figures(spec)
+    assert figures.count("LDSM") == pytest.approx(ldsm)
+    assert figures.count("LDGSTS") == pytest.approx(ldgsts)
+    assert figures.smem_bytes == pytest.approx(kib * 1024)
+    assert figures.count("HMMA") == pytest.approx(512 * spec.head_dim / 128)
+
+
+def test_analytic_cost_orders_tilings_by_their_shared_memory_traffic():
+    wide = tc_spec(block_m=128, block_n=32)
+    narrow = tc_spec(block_m=64, block_n=64)
+    assert analytic_cost(wide, "sm_90") < analytic_cost(narrow, "sm_90")
+    # On A100 the 32-row tiling reaches the tensor bound, which no tiling beats.
+    assert analytic_cost(wide, "sm_80") == pytest.approx(1024)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("path", TC_SPECS, ids=lambda p: p.stem)
+def test_sass_loop_issues_what_the_tiling_requires(path):
+    """The interior loop's HMMA, LDSM and MUFU per unit are exactly the tiling's (no extra or
+    missing shared-memory reads, one exp2 per score and per row), and LDGSTS at least the
+    bytes of the K and V tiles (head dims whose chunks do not divide the threads idle some
+    lanes of a copy instruction)."""
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    spec = load_spec(path)
+    compiled = compile_offline(interior_source(render(spec)), spec.uri, "sm_90", sass=False)
+    measured = unit_figures(hmma_loop(disassemble(compiled.cubin)), spec)
+    expected = analytic_figures(spec)
+    for name in ("HMMA", "LDSM", "MUFU"):
+        assert measured.count(name) == pytest.approx(expected.count(name)), name
+    assert measured.count("LDGSTS") >= expected.count("LDGSTS") - 1e-9
+    if (spec.threads // 32 * 32) % (spec.head_dim_padded // 8) == 0:
+        assert measured.count("LDGSTS") == pytest.approx(expected.count("LDGSTS"))
+    assert measured.instructions == pytest.approx(sum(measured.by_class.values()))
+
+
+@pytest.mark.compile
+def test_model_report_of_a_spec_is_complete_and_json_ready():
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    report = model_spec(tc_spec(block_m=128, block_n=32), "sm_90")
+    assert report.spill_bytes == 0 and report.blocks_per_sm >= 1
+    assert report.unit.smem_bytes == pytest.approx(112 * 1024)
+    assert report.prediction.limiter == "shared memory"
+    assert report.vs_fa2 == pytest.approx(768 / 896)
+    payload = json.loads(json.dumps(report.as_dict()))
+    assert payload["prediction"]["limiter"] == "shared memory"
+    assert "112 KiB shared memory" in report.summary()
+    simt = spec_from_dict(
+        {"loop_order": "v2", "dtype": "float32", "head_dim": 64, "block_m": 64, "block_n": 32}
+    )
+    with pytest.raises(SettingError, match="mma_sync"):
+        model_spec(simt, "sm_90")
