@@ -259,6 +259,31 @@ def default_block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+# Where the untuned prefill spec gives each warp 32 query rows (block_m 128 with 4 warps), per
+# arch: (largest head dim, block_n) steps. It is the static model's best tiling
+# (kernelgen.perfmodel: it halves the K/V re-reads of 16-row warps; docs/performance-model.md),
+# measured fastest on an H100 (bench/NOTES.md), and free of spills in both dtypes, causal or
+# not, at every head dim of its range (the compile tier checks samples of each range). sm_80
+# spills with 64-key tiles, and with 32-key tiles from head dim 88.
+WIDE_TILES: dict[str, tuple[tuple[int, int], ...]] = {
+    "sm_90": ((64, 64), (128, 32)),
+    "sm_80": ((80, 32),),
+}
+
+
+def default_tiling(head_dim: int, archs: tuple[str, ...]) -> tuple[int, int]:
+    """(block_m, block_n) of the untuned 4-warp prefill tensor-core spec for ``archs``: 32 rows
+    per warp (:data:`WIDE_TILES`) where every arch allows it, else 16 rows per warp (64 x
+    :func:`default_block_n`)."""
+    steps = [
+        next((n for limit, n in WIDE_TILES.get(arch, ()) if head_dim <= limit), None)
+        for arch in archs
+    ]
+    if steps and None not in steps:
+        return 128, min(steps)
+    return 64, default_block_n(head_dim)
+
+
 def default_spec(
     dtype: str,
     head_dim: int,
@@ -271,8 +296,10 @@ def default_spec(
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
-    float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps x 16 rows, 64 keys
-    per tile (32 above head_dim 128), two stages, swizzled where the head dim allows. With
+    float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps, two stages,
+    swizzled where the head dim allows, tiles from :func:`default_tiling` (32 rows per warp on
+    sm_90 up to head dim 128 and sm_80 up to 80, else 16 rows and 64 keys, 32 above head dim
+    128). With
     ``decode_rows`` (a decode step's packed rows, :func:`decode_rows`): the decode kernel
     instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
     rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode
@@ -284,14 +311,16 @@ def default_spec(
     split = decode if split_kv is None else split_kv
     if tensor_cores and dtype in ("float16", "bfloat16"):
         warps = 4
+        block_m, block_n = default_tiling(head_dim, archs)
         if decode_rows is not None:
             warps = next((w for w in (1, 2, 4) if 16 * w >= decode_rows), 4)
+            block_m, block_n = 16 * warps, default_block_n(head_dim)
         return KernelSpec(
             loop_order="v2",
             dtype=dtype,
             head_dim=head_dim,
-            block_m=16 * warps,
-            block_n=default_block_n(head_dim),
+            block_m=block_m,
+            block_n=block_n,
             num_warps=warps,
             causal=causal,
             mma="mma_sync",

@@ -124,3 +124,60 @@ def test_model_report_of_a_spec_is_complete_and_json_ready():
     )
     with pytest.raises(SettingError, match="mma_sync"):
         model_spec(simt, "sm_90")
+
+
+# ---- where the model is used: the heuristic default and the autotuner's pruning ----
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_default_tiling_is_the_model_best_of_the_four_warp_tilings_it_may_use(arch):
+    from kernelgen.api import default_spec
+
+    for head_dim in (64, 80, 128):
+        chosen = default_spec("bfloat16", head_dim, False, arch)
+        narrow = tc_spec(head_dim=head_dim, block_m=64, block_n=64)
+        assert analytic_cost(chosen, arch) <= analytic_cost(narrow, arch)
+    assert default_spec("bfloat16", 128, False, "sm_90").rows_per_warp == 32
+    assert default_spec("bfloat16", 128, False, "sm_80").rows_per_warp == 16  # spills there
+    assert default_spec("bfloat16", 256, False, "sm_90").rows_per_warp == 16  # accumulators
+    assert default_spec("bfloat16", 64, False, None).archs == ("sm_80", "sm_90")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(arch):
+    """Samples of each WIDE_TILES range (its ends and an odd head dim), both dtypes, causal or
+    not: the untuned default must never be a spilling kernel."""
+    from kernelgen.api import WIDE_TILES, default_spec
+    from kernelgen.build import static_problems
+
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    limits = [limit for limit, _ in WIDE_TILES[arch]]
+    head_dims = sorted({8, 40, *limits, *(limit - 8 for limit in limits)})
+    for head_dim in head_dims:
+        for dtype in ("float16", "bfloat16"):
+            for causal in (False, True):
+                spec = default_spec(dtype, head_dim, causal, arch)
+                assert spec.rows_per_warp == 32, spec.uri
+                res = compile_offline(render(spec), spec.uri, arch, sass=False).resources
+                assert not static_problems(spec, res), (spec.uri, static_problems(spec, res))
+
+
+def test_autotuner_times_the_model_best_prefill_candidates_and_keeps_the_others():
+    from kernelgen.tuning.candidates import Candidate, prune_by_model
+
+    tilings = [(64, 32), (64, 64), (128, 32), (64, 128)]
+    prefill = [Candidate(tc_spec(block_m=m, block_n=n)) for m, n in tilings]
+    fallback = Candidate(
+        spec_from_dict(
+            {"loop_order": "v2", "dtype": "bfloat16", "head_dim": 128, "block_m": 64,
+             "block_n": 32}
+        )
+    )  # fmt: skip
+    kept, dropped = prune_by_model([*prefill, fallback], "sm_90", top_k=2)
+    costs = sorted(analytic_cost(c.spec, "sm_90") for c in prefill)
+    assert [analytic_cost(c.spec, "sm_90") for c in kept[:2]] == costs[:2]
+    assert kept[0].spec.block_m == 128  # 32 rows per warp: the least shared-memory traffic
+    assert kept[2] is fallback  # CUDA-core fallbacks are not the model's to cut
+    assert len(dropped) == 2 and all(d.stage == "model" for d in dropped)
+    assert all("> top 2" in d.reason for d in dropped)

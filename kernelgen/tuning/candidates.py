@@ -98,7 +98,7 @@ class Dropped:
     """A candidate removed before timing, and why (``uri`` is a readable label if invalid)."""
 
     uri: str
-    stage: str  # "validation" | "occupancy" | "resources"
+    stage: str  # "validation" | "occupancy" | "resources" | "model"
     reason: str
 
 
@@ -306,6 +306,34 @@ def _resource_verdict(spec: KernelSpec, arch: str, compile_fn: CompileFn) -> Res
     return "; ".join(static_problems(spec, res)) or res  # spills, stack, local memory
 
 
+MODEL_TOP_K = 8  # prefill tensor-core candidates timed, the static model's best first
+
+
+def prune_by_model(
+    candidates: list[Candidate], arch: str, top_k: int = MODEL_TOP_K
+) -> tuple[list[Candidate], list[Dropped]]:
+    """Order the prefill tensor-core candidates by the static model's predicted cost per unit
+    (kernelgen.perfmodel.analytic_cost: shared-memory traffic, tensor and MUFU bounds) and keep
+    the best ``top_k`` for timing, as Triton's ``prune_configs_by={'perf_model', 'top_k'}``;
+    the others (CUDA-core fallbacks, split-KV decode launches) are kept in their order."""
+    from kernelgen.perfmodel import analytic_cost
+
+    modelled = [c for c in candidates if c.spec.mma == "mma_sync" and not c.spec.split_kv]
+    ranked = sorted(modelled, key=lambda c: analytic_cost(c.spec, arch))
+    cut = {id(c) for c in ranked[top_k:]}
+    dropped = [
+        Dropped(
+            c.launch.label,
+            "model",
+            f"predicted {analytic_cost(c.spec, arch):.0f} clk/unit, rank {rank + 1} > top {top_k}",
+        )
+        for rank, c in enumerate(ranked)
+        if id(c) in cut
+    ]
+    kept = ranked[:top_k] + [c for c in candidates if c not in modelled]
+    return kept, dropped
+
+
 def prune(
     problem: ProblemDesc, device: DeviceInfo, compile_fn: CompileFn | None = None
 ) -> tuple[list[Candidate], list[Dropped]]:
@@ -322,6 +350,8 @@ def prune(
     except ToolchainMissingError as exc:
         log.warning("skipping the spill/stack check (%s)", exc)
         kept, more = [Candidate(x.spec, x.num_splits) for x in launches], []
+    dropped += more
+    kept, more = prune_by_model(kept, arch)
     dropped += more
     for d in dropped:
         log.info("dropped %s [%s]: %s", d.uri, d.stage, d.reason)
