@@ -59,6 +59,7 @@ def _dry_run_device(arch: str | None, sms: int | None) -> DeviceInfo:
 
 def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     from kernelgen.occupancy import kernel_occupancy
+    from kernelgen.perfmodel import analytic_cost
     from kernelgen.tuning.candidates import prune
 
     kept, dropped = prune(problem, device)
@@ -72,13 +73,16 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     table.add_column("regs", justify="right")
     table.add_column("smem", justify="right")
     table.add_column("blocks/SM", justify="right")  # resident blocks, and what limits them
+    table.add_column("model", justify="right")  # predicted clocks per 64x64 unit (rank order)
     for c in kept:
         regs = str(c.resources.registers) if c.resources else "?"
         splits = str(c.num_splits) if c.num_splits else "-"
         occupancy = kernel_occupancy(c.spec, device.target_arch, c.resources)
         short = {"registers": "regs", "shared memory": "smem"}.get(occupancy.limiter)
         blocks = f"{occupancy.blocks} {short or occupancy.limiter}"
-        table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes), blocks)
+        modelled = c.spec.mma == "mma_sync" and not c.spec.split_kv
+        model = f"{analytic_cost(c.spec, device.target_arch):.0f}" if modelled else "-"
+        table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes), blocks, model)
     out_console.print(table)
     for d in dropped:
         out_console.print(f"drop [{d.stage}] {d.uri}: {d.reason}", markup=False, highlight=False)

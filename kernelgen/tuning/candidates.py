@@ -310,27 +310,27 @@ MODEL_TOP_K = 8  # prefill tensor-core candidates timed, the static model's best
 
 
 def prune_by_model(
-    candidates: list[Candidate], arch: str, top_k: int = MODEL_TOP_K
-) -> tuple[list[Candidate], list[Dropped]]:
-    """Order the prefill tensor-core candidates by the static model's predicted cost per unit
-    (kernelgen.perfmodel.analytic_cost: shared-memory traffic, tensor and MUFU bounds) and keep
-    the best ``top_k`` for timing, as Triton's ``prune_configs_by={'perf_model', 'top_k'}``;
-    the others (CUDA-core fallbacks, split-KV decode launches) are kept in their order."""
+    launches: list[Any], arch: str, top_k: int = MODEL_TOP_K
+) -> tuple[list[Any], list[Dropped]]:
+    """Order the prefill tensor-core launches (TunedLaunch or Candidate) by the static model's
+    predicted cost per unit (kernelgen.perfmodel.analytic_cost: shared-memory traffic, tensor and
+    MUFU bounds) and keep the best ``top_k``, as Triton's ``prune_configs_by={'perf_model',
+    'top_k'}``; the others (CUDA-core fallbacks, split-KV decode launches) are kept in order."""
     from kernelgen.perfmodel import analytic_cost
 
-    modelled = [c for c in candidates if c.spec.mma == "mma_sync" and not c.spec.split_kv]
-    ranked = sorted(modelled, key=lambda c: analytic_cost(c.spec, arch))
-    cut = {id(c) for c in ranked[top_k:]}
+    modelled = [x for x in launches if x.spec.mma == "mma_sync" and not x.spec.split_kv]
+    cost = {id(x): analytic_cost(x.spec, arch) for x in modelled}
+    ranked = sorted(modelled, key=lambda x: cost[id(x)])
     dropped = [
         Dropped(
-            c.launch.label,
+            TunedLaunch(x.spec, x.num_splits).label,
             "model",
-            f"predicted {analytic_cost(c.spec, arch):.0f} clk/unit, rank {rank + 1} > top {top_k}",
+            f"predicted {cost[id(x)]:.0f} clk/unit, rank {rank + 1} > top {top_k}",
         )
-        for rank, c in enumerate(ranked)
-        if id(c) in cut
+        for rank, x in enumerate(ranked)
+        if rank >= top_k
     ]
-    kept = ranked[:top_k] + [c for c in candidates if c not in modelled]
+    kept = ranked[:top_k] + [x for x in launches if all(x is not m for m in modelled)]
     return kept, dropped
 
 
@@ -344,6 +344,10 @@ def prune(
     arch = device.target_arch
     specs, dropped = valid_candidates(problem, arch)
     launches, more = prune_occupancy(specs, problem, device)
+    dropped += more
+    # Compile (offline, for the spill check) only the model's 2 top_k best; the best top_k of
+    # those that pass are timed.
+    launches, more = prune_by_model(launches, arch, 2 * MODEL_TOP_K)
     dropped += more
     try:
         kept, more = prune_resources(launches, arch, compile_fn or offline_resources)
