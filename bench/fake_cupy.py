@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,10 @@ import numpy as np
 _POINTERS = itertools.count(1 << 20, 1 << 12)  # 4 KiB apart: 16-byte aligned
 CURRENT = {"device": 0, "stream": 0}  # the current device index and stream pointer
 HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed arrays
+# live arrays by pointer (held weakly); freed pointers go to FREE and the next allocation takes
+# the last one at once, as CuPy's memory pool does on one stream
+ALLOCATED: weakref.WeakValueDictionary[int, ndarray] = weakref.WeakValueDictionary()
+FREE: list[int] = []
 BACKED = {"on": False}  # whether empty() and asarray() allocate host memory
 
 
@@ -56,12 +61,18 @@ class ndarray:  # noqa: N801 (CuPy's spelling)
                 strides.insert(0, running)
                 running *= size
         self.strides = tuple(strides)
+        self._owns = host is None and offset == 0  # an allocation of its own (freed on death)
         if host is None:
-            self.data = _Memory(next(_POINTERS) + offset)
+            self.data = _Memory((FREE.pop() if FREE and self._owns else next(_POINTERS)) + offset)
+            ALLOCATED[self.data.ptr] = self
         else:
             self.data = _Memory(host.__array_interface__["data"][0])
             HOST.setdefault(self.data.ptr, host)
         self._device_index = CURRENT["device"] if device is None else device
+
+    def __del__(self) -> None:
+        if self.__dict__.get("_owns"):
+            FREE.append(self.data.ptr)
 
     @property
     def device(self) -> _Device:
@@ -163,6 +174,8 @@ def module(backed: bool = False) -> types.ModuleType:
     behind every array with ``backed``)."""
     CURRENT.update(device=0, stream=0)
     HOST.clear()
+    ALLOCATED.clear()
+    FREE.clear()
     BACKED["on"] = backed
     cupy = types.ModuleType("cupy")
     cupy.__version__ = "0.0.0-fake"

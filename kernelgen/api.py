@@ -358,7 +358,10 @@ def attention(
     arrays = arrays_of(q)
     device = _common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
     with arrays.scope(device):
-        call_plan, tensors = _checked_plan(
+        # temporaries: the float32 mask copy and uploaded host lengths, which torch calls pass
+        # as raw pointers; held here until the kernels are queued, or their memory could be
+        # handed to out before the launch
+        call_plan, tensors, temporaries = _checked_plan(
             call, bool(causal), seqlens_k, spec, num_splits, layout, arrays, device
         )
         if plan_key is not None:
@@ -366,6 +369,7 @@ def attention(
                 _CALL_PLANS.clear()
             _CALL_PLANS[plan_key] = call_plan
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
+        del temporaries  # the launches are queued
     return (out, lse) if return_lse else out
 
 
@@ -393,9 +397,11 @@ def _checked_plan(
     layout: str,
     arrays: Arrays,
     device: int,
-) -> tuple[CallPlan, dict[str, Any]]:
-    """The plan of a checked call (spec, split count, prepared launch) and its kernel arguments
-    by parameter name; runs with the call's device and stream current."""
+) -> tuple[CallPlan, dict[str, Any], list[Any]]:
+    """The plan of a checked call (spec, split count, prepared launch), its kernel arguments
+    by parameter name and the temporaries those arguments point into (the float32 mask copy,
+    uploaded host lengths: the caller holds them until the kernels are queued); runs with the
+    call's device and stream current."""
     batch = call.q.shape[0]
     seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
     misaligned = [
@@ -413,11 +419,14 @@ def _checked_plan(
     check_fits_device(spec, device)
     kernel = runtime_kernel(spec)
     tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
+    temporaries: list[Any] = []
     if seqlens is not None:
         tensors["seqlens_k"] = launch_arg(arrays, seqlens)
+        temporaries.append(seqlens)
     if call.mask is not None:
         mask_array, strides = float32_broadcast(call.mask.source, mask_shape(call))
         tensors["mask"] = launch_arg(arrays, mask_array)
+        temporaries.append(mask_array)
         mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
@@ -426,7 +435,7 @@ def _checked_plan(
     call_plan = CallPlan(
         launch, out_shape, out_dtype, call.q.shape[:3], call.k.shape[2], arrays, device
     )
-    return call_plan, tensors
+    return call_plan, tensors, temporaries
 
 
 @dataclass(frozen=True)
