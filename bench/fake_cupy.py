@@ -2,7 +2,7 @@
 
 Arrays carry a shape, byte strides, a dtype, a made-up device pointer and the device they were
 made on; ``empty`` allocates nothing; every "device" is an sm_90 with 132 SMs. The current
-device and stream (``Device`` and ``ExternalStream`` contexts) are kept in :data:`CURRENT` so
+device and stream (``Device`` and ``Stream.from_external`` contexts) are kept in :data:`CURRENT` so
 that tests can see where a launch went. ``module(backed=True)`` backs arrays with host memory
 (``ndarray.host``; :data:`HOST` maps each pointer to it), so that the CPU emulator can run the
 kernels that kernelgen launches. Kernel functions are whatever the caller puts
@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -145,14 +146,40 @@ class _Device(_MakesCurrent):
         self.attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
 
 
-class ExternalStream(_MakesCurrent):
-    """``cupy.cuda.ExternalStream``: a context that makes the stream ``ptr`` current."""
+class Stream(_MakesCurrent):
+    """``cupy.cuda.Stream`` of an external stream (``Stream.from_external``): a context that
+    makes the stream ``ptr`` current; no device (-1), as CuPy 14's."""
 
     slot = "stream"
 
-    def __init__(self, ptr: int, device_id: int = -1) -> None:
+    def __init__(self, ptr: int = 0, device_id: int = -1) -> None:
         self.ptr = self.current = ptr
         self.device_id = device_id
+
+    @classmethod
+    def from_external(cls, obj: Any) -> Stream:
+        """A stream from an object of the CUDA stream protocol (``__cuda_stream__``)."""
+        protocol = getattr(obj, "__cuda_stream__", None)
+        if protocol is None:
+            raise TypeError(f"{type(obj).__name__} does not implement __cuda_stream__")
+        _version, ptr = protocol()
+        return cls(ptr)
+
+
+Stream.null = Stream(0)  # type: ignore[attr-defined]
+
+
+class ExternalStream(Stream):
+    """``cupy.cuda.ExternalStream``: deprecated since CuPy 14, warns as it does."""
+
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        warnings.warn(
+            "ExternalStream is deprecated. Use Stream.from_external() instead to interoperate "
+            "with external streams that implement the CUDA stream protocol.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(ptr, device_id)
 
 
 class CUDARuntimeError(RuntimeError):
@@ -193,7 +220,11 @@ def module(backed: bool = False) -> types.ModuleType:
     )
     nvrtc = types.SimpleNamespace(getVersion=lambda: (13, 0))
     cupy.cuda = types.SimpleNamespace(
-        Device=_Device, ExternalStream=ExternalStream, runtime=runtime, nvrtc=nvrtc
+        Device=_Device,
+        Stream=Stream,
+        ExternalStream=ExternalStream,
+        runtime=runtime,
+        nvrtc=nvrtc,
     )
     return cupy
 

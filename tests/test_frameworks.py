@@ -6,6 +6,7 @@ launches are recorded with the device and stream current at launch time."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -68,6 +69,29 @@ def test_a_torch_call_launches_on_torchs_stream_with_torch_outputs(recorded):
     for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         assert type(args[name]) is np.uint64 and int(args[name]) == tensor.data_ptr(), name
     # the call left CuPy's current device and stream as it found them
+    assert fake_cupy.CURRENT == {"device": 0, "stream": 0}
+
+
+def test_a_torch_call_uses_no_deprecated_cupy_stream_api(recorded):
+    """CuPy 14 deprecates ExternalStream (the fake warns as it does): Stream.from_external."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.warns(DeprecationWarning, match="Stream.from_external"):
+            fake_cupy.ExternalStream(1)
+        fake_torch.STREAMS[0] = 0xABC
+        kernelgen.attention(*torch_qkv(), causal=True)
+    assert recorded[0]["stream"] == 0xABC
+
+
+def test_a_torch_stream_is_used_only_on_its_device(recorded):
+    """The device check ExternalStream(ptr, device) made: torch's stream of device 1 is not
+    entered while device 0 is current."""
+    from kernelgen import frameworks
+
+    scope = frameworks.TorchArrays.scope(1)
+    scope.contexts = (fake_cupy._Device(0), scope.contexts[1])  # a scope gone wrong
+    with pytest.raises(RuntimeError, match="on device 1, but the current device is 0"):
+        scope.__enter__()
     assert fake_cupy.CURRENT == {"device": 0, "stream": 0}
 
 
