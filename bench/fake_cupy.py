@@ -91,11 +91,12 @@ def from_host(host: np.ndarray, device: int | None = None) -> ndarray:
 
 
 def poisoned_host(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Host memory for a backed allocation: NaN (all ones for integers) until written."""
-    dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        return np.full(shape, np.nan, dtype)
-    return np.full(shape, -1, dtype)
+    """Host memory for a backed allocation: every byte 0xFF until written (NaN for fp32, fp16
+    and bfloat16, whether ml_dtypes' or uint16 bits; -1 or the maximum for integers). Filling
+    bytes, not values: ``np.full(shape, -1, uint16)`` raises OverflowError under NumPy 2."""
+    host = np.empty(shape, np.dtype(dtype))
+    host.reshape(-1).view(np.uint8)[:] = 0xFF
+    return host
 
 
 def broadcast_to(array: ndarray, shape: tuple[int, ...]) -> ndarray:

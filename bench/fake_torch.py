@@ -105,8 +105,15 @@ class Tensor:
         return self._device_index
 
     def to(self, dtype: dtype) -> Tensor:
+        """A copy converted by value (bfloat16 held as uint16 bits: widened or rounded to
+        nearest even, never cast as integers)."""
         if self.host is not None:
-            return from_numpy(self.host.astype(_NUMPY[dtype.name]), self._device_index)
+            values = self.host
+            if self.dtype is bfloat16:
+                values = (values.astype(np.uint32) << 16).view(np.float32)
+            if dtype is bfloat16:
+                return from_numpy(_bfloat16_bits(values), self._device_index)
+            return from_numpy(values.astype(_NUMPY[dtype.name]), self._device_index)
         return Tensor(self.shape, dtype, self._device_index)
 
     def expand(self, shape: tuple[int, ...]) -> Tensor:
@@ -122,6 +129,13 @@ class Tensor:
         if self.host is not None:
             view.host = np.broadcast_to(self.host, shape)
         return view
+
+
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """Float values as bfloat16 bits (uint16), rounded to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
 def from_numpy(host: np.ndarray, device_index: int = 0) -> Tensor:
