@@ -37,7 +37,13 @@ from kernelgen.launch import (
     import_cupy,
     runtime_kernel,
 )
-from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, default_smem_layout
+from kernelgen.spec import (
+    DTYPE_BYTES,
+    MAX_HEAD_DIM,
+    KernelSpec,
+    default_smem_layout,
+    normalize_dtype,
+)
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -277,8 +283,10 @@ def default_spec(
     instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
     rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode
     shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that fit (decode
-    shapes: 16-row tiles and split-KV as well).
+    shapes: 16-row tiles and split-KV as well). ``dtype`` takes the short names too (bf16,
+    fp16, f16, half, fp32, f32, float); any other raises InputError naming the allowed ones.
     """
+    dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     decode = decode_rows is not None
     split = decode if split_kv is None else split_kv
