@@ -30,8 +30,9 @@ def dtype_name(dtype: Any) -> str:
     return name.removeprefix("torch.")
 
 
-# DLPack exchange of bfloat16 is recent in CuPy (import in 14.x, export later); a same-size
-# integer view carries the bits through any version without a copy.
+# CuPy exchanges bfloat16 through DLPack both ways (from_dlpack and __dlpack__) since 14.0, the
+# version the cuda extra requires; should an exporter still refuse, a same-size integer view
+# carries the bits without a copy.
 _DLPACK_REFUSALS = (NotImplementedError, TypeError, BufferError, ValueError)
 
 
