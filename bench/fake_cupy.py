@@ -2,7 +2,7 @@
 
 Arrays carry a shape, byte strides, a dtype, a made-up device pointer and the device they were
 made on; ``empty`` allocates nothing; every "device" is an sm_90 with 132 SMs. The current
-device and stream (``Device`` and ``ExternalStream`` contexts) are kept in :data:`CURRENT` so
+device and stream (``Device`` and ``Stream.from_external`` contexts) are kept in :data:`CURRENT` so
 that tests can see where a launch went. ``module(backed=True)`` backs arrays with host memory
 (``ndarray.host``; :data:`HOST` maps each pointer to it), so that the CPU emulator can run the
 kernels that kernelgen launches. Kernel functions are whatever the caller puts
@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,10 @@ import numpy as np
 _POINTERS = itertools.count(1 << 20, 1 << 12)  # 4 KiB apart: 16-byte aligned
 CURRENT = {"device": 0, "stream": 0}  # the current device index and stream pointer
 HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed arrays
+# live arrays by pointer (held weakly); freed pointers go to FREE and the next allocation takes
+# the last one at once, as CuPy's memory pool does on one stream
+ALLOCATED: weakref.WeakValueDictionary[int, ndarray] = weakref.WeakValueDictionary()
+FREE: list[int] = []
 BACKED = {"on": False}  # whether empty() and asarray() allocate host memory
 
 
@@ -56,12 +62,18 @@ class ndarray:  # noqa: N801 (CuPy's spelling)
                 strides.insert(0, running)
                 running *= size
         self.strides = tuple(strides)
+        self._owns = host is None and offset == 0  # an allocation of its own (freed on death)
         if host is None:
-            self.data = _Memory(next(_POINTERS) + offset)
+            self.data = _Memory((FREE.pop() if FREE and self._owns else next(_POINTERS)) + offset)
+            ALLOCATED[self.data.ptr] = self
         else:
             self.data = _Memory(host.__array_interface__["data"][0])
             HOST.setdefault(self.data.ptr, host)
         self._device_index = CURRENT["device"] if device is None else device
+
+    def __del__(self) -> None:
+        if self.__dict__.get("_owns"):
+            FREE.append(self.data.ptr)
 
     @property
     def device(self) -> _Device:
@@ -79,11 +91,12 @@ def from_host(host: np.ndarray, device: int | None = None) -> ndarray:
 
 
 def poisoned_host(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Host memory for a backed allocation: NaN (all ones for integers) until written."""
-    dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        return np.full(shape, np.nan, dtype)
-    return np.full(shape, -1, dtype)
+    """Host memory for a backed allocation: every byte 0xFF until written (NaN for fp32, fp16
+    and bfloat16, whether ml_dtypes' or uint16 bits; -1 or the maximum for integers). Filling
+    bytes, not values: ``np.full(shape, -1, uint16)`` raises OverflowError under NumPy 2."""
+    host = np.empty(shape, np.dtype(dtype))
+    host.reshape(-1).view(np.uint8)[:] = 0xFF
+    return host
 
 
 def broadcast_to(array: ndarray, shape: tuple[int, ...]) -> ndarray:
@@ -134,14 +147,40 @@ class _Device(_MakesCurrent):
         self.attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
 
 
-class ExternalStream(_MakesCurrent):
-    """``cupy.cuda.ExternalStream``: a context that makes the stream ``ptr`` current."""
+class Stream(_MakesCurrent):
+    """``cupy.cuda.Stream`` of an external stream (``Stream.from_external``): a context that
+    makes the stream ``ptr`` current; no device (-1), as CuPy 14's."""
 
     slot = "stream"
 
-    def __init__(self, ptr: int, device_id: int = -1) -> None:
+    def __init__(self, ptr: int = 0, device_id: int = -1) -> None:
         self.ptr = self.current = ptr
         self.device_id = device_id
+
+    @classmethod
+    def from_external(cls, obj: Any) -> Stream:
+        """A stream from an object of the CUDA stream protocol (``__cuda_stream__``)."""
+        protocol = getattr(obj, "__cuda_stream__", None)
+        if protocol is None:
+            raise TypeError(f"{type(obj).__name__} does not implement __cuda_stream__")
+        _version, ptr = protocol()
+        return cls(ptr)
+
+
+Stream.null = Stream(0)  # type: ignore[attr-defined]
+
+
+class ExternalStream(Stream):
+    """``cupy.cuda.ExternalStream``: deprecated since CuPy 14, warns as it does."""
+
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        warnings.warn(
+            "ExternalStream is deprecated. Use Stream.from_external() instead to interoperate "
+            "with external streams that implement the CUDA stream protocol.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(ptr, device_id)
 
 
 class CUDARuntimeError(RuntimeError):
@@ -163,6 +202,8 @@ def module(backed: bool = False) -> types.ModuleType:
     behind every array with ``backed``)."""
     CURRENT.update(device=0, stream=0)
     HOST.clear()
+    ALLOCATED.clear()
+    FREE.clear()
     BACKED["on"] = backed
     cupy = types.ModuleType("cupy")
     cupy.__version__ = "0.0.0-fake"
@@ -180,7 +221,11 @@ def module(backed: bool = False) -> types.ModuleType:
     )
     nvrtc = types.SimpleNamespace(getVersion=lambda: (13, 0))
     cupy.cuda = types.SimpleNamespace(
-        Device=_Device, ExternalStream=ExternalStream, runtime=runtime, nvrtc=nvrtc
+        Device=_Device,
+        Stream=Stream,
+        ExternalStream=ExternalStream,
+        runtime=runtime,
+        nvrtc=nvrtc,
     )
     return cupy
 

@@ -1,9 +1,12 @@
 """A host-only stand-in for the slice of torch that ``kernelgen.attention`` touches with CUDA
 tensors: shape, ``stride()``, dtype, ``data_ptr()``, ``get_device()``, ``to`` and ``expand``;
 ``torch.empty``; ``torch.cuda.current_stream(device).cuda_stream``. Tensors hold no data and
-nothing is computed. Every allocation is logged in :data:`ALLOCATED` (pointer -> tensor) and
-each device's current stream is :data:`STREAMS` [device], so tests can see what a call
-allocated and where it launched. ``module(backed=True)`` backs tensors with host memory
+nothing is computed. Every live allocation is in :data:`ALLOCATED` (pointer -> tensor, held
+weakly); like torch's caching allocator, a freed tensor's block goes to :data:`FREE` and the next
+allocation takes it at once, so a kernel argument whose tensor died before the launch shows up
+as memory shared with a later allocation. Each device's current stream is :data:`STREAMS`
+[device], so tests can see what a call allocated and where it launched.
+``module(backed=True)`` backs tensors with host memory
 (``Tensor.host``; :data:`HOST` maps each pointer to it) for the CPU emulator. Used with
 bench/fake_cupy (which kernelgen still compiles and launches through).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -20,7 +24,8 @@ import numpy as np
 from bench.fake_cupy import poisoned_host
 
 _POINTERS = itertools.count(1 << 32, 1 << 12)  # 4 KiB apart: 16-byte aligned
-ALLOCATED: dict[int, Tensor] = {}
+ALLOCATED: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+FREE: list[int] = []  # pointers of freed allocations, the last one reused first
 STREAMS: dict[int, int] = {}  # device -> current stream pointer (0: the default stream)
 HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed tensors
 BACKED = {"on": False}  # whether empty() allocates host memory
@@ -76,14 +81,19 @@ class Tensor:
                 running *= size
         self._strides = tuple(strides)
         self._device_index = device_index
+        self._owns = host is None and offset == 0  # an allocation of its own (freed on death)
         if host is None:
-            self._ptr = next(_POINTERS) + offset
+            self._ptr = (FREE.pop() if FREE and self._owns else next(_POINTERS)) + offset
         else:
             self._ptr = host.__array_interface__["data"][0]
             HOST.setdefault(self._ptr, host)
         self.is_cuda = device_index >= 0
         self.device = device("cuda", device_index) if self.is_cuda else device("cpu")
         ALLOCATED[self._ptr] = self
+
+    def __del__(self) -> None:
+        if self.__dict__.get("_owns"):
+            FREE.append(self._ptr)
 
     def stride(self) -> tuple[int, ...]:
         return self._strides
@@ -95,8 +105,15 @@ class Tensor:
         return self._device_index
 
     def to(self, dtype: dtype) -> Tensor:
+        """A copy converted by value (bfloat16 held as uint16 bits: widened or rounded to
+        nearest even, never cast as integers)."""
         if self.host is not None:
-            return from_numpy(self.host.astype(_NUMPY[dtype.name]), self._device_index)
+            values = self.host
+            if self.dtype is bfloat16:
+                values = (values.astype(np.uint32) << 16).view(np.float32)
+            if dtype is bfloat16:
+                return from_numpy(_bfloat16_bits(values), self._device_index)
+            return from_numpy(values.astype(_NUMPY[dtype.name]), self._device_index)
         return Tensor(self.shape, dtype, self._device_index)
 
     def expand(self, shape: tuple[int, ...]) -> Tensor:
@@ -108,9 +125,17 @@ class Tensor:
         )
         view = Tensor.__new__(Tensor)
         view.__dict__.update(self.__dict__, shape=tuple(shape), _strides=strides)
+        view._owns, view._base = False, self  # a view keeps its base's memory alive
         if self.host is not None:
             view.host = np.broadcast_to(self.host, shape)
         return view
+
+
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """Float values as bfloat16 bits (uint16), rounded to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
 def from_numpy(host: np.ndarray, device_index: int = 0) -> Tensor:
@@ -133,6 +158,7 @@ def module(backed: bool = False) -> types.ModuleType:
     """A fresh ``torch`` module object (empty allocation log, default streams; host memory
     behind every tensor with ``backed``)."""
     ALLOCATED.clear()
+    FREE.clear()
     STREAMS.clear()
     HOST.clear()
     BACKED["on"] = backed

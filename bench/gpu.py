@@ -56,7 +56,11 @@ class Env:
     def stream(self) -> Any:
         """A CuPy stream object for torch's current stream (use as a context manager)."""
         ptr = self.torch.cuda.current_stream().cuda_stream
-        return self.cupy.cuda.ExternalStream(ptr) if ptr else self.cupy.cuda.Stream.null
+        if not ptr:
+            return self.cupy.cuda.Stream.null
+        from kernelgen.frameworks import cupy_stream
+
+        return cupy_stream(ptr)
 
     def kg_module(self, name: str) -> Any:
         """A kernelgen submodule (``kernelgen.render`` the attribute is a function, so import)."""

@@ -37,7 +37,13 @@ from kernelgen.launch import (
     import_cupy,
     runtime_kernel,
 )
-from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec, default_smem_layout
+from kernelgen.spec import (
+    DTYPE_BYTES,
+    MAX_HEAD_DIM,
+    KernelSpec,
+    default_smem_layout,
+    normalize_dtype,
+)
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -304,8 +310,10 @@ def default_spec(
     instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
     rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode
     shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that fit (decode
-    shapes: 16-row tiles and split-KV as well).
+    shapes: 16-row tiles and split-KV as well). ``dtype`` takes the short names too (bf16,
+    fp16, f16, half, fp32, f32, float); any other raises InputError naming the allowed ones.
     """
+    dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     decode = decode_rows is not None
     split = decode if split_kv is None else split_kv
@@ -387,7 +395,10 @@ def attention(
     arrays = arrays_of(q)
     device = _common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
     with arrays.scope(device):
-        call_plan, tensors = _checked_plan(
+        # temporaries: the float32 mask copy and uploaded host lengths, which torch calls pass
+        # as raw pointers; held here until the kernels are queued, or their memory could be
+        # handed to out before the launch
+        call_plan, tensors, temporaries = _checked_plan(
             call, bool(causal), seqlens_k, spec, num_splits, layout, arrays, device
         )
         if plan_key is not None:
@@ -395,6 +406,7 @@ def attention(
                 _CALL_PLANS.clear()
             _CALL_PLANS[plan_key] = call_plan
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
+        del temporaries  # the launches are queued
     return (out, lse) if return_lse else out
 
 
@@ -422,9 +434,11 @@ def _checked_plan(
     layout: str,
     arrays: Arrays,
     device: int,
-) -> tuple[CallPlan, dict[str, Any]]:
-    """The plan of a checked call (spec, split count, prepared launch) and its kernel arguments
-    by parameter name; runs with the call's device and stream current."""
+) -> tuple[CallPlan, dict[str, Any], list[Any]]:
+    """The plan of a checked call (spec, split count, prepared launch), its kernel arguments
+    by parameter name and the temporaries those arguments point into (the float32 mask copy,
+    uploaded host lengths: the caller holds them until the kernels are queued); runs with the
+    call's device and stream current."""
     batch = call.q.shape[0]
     seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
     misaligned = [
@@ -442,11 +456,14 @@ def _checked_plan(
     check_fits_device(spec, device)
     kernel = runtime_kernel(spec)
     tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
+    temporaries: list[Any] = []
     if seqlens is not None:
         tensors["seqlens_k"] = launch_arg(arrays, seqlens)
+        temporaries.append(seqlens)
     if call.mask is not None:
         mask_array, strides = float32_broadcast(call.mask.source, mask_shape(call))
         tensors["mask"] = launch_arg(arrays, mask_array)
+        temporaries.append(mask_array)
         mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
@@ -455,7 +472,7 @@ def _checked_plan(
     call_plan = CallPlan(
         launch, out_shape, out_dtype, call.q.shape[:3], call.k.shape[2], arrays, device
     )
-    return call_plan, tensors
+    return call_plan, tensors, temporaries
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ def dtype_name(dtype: Any) -> str:
     return name.removeprefix("torch.")
 
 
-# DLPack exchange of bfloat16 is recent in CuPy (import in 14.x, export later); a same-size
-# integer view carries the bits through any version without a copy.
+# CuPy exchanges bfloat16 through DLPack both ways (from_dlpack and __dlpack__) since 14.0, the
+# version the cuda extra requires; should an exporter still refuse, a same-size integer view
+# carries the bits without a copy.
 _DLPACK_REFUSALS = (NotImplementedError, TypeError, BufferError, ValueError)
 
 
@@ -141,12 +142,21 @@ class _TorchScope:
 
     def __init__(self, device: int) -> None:
         stream = _torch().cuda.current_stream(device).cuda_stream
+        self.device = device
         self.contexts = (import_cupy().cuda.Device(device), _external_stream(stream, device))
 
     def __enter__(self) -> None:
         device, stream = self.contexts
         device.__enter__()
         try:
+            # Stream.from_external streams have no device (-1): the check ExternalStream(ptr,
+            # device) made on use, done here
+            current = import_cupy().cuda.runtime.getDevice()
+            if current != self.device:
+                raise RuntimeError(
+                    f"torch's stream {stream.ptr:#x} is on device {self.device}, but the current "
+                    f"device is {current}"
+                )
             stream.__enter__()
         except BaseException:
             device.__exit__(None, None, None)
@@ -182,13 +192,30 @@ def _torch_device(index: int) -> Any:
     return device
 
 
+class StreamPointer:
+    """A raw ``cudaStream_t`` through the CUDA stream protocol (``__cuda_stream__``: version 0
+    and the pointer), the argument of CuPy's ``Stream.from_external``."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(ptr: int) -> Any:
+    """CuPy's handle of the external stream ``ptr``: ``Stream.from_external`` (CuPy 14 deprecates
+    ``ExternalStream``). It has no device: users check the current device themselves."""
+    return import_cupy().cuda.Stream.from_external(StreamPointer(ptr))
+
+
 def _external_stream(ptr: int, device: int) -> Any:
     """CuPy's handle of the stream ``ptr`` of ``device`` (kept: torch streams are few)."""
     stream = _EXTERNAL_STREAMS.get((ptr, device))
     if stream is None:
         if len(_EXTERNAL_STREAMS) >= MAX_EXTERNAL_STREAMS:
             _EXTERNAL_STREAMS.clear()
-        stream = import_cupy().cuda.ExternalStream(ptr, device)
+        stream = cupy_stream(ptr)
         _EXTERNAL_STREAMS[(ptr, device)] = stream
     return stream
 

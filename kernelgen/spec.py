@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
-from kernelgen.errors import SpecError
+from kernelgen.errors import InputError, SpecError
 
 DType = Literal["float32", "float16", "bfloat16"]
 LoopOrder = Literal["v1", "v2"]
@@ -24,6 +24,31 @@ SmemLayout = Literal["padded", "swizzled"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_SHORT: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# Every dtype name kernelgen's functions and CLI accept -> the full name (the one table).
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+def normalize_dtype(name: str) -> str:
+    """``bf16`` -> ``bfloat16`` etc.; raises :class:`InputError` naming the allowed values for
+    anything else."""
+    try:
+        return DTYPE_ALIASES[str(name).lower()]
+    except KeyError:
+        raise InputError(
+            f"dtype={name!r} is not allowed; use one of {', '.join(DTYPE_ALIASES)}"
+        ) from None
+
 
 TILE_SIZES = (16, 32, 64, 128)
 WARP_COUNTS = (1, 2, 4, 8)

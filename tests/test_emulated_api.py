@@ -10,7 +10,13 @@ import shutil
 
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, make_case
+from attention_cases import (
+    Case,
+    assert_matches,
+    bf16_bits_to_float,
+    float_to_bf16_bits,
+    make_case,
+)
 from conftest import install_fake_libraries, launched_kernel, require_toolchain
 from test_emulated_kernels import emulated
 
@@ -81,7 +87,11 @@ def torch_inputs(data, layout: str):
 
 
 def host_float(tensor_or_array) -> np.ndarray:
-    return np.asarray(tensor_or_array.host, dtype=np.float64)
+    """Values as float64 (a fake torch bfloat16 tensor holds uint16 bits)."""
+    host = tensor_or_array.host
+    if getattr(tensor_or_array, "dtype", None) is fake_torch.bfloat16:
+        host = bf16_bits_to_float(host)
+    return np.asarray(host, dtype=np.float64)
 
 
 def reference(data, out: np.ndarray, lse: np.ndarray):
@@ -144,3 +154,31 @@ def test_mqa_decode_step_past_one_tile_packs_every_query_head(symbols):
     assert spec.pack_gqa and spec.split_kv and spec.block_m == 64 and combine.endswith("_combine")
     want = naive_attention(data.q, data.k, data.v, causal=True)
     assert_matches(host_float(out), host_float(lse), reference(data, *want), "float16")
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_bfloat16_with_a_bfloat16_mask_matches_float64(symbols, framework):
+    """bfloat16 q, k, v and mask through either fake: outputs allocated (and poisoned) as
+    bfloat16, the mask converted to float32 by value by the mask's library."""
+    case = Case(1, 2, 1, 16, 40, mask="broadcast")
+    data = make_case(case, "bfloat16", 64, True, seed=5)
+    rounded_mask = bf16_bits_to_float(float_to_bf16_bits(data.mask)).astype(np.float64)
+    if framework == "torch":
+        q, k, v, mask = (
+            fake_torch.from_numpy(float_to_bf16_bits(getattr(data, n)))
+            for n in ("q", "k", "v", "mask")
+        )
+        assert q.dtype is mask.dtype is fake_torch.bfloat16
+    else:
+        ml_dtypes = pytest.importorskip("ml_dtypes")  # what gives CuPy its bfloat16
+        q, k, v, mask = (
+            fake_cupy.from_host(getattr(data, n).astype(ml_dtypes.bfloat16))
+            for n in ("q", "k", "v", "mask")
+        )
+    out, lse = kernelgen.attention(q, k, v, causal=True, mask=mask, return_lse=True)
+    if framework == "torch":
+        assert out.dtype is fake_torch.bfloat16
+    else:
+        assert out.dtype == q.dtype
+    want = naive_attention(data.q, data.k, data.v, causal=True, mask=rounded_mask)
+    assert_matches(host_float(out), host_float(lse), reference(data, *want), "bfloat16")

@@ -235,3 +235,40 @@ def test_several_mode_problems_are_separate_lines():
     with pytest.raises(SpecError) as info:
         spec_from_dict({**TC, "dtype": "float32", "loop_order": "v1", "stages": 9})
     assert len(info.value.problems) == 3
+
+
+def test_default_spec_takes_the_short_dtype_names():
+    """default_spec reads dtype names through the one alias table (also the tuner's)."""
+    import kernelgen
+    from kernelgen.errors import InputError
+    from kernelgen.spec import DTYPE_ALIASES
+    from kernelgen.tuning.key import DTYPE_ALIASES as TUNER_ALIASES
+
+    assert TUNER_ALIASES is DTYPE_ALIASES
+    for short, full in [
+        ("bf16", "bfloat16"),
+        ("fp16", "float16"),
+        ("f16", "float16"),
+        ("half", "float16"),
+        ("fp32", "float32"),
+        ("f32", "float32"),
+        ("float", "float32"),
+        ("BF16", "bfloat16"),
+    ]:
+        assert kernelgen.default_spec(short, 128, True, "sm_90") == kernelgen.default_spec(
+            full, 128, True, "sm_90"
+        ), short
+    assert kernelgen.default_spec("bf16", 64, False).dtype == "bfloat16"
+    with pytest.raises(InputError, match=r"dtype='fp8' is not allowed; use one of .*bf16"):
+        kernelgen.default_spec("fp8", 128, True)
+
+
+def test_pyproject_extras_pin_what_the_runtime_needs():
+    """cuda: NumPy >= 2.1.2 (CuPy 14 enables bfloat16 only from it); bench: torch >= 2.4."""
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    extras = tomllib.loads(text)["project"]["optional-dependencies"]
+    assert "numpy>=2.1.2" in extras["cuda"]
+    assert "torch>=2.4" in extras["bench"]

@@ -13,29 +13,9 @@ from functools import cache
 
 from kernelgen.arch import ARCHS, arch_for_capability, nearest_arch
 from kernelgen.errors import InputError
+from kernelgen.spec import DTYPE_ALIASES, normalize_dtype  # noqa: F401 (the one table: spec's)
 
-DTYPE_ALIASES: dict[str, str] = {
-    "float32": "float32",
-    "fp32": "float32",
-    "f32": "float32",
-    "float16": "float16",
-    "fp16": "float16",
-    "f16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
 _DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-def normalize_dtype(name: str) -> str:
-    """``bf16`` -> ``bfloat16`` etc.; raises :class:`InputError` for anything else."""
-    try:
-        return DTYPE_ALIASES[str(name).lower()]
-    except KeyError:
-        raise InputError(
-            f"dtype={name!r} is not allowed; use one of {', '.join(DTYPE_ALIASES)}"
-        ) from None
 
 
 def pow2_bucket(n: int) -> int:
