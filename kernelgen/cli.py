@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernelgen.arch import ARCHS
+from kernelgen.cli_emulate import register as register_emulate
 from kernelgen.cli_tune import register as register_tuning
 from kernelgen.errors import CompileError, KernelgenError, SpecError
 from kernelgen.spec import spec_json_schema
@@ -196,6 +197,7 @@ def schema() -> None:
 
 
 register_tuning(app)  # kernelgen tune, kernelgen cache ...
+register_emulate(app)  # kernelgen emulate
 
 
 def main() -> None:

@@ -11,10 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernelgen.emulator.launches import to_device_dtype
-from kernelgen.reference import naive_attention, relative_error
-
-OUT_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
-LSE_TOLERANCE = 1e-3
+from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
 
 @dataclass(frozen=True)
