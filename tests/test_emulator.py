@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from kernelgen.emulator import (
     build_kernel,
     transform_source,
 )
+from kernelgen.errors import ToolchainMissingError
 
 if shutil.which(os.environ.get("KG_EMULATOR_CXX", "g++")) is None:
     if os.environ.get("CI") == "true":
@@ -572,8 +574,53 @@ def test_compile_error_carries_compiler_output():
 
 def test_missing_compiler_raises_unavailable(monkeypatch):
     monkeypatch.setenv("KG_EMULATOR_CXX", "definitely-not-a-compiler-kg")
-    with pytest.raises(EmulatorUnavailableError):
+    with pytest.raises(EmulatorUnavailableError, match=r"g\+\+.*apt-get install g\+\+") as info:
         build_kernel(STRIDED_SRC, "strided_scale", STRIDED_PARAMS)
+    assert isinstance(info.value, ToolchainMissingError)  # the CLI's one line, exit 2
+
+
+def test_headers_ship_as_package_data(tmp_path):
+    """pyproject lists kernelgen.emulator and its include/*.h, so a wheel (non-editable
+    install) carries every header; and the emulator finds them next to its module wherever the
+    package is installed (a copy of the package outside the checkout builds a kernel)."""
+    from fnmatch import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    import kernelgen
+    from kernelgen.emulator import include_dir
+
+    config = tomllib.loads((Path(kernelgen.__file__).parents[1] / "pyproject.toml").read_text())
+    setup = config["tool"]["setuptools"]
+    assert "kernelgen.emulator" in setup["packages"]
+    patterns = setup["package-data"]["kernelgen.emulator"]
+    headers = sorted(p.relative_to(include_dir().parent) for p in include_dir().iterdir())
+    assert {h.name for h in headers} >= {"kg_emulator.h", "kg_ptx.h", "cuda_fp16.h"}
+    assert all(any(fnmatch(str(h), pat) for pat in patterns) for h in headers)
+
+    site = tmp_path / "site"
+    shutil.copytree(Path(kernelgen.__file__).parent, site / "kernelgen")
+    script = f"""
+        import numpy as np
+        from kernelgen.emulator import build_kernel, include_dir
+        assert str(include_dir()).startswith({str(site)!r}), include_dir()
+        k = build_kernel('extern "C" __global__ void f(float* y) {{ y[threadIdx.x] = 2.f; }}',
+                         "f", [("float*", "y")])
+        y = np.zeros(32, np.float32)
+        k(grid=1, block=32, args=[y])
+        assert (y == 2).all()
+    """
+    env = {**os.environ, "PYTHONPATH": str(site), "KG_EMULATOR_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
 
 
 def test_unsupported_parameter_types_are_rejected():
