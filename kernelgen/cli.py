@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernelgen.arch import ARCHS
+from kernelgen.cli_emulate import register as register_emulate
 from kernelgen.cli_model import register as register_model
 from kernelgen.cli_tune import register as register_tuning
 from kernelgen.errors import CompileError, KernelgenError, SpecError
@@ -213,6 +214,7 @@ def schema() -> None:
 
 register_tuning(app)  # kernelgen tune, kernelgen cache ...
 register_model(app)  # kernelgen model
+register_emulate(app)  # kernelgen emulate
 
 
 def main() -> None:

@@ -43,3 +43,57 @@ class ToolchainMissingError(KernelgenError, RuntimeError):
 class SettingError(KernelgenError, ValueError):
     """An environment variable kernelgen reads (e.g. KERNELGEN_TEMPLATE_DIR) holds a value it
     cannot use."""
+
+
+class EmulatorError(KernelgenError):
+    """Base class of the CPU emulator's errors (:mod:`kernelgen.emulator`)."""
+
+
+class EmulatorUnavailableError(EmulatorError, ToolchainMissingError):
+    """The C++ compiler the emulator builds kernels with (g++) is not installed."""
+
+
+class EmulatorSourceError(EmulatorError, ValueError):
+    """The CUDA source uses something the emulator does not model (an inline-PTX instruction
+    outside its table, a shared-memory declaration it cannot parse); names it and the line."""
+
+
+class EmulatorCompileError(EmulatorError, RuntimeError):
+    """g++ rejected the emulator's C++ translation of a kernel; carries the compiler output and
+    where the translated source was saved."""
+
+    def __init__(self, name: str, log: str, source_path: str | None) -> None:
+        self.name = name
+        self.log = log
+        self.source_path = source_path
+        where = f" (source: {source_path})" if source_path else ""
+        super().__init__(
+            f"g++ failed to compile kernel {name!r} for the CPU emulator{where}:\n{log}"
+        )
+
+
+class EmulatorArgumentError(EmulatorError, ValueError):
+    """A launch argument or configuration has a bad value (grid, block, shared memory, range)."""
+
+
+class EmulatorArgumentTypeError(EmulatorError, TypeError):
+    """A launch argument has the wrong type or dtype for the kernel parameter."""
+
+
+class EmulatorLaunchError(EmulatorError, RuntimeError):
+    """The emulated kernel failed while running: ``__trap()``, a bad shared-memory address, a
+    write outside the dynamic shared memory, a deadlock. Names the block and thread."""
+
+    def __init__(self, kernel: str, message: str) -> None:
+        self.kernel = kernel
+        self.message = message
+        super().__init__(f"emulated launch of {kernel}: {message}")
+
+
+class HazardError(EmulatorLaunchError):
+    """The race check found a shared-memory hazard between cp.async writes and ldmatrix reads
+    (a missing ``cp.async.wait_group`` or ``__syncthreads``)."""
+
+
+class EmulatorTimeoutError(EmulatorLaunchError):
+    """A block did not finish within the watchdog's time (a deadlock or an endless loop)."""

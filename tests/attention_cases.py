@@ -10,10 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernelgen.reference import naive_attention, relative_error
-
-OUT_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
-LSE_TOLERANCE = 1e-3
+from kernelgen.emulator.launches import to_device_dtype
+from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
 
 @dataclass(frozen=True)
@@ -51,9 +49,7 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
+    return to_device_dtype(x, "bfloat16")
 
 
 def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:

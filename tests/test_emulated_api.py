@@ -18,10 +18,10 @@ from attention_cases import (
     make_case,
 )
 from conftest import install_fake_libraries, launched_kernel, require_toolchain
-from test_emulated_kernels import emulated
 
 import kernelgen
 from bench import fake_cupy, fake_torch
+from kernelgen.emulator.launches import spec_kernel
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.reference import naive_attention
 
@@ -66,7 +66,9 @@ def symbols(monkeypatch, tuning_sandbox):
     def launch(symbol, grid, block, args, shared_mem):
         spec, params = launched_kernel(symbol)
         values = [host_of(a) for a in args]
-        emulated(spec, symbol, params)(grid=grid, block=block, shared_mem=shared_mem, args=values)
+        spec_kernel(spec, symbol, params)(
+            grid=grid, block=block, shared_mem=shared_mem, args=values
+        )
         launched.append(symbol)
 
     install_fake_libraries(monkeypatch, launch, backed=True)  # sm_90 fake: tensor-core specs

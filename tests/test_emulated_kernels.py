@@ -1,4 +1,4 @@
-"""Emulation tier: every spec's generated CUDA, run on the CPU (tests/cuda_emulator), against
+"""Emulation tier: every spec's generated CUDA, run on the CPU (kernelgen.emulator), against
 float64 NumPy. Outputs and the v1 workspace are poisoned with NaN before each run.
 
 This checks the kernels' logic (tiles that do not divide the lengths, causal limits, GQA, masks,
@@ -10,21 +10,14 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import zlib
-from functools import cache
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, float_to_bf16_bits, make_case
+from attention_cases import Case, assert_matches, make_case
 from conftest import HEAD_DIM_SWEEP, SPEC_PATHS, require_toolchain
 
-from kernelgen.api import TensorInfo, check_inputs, plan
-from kernelgen.launch import Problem, kernel_arguments, launch_steps, scratch_floats
-from kernelgen.render import render
+from kernelgen.emulator.attention import emulate_attention
 from kernelgen.spec import KernelSpec, load_spec
-
-if TYPE_CHECKING:
-    from cuda_emulator import LaunchStats
 
 pytestmark = pytest.mark.emulate
 
@@ -38,50 +31,6 @@ CASES = [
 ]
 
 
-@cache
-def emulated(spec: KernelSpec, symbol: str, params: tuple):
-    from cuda_emulator import build_kernel
-
-    return build_kernel(render(spec), symbol, [(p.ctype, p.name) for p in params])
-
-
-def launch_emulated(
-    spec: KernelSpec, problem: Problem, arrays: dict[str, np.ndarray], scale: float
-) -> dict[str, LaunchStats]:
-    """Every launch of the spec's plan, in order, with NaN-poisoned scratch buffers; returns
-    each kernel's launch statistics by symbol."""
-    from cuda_emulator import LaunchStats
-
-    for name, floats in scratch_floats(spec, problem).items():
-        arrays[name] = np.full(floats, np.nan, dtype=np.float32)
-    stats: dict[str, LaunchStats] = {}
-    for step in launch_steps(spec, problem):
-        args = kernel_arguments(step.params, problem, arrays, scale, null=None)
-        kernel = emulated(spec, step.symbol, step.params)
-        launched = kernel(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
-        stats[step.symbol] = stats.get(step.symbol, LaunchStats()) + launched
-    return stats
-
-
-def to_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float16":
-        return x.astype(np.float16)
-    if dtype == "bfloat16":
-        return float_to_bf16_bits(x)
-    return x.astype(np.float32)
-
-
-def from_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (x.astype(np.uint32) << 16).view(np.float32)
-    return x.astype(np.float32)
-
-
-def info(name: str, array: np.ndarray, dtype: str) -> TensorInfo:
-    strides = tuple(s // array.itemsize for s in array.strides)
-    return TensorInfo(name, array.shape, strides, dtype, array)
-
-
 def run_emulated(
     spec: KernelSpec,
     case: Case,
@@ -91,47 +40,32 @@ def run_emulated(
     keep: dict | None = None,
     stats: dict | None = None,
     want_lse: bool = True,
+    source: str | None = None,
 ):
-    """out and lse of the spec's launches on ``data`` (and, into ``keep``, every array; into
-    ``stats``, each kernel's LaunchStats by symbol). Without ``want_lse`` the kernels get a
-    null lse, as attention() passes when the lse is not asked for, and lse is None.
+    """out and lse of the spec's launches on ``data`` through
+    :func:`kernelgen.emulator.attention.emulate_attention` (and, into ``keep``, every array;
+    into ``stats``, each kernel's LaunchStats by symbol); ``source`` replaces the rendered CUDA.
+    Without ``want_lse`` the kernels get a null lse and lse is None.
 
     Split-KV specs default to 3 key chunks, so every case goes through the combine kernel."""
-    if num_splits is None:
-        num_splits = 3 if spec.split_kv else 1
-    dtype = spec.dtype
-    arrays = {}
-    for name in ("q", "k", "v"):
-        x = getattr(data, name)
-        if case.layout == "bshd":  # store (B, S, H, D) in memory, pass that array
-            x = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-        arrays[name] = to_device_dtype(x, dtype)
-    infos = [info(n, arrays[n], dtype) for n in ("q", "k", "v")]
-    mask_info = None
-    if data.mask is not None:
-        full = (*data.q.shape[:3], data.k.shape[2])
-        arrays["mask"] = np.broadcast_to(data.mask.astype(np.float32), full)
-        mask_info = info("mask", arrays["mask"], "float32")
-    call = check_inputs(
-        *infos, mask_info, layout=case.layout, scale=case.scale, spec=spec, causal=spec.causal
+    run = emulate_attention(
+        spec,
+        data.q,
+        data.k,
+        data.v,
+        data.mask,
+        layout=case.layout,
+        scale=case.scale,
+        num_splits=num_splits,
+        seqlens_k=seqlens_k,
+        want_lse=want_lse,
+        source=source,
     )
-    problem, out_shape = plan(call, case.layout)
-    problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
-    if seqlens_k is not None:
-        arrays["seqlens_k"] = np.asarray(seqlens_k, dtype=np.int32)
-    out_dtype = np.uint16 if dtype == "bfloat16" else arrays["q"].dtype
-    arrays["out"] = np.full(out_shape, 0xFFFF if dtype == "bfloat16" else np.nan, dtype=out_dtype)
-    if want_lse:
-        arrays["lse"] = np.full(call.q.shape[:3], np.nan, dtype=np.float32)
-    launched = launch_emulated(spec, problem, arrays, call.scale)
     if stats is not None:
-        stats.update(launched)
+        stats.update(run.stats)
     if keep is not None:
-        keep.update(arrays)
-    out = from_device_dtype(arrays["out"], dtype)
-    if case.layout == "bshd":
-        out = out.transpose(0, 2, 1, 3)
-    return out, arrays.get("lse")
+        keep.update(run.arrays)
+    return run.out, run.lse
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -2,8 +2,8 @@
 //
 // Force-included (g++ -include) in front of a kernel's CUDA source, which is then compiled as
 // ordinary C++20 for the host. One OS thread (pthread) runs each CUDA thread of a block; the
-// blocks of a grid run one after another. See tests/cuda_emulator/__init__.py for the model
-// and its limits. Linux only (futex based barriers).
+// blocks of a grid run one after another. See docs/emulator.md for the model and its
+// limits. Linux only (futex based barriers).
 #ifndef KG_EMULATOR_H
 #define KG_EMULATOR_H
 
@@ -224,6 +224,9 @@ enum LaunchStat : int {
   kCpAsyncGlobalBytes,     // global bytes of the cp.async copies issued (src-size, not zero-fill)
   kNumStats
 };
+// cp.async copies and their global bytes (src-size) are also counted per pointer argument whose
+// array holds the source address (the launch passes the arrays' byte ranges).
+constexpr int kMaxArgRanges = 64;
 
 struct Launch {
   void (*thunk)(void**) = nullptr;
@@ -251,6 +254,13 @@ struct Launch {
   std::atomic<uint64_t> stats[kNumStats] = {};
   std::atomic<int> conflict_noted{0};
   char first_conflict[256] = "";
+  int hazard = 0;  // the reported error is a race-check hazard (report_hazard)
+  // Byte ranges [lo, hi) of the pointer arguments' arrays, and per range: cp.async copies issued
+  // with a source inside it and their src-size bytes.
+  const uint64_t* ranges = nullptr;
+  int nranges = 0;
+  std::atomic<uint64_t> arg_copies[kMaxArgRanges] = {};
+  std::atomic<uint64_t> arg_bytes[kMaxArgRanges] = {};
 };
 
 
@@ -264,18 +274,30 @@ struct ThreadCtx {
   // are in the same barrier interval, i.e. unordered.
   uint32_t epoch;
   uint64_t stats[kNumStats];  // this thread's share of Launch::stats in the current block
+  uint64_t arg_copies[kMaxArgRanges], arg_bytes[kMaxArgRanges];  // and of Launch::arg_*
 };
 inline thread_local ThreadCtx tctx;
 
 // Records an error found while the kernel runs on (the first one wins; the launch raises it
 // after the block) without unwinding the thread, so warp-collective partners do not lose it.
-__attribute__((format(printf, 1, 2))) inline void report_error(const char* fmt, ...) {
+inline void report_error_v(int hazard, const char* fmt, va_list ap) {
   Launch& L = *tctx.launch;
   if (L.trapped.exchange(1) != 0) return;
   L.trap_thread = threadIdx;
+  L.hazard = hazard;
+  vsnprintf(L.trap_msg, sizeof L.trap_msg, fmt, ap);
+}
+__attribute__((format(printf, 1, 2))) inline void report_error(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(L.trap_msg, sizeof L.trap_msg, fmt, ap);
+  report_error_v(0, fmt, ap);
+  va_end(ap);
+}
+// The same for a hazard of the race check (the launch raises HazardError).
+__attribute__((format(printf, 1, 2))) inline void report_hazard(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  report_error_v(1, fmt, ap);
   va_end(ap);
 }
 
@@ -344,6 +366,7 @@ inline void* worker_main(void* p) {
     tctx.parity = 0;
     tctx.epoch = 0;
     for (uint64_t& v : tctx.stats) v = 0;
+    for (int i = 0; i < L.nranges; ++i) tctx.arg_copies[i] = tctx.arg_bytes[i] = 0;
     async_copies.clear();
     try {
       L.thunk(L.args);
@@ -355,6 +378,12 @@ inline void* worker_main(void* p) {
     }
     for (int i = 0; i < kNumStats; ++i) {
       if (tctx.stats[i] != 0) L.stats[i].fetch_add(tctx.stats[i], std::memory_order_relaxed);
+    }
+    for (int i = 0; i < L.nranges; ++i) {
+      if (tctx.arg_copies[i] != 0) {
+        L.arg_copies[i].fetch_add(tctx.arg_copies[i], std::memory_order_relaxed);
+        L.arg_bytes[i].fetch_add(tctx.arg_bytes[i], std::memory_order_relaxed);
+      }
     }
     // cp.async copies never waited for are dropped (nothing can observe them legally).
     async_copies.clear();
@@ -384,7 +413,10 @@ inline int fail(char* err, int errlen, const char* msg) {
 
 // cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-block timeout in ms (<=0: none)
 // stats: kNumStats counters, filled when the launch succeeds; note: the first bank conflict.
+// ranges: nranges [lo, hi) byte ranges; arg_stats: per range, cp.async copies then bytes.
+// Returns 0, or on error 1 (a trap or bad access), 2 (a race-check hazard), 3 (the watchdog).
 inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long long* stats,
+                  const unsigned long long* ranges, int nranges, long long* arg_stats,
                   char* note, int notelen, char* err, int errlen) {
   char msg[512];
   const dim3 grid(static_cast<unsigned>(cfg[0]), static_cast<unsigned>(cfg[1]),
@@ -396,6 +428,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   const long long timeout_ms = cfg[8];
   const uint32_t n = block.x * block.y * block.z;
   if (n == 0 || n % 32 != 0 || n > 1024) return fail(err, errlen, "bad block size");
+  if (nranges < 0 || nranges > kMaxArgRanges) return fail(err, errlen, "too many arguments");
 
   pthread_mutex_lock(&launch_mutex);
   // Heap allocated and deliberately leaked on timeout (stuck threads still reference it).
@@ -403,6 +436,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   Launch& L = *Lp;
   L.thunk = thunk;
   L.args = args;
+  L.ranges = reinterpret_cast<const uint64_t*>(ranges);
+  L.nranges = nranges;
   L.grid = grid;
   L.block = block;
   L.nthreads = n;
@@ -470,13 +505,14 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
                    "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads still "
                    "running (deadlock at a barrier or shuffle, or an endless loop)",
                    bx, by, bz, timeout_ms, r, n);
-          rc = fail(err, errlen, msg);
+          rc = 3;
+          fail(err, errlen, msg);
           break;
         }
         if (L.trapped.load()) {
           snprintf(msg, sizeof msg, "%s in block (%u,%u,%u) thread (%u,%u,%u)", L.trap_msg, bx,
                    by, bz, L.trap_thread.x, L.trap_thread.y, L.trap_thread.z);
-          rc = fail(err, errlen, msg);
+          rc = fail(err, errlen, msg) + L.hazard;
           break;
         }
         for (size_t i = 0; i < kGuard; ++i) {
@@ -502,6 +538,10 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
     return rc;
   }
   for (int i = 0; i < kNumStats; ++i) stats[i] = static_cast<long long>(L.stats[i].load());
+  for (int i = 0; i < nranges; ++i) {
+    arg_stats[i] = static_cast<long long>(L.arg_copies[i].load());
+    arg_stats[nranges + i] = static_cast<long long>(L.arg_bytes[i].load());
+  }
   if (note && notelen > 0) snprintf(note, static_cast<size_t>(notelen), "%s", L.first_conflict);
   L.stop = true;
   L.start_seq.fetch_add(1, std::memory_order_acq_rel);

@@ -1,12 +1,13 @@
 // kg_ptx.h -- the inline PTX that kernelgen kernels use, as C++ functions of the CPU emulator.
 //
-// Included by kg_emulator.h. The Python side (tests/cuda_emulator/__init__.py) rewrites every
+// Included by kg_emulator.h. The Python side (kernelgen/emulator/transform.py) rewrites every
 // `asm(...)` statement of a kernel into a call of one of the functions below, with the asm
 // operands in place of the %N references, so the functions mirror the PTX operand order:
 //
 //   ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16 -> ptx::ldmatrix<N, Trans>
+//     (qualifiers in any order, e.g. CUTLASS's ldmatrix.sync.aligned.x4.m8n8.shared.b16)
 //   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -> ptx::mma_m16n8k16<Elem>
-//   cp.async.{ca,cg}.shared.global [dst], [src], size{, src-size}  -> ptx::cp_async<Size>
+//   cp.async.{ca,cg}.shared.global [dst], [src], size{, src-size}  -> ptx::cp_async<Size, Cg>
 //   cp.async.commit_group / .wait_group N / .wait_all                -> ptx::cp_async_*
 //
 // Shared-memory addresses (what __cvta_generic_to_shared returns and ldmatrix/cp.async take)
@@ -22,16 +23,22 @@ namespace kg_emu {
 // match the offsets.
 constexpr uint32_t kSharedBase = 0x400;
 
+// What __cvta_generic_to_shared gives for a pointer outside the dynamic shared memory: on the
+// GPU the conversion never faults (the result is meaningless), and code such as CUTLASS's
+// converts addresses that lanes an ldmatrix .x1/.x2 ignores compute, so the emulator returns
+// an address in [kOutsideShared, 2 kOutsideShared) that traps only when an instruction uses it,
+// naming the conversion (each thread remembers its last such pointer).
+constexpr uint32_t kOutsideShared = 0x80000000u;
+inline thread_local const void* last_outside_cvta = nullptr;
+
 // The .shared-window address of a generic pointer into the dynamic shared memory buffer
-// (one-past-the-end allowed, as for any pointer).
+// (one-past-the-end included, as for any pointer); see kOutsideShared for other pointers.
 inline uint32_t shared_address_of(const void* p) {
   const Launch& L = *tctx.launch;
   const unsigned char* c = static_cast<const unsigned char*>(p);
   if (c < L.smem || c > L.smem + L.smem_bytes) {
-    trap_with(
-        "__cvta_generic_to_shared(%p): not a pointer into the %zu bytes of dynamic shared memory "
-        "(the emulator maps only `extern __shared__` memory to shared addresses)",
-        p, L.smem_bytes);
+    last_outside_cvta = p;
+    return kOutsideShared | (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)) & 0x0FFFFFF0u);
   }
   return kSharedBase + static_cast<uint32_t>(c - L.smem);
 }
@@ -47,6 +54,17 @@ inline unsigned char* shared_bytes(uint32_t addr, uint32_t bytes, uint32_t align
   if (misaligned || addr < kSharedBase || offset + bytes > L.smem_bytes) {
     char from[32] = "";
     if (lane >= 0) snprintf(from, sizeof from, " (from lane %d)", lane);
+    if ((addr & kOutsideShared) != 0 && (lane < 0 || static_cast<uint32_t>(lane) == tctx.lane)) {
+      trap_with("%s: __cvta_generic_to_shared(%p)%s: not a pointer into the %zu bytes of dynamic "
+                "shared memory (the emulator maps only `extern __shared__` memory to shared "
+                "addresses)",
+                what, last_outside_cvta, from, L.smem_bytes);
+    }
+    if ((addr & kOutsideShared) != 0) {
+      trap_with("%s: shared address 0x%x%s comes from __cvta_generic_to_shared of a pointer "
+                "outside the %zu bytes of dynamic shared memory",
+                what, addr, from, L.smem_bytes);
+    }
     if (misaligned) {
       trap_with("%s: shared address 0x%x%s is not %u-byte aligned", what, addr, from, align);
     }
@@ -119,13 +137,13 @@ inline void note_shared_read(const unsigned char* host) {
   if (!w.any) return;
   const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
   if (w.thread / 32 != warp && w.issued == epoch) {  // either order: the same race
-    report_error(kSameInterval, epoch, addr, "another warp");
+    report_hazard(kSameInterval, epoch, addr, "another warp");
   } else if (w.in_flight()) {
-    report_error("ldmatrix reads shared 0x%x while its cp.async (thread %u, issued after "
+    report_hazard("ldmatrix reads shared 0x%x while its cp.async (thread %u, issued after "
                  "barrier %u) is in flight: wait for the copy, then __syncthreads",
                  addr, w.thread, w.issued);
   } else if (w.thread != tctx.linear && epoch <= w.done) {
-    report_error("ldmatrix reads shared 0x%x after barrier %u, but thread %u waited for its "
+    report_hazard("ldmatrix reads shared 0x%x after barrier %u, but thread %u waited for its "
                  "cp.async there only after barrier %u: no __syncthreads orders the two",
                  addr, epoch, w.thread, w.done);
   }
@@ -141,12 +159,12 @@ inline void note_async_write(const unsigned char* host) {
   const uint64_t read = L.chunk_reads[chunk].load();
   const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
   if (before.in_flight()) {
-    report_error("cp.async into shared 0x%x while thread %u's copy there (issued after barrier "
+    report_hazard("cp.async into shared 0x%x while thread %u's copy there (issued after barrier "
                  "%u) is still in flight",
                  addr, before.thread, before.issued);
   } else if ((read >> 32) == epoch + 1u && static_cast<uint32_t>(read) != warp) {
-    report_error(kSameInterval, epoch, addr,
-                 static_cast<uint32_t>(read) == kManyWarps ? "several warps" : "another warp");
+    report_hazard(kSameInterval, epoch, addr,
+                  static_cast<uint32_t>(read) == kManyWarps ? "several warps" : "another warp");
   }
 }
 
@@ -231,6 +249,26 @@ inline void set_b32(R& r, uint32_t v) {
   static_assert(sizeof(R) == 4 && std::is_trivially_copyable_v<R>, "\"=r\" operand type");
   std::memcpy(&r, &v, 4);
 }
+// An f32 operand given as "r": the 32-bit value holds the float's bits (as in a PTX .b32/.f32
+// register), e.g. CUTLASS-style accumulators in uint32_t arrays.
+template <class V>
+inline float f32_bits(const V& v) {
+  const uint32_t u = b32(v);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// An f32 destination: a float ("=f"), or any 32-bit object that receives the bits ("=r").
+template <class R>
+inline void set_f32(R& r, float v) {
+  if constexpr (std::is_same_v<R, float>) {
+    r = v;
+  } else {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    set_b32(r, u);
+  }
+}
 // A "l" global address: a pointer, or a 64-bit integer holding one.
 template <class P>
 inline const unsigned char* global_ptr(P p) {
@@ -309,10 +347,11 @@ inline double elem_to_double(uint32_t reg, int high) {
   }
 }
 
-template <Elem E>
-inline void mma_m16n8k16(float& d0, float& d1, float& d2, float& d3, uint32_t a0, uint32_t a1,
-                         uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, float c0, float c1,
-                         float c2, float c3) {
+// D0..D3: float ("=f"/"+f") or 32-bit integers holding the bits ("=r"/"+r").
+template <Elem E, class D0, class D1, class D2, class D3>
+inline void mma_m16n8k16(D0& d0, D1& d1, D2& d2, D3& d3, uint32_t a0, uint32_t a1, uint32_t a2,
+                         uint32_t a3, uint32_t b0, uint32_t b1, float c0, float c1, float c2,
+                         float c3) {
   ThreadCtx& c = tctx;
   Warp& w = *c.warp;
   uint32_t(*frags)[6] = w.frags[c.parity];  // [lane][a0 a1 a2 a3 b0 b1]
@@ -336,10 +375,10 @@ inline void mma_m16n8k16(float& d0, float& d1, float& d2, float& d3, uint32_t a0
   };
   const float r0 = dot(g, 2 * t, c0), r1 = dot(g, 2 * t + 1, c1);
   const float r2 = dot(g + 8, 2 * t, c2), r3 = dot(g + 8, 2 * t + 1, c3);
-  d0 = r0;
-  d1 = r1;
-  d2 = r2;
-  d3 = r3;
+  set_f32(d0, r0);
+  set_f32(d1, r1);
+  set_f32(d2, r2);
+  set_f32(d3, r3);
 }
 
 // ---- cp.async -----------------------------------------------------------------------------------
@@ -349,9 +388,11 @@ inline void mma_m16n8k16(float& d0, float& d1, float& d2, float& d3, uint32_t a0
 // the N most recent ones; wait_all performs every queued copy, uncommitted ones included. Only
 // then do the bytes appear in shared memory (and is global memory read). Copies still queued
 // when the thread leaves the kernel are dropped.
-template <int CpSize, class P, class S>
+// Cg: the .cg form, which copies 16 bytes only (checked here when the size is an "n" operand).
+template <int CpSize, bool Cg = false, class P, class S>
 inline void cp_async(uint32_t dst, P src, S src_size_operand) {
   static_assert(CpSize == 4 || CpSize == 8 || CpSize == 16, "cp.async cp-size is 4, 8 or 16");
+  static_assert(!Cg || CpSize == 16, "cp.async.cg copies 16 bytes (cp-size 16)");
   const long long src_size = static_cast<long long>(src_size_operand);
   if (src_size < 0 || src_size > CpSize) {
     trap_with("cp.async: src-size %lld outside [0, %d]", src_size, CpSize);
@@ -364,12 +405,21 @@ inline void cp_async(uint32_t dst, P src, S src_size_operand) {
   }
   if (CpSize == 16) note_async_write(d);
   tctx.stats[kCpAsyncGlobalBytes] += static_cast<uint64_t>(src_size);
+  const Launch& L = *tctx.launch;
+  const uint64_t at = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s));
+  for (int i = 0; i < L.nranges; ++i) {
+    if (L.ranges[2 * i] <= at && at < L.ranges[2 * i + 1]) {
+      tctx.arg_copies[i] += 1;
+      tctx.arg_bytes[i] += static_cast<uint64_t>(src_size);
+      break;
+    }
+  }
   async_copies.current.push_back(
       PendingCopy{d, s, static_cast<uint32_t>(CpSize), static_cast<uint32_t>(src_size)});
 }
-template <int CpSize, class P>
+template <int CpSize, bool Cg = false, class P>
 inline void cp_async(uint32_t dst, P src) {
-  cp_async<CpSize>(dst, src, CpSize);
+  cp_async<CpSize, Cg>(dst, src, CpSize);
 }
 
 inline void perform(const PendingCopy& c) {

@@ -1,4 +1,4 @@
-"""Tests of the CPU CUDA emulator (tests/cuda_emulator): small kernels checked against numpy."""
+"""Tests of the CPU CUDA emulator (kernelgen.emulator): small kernels checked against numpy."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
-
-from cuda_emulator import EmulatorUnavailableError, build_kernel, transform_source  # noqa: E402
+from kernelgen.emulator import (
+    EmulatorArgumentError,
+    EmulatorUnavailableError,
+    build_kernel,
+    transform_source,
+)
+from kernelgen.errors import ToolchainMissingError
 
 if shutil.which(os.environ.get("KG_EMULATOR_CXX", "g++")) is None:
     if os.environ.get("CI") == "true":
@@ -30,9 +32,8 @@ FULL = "0xffffffffu"
 
 def _run_isolated(script: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """Run ``script`` in a fresh interpreter (so a hang or stuck threads cannot hurt pytest)."""
-    prelude = f"import sys\nsys.path.insert(0, {str(TESTS_DIR)!r})\n"
     return subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script)],
+        [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -402,7 +403,7 @@ extern "C" __global__ void deadlock(int* out) {
 def test_early_return_does_not_deadlock():
     script = f"""
     import numpy as np
-    from cuda_emulator import build_kernel
+    from kernelgen.emulator import build_kernel
     k = build_kernel({EARLY_EXIT_SRC!r}, "early_exit", [("const float*", "in"), ("float*", "out")])
     nb, bs = 3, 128
     x = np.arange(nb * bs, dtype=np.float32)
@@ -420,7 +421,7 @@ def test_early_return_does_not_deadlock():
 def test_watchdog_reports_deadlock():
     script = f"""
     import numpy as np
-    from cuda_emulator import build_kernel
+    from kernelgen.emulator import build_kernel
     k = build_kernel({DEADLOCK_SRC!r}, "deadlock", [("int*", "out")])
     out = np.zeros(64, np.int32)
     try:
@@ -549,7 +550,7 @@ def test_argument_validation(strided_kernel):
         strided_kernel(grid=4, block=32, args=[x.astype(np.float64), *good[1:]])
     with pytest.raises(TypeError, match="needs an integer"):
         strided_kernel(grid=4, block=32, args=[*good[:3], 4.0, *good[4:]])
-    with pytest.raises(OverflowError):
+    with pytest.raises(EmulatorArgumentError):
         strided_kernel(grid=4, block=32, args=[*good[:6], 2**31, *good[7:]])
     with pytest.raises(ValueError, match="multiple of 32"):
         strided_kernel(grid=4, block=(16, 3, 1), args=good)
@@ -573,8 +574,53 @@ def test_compile_error_carries_compiler_output():
 
 def test_missing_compiler_raises_unavailable(monkeypatch):
     monkeypatch.setenv("KG_EMULATOR_CXX", "definitely-not-a-compiler-kg")
-    with pytest.raises(EmulatorUnavailableError):
+    with pytest.raises(EmulatorUnavailableError, match=r"g\+\+.*apt-get install g\+\+") as info:
         build_kernel(STRIDED_SRC, "strided_scale", STRIDED_PARAMS)
+    assert isinstance(info.value, ToolchainMissingError)  # the CLI's one line, exit 2
+
+
+def test_headers_ship_as_package_data(tmp_path):
+    """pyproject lists kernelgen.emulator and its include/*.h, so a wheel (non-editable
+    install) carries every header; and the emulator finds them next to its module wherever the
+    package is installed (a copy of the package outside the checkout builds a kernel)."""
+    from fnmatch import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    import kernelgen
+    from kernelgen.emulator import include_dir
+
+    config = tomllib.loads((Path(kernelgen.__file__).parents[1] / "pyproject.toml").read_text())
+    setup = config["tool"]["setuptools"]
+    assert "kernelgen.emulator" in setup["packages"]
+    patterns = setup["package-data"]["kernelgen.emulator"]
+    headers = sorted(p.relative_to(include_dir().parent) for p in include_dir().iterdir())
+    assert {h.name for h in headers} >= {"kg_emulator.h", "kg_ptx.h", "cuda_fp16.h"}
+    assert all(any(fnmatch(str(h), pat) for pat in patterns) for h in headers)
+
+    site = tmp_path / "site"
+    shutil.copytree(Path(kernelgen.__file__).parent, site / "kernelgen")
+    script = f"""
+        import numpy as np
+        from kernelgen.emulator import build_kernel, include_dir
+        assert str(include_dir()).startswith({str(site)!r}), include_dir()
+        k = build_kernel('extern "C" __global__ void f(float* y) {{ y[threadIdx.x] = 2.f; }}',
+                         "f", [("float*", "y")])
+        y = np.zeros(32, np.float32)
+        k(grid=1, block=32, args=[y])
+        assert (y == 2).all()
+    """
+    env = {**os.environ, "PYTHONPATH": str(site), "KG_EMULATOR_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
 
 
 def test_unsupported_parameter_types_are_rejected():

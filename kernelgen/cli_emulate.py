@@ -1,0 +1,235 @@
+"""``kernelgen emulate SPEC``: run a spec's kernels on the CPU emulator against float64.
+
+Fresh random inputs (rounded to the spec's dtype), the spec's launch plan through
+:func:`kernelgen.emulator.attention.emulate_attention`, and a table: the error against the
+float64 reference with its tolerance, hazards, ldmatrix wavefronts against the conflict-free
+ideal, cp.async global bytes against reading q, k and v once, and the key tiles visited.
+Exit 1 on an error over tolerance, a NaN, a hazard or a failed launch; bad input prints one line
+and exits 2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kernelgen.errors import (
+    EmulatorCompileError,
+    EmulatorError,
+    EmulatorLaunchError,
+    HazardError,
+    KernelgenError,
+    SpecError,
+)
+from kernelgen.spec import DTYPE_BYTES, KernelSpec
+
+out_console = Console()
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+DEFAULT_SHAPE = "1,2,1,100,160"  # partial query and key tiles, GQA
+
+
+def _fail(lines: list[str], code: int = 2) -> typer.Exit:
+    for line in lines:
+        err_console.print(line, markup=False)
+    return typer.Exit(code)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """``B,H,HKV,SQ,SK`` -> five positive integers with H a multiple of HKV."""
+    parts = text.replace(" ", "").split(",")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 5 or any(v < 1 for v in values):
+        raise ValueError(f"--shape {text!r}: expected B,H,HKV,SQ,SK, five positive integers")
+    b, h, hkv, sq, sk = values
+    if h % hkv:
+        raise ValueError(f"--shape {text!r}: H={h} must be a multiple of HKV={hkv}")
+    return b, h, hkv, sq, sk
+
+
+@dataclass
+class Row:
+    what: str
+    value: str
+    reference: str
+    ok: bool | None  # None: information only
+
+
+def _random_inputs(spec: KernelSpec, shape: tuple[int, ...], seed: int):
+    from kernelgen.emulator.launches import from_device_dtype, to_device_dtype
+
+    b, h, hkv, sq, sk = shape
+    rng = np.random.default_rng(seed)
+
+    def draw(*dims: int) -> np.ndarray:
+        x = rng.standard_normal((*dims, spec.head_dim)).astype(np.float32)
+        return from_device_dtype(to_device_dtype(x, spec.dtype), spec.dtype)  # dtype-exact
+
+    return draw(b, h, sq), draw(b, hkv, sk), draw(b, hkv, sk)
+
+
+def _error_rows(spec: KernelSpec, run, q, k, v) -> list[Row]:
+    from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
+
+    ref_out, ref_lse = naive_attention(q, k, v, causal=spec.causal)
+    tol = OUT_TOLERANCE[spec.dtype]
+    nan = bool(np.isnan(run.out).any() or np.isnan(run.lse).any())
+    error = relative_error(run.out, ref_out)
+    seen = np.isfinite(ref_lse)
+    same_empty = bool(np.array_equal(np.isneginf(run.lse), ~seen))
+    lse_error = float(np.max(np.abs(run.lse[seen] - ref_lse[seen]))) if seen.any() else 0.0
+    return [
+        Row("out: relative Frobenius error", f"{error:.3g}", f"<= {tol:g}", error <= tol),
+        Row(
+            "lse: max absolute error",
+            f"{lse_error:.3g}",
+            f"<= {LSE_TOLERANCE:g}",
+            lse_error <= LSE_TOLERANCE and same_empty,
+        ),
+        Row("NaN in out or lse", "yes" if nan else "no", "no", not nan),
+    ]
+
+
+def _memory_rows(spec: KernelSpec, run, shape: tuple[int, ...]) -> list[Row]:
+    from kernelgen.launch import launch_geometry
+
+    b, h, hkv, sq, sk = shape
+    main = run.stats[spec.uri]
+    rows = []
+    if main.ldmatrix:
+        rows.append(
+            Row(
+                "ldmatrix shared-memory wavefronts",
+                f"{main.ldmatrix_wavefronts}",
+                f"ideal {main.ldmatrix_ideal}",
+                None,
+            )
+        )
+    else:
+        rows.append(Row("ldmatrix shared-memory wavefronts", "n/a", "no ldmatrix", None))
+    row_bytes = spec.head_dim * DTYPE_BYTES[spec.dtype]
+    minimum = (b * h * sq + 2 * b * hkv * sk) * row_bytes  # q, k and v read once
+    if main.cp_async_global_bytes:
+        ratio = main.cp_async_global_bytes / minimum
+        rows.append(
+            Row(
+                "global bytes read (cp.async)",
+                f"{main.cp_async_global_bytes} ({ratio:.2f}x)",
+                f"minimum {minimum}",
+                None,
+            )
+        )
+        # Every key tile a block visits is copied whole (rows past Sk zero-filled).
+        per_tile = spec.block_n * spec.head_dim_padded * DTYPE_BYTES[spec.dtype] // 16
+        visited = main.cp_async_copies_by_arg.get("k", 0) / per_tile
+        row_blocks = launch_geometry(spec, run.problem)[0][0]  # (row tile, head) blocks
+        every = row_blocks * math.ceil(sk / spec.block_n)
+        rows.append(Row("key tiles visited", f"{visited:g}", f"of {every} (no skipping)", None))
+    else:
+        rows.append(Row("global bytes read (cp.async)", "n/a", "plain loads, not counted", None))
+        rows.append(Row("key tiles visited", "n/a", "counted from cp.async", None))
+    return rows
+
+
+def _table(spec: KernelSpec, shape: tuple[int, ...], rows: list[Row]) -> Table:
+    b, h, hkv, sq, sk = shape
+    table = Table(
+        title=f"{spec.uri}  B={b} H={h} HKV={hkv} SQ={sq} SK={sk}",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("check")
+    table.add_column("emulated", justify="right")
+    table.add_column("reference", justify="right")
+    table.add_column("", no_wrap=True)
+    for row in rows:
+        verdict = "" if row.ok is None else ("ok" if row.ok else "FAIL")
+        table.add_row(row.what, row.value, row.reference, verdict)
+    return table
+
+
+def emulate(
+    spec: Annotated[Path, typer.Argument(help="A spec YAML file.", show_default=False)],
+    shape: Annotated[
+        str, typer.Option("--shape", help="Problem size B,H,HKV,SQ,SK.")
+    ] = DEFAULT_SHAPE,
+    causal: Annotated[
+        bool | None,
+        typer.Option("--causal/--no-causal", help="Override the spec's causal mask."),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+) -> None:
+    """Run SPEC's kernels on the CPU emulator on random inputs; print the error against float64
+    with its tolerance, hazards, ldmatrix wavefronts, global bytes read and key tiles visited.
+    Exit 1 when the error is over tolerance or a hazard is found."""
+    from kernelgen.emulator.attention import emulate_attention
+    from kernelgen.spec import load_spec
+
+    try:
+        dims = parse_shape(shape)
+        loaded = load_spec(spec)
+        if causal is not None and causal != loaded.causal:
+            loaded = KernelSpec(**{**loaded.model_dump(), "causal": causal})
+    except SpecError as exc:
+        raise _fail(str(exc).splitlines()) from None
+    except ValueError as exc:
+        raise _fail([str(exc)]) from None
+    q, k, v = _random_inputs(loaded, dims, seed)
+    rows: list[Row] = []
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} launches"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(f"emulating {loaded.uri}", total=2 if loaded.split_kv else 1)
+        try:
+            run = emulate_attention(
+                loaded,
+                q,
+                k,
+                v,
+                on_step=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+        except HazardError as exc:
+            run = None
+            rows.append(Row("hazards (race check)", "1", "0", False))
+            hazard = exc.message
+        except (EmulatorCompileError, EmulatorLaunchError) as exc:
+            raise _fail([str(exc)], 1) from None
+        except EmulatorError as exc:
+            raise _fail([str(exc)]) from None
+        except KernelgenError as exc:  # the shape does not fit the spec, e.g. a grid limit
+            raise _fail([str(exc)]) from None
+    if run is None:
+        out_console.print(_table(loaded, dims, rows))
+        raise _fail([f"hazard: {hazard}"], 1)
+    rows = [
+        *_error_rows(loaded, run, q, k, v),
+        Row("hazards (race check)", "0", "0", True),
+        *_memory_rows(loaded, run, dims),
+    ]
+    out_console.print(_table(loaded, dims, rows))
+    failed = [r.what for r in rows if r.ok is False]
+    if failed:
+        raise _fail([f"{loaded.uri}: failed: {', '.join(failed)}"], 1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``emulate`` to the ``kernelgen`` command."""
+    app.command("emulate")(emulate)

@@ -1,0 +1,531 @@
+"""Compile a kernel's CUDA source for the CPU (g++, cached) and launch it over NumPy arrays.
+
+The model and its limits: docs/emulator.md. Entry points: :func:`build_kernel` and
+:class:`EmulatedKernel` (re-exported by :mod:`kernelgen.emulator`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernelgen.emulator.transform import transform_preprocessed
+from kernelgen.errors import (
+    EmulatorArgumentError,
+    EmulatorArgumentTypeError,
+    EmulatorCompileError,
+    EmulatorLaunchError,
+    EmulatorSourceError,
+    EmulatorTimeoutError,
+    EmulatorUnavailableError,
+    HazardError,
+)
+
+__all__ = ["EmulatedKernel", "LaunchStats", "build_kernel", "include_dir"]
+
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+SHIM_NAME = "kg_emulator.h"
+
+CXX_FLAGS = (
+    "-std=c++20",
+    "-O1",
+    "-pthread",
+    "-shared",
+    "-fPIC",
+    "-fno-strict-aliasing",
+)
+MAX_DYNAMIC_SMEM = 227 * 1024
+MAX_POINTER_ARGS = 64  # kMaxArgRanges in kg_emulator.h
+DEFAULT_FILL_BYTE = 0xFF
+DEFAULT_TIMEOUT_S = 120.0
+_CODEGEN_VERSION = "3"
+GXX_INSTALL_HINT = (
+    "install it with your system's package manager (Debian/Ubuntu: apt-get install g++; "
+    "Fedora/RHEL: dnf install gcc-c++; conda: conda install -c conda-forge gxx) or point "
+    "KG_EMULATOR_CXX at another C++20 compiler"
+)
+
+
+def include_dir() -> Path:
+    """The folder of the emulator's headers (kg_emulator.h, kg_ptx.h and the CUDA stand-ins)."""
+    return INCLUDE_DIR
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter types
+# --------------------------------------------------------------------------------------------
+
+_SCALAR_CTYPES: dict[str, Any] = {
+    "int": ctypes.c_int32,
+    "signed": ctypes.c_int32,
+    "signed int": ctypes.c_int32,
+    "int32_t": ctypes.c_int32,
+    "unsigned": ctypes.c_uint32,
+    "unsigned int": ctypes.c_uint32,
+    "uint32_t": ctypes.c_uint32,
+    "long long": ctypes.c_int64,
+    "long long int": ctypes.c_int64,
+    "signed long long": ctypes.c_int64,
+    "int64_t": ctypes.c_int64,
+    "long": ctypes.c_long,
+    "unsigned long long": ctypes.c_uint64,
+    "unsigned long long int": ctypes.c_uint64,
+    "uint64_t": ctypes.c_uint64,
+    "unsigned long": ctypes.c_ulong,
+    "size_t": ctypes.c_size_t,
+    "short": ctypes.c_int16,
+    "unsigned short": ctypes.c_uint16,
+    "bool": ctypes.c_bool,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+
+# Element type of a pointer parameter -> numpy dtypes accepted for it (None: anything).
+_POINTEE_DTYPES: dict[str, tuple[str, ...] | None] = {
+    "__half": ("float16", "uint16"),
+    "half": ("float16", "uint16"),
+    "__nv_bfloat16": ("uint16", "bfloat16"),
+    "nv_bfloat16": ("uint16", "bfloat16"),
+    "float": ("float32",),
+    "double": ("float64",),
+    "int": ("int32",),
+    "int32_t": ("int32",),
+    "unsigned": ("uint32",),
+    "unsigned int": ("uint32",),
+    "uint32_t": ("uint32",),
+    "long long": ("int64",),
+    "int64_t": ("int64",),
+    "unsigned long long": ("uint64",),
+    "uint64_t": ("uint64",),
+    "short": ("int16",),
+    "unsigned short": ("uint16",),
+    "uint16_t": ("uint16",),
+    "int8_t": ("int8",),
+    "signed char": ("int8",),
+    "bool": ("bool",),
+    "float2": ("float32",),
+    "float4": ("float32",),
+    "int4": ("int32",),
+    "uint4": ("uint32",),
+}
+
+_TYPE_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9\s\*]*$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
+
+
+@dataclass(frozen=True)
+class _Param:
+    c_type: str  # as spelled in the wrapper (restrict qualifiers removed)
+    name: str
+    is_pointer: bool
+    scalar: Any  # ctypes type for scalars
+    dtypes: tuple[str, ...] | None  # accepted dtypes for pointers (None: any)
+
+
+def _normalize_type(c_type: str) -> str:
+    t = re.sub(r"\b(__restrict__|__restrict|restrict)\b", " ", c_type)
+    t = t.replace("*", " * ")
+    return " ".join(t.split()).replace(" *", "*")
+
+
+def _parse_param(c_type: str, name: str) -> _Param:
+    if not isinstance(c_type, str) or not _TYPE_RE.match(c_type.strip()):
+        raise EmulatorSourceError(f"unsupported parameter type {c_type!r} for {name!r}")
+    if not isinstance(name, str) or not _IDENT_RE.match(name):
+        raise EmulatorSourceError(f"bad parameter name {name!r}")
+    t = _normalize_type(c_type)
+    if t.endswith("*"):
+        if t.count("*") > 1:
+            raise EmulatorSourceError(
+                f"unsupported pointer-to-pointer parameter {c_type!r} for {name!r}"
+            )
+        base = " ".join(w for w in t.rstrip("*").split() if w not in ("const", "volatile"))
+        return _Param(t, name, True, None, _POINTEE_DTYPES.get(base))
+    base = " ".join(w for w in t.split() if w != "const")
+    if base not in _SCALAR_CTYPES:
+        raise EmulatorSourceError(f"unsupported scalar parameter type {c_type!r} for {name!r}")
+    return _Param(t, name, False, _SCALAR_CTYPES[base], None)
+
+
+def _wrapper(kernel_name: str, params: Sequence[_Param]) -> str:
+    args = ",\n      ".join(
+        f"::kg_emu::arg<{p.c_type}>(a[{i}]) /* {p.name} */" for i, p in enumerate(params)
+    )
+    return f"""
+// ---- generated by kernelgen.emulator: launch wrapper ----
+namespace kg_emu_generated {{
+static void thunk(void** a) {{
+  (void)a;
+  ::{kernel_name}(
+      {args});
+}}
+}}  // namespace kg_emu_generated
+
+extern "C" int kg_emulator_launch(void** args, const long long* cfg, long long* stats,
+                                  const unsigned long long* ranges, int nranges,
+                                  long long* arg_stats, char* note, int notelen, char* err,
+                                  int errlen) {{
+  return ::kg_emu::launch(&kg_emu_generated::thunk, args, cfg, stats, ranges, nranges, arg_stats,
+                          note, notelen, err, errlen);
+}}
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation and cache
+# --------------------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("KG_EMULATOR_CACHE")
+    if env:
+        d = Path(env)
+    else:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        d = Path(tempfile.gettempdir()) / f"kg_emulator_cache-{uid}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("KG_EMULATOR_CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise EmulatorUnavailableError(
+            f"the CPU emulator compiles kernels with g++ (a C++20 compiler), and {cxx!r} is not "
+            f"on PATH: {GXX_INSTALL_HINT}"
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_version(path: str) -> str:
+    res = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+    return res.stdout.splitlines()[0] if res.stdout else ""
+
+
+def _shim_text() -> str:
+    """The emulator's own code: its headers and the Python modules that translate sources."""
+    parts = [f"== {f.name}\n{f.read_text()}" for f in sorted(INCLUDE_DIR.iterdir()) if f.is_file()]
+    here = Path(__file__).resolve().parent
+    parts += [f"== {name}\n{(here / name).read_text()}" for name in ("kernel.py", "transform.py")]
+    return "\n".join(parts)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _preprocess(
+    cxx: str, source: str, kernel_name: str, include_dirs: Sequence[str], defines: Sequence[str]
+) -> str:
+    """``g++ -E`` of the source with the shim force-included; linemarkers name the source
+    ``<kernel_name>.cu`` so that diagnostics point at its lines."""
+    with tempfile.TemporaryDirectory(prefix="kg_emulator_") as tmp:
+        name = f"{kernel_name}.cu"
+        (Path(tmp) / name).write_text(source)
+        cmd = [cxx, "-E", "-x", "c++", "-std=c++20", "-include", SHIM_NAME, "-I", str(INCLUDE_DIR)]
+        cmd += [f"-I{d}" for d in include_dirs] + [f"-D{d}" for d in defines] + [name]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, check=False)
+    if res.returncode != 0:
+        raise EmulatorCompileError(kernel_name, res.stderr, None)
+    return res.stdout
+
+
+@dataclass(frozen=True)
+class LaunchStats:
+    """What one launch did (summed over its blocks); fields in kg_emulator.h's LaunchStat order."""
+
+    ldmatrix: int = 0  # ldmatrix instructions, one per warp
+    ldmatrix_wavefronts: int = 0  # shared-memory wavefronts they took
+    ldmatrix_ideal: int = 0  # wavefronts without bank conflicts (one per 8x8 matrix)
+    cp_async_global_bytes: int = 0  # global bytes of the cp.async copies issued (src-size)
+    first_conflict: str = ""  # the first ldmatrix that took extra wavefronts, or ""
+    # Per pointer argument (by parameter name) whose array held the source address: cp.async
+    # copies issued (zero-fill copies included) and their global bytes (src-size).
+    cp_async_copies_by_arg: Mapping[str, int] = field(default_factory=dict)
+    cp_async_bytes_by_arg: Mapping[str, int] = field(default_factory=dict)
+
+    def __add__(self, other: LaunchStats) -> LaunchStats:
+        def add(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
+
+        return LaunchStats(
+            self.ldmatrix + other.ldmatrix,
+            self.ldmatrix_wavefronts + other.ldmatrix_wavefronts,
+            self.ldmatrix_ideal + other.ldmatrix_ideal,
+            self.cp_async_global_bytes + other.cp_async_global_bytes,
+            self.first_conflict or other.first_conflict,
+            add(self.cp_async_copies_by_arg, other.cp_async_copies_by_arg),
+            add(self.cp_async_bytes_by_arg, other.cp_async_bytes_by_arg),
+        )
+
+
+_NUM_STATS = 4  # the counters kg_emulator.h fills (kNumStats): the first four fields
+_LAUNCH_ERRORS = {2: HazardError, 3: EmulatorTimeoutError}
+
+
+_loaded: dict[str, ctypes.CDLL] = {}
+_loaded_lock = threading.Lock()
+
+
+class EmulatedKernel:
+    """A compiled kernel; call it like a launch: ``kern(grid=, block=, shared_mem=, args=)``."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        kernel_name: str,
+        params: Sequence[_Param],
+        so_path: Path,
+        compile_seconds: float,
+    ):
+        self.kernel_name = kernel_name
+        self.params = tuple((p.c_type, p.name) for p in params)
+        self.so_path = so_path
+        self.source_path = so_path.with_suffix(".cpp")
+        self.compile_seconds = compile_seconds  # 0.0 when the library came from the cache
+        self._params = tuple(params)
+        self._lib = lib
+        self._launch = lib.kg_emulator_launch
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_longlong),
+            ctypes.POINTER(ctypes.c_longlong),
+            ctypes.POINTER(ctypes.c_ulonglong),
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_longlong),
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+
+    def __repr__(self) -> str:
+        return f"EmulatedKernel({self.kernel_name!r}, {self.so_path})"
+
+    def _convert(self, p: _Param, value: Any) -> ctypes._SimpleCData:
+        if p.is_pointer:
+            if value is None:
+                return ctypes.c_void_p(None)
+            if not isinstance(value, np.ndarray):
+                raise EmulatorArgumentTypeError(
+                    f"{self.kernel_name}: argument {p.name!r} ({p.c_type}) needs a numpy array "
+                    f"or None, got {type(value).__name__}"
+                )
+            if p.dtypes is not None and value.dtype.name not in p.dtypes:
+                raise EmulatorArgumentTypeError(
+                    f"{self.kernel_name}: argument {p.name!r} ({p.c_type}) needs dtype "
+                    f"{' or '.join(p.dtypes)}, got {value.dtype}"
+                )
+            return ctypes.c_void_p(value.ctypes.data)
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value[()]
+        is_bool = isinstance(value, (bool, np.bool_))
+        if p.scalar is ctypes.c_bool:
+            if not isinstance(value, (bool, np.bool_, int, np.integer)):
+                raise EmulatorArgumentTypeError(
+                    f"{self.kernel_name}: {p.name!r} ({p.c_type}) needs a bool"
+                )
+            return ctypes.c_bool(bool(value))
+        if p.scalar in (ctypes.c_float, ctypes.c_double):
+            if is_bool or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise EmulatorArgumentTypeError(
+                    f"{self.kernel_name}: {p.name!r} ({p.c_type}) needs a number, "
+                    f"got {type(value).__name__}"
+                )
+            return p.scalar(float(value))
+        if is_bool or not isinstance(value, (int, np.integer)):
+            raise EmulatorArgumentTypeError(
+                f"{self.kernel_name}: {p.name!r} ({p.c_type}) needs an integer, "
+                f"got {type(value).__name__}"
+            )
+        v = int(value)
+        bits = ctypes.sizeof(p.scalar) * 8
+        signed = p.scalar(-1).value < 0
+        lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+        if not lo <= v <= hi:
+            raise EmulatorArgumentError(
+                f"{self.kernel_name}: {p.name!r} = {v} does not fit {p.c_type}"
+            )
+        return p.scalar(v)
+
+    def __call__(
+        self,
+        grid: Sequence[int] | int = (1, 1, 1),
+        block: Sequence[int] | int = (32, 1, 1),
+        shared_mem: int = 0,
+        args: Sequence[Any] = (),
+        *,
+        timeout: float | None = None,
+    ) -> LaunchStats:
+        g, b = _dims(grid, "grid"), _dims(block, "block")
+        if b[0] > 1024 or b[1] > 1024 or b[2] > 64:
+            raise EmulatorArgumentError(f"block {b} exceeds the CUDA limits (1024, 1024, 64)")
+        nthreads = b[0] * b[1] * b[2]
+        if nthreads % 32 or nthreads > 1024:
+            raise EmulatorArgumentError(
+                f"block {b} has {nthreads} threads; the emulator needs a multiple of 32, "
+                "at most 1024"
+            )
+        if g[1] > 65535 or g[2] > 65535 or g[0] > 2**31 - 1:
+            raise EmulatorArgumentError(f"grid {g} exceeds the CUDA limits")
+        shared_mem = int(shared_mem)
+        if not 0 <= shared_mem <= MAX_DYNAMIC_SMEM:
+            raise EmulatorArgumentError(f"shared_mem={shared_mem} outside [0, {MAX_DYNAMIC_SMEM}]")
+        pointers = sum(p.is_pointer for p in self._params)
+        if pointers > MAX_POINTER_ARGS:
+            raise EmulatorArgumentError(
+                f"{self.kernel_name} has {pointers} pointer parameters; at most {MAX_POINTER_ARGS}"
+            )
+        if len(args) != len(self._params):
+            raise EmulatorArgumentTypeError(
+                f"{self.kernel_name} takes {len(self._params)} arguments "
+                f"({', '.join(n for _, n in self.params)}), got {len(args)}"
+            )
+        values = [self._convert(p, v) for p, v in zip(self._params, args, strict=True)]
+        argv = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        if timeout is None:
+            timeout = float(os.environ.get("KG_EMULATOR_TIMEOUT", DEFAULT_TIMEOUT_S))
+        fill = int(os.environ.get("KG_EMULATOR_SMEM_FILL", str(DEFAULT_FILL_BYTE)), 0) & 0xFF
+        cfg = (ctypes.c_longlong * 9)(*g, *b, shared_mem, fill, int(timeout * 1000))
+        err = ctypes.create_string_buffer(1024)
+        note = ctypes.create_string_buffer(256)
+        stats = (ctypes.c_longlong * _NUM_STATS)()
+        arrays = [
+            (p.name, v)
+            for p, v in zip(self._params, args, strict=True)
+            if p.is_pointer and isinstance(v, np.ndarray) and v.nbytes > 0
+        ]
+        bounds = [b for _, v in arrays for b in _byte_range(v)]
+        ranges = (ctypes.c_ulonglong * max(1, len(bounds)))(*bounds)
+        arg_stats = (ctypes.c_longlong * max(1, 2 * len(arrays)))()
+        rc = self._launch(
+            argv, cfg, stats, ranges, len(arrays), arg_stats, note, len(note), err, len(err)
+        )
+        if rc != 0:
+            error = _LAUNCH_ERRORS.get(rc, EmulatorLaunchError)
+            raise error(self.kernel_name, err.value.decode())
+        copies: dict[str, int] = {}
+        nbytes: dict[str, int] = {}
+        for i, (name, _) in enumerate(arrays):
+            copies[name] = copies.get(name, 0) + arg_stats[i]
+            nbytes[name] = nbytes.get(name, 0) + arg_stats[len(arrays) + i]
+        return LaunchStats(*stats, note.value.decode(), copies, nbytes)
+
+
+def _byte_range(a: np.ndarray) -> tuple[int, int]:
+    """[lo, hi) of the bytes an array (any strides) touches."""
+    lo = hi = a.ctypes.data
+    for size, stride in zip(a.shape, a.strides, strict=True):
+        span = (size - 1) * stride
+        lo, hi = (lo + span, hi) if stride < 0 else (lo, hi + span)
+    return lo, hi + a.itemsize
+
+
+def _dims(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:
+    t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
+    if not 1 <= len(t) <= 3:
+        raise EmulatorArgumentError(f"{what} must have 1 to 3 dimensions, got {v!r}")
+    t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
+    if any(x < 1 for x in t):
+        raise EmulatorArgumentError(f"{what} dimensions must be >= 1, got {v!r}")
+    return t  # type: ignore[return-value]
+
+
+def build_kernel(
+    source: str,
+    kernel_name: str,
+    params: Sequence[tuple[str, str]],
+    *,
+    include_dirs: Sequence[str | os.PathLike] = (),
+    defines: Mapping[str, str | int] | None = None,
+) -> EmulatedKernel:
+    """Compile ``kernel_name`` from CUDA ``source`` for the CPU (cached) and return a launcher.
+
+    ``params`` are the kernel's ``(c_type, name)`` parameters, in order. ``include_dirs`` are
+    searched by the source's ``#include``s (e.g. a CUTLASS checkout), ``defines`` become ``-D``
+    macros (``__CUDA_ARCH__`` is not defined unless given). The source is preprocessed first,
+    then its dynamic shared memory and inline PTX are rewritten (:mod:`.transform`).
+
+    Raises :class:`~kernelgen.errors.EmulatorUnavailableError` without g++,
+    :class:`~kernelgen.errors.EmulatorSourceError` for unsupported parameters or constructs (an
+    inline-PTX instruction the emulator does not model) and
+    :class:`~kernelgen.errors.EmulatorCompileError` (with the compiler's output) when the source
+    does not compile.
+    """
+    if not isinstance(kernel_name, str) or not _IDENT_RE.match(kernel_name):
+        raise EmulatorSourceError(f"bad kernel name {kernel_name!r}")
+    parsed = [_parse_param(t, n) for t, n in params]
+    dirs = [str(Path(d).resolve()) for d in include_dirs]
+    defs = [f"{k}={v}" for k, v in (defines or {}).items()]
+    for d in defs:
+        if not re.fullmatch(r"[A-Za-z_]\w*=[^\n]*", d):
+            raise EmulatorSourceError(f"bad define {d!r}: expected NAME=value")
+    cxx = _compiler()
+    # With only the emulator's and the system's headers the inputs identify the build; headers
+    # of include_dirs may change under the same paths, so then the preprocessed text does.
+    text = _preprocess(cxx, source, kernel_name, dirs, defs) if dirs else None
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                _CODEGEN_VERSION,
+                _compiler_version(cxx),
+                " ".join(CXX_FLAGS),
+                _shim_text(),
+                kernel_name,
+                repr([(p.c_type, p.name) for p in parsed]),
+                "\n".join(defs),
+                text if text is not None else source,
+            ]
+        ).encode()
+    ).hexdigest()[:32]
+    cache = _cache_dir()
+    so_path = cache / f"{kernel_name}-{key}.so"
+    compile_seconds = 0.0
+    if not so_path.exists():
+        t0 = time.perf_counter()
+        if text is None:
+            text = _preprocess(cxx, source, kernel_name, dirs, defs)
+        cpp = (
+            transform_preprocessed(text, (str(INCLUDE_DIR),))
+            + '\n# 1 "kg_emulator_wrapper.cpp"\n'
+            + _wrapper(kernel_name, parsed)
+        )
+        cpp_path = cache / f"{kernel_name}-{key}.cpp"
+        _write_atomic(cpp_path, cpp.encode())
+        tmp_so = so_path.with_name(f".{so_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        res = subprocess.run(
+            [cxx, *CXX_FLAGS, "-o", str(tmp_so), str(cpp_path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        compile_seconds = time.perf_counter() - t0
+        if res.returncode != 0:
+            tmp_so.unlink(missing_ok=True)
+            raise EmulatorCompileError(kernel_name, res.stdout + res.stderr, str(cpp_path))
+        os.replace(tmp_so, so_path)
+    with _loaded_lock:
+        lib = _loaded.get(str(so_path))
+        if lib is None:
+            lib = ctypes.CDLL(str(so_path))
+            _loaded[str(so_path)] = lib
+    return EmulatedKernel(lib, kernel_name, parsed, so_path, compile_seconds)

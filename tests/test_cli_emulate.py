@@ -1,0 +1,122 @@
+"""``kernelgen emulate SPEC``: the table, the exit codes, and the two negative checks (a broken
+fragment layout fails the error check, a missing cp.async wait is a hazard)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import ROOT, require_toolchain
+from typer.testing import CliRunner
+
+from kernelgen.cli import app
+from kernelgen.emulator import launches
+from kernelgen.render import render
+from kernelgen.spec import load_spec
+
+pytestmark = pytest.mark.emulate
+
+runner = CliRunner()
+TC_SPEC = ROOT / "specs" / "v2_tc_f16_d64_m64_n64_s2_swz.yaml"  # not causal
+SIMT_SPEC = ROOT / "specs" / "v2_f32_d64_causal.yaml"
+SMALL = "1,2,1,33,70"  # GQA, partial query and key tiles
+
+
+@pytest.fixture(autouse=True)
+def _gxx():
+    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
+
+
+def run(*args: str):
+    return runner.invoke(app, ["emulate", *map(str, args)])
+
+
+def _value(output: str, check: str) -> str:
+    line = next(line for line in output.splitlines() if line.strip().startswith(check))
+    return line.split(check, 1)[1].split()[0]
+
+
+def test_a_tensor_core_spec_passes_with_its_facts():
+    result = run(TC_SPEC, "--shape", SMALL, "--seed", 3)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "fa_fwd_v2_tc_f16_d64_m64_n64_w4_s2_swz  B=1 H=2 HKV=1 SQ=33 SK=70" in out
+    assert "<= 0.002" in out and "<= 0.001" in out and "FAIL" not in out
+    assert float(_value(out, "out: relative Frobenius error")) <= 2e-3
+    wavefronts = int(_value(out, "ldmatrix shared-memory wavefronts"))
+    assert f"ideal {wavefronts}" in out  # no bank conflicts
+    # 2 query heads x 1 row tile, 70 keys in 64-key tiles: 4 tiles, none skipped
+    assert _value(out, "key tiles visited") == "4" and "of 4 (no skipping)" in out
+    # q once per head, k and v once per query head (GQA not packed) over whole key tiles
+    assert int(_value(out, "global bytes read (cp.async)")) == (2 * 33 + 2 * 2 * 70) * 64 * 2
+
+
+def test_causal_override_skips_tiles_above_the_diagonal():
+    result = run(TC_SPEC, "--shape", "1,1,1,64,256", "--causal")
+    assert result.exit_code == 0, result.output
+    assert "fa_fwd_v2_tc_f16_d64_m64_n64_w4_s2_swz_causal" in result.output
+    # One 64-row tile at the bottom right of 256 keys sees all of them: 4 tiles of 4.
+    assert _value(result.output, "key tiles visited") == "4"
+    result = run(TC_SPEC, "--shape", "1,1,1,256,256", "--causal")
+    assert result.exit_code == 0, result.output
+    assert _value(result.output, "key tiles visited") == "10"  # 1 + 2 + 3 + 4 of 16
+    assert "of 16 (no skipping)" in result.output
+
+
+def test_a_cuda_core_spec_has_no_cp_async_facts():
+    result = run(SIMT_SPEC, "--shape", SMALL)
+    assert result.exit_code == 0, result.output
+    assert _value(result.output, "key tiles visited") == "n/a"
+    assert "no ldmatrix" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((TC_SPEC, "--shape", "1,2,1,33"), "expected B,H,HKV,SQ,SK, five positive integers"),
+        ((TC_SPEC, "--shape", "1,3,2,8,8"), "H=3 must be a multiple of HKV=2"),
+        ((TC_SPEC, "--shape", "1,2,1,0,8"), "five positive integers"),
+        ((ROOT / "specs" / "missing.yaml",), "missing.yaml: cannot read spec file"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = run(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def _with_source(monkeypatch, edit) -> None:
+    """The emulated kernels are built from ``edit(rendered source)``."""
+    original = launches.render
+    monkeypatch.setattr(launches, "render", lambda spec: edit(original(spec)))
+    launches.spec_kernel.cache_clear()
+
+
+@pytest.fixture
+def fresh_kernels():
+    launches.spec_kernel.cache_clear()
+    yield
+    launches.spec_kernel.cache_clear()
+
+
+def test_a_broken_fragment_layout_fails_the_error_check(monkeypatch, fresh_kernels):
+    """V's B fragments loaded without .trans: the P.V product uses V's transpose."""
+    trans = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+    assert trans in render(load_spec(TC_SPEC))
+    _with_source(monkeypatch, lambda s: s.replace(trans, trans.replace(".trans", "")))
+    result = run(TC_SPEC, "--shape", SMALL)
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.output
+    assert "failed: out: relative Frobenius error" in result.output
+
+
+def test_a_missing_wait_is_a_hazard(monkeypatch, fresh_kernels):
+    wait = 'asm volatile("cp.async.wait_group %0;\\n" ::"n"(PENDING));'
+    assert wait in render(load_spec(TC_SPEC))
+    _with_source(monkeypatch, lambda s: s.replace(wait, ""))
+    result = run(TC_SPEC, "--shape", SMALL)
+    assert result.exit_code == 1, result.output
+    assert "hazard: " in result.output
+    assert "is in flight" in result.output
