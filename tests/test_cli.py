@@ -202,3 +202,30 @@ def test_selfcheck_without_a_gpu_says_so_in_one_line(capsys):
     assert out.startswith("selfcheck: ") and "\n" not in out
     assert main(["int8"]) == 2
     assert "float16 or bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["build", "check", "show"])
+def test_spec_not_utf8_exits_2_in_one_line(tmp_path, command):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_bytes(b"# \xe9t\xe9\n" + GOOD.encode())
+    result = run(command, str(spec_file))
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"{spec_file}: not UTF-8 text: byte 0xe9 at line 1; save the file as UTF-8"
+    ]
+
+
+def test_alias_bomb_and_duplicate_keys_exit_2_in_one_line(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("a: &a [x, x]\nb: &b [*a, *a]\nc: [*b, *b]\n")
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(GOOD + "head_dim: 128\n")
+    flag = tmp_path / "flag.yaml"
+    flag.write_text(GOOD.replace("head_dim: 64", "head_dim: true"))
+    result = run("check", str(bomb), str(dup), str(flag))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert "anchors (&name) are not allowed" in lines[0]
+    assert "duplicate key 'head_dim'" in lines[1]
+    assert "head_dim=True is not allowed; use an integer" in lines[2]
