@@ -90,6 +90,8 @@ def test_dry_run_compiles_offline_without_a_gpu():
         ("tune", "--shape", "1,8,8,64,64,64"),  # no GPU (or no CuPy) here
         ("cache", "show", "no-such-key"),
         ("tune", "--shape", "1,8,8,64,64,64", "--dry-run", "--sms", "0"),
+        ("tune", "--shape", "1,8,8,64,64,300", "--dry-run"),  # no kernel has that head dim
+        ("tune", "--shape", "1,8,8,64,64,60", "--dry-run"),
         ("cache", "import", "/no/such/bundle.json"),  # read before the GPU is looked for
     ],
 )
@@ -109,6 +111,9 @@ def test_problems_are_one_line_and_exit_2(args, monkeypatch):
         assert "cannot read /no/such/bundle.json" in result.stderr
     if "--sms" in args:
         assert "--sms 0" in result.stderr
+    if args[2].endswith(("300", ",60")):
+        assert result.stderr.startswith(f"head_dim={args[2].split(',')[-1]} is not allowed")
+        assert result.stdout == ""  # no empty table, no drop lines
 
 
 def test_cache_round_trip(tmp_path, monkeypatch):
