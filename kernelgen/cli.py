@@ -135,6 +135,15 @@ def _compile(specs, archs):
         raise _fail([str(exc)]) from None
 
 
+def _check_out_dir(out: Path) -> None:
+    """Exit 2 in one line when ``out`` (or a parent) exists and is not a folder."""
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise _fail([f"-o {out}: {folder} exists and is not a folder"])
+            return
+
+
 @app.command()
 def build(
     specs: SpecPaths,
@@ -149,6 +158,7 @@ def build(
 
     paths, archs = _split_archs(specs, arch)
     loaded = _load(paths)
+    _check_out_dir(out)  # before compiling anything
     if check:
         problems = stale_files(loaded, out)
         if problems:
@@ -156,7 +166,10 @@ def build(
         out_console.print(f"{out}/ is up to date with {len(loaded)} specs")
         return
     built = _compile(loaded, archs)
-    write_generated(built, out)
+    try:
+        write_generated(built, out)
+    except OSError as exc:  # e.g. a read-only folder
+        raise _fail([f"cannot write to {out}: {exc.strerror or exc}"]) from None
     out_console.print(_summary_table(built))
     out_console.print(f"wrote {len(built)} kernels and {out / 'manifest.json'}")
 

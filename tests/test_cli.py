@@ -229,3 +229,25 @@ def test_alias_bomb_and_duplicate_keys_exit_2_in_one_line(tmp_path):
     assert "anchors (&name) are not allowed" in lines[0]
     assert "duplicate key 'head_dim'" in lines[1]
     assert "head_dim=True is not allowed; use an integer" in lines[2]
+
+
+@pytest.mark.parametrize("where", ["file", "below_file"])
+def test_build_into_an_existing_file_exits_2_before_compiling(tmp_path, monkeypatch, where):
+    import kernelgen.build
+
+    def no_compile(*_args, **_kwargs):
+        raise AssertionError("compiled before checking the output folder")
+
+    monkeypatch.setattr(kernelgen.build, "build_kernels", no_compile)
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(GOOD)
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder\n")
+    out = taken if where == "file" else taken / "sub"
+    for args in (["-o", str(out)], ["-o", str(out), "--check"]):
+        result = run("build", str(spec_file), *args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"-o {out}: {taken} exists and is not a folder"
+        ]
+    assert taken.read_text() == "not a folder\n"
