@@ -13,10 +13,10 @@ from typing import Annotated
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from kernelgen.arch import ARCHS
+from kernelgen.cli_console import err_console, out_console
 from kernelgen.cli_model import register as register_model
 from kernelgen.cli_tune import register as register_tuning
 from kernelgen.errors import CompileError, KernelgenError, SpecError
@@ -27,8 +27,6 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Generate specialized FlashAttention CUDA kernels from tiling specs.",
 )
-out_console = Console()
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 _ARCH_NAME = re.compile(r"^sm_\d+a?$")
 

@@ -251,3 +251,45 @@ def test_build_into_an_existing_file_exits_2_before_compiling(tmp_path, monkeypa
             f"-o {out}: {taken} exists and is not a folder"
         ]
     assert taken.read_text() == "not a folder\n"
+
+
+LONG = "loop_order: v2\ndtype: bfloat16\nhead_dim: 128\nblock_m: 64\nblock_n: 64\nnum_warps: 4\n"
+LONG += "mma: mma_sync\nstages: 3\nsmem_layout: swizzled\ncausal: true\npack_gqa: true\n"
+LONG += "split_kv: true\narchs: [sm_80, sm_90]\n"
+
+
+def fake_build(monkeypatch, spill: int = 0) -> None:
+    """`build_kernels` without NVRTC: every kernel gets 255 registers and ``spill`` bytes."""
+    import kernelgen.build
+    from kernelgen.build import BuiltKernel
+    from kernelgen.compile import Resources
+
+    def build_kernels(specs, archs=None):
+        sass = {"HMMA": 64, "LDSM": 40, "LDL": 0, "STL": 0}
+        return [
+            BuiltKernel(
+                spec,
+                render(spec),
+                [Resources(a, 255, spill, spill, 0, 0, sass) for a in archs or spec.archs],
+            )
+            for spec in specs
+        ]
+
+    monkeypatch.setattr(kernelgen.build, "build_kernels", build_kernels)
+
+
+def test_piped_output_is_not_wrapped_at_80_columns(tmp_path, monkeypatch):
+    """Through a pipe (CliRunner's stdout is not a terminal) the build table keeps each kernel
+    name and its numbers on one line, however long, even where COLUMNS says 40."""
+    fake_build(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "40")
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(LONG)
+    uri = load_spec(spec_file).uri
+    assert len(uri) > 40
+    result = run("build", str(spec_file), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if uri in line]
+    assert len(rows) == 1 and "255/255" in rows[0], result.stdout
+    title = [line for line in result.stdout.splitlines() if "kernelgen build" in line]
+    assert len(title) == 1 and "local = spill + stack bytes)" in title[0], result.stdout
