@@ -293,3 +293,30 @@ def test_piped_output_is_not_wrapped_at_80_columns(tmp_path, monkeypatch):
     assert len(rows) == 1 and "255/255" in rows[0], result.stdout
     title = [line for line in result.stdout.splitlines() if "kernelgen build" in line]
     assert len(title) == 1 and "local = spill + stack bytes)" in title[0], result.stdout
+
+
+def test_version_prints_the_version():
+    from kernelgen import __version__
+
+    result = run("--version")
+    assert result.exit_code == 0
+    assert result.stdout == f"kernelgen {__version__}\n"
+
+
+def test_build_warns_about_each_spilling_kernel_that_check_fails(tmp_path, monkeypatch):
+    fake_build(monkeypatch, spill=8)
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(LONG)
+    uri = load_spec(spec_file).uri
+    result = run("build", str(spec_file), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / f"{uri}.cu").exists()
+    warnings = result.stderr.strip().splitlines()
+    assert len(warnings) == 2, warnings  # one per arch
+    assert all(w.startswith(f"warning: {uri}: ptxas on sm_") for w in warnings)
+    assert all(w.endswith("(kernelgen check exits 1 on it)") for w in warnings)
+    checked = run("check", str(spec_file))
+    assert checked.exit_code == 1
+    assert len(checked.stderr.strip().splitlines()) == 2
+    help_text = " ".join(run("build", "--help").stdout.replace("│", " ").split())
+    assert "(it exits 1 on the same kernels)" in help_text
