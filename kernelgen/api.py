@@ -316,7 +316,8 @@ def default_spec(
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     decode = decode_rows is not None
-    split = decode if split_kv is None else split_kv
+    split = decode if split_kv is None else bool(split_kv)
+    causal = bool(causal)
     if tensor_cores and dtype in ("float16", "bfloat16"):
         warps = 4
         block_m, block_n = default_tiling(head_dim, archs)

@@ -13,10 +13,10 @@ from typing import Annotated
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from kernelgen.arch import ARCHS
+from kernelgen.cli_console import err_console, out_console
 from kernelgen.cli_emulate import register as register_emulate
 from kernelgen.cli_model import register as register_model
 from kernelgen.cli_tune import register as register_tuning
@@ -28,8 +28,27 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Generate specialized FlashAttention CUDA kernels from tiling specs.",
 )
-out_console = Console()
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kernelgen import __version__
+
+        out_console.print(f"kernelgen {__version__}", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Generate specialized FlashAttention CUDA kernels from tiling specs."""
+
 
 _ARCH_NAME = re.compile(r"^sm_\d+a?$")
 
@@ -136,6 +155,15 @@ def _compile(specs, archs):
         raise _fail([str(exc)]) from None
 
 
+def _check_out_dir(out: Path) -> None:
+    """Exit 2 in one line when ``out`` (or a parent) exists and is not a folder."""
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise _fail([f"-o {out}: {folder} exists and is not a folder"])
+            return
+
+
 @app.command()
 def build(
     specs: SpecPaths,
@@ -145,11 +173,17 @@ def build(
         bool, typer.Option("--check", help="Only check that the output folder is up to date.")
     ] = False,
 ) -> None:
-    """Render, compile offline and write OUT/<uri>.cu plus OUT/manifest.json."""
-    from kernelgen.build import stale_files, write_generated
+    """Render, compile offline and write OUT/<uri>.cu plus OUT/manifest.json.
+
+    A kernel that fails the static bar of `kernelgen check` (spills, a stack, local memory,
+    shared memory over the limit, a tensor-core spec without HMMA/LDSM) is still written, with
+    one "warning:" line on stderr per problem, and build exits 0: build makes sources, check
+    judges them (it exits 1 on the same kernels)."""
+    from kernelgen.build import stale_files, static_problems, write_generated
 
     paths, archs = _split_archs(specs, arch)
     loaded = _load(paths)
+    _check_out_dir(out)  # before compiling anything
     if check:
         problems = stale_files(loaded, out)
         if problems:
@@ -157,9 +191,18 @@ def build(
         out_console.print(f"{out}/ is up to date with {len(loaded)} specs")
         return
     built = _compile(loaded, archs)
-    write_generated(built, out)
+    try:
+        write_generated(built, out)
+    except OSError as exc:  # e.g. a read-only folder
+        raise _fail([f"cannot write to {out}: {exc.strerror or exc}"]) from None
     out_console.print(_summary_table(built))
     out_console.print(f"wrote {len(built)} kernels and {out / 'manifest.json'}")
+    for k in built:
+        for r in k.resources:
+            for why in static_problems(k.spec, r):
+                err_console.print(
+                    f"warning: {k.spec.uri}: {why} (kernelgen check exits 1 on it)", markup=False
+                )
 
 
 @app.command()

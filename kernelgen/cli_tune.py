@@ -11,15 +11,13 @@ from typing import Annotated
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
+from kernelgen.cli_console import err_console, out_console
 from kernelgen.errors import KernelgenError
 from kernelgen.tuning.db import TuningDB
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo
 
-out_console = Console()
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect and move tuning records.")
 
 # What a dry run assumes without a GPU (an H100 SXM) unless --arch / --sms say otherwise.

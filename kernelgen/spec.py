@@ -159,6 +159,29 @@ class KernelSpec(BaseModel):
         return data
 
     # ---- field checks -------------------------------------------------------------------
+    @field_validator(
+        "head_dim", "block_m", "block_n", "num_warps", "stages", "smem_pad", mode="before"
+    )
+    @classmethod
+    def _strict_integer(cls, value: Any, info: Any) -> Any:
+        """Integer fields take integers only: ``true`` is not 1 and ``64.0`` is not 64."""
+        if isinstance(value, (bool, float)):
+            raise ValueError(
+                f"{info.field_name}={_echo(value)} is not allowed; use an integer "
+                f"({type(value).__name__} given)"
+            )
+        return value
+
+    @field_validator("causal", "pack_gqa", "split_kv", mode="before")
+    @classmethod
+    def _strict_boolean(cls, value: Any, info: Any) -> Any:
+        """Boolean fields take true or false only (not 1, 0 or the string 'yes')."""
+        if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+            return bool(value)
+        if not isinstance(value, bool):
+            raise ValueError(f"{info.field_name}={_echo(value)} is not allowed; use true or false")
+        return value
+
     @field_validator("head_dim")
     @classmethod
     def _check_head_dim(cls, value: int) -> int:
@@ -396,13 +419,16 @@ def format_validation_error(exc: ValidationError) -> list[str]:
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             allowed = ", ".join(KernelSpec.model_fields)
-            message = f"unknown field {field!r} (value {err['input']!r}); allowed fields: {allowed}"
+            message = (
+                f"unknown field {_echo(field)} (value {_echo(err['input'])}); "
+                f"allowed fields: {allowed}"
+            )
         elif err["type"] == "missing":
             message = f"missing required field {field!r}"
         elif err["type"] == "literal_error":
-            message = f"{field}={err['input']!r} is not allowed; {message}"
+            message = f"{field}={_echo(err['input'])} is not allowed; {message}"
         elif field != "spec" and not message.startswith(field.split(".")[0]):
-            message = f"{field}={err['input']!r}: {message}"
+            message = f"{field}={_echo(err['input'])}: {message}"
         lines.extend(message.splitlines())  # a whole-spec check may report several problems
     return lines
 
@@ -417,15 +443,87 @@ def spec_from_dict(data: Any, source: str | None = None) -> KernelSpec:
         raise SpecError(format_validation_error(exc), source) from None
 
 
+MAX_SPEC_BYTES = 1 << 20  # a spec is a dozen short lines; refuse anything near this size
+MAX_ECHO_CHARS = 80  # values echoed in error messages are cut to this many characters
+
+
+def _echo(value: Any) -> str:
+    """``repr(value)`` cut to :data:`MAX_ECHO_CHARS` characters (no 2 MB line for a 2 MB value)."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 3] + "..."
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """YAML's safe loader without aliases (a spec never needs one; nested aliases expand
+    exponentially, the 'billion laughs') and with duplicate keys an error, not the last one."""
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "YAML aliases (*name) are not allowed in a spec", event.start_mark
+            )
+        event = self.peek_event()
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            raise yaml.composer.ComposerError(
+                None, None, "YAML anchors (&name) are not allowed in a spec", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: let the base class report it
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {_echo(key)} (first at line {seen[key].line + 1})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+_SpecLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _SpecLoader.construct_mapping
+)
+
+
+def parse_spec_yaml(text: str) -> Any:
+    """Parse a spec document with :class:`_SpecLoader` (raises ``yaml.YAMLError``)."""
+    return yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass
+
+
 def load_spec(path: str | Path) -> KernelSpec:
-    """Read one spec from a YAML file (safe loading)."""
+    """Read one spec from a YAML file (safe loading, UTF-8, at most 1 MiB, no aliases, no
+    duplicate keys)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise SpecError([f"cannot read spec file: {exc.strerror}"], str(path)) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(
+            [f"spec file is larger than {MAX_SPEC_BYTES} bytes; a spec is a few short lines"],
+            str(path),
+        )
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SpecError(
+            [f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}; save the file as UTF-8"],
+            str(path),
+        ) from None
+    try:
+        data = parse_spec_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""

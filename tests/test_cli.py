@@ -202,3 +202,121 @@ def test_selfcheck_without_a_gpu_says_so_in_one_line(capsys):
     assert out.startswith("selfcheck: ") and "\n" not in out
     assert main(["int8"]) == 2
     assert "float16 or bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["build", "check", "show"])
+def test_spec_not_utf8_exits_2_in_one_line(tmp_path, command):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_bytes(b"# \xe9t\xe9\n" + GOOD.encode())
+    result = run(command, str(spec_file))
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"{spec_file}: not UTF-8 text: byte 0xe9 at line 1; save the file as UTF-8"
+    ]
+
+
+def test_alias_bomb_and_duplicate_keys_exit_2_in_one_line(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("a: &a [x, x]\nb: &b [*a, *a]\nc: [*b, *b]\n")
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(GOOD + "head_dim: 128\n")
+    flag = tmp_path / "flag.yaml"
+    flag.write_text(GOOD.replace("head_dim: 64", "head_dim: true"))
+    result = run("check", str(bomb), str(dup), str(flag))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert "anchors (&name) are not allowed" in lines[0]
+    assert "duplicate key 'head_dim'" in lines[1]
+    assert "head_dim=True is not allowed; use an integer" in lines[2]
+
+
+@pytest.mark.parametrize("where", ["file", "below_file"])
+def test_build_into_an_existing_file_exits_2_before_compiling(tmp_path, monkeypatch, where):
+    import kernelgen.build
+
+    def no_compile(*_args, **_kwargs):
+        raise AssertionError("compiled before checking the output folder")
+
+    monkeypatch.setattr(kernelgen.build, "build_kernels", no_compile)
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(GOOD)
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder\n")
+    out = taken if where == "file" else taken / "sub"
+    for args in (["-o", str(out)], ["-o", str(out), "--check"]):
+        result = run("build", str(spec_file), *args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"-o {out}: {taken} exists and is not a folder"
+        ]
+    assert taken.read_text() == "not a folder\n"
+
+
+LONG = "loop_order: v2\ndtype: bfloat16\nhead_dim: 128\nblock_m: 64\nblock_n: 64\nnum_warps: 4\n"
+LONG += "mma: mma_sync\nstages: 3\nsmem_layout: swizzled\ncausal: true\npack_gqa: true\n"
+LONG += "split_kv: true\narchs: [sm_80, sm_90]\n"
+
+
+def fake_build(monkeypatch, spill: int = 0) -> None:
+    """`build_kernels` without NVRTC: every kernel gets 255 registers and ``spill`` bytes."""
+    import kernelgen.build
+    from kernelgen.build import BuiltKernel
+    from kernelgen.compile import Resources
+
+    def build_kernels(specs, archs=None):
+        sass = {"HMMA": 64, "LDSM": 40, "LDL": 0, "STL": 0}
+        return [
+            BuiltKernel(
+                spec,
+                render(spec),
+                [Resources(a, 255, spill, spill, 0, 0, sass) for a in archs or spec.archs],
+            )
+            for spec in specs
+        ]
+
+    monkeypatch.setattr(kernelgen.build, "build_kernels", build_kernels)
+
+
+def test_piped_output_is_not_wrapped_at_80_columns(tmp_path, monkeypatch):
+    """Through a pipe (CliRunner's stdout is not a terminal) the build table keeps each kernel
+    name and its numbers on one line, however long, even where COLUMNS says 40."""
+    fake_build(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "40")
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(LONG)
+    uri = load_spec(spec_file).uri
+    assert len(uri) > 40
+    result = run("build", str(spec_file), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if uri in line]
+    assert len(rows) == 1 and "255/255" in rows[0], result.stdout
+    title = [line for line in result.stdout.splitlines() if "kernelgen build" in line]
+    assert len(title) == 1 and "local = spill + stack bytes)" in title[0], result.stdout
+
+
+def test_version_prints_the_version():
+    from kernelgen import __version__
+
+    result = run("--version")
+    assert result.exit_code == 0
+    assert result.stdout == f"kernelgen {__version__}\n"
+
+
+def test_build_warns_about_each_spilling_kernel_that_check_fails(tmp_path, monkeypatch):
+    fake_build(monkeypatch, spill=8)
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(LONG)
+    uri = load_spec(spec_file).uri
+    result = run("build", str(spec_file), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / f"{uri}.cu").exists()
+    warnings = result.stderr.strip().splitlines()
+    assert len(warnings) == 2, warnings  # one per arch
+    assert all(w.startswith(f"warning: {uri}: ptxas on sm_") for w in warnings)
+    assert all(w.endswith("(kernelgen check exits 1 on it)") for w in warnings)
+    checked = run("check", str(spec_file))
+    assert checked.exit_code == 1
+    assert len(checked.stderr.strip().splitlines()) == 2
+    help_text = " ".join(run("build", "--help").stdout.replace("│", " ").split())
+    assert "(it exits 1 on the same kernels)" in help_text

@@ -276,3 +276,76 @@ def test_pyproject_extras_pin_what_the_runtime_needs():
     # dev (what CI installs) must not pull torch: a multi-GB GPU build no CPU test needs
     assert not any(req.startswith("torch") for req in extras["dev"])
     assert not any("bench" in req for req in extras["dev"])
+
+
+def test_a_spec_that_is_not_utf8_is_one_typed_error(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"# caf\xe9\nloop_order: v2\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(latin1)
+    assert info.value.problems == ["not UTF-8 text: byte 0xe9 at line 1; save the file as UTF-8"]
+    assert str(latin1) in str(info.value)
+    utf16 = tmp_path / "utf16.yaml"
+    utf16.write_text("loop_order: v2\n", encoding="utf-16")
+    with pytest.raises(SpecError, match="not UTF-8 text"):
+        load_spec(utf16)
+
+
+def test_yaml_aliases_and_huge_files_are_refused(tmp_path):
+    laughs = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    laughs += [
+        f"{b}: &{b} [{', '.join(['*' + a] * 9)}]"
+        for a, b in zip("abcdefgh", "bcdefghi", strict=True)
+    ]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(laughs) + "\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(bomb)
+    assert len(info.value.problems) == 1
+    assert "anchors (&name) are not allowed" in info.value.problems[0]
+    alias = tmp_path / "alias.yaml"
+    alias.write_text("head_dim: *d\n")  # an alias without its anchor is refused as well
+    with pytest.raises(SpecError, match="invalid YAML"):
+        load_spec(alias)
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(SpecError, match="larger than 1048576 bytes"):
+        load_spec(big)
+
+
+def test_values_in_messages_are_truncated():
+    (line,) = problems_of(colour="x" * 2_000_000)
+    assert len(line) < 400
+    assert "xxx..." in line
+    (line,) = problems_of(dtype="y" * 10_000)
+    assert len(line) < 400
+
+
+def test_duplicate_keys_are_an_error_naming_the_key(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text(
+        "loop_order: v2\ndtype: float16\nhead_dim: 64\nblock_m: 64\nblock_n: 64\nhead_dim: 128\n"
+    )
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert info.value.problems == [
+        "invalid YAML: line 6: duplicate key 'head_dim' (first at line 3)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "field", ["head_dim", "block_m", "block_n", "num_warps", "stages", "smem_pad"]
+)
+@pytest.mark.parametrize("value", [True, False, 64.0])
+def test_integer_fields_refuse_booleans_and_floats(field, value):
+    problems = problems_of(**{field: value})
+    assert any(p.startswith(f"{field}={value!r} is not allowed; use an integer") for p in problems)
+
+
+@pytest.mark.parametrize("field", ["causal", "pack_gqa", "split_kv"])
+@pytest.mark.parametrize("value", [1, 0, "yes"])
+def test_boolean_fields_refuse_other_values(field, value):
+    problems = problems_of(**{field: value})
+    assert any(
+        p.startswith(f"{field}={value!r} is not allowed; use true or false") for p in problems
+    )

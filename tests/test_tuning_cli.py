@@ -90,6 +90,8 @@ def test_dry_run_compiles_offline_without_a_gpu():
         ("tune", "--shape", "1,8,8,64,64,64"),  # no GPU (or no CuPy) here
         ("cache", "show", "no-such-key"),
         ("tune", "--shape", "1,8,8,64,64,64", "--dry-run", "--sms", "0"),
+        ("tune", "--shape", "1,8,8,64,64,300", "--dry-run"),  # no kernel has that head dim
+        ("tune", "--shape", "1,8,8,64,64,60", "--dry-run"),
         ("cache", "import", "/no/such/bundle.json"),  # read before the GPU is looked for
     ],
 )
@@ -109,6 +111,9 @@ def test_problems_are_one_line_and_exit_2(args, monkeypatch):
         assert "cannot read /no/such/bundle.json" in result.stderr
     if "--sms" in args:
         assert "--sms 0" in result.stderr
+    if args[2].endswith(("300", ",60")):
+        assert result.stderr.startswith(f"head_dim={args[2].split(',')[-1]} is not allowed")
+        assert result.stdout == ""  # no empty table, no drop lines
 
 
 def test_cache_round_trip(tmp_path, monkeypatch):
@@ -176,3 +181,80 @@ def test_import_of_a_bundle_with_a_bad_record_writes_nothing(tmp_path, monkeypat
     assert result.exit_code == 2
     assert "record 1 is unusable" in result.stderr, result.stderr
     assert TuningDB().records() == []
+
+
+class _CUDARuntimeError(RuntimeError):
+    """Stands in for cupy_backends' CUDARuntimeError."""
+
+
+def _driverless_cupy():
+    """A CuPy as installed on a machine without a driver: every runtime call raises, as does
+    ``cuda.Device()`` (cupy-cuda13x 14.2: cudaErrorInsufficientDriver)."""
+    import types
+
+    def fail(*_args, **_kwargs):
+        raise _CUDARuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    runtime = types.SimpleNamespace(
+        CUDARuntimeError=_CUDARuntimeError,
+        getDeviceCount=fail,
+        getDevice=fail,
+        getDeviceProperties=fail,
+    )
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=fail)
+    return cupy
+
+
+def test_cupy_without_a_driver_dry_runs_and_tune_and_import_say_so(tmp_path, monkeypatch):
+    import sys
+
+    from kernelgen.tuning import candidates
+
+    monkeypatch.setitem(sys.modules, "cupy", _driverless_cupy())
+    monkeypatch.setattr(candidates, "offline_resources", fake_compile())
+    result = run("tune", "--shape", "1,8,8,512,512,64", "--dtype", "fp16", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "(assumed) NVIDIA H100" in result.stdout and "sm_90" in result.stdout
+    result = run("tune", "--shape", "1,8,8,512,512,64", "--dtype", "fp16")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "no usable CUDA device: cudaErrorInsufficientDriver: CUDA driver version is insufficient"
+    ]
+    bundle = tmp_path / "empty.json"
+    assert run("cache", "export", str(bundle)).exit_code == 0
+    result = run("cache", "import", str(bundle))
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "no usable CUDA device" in result.stderr
+
+
+def test_real_cupy_without_a_driver_dry_runs(tmp_path):
+    """The same with the real CuPy, where it is installed on a machine without a GPU driver."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import cupy\n"
+        "try:\n    n = cupy.cuda.runtime.getDeviceCount()\n"
+        "except cupy.cuda.runtime.CUDARuntimeError:\n    n = 0\n"
+        "print(n)\n"
+    )
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.skip("CuPy is not importable here")
+    if found.stdout.strip() != "0":
+        pytest.skip("a CUDA device is visible here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "KERNELGEN_CACHE_DIR": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    base = [sys.executable, "-m", "kernelgen.cli", "tune", "--shape", "1,4,4,64,64,32"]
+    dry = subprocess.run([*base, "--dry-run"], capture_output=True, text=True, env=env)
+    assert "Traceback" not in dry.stderr and "CUDARuntimeError" not in dry.stderr, dry.stderr
+    assert dry.returncode == 0, dry.stderr
+    assert "(assumed) NVIDIA H100" in dry.stdout
+    real = subprocess.run(base, capture_output=True, text=True, env=env)
+    assert real.returncode == 2, real.stderr
+    assert len(real.stderr.strip().splitlines()) == 1
+    assert "no usable CUDA device" in real.stderr

@@ -34,15 +34,19 @@ def nan_fill(cupy: Any, array: Any) -> Any:
 
 
 def require_device() -> Any:
-    """CuPy, once a CUDA device is known to be visible (ToolchainMissingError otherwise)."""
+    """CuPy, once a CUDA device is known to be visible (ToolchainMissingError otherwise).
+
+    Without a driver (CuPy installed on a machine with no GPU) every runtime call raises
+    ``CUDARuntimeError``, ``getDeviceCount`` included: that counts as no device."""
     from kernelgen.launch import import_cupy
 
     cupy = import_cupy()
     try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise ToolchainMissingError("no CUDA device is visible")
+        count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as exc:
         raise ToolchainMissingError(f"no usable CUDA device: {exc}") from None
+    if count < 1:
+        raise ToolchainMissingError("no CUDA device is visible")
     return cupy
 
 
@@ -60,10 +64,14 @@ def _device(index: int) -> DeviceInfo:
 
 
 def detect_device() -> DeviceInfo:
-    """The current CUDA device (cached per device index)."""
-    from kernelgen.launch import import_cupy
-
-    return _device(import_cupy().cuda.Device().id)
+    """The current CUDA device (cached per device index); ToolchainMissingError without one
+    (checked before any call that needs a driver)."""
+    cupy = require_device()
+    try:
+        index = cupy.cuda.runtime.getDevice()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise ToolchainMissingError(f"no usable CUDA device: {exc}") from None
+    return _device(index)
 
 
 def _version(number: int) -> str:

@@ -13,7 +13,7 @@ from functools import cache
 
 from kernelgen.arch import ARCHS, arch_for_capability, nearest_arch
 from kernelgen.errors import InputError
-from kernelgen.spec import DTYPE_ALIASES, normalize_dtype  # noqa: F401 (the one table: spec's)
+from kernelgen.spec import DTYPE_ALIASES, MAX_HEAD_DIM, normalize_dtype  # noqa: F401 (the one table: spec's)
 
 _DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
@@ -52,6 +52,11 @@ class ProblemDesc:
         if self.num_heads % self.num_kv_heads:
             raise InputError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 8 or self.head_dim > MAX_HEAD_DIM:  # as attention() refuses it
+            raise InputError(
+                f"head_dim={self.head_dim} is not allowed; use a multiple of 8 from 8 to "
+                f"{MAX_HEAD_DIM}"
             )
 
     @classmethod
