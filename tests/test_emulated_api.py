@@ -1,7 +1,7 @@
 """Emulation tier, end to end: ``kernelgen.attention()`` itself (checks, spec choice, plan, the
 library's scope and allocations, launch arguments: raw pointers for torch, arrays for CuPy)
 runs the generated kernels in the CPU emulator, on CuPy arrays and torch tensors faked over
-host memory (bench/fake_cupy, bench/fake_torch with ``backed=True``), against float64."""
+host memory (kernelgen/testing/fake_cupy, fake_torch with ``backed=True``), against float64."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from conftest import install_fake_libraries, launched_kernel, require_toolchain
 from test_emulated_kernels import emulated
 
 import kernelgen
-from bench import fake_cupy, fake_torch
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.reference import naive_attention
+from kernelgen.testing import fake_cupy, fake_torch
 
 pytestmark = pytest.mark.emulate
 

@@ -1,7 +1,7 @@
 """CPU tier: where a call runs. Torch calls launch on torch's current stream of q's device with
 torch-allocated outputs and raw pointers; every call runs with its inputs' device current; inputs
-on different devices are refused. CuPy and torch are the fakes of bench/ (nothing runs on a GPU);
-launches are recorded with the device and stream current at launch time."""
+on different devices are refused. CuPy and torch are the fakes of kernelgen/testing/ (nothing
+runs on a GPU); launches are recorded with the device and stream current at launch time."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
-from bench import fake_cupy, fake_torch
 from kernelgen import api
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.render import kernel_params
+from kernelgen.testing import fake_cupy, fake_torch
 
 
 @pytest.fixture

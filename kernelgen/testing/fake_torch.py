@@ -5,7 +5,7 @@ nothing is computed. Every allocation is logged in :data:`ALLOCATED` (pointer ->
 each device's current stream is :data:`STREAMS` [device], so tests can see what a call
 allocated and where it launched. ``module(backed=True)`` backs tensors with host memory
 (``Tensor.host``; :data:`HOST` maps each pointer to it) for the CPU emulator. Used with
-bench/fake_cupy (which kernelgen still compiles and launches through).
+kernelgen/testing/fake_cupy (which kernelgen still compiles and launches through).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.fake_cupy import poisoned_host
+from kernelgen.testing.fake_cupy import poisoned_host
 
 _POINTERS = itertools.count(1 << 32, 1 << 12)  # 4 KiB apart: 16-byte aligned
 ALLOCATED: dict[int, Tensor] = {}
