@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from kernelgen.errors import KernelgenError, SpecError
+from kernelgen.policy import default_spec
 from kernelgen.spec import KernelSpec, spec_from_dict
 from kernelgen.tuning.candidates import CompileFn, TunedLaunch, decode_rows, prune
 from kernelgen.tuning.db import TuningDB, TuningRecord
@@ -61,10 +62,8 @@ def autotune_mode(mode: str | None = None) -> Mode:
 
 
 def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
-    """The spec attention() uses without tuning (kernelgen.api.default_spec; the split-KV
+    """The spec attention() uses without tuning (kernelgen.policy.default_spec; the split-KV
     decode kernel for decode problems)."""
-    from kernelgen.api import default_spec
-
     return default_spec(
         problem.dtype,
         problem.head_dim,
