@@ -86,14 +86,16 @@ def test_a_repeated_torch_call_takes_its_plan_on_the_current_stream(recorded, mo
 
 def test_split_kv_partials_of_a_torch_call_share_one_torch_allocation(recorded):
     q, k, v = torch_qkv(seqlen_q=1, seqlen_k=4096)
-    allocated_before = set(fake_torch.ALLOCATED)
+    logged = len(fake_torch.LOG)
     out = kernelgen.attention(q, k, v, num_splits=8)
     assert [launch["symbol"].endswith("_combine") for launch in recorded] == [False, True]
     main, combine = (args_by_name(launch) for launch in recorded)
-    new = [t for p, t in fake_torch.ALLOCATED.items() if p not in allocated_before]
-    scratch, *rest = [t for t in new if t.dtype is fake_torch.float32]
-    assert rest == [] and [t for t in new if t.dtype is not fake_torch.float32] == [out]
-    start = scratch.data_ptr()
+    new = fake_torch.LOG[logged:]
+    scratch, *rest = [a for a in new if a.dtype is fake_torch.float32]
+    assert rest == [] and [a.ptr for a in new if a.dtype is not fake_torch.float32] == [
+        out.data_ptr()
+    ]
+    start = scratch.ptr
     end = start + 4 * math.prod(scratch.shape)
     places = []
     for name in ("o_partial", "lse_partial"):
@@ -112,8 +114,8 @@ def test_a_broadcast_torch_mask_is_converted_by_torch(recorded):
     mask = fake_torch.Tensor((1, 1, 100, 120), fake_torch.float16)
     kernelgen.attention(q, k, v, mask=mask)
     args = args_by_name(recorded[0])
-    converted = fake_torch.ALLOCATED[int(args["mask"])]
-    assert converted is not mask and converted.dtype is fake_torch.float32
+    converted = next(a for a in fake_torch.LOG if a.ptr == int(args["mask"]))
+    assert converted.ptr != mask.data_ptr() and converted.dtype is fake_torch.float32
     strides = [int(args[f"mask_stride_{d}"]) for d in ("b", "h", "q", "k")]
     assert strides == [0, 0, 120, 1]
 

@@ -1,26 +1,44 @@
 """A host-only stand-in for the slice of torch that ``kernelgen.attention`` touches with CUDA
-tensors: shape, ``stride()``, dtype, ``data_ptr()``, ``get_device()``, ``to`` and ``expand``;
-``torch.empty``; ``torch.cuda.current_stream(device).cuda_stream``. Tensors hold no data and
-nothing is computed. Every allocation is logged in :data:`ALLOCATED` (pointer -> tensor) and
-each device's current stream is :data:`STREAMS` [device], so tests can see what a call
-allocated and where it launched. ``module(backed=True)`` backs tensors with host memory
-(``Tensor.host``; :data:`HOST` maps each pointer to it) for the CPU emulator. Used with
-kernelgen/testing/fake_cupy (which kernelgen still compiles and launches through).
-"""
+tensors: shape, ``stride()``, dtype, ``data_ptr()``, ``get_device()``, ``to``, ``expand`` and
+``fill_``; ``torch.empty``; ``torch.cuda.current_stream(device)`` (``cuda_stream`` and the CUDA
+stream protocol); ``torch.cuda.graph`` capture. Tensors hold no data and nothing is computed.
+Like torch's caching allocator, a tensor's block is free the moment the tensor is gone and the
+next allocation that fits takes it at once. Live tensors are :data:`ALLOCATED` (pointer ->
+tensor), every allocation is logged in :data:`LOG`, and each device's current stream is
+:data:`STREAMS` [device], so tests can see what a call allocated and where it launched.
+``module(backed=True)`` backs tensors with host memory (``Tensor.host``; :data:`HOST` maps each
+pointer to it) for the CPU emulator. Used with kernelgen/testing/fake_cupy (which kernelgen
+still compiles and launches through)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import types
-from typing import Any
+import weakref
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from kernelgen.testing.fake_cupy import poisoned_host
+from kernelgen.testing.fake_cupy import CAPTURING, poisoned_host
+from kernelgen.tuning.gpu import bfloat16_bits
 
 _POINTERS = itertools.count(1 << 32, 1 << 12)  # 4 KiB apart: 16-byte aligned
-ALLOCATED: dict[int, Tensor] = {}
+ALLOCATED: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
+class Allocation(NamedTuple):
+    ptr: int
+    nbytes: int
+    dtype: dtype
+    shape: tuple[int, ...]
+
+
+LOG: list[Allocation] = []  # every allocation, in order
+FREE: list[tuple[int, int]] = []  # free blocks (pointer, bytes), most recently freed last
+FILLED: set[int] = set()  # pointers of tensors that fill_() wrote (e.g. a NaN poison)
 STREAMS: dict[int, int] = {}  # device -> current stream pointer (0: the default stream)
 HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed tensors
 BACKED = {"on": False}  # whether empty() allocates host memory
@@ -77,7 +95,10 @@ class Tensor:
         self._strides = tuple(strides)
         self._device_index = device_index
         if host is None:
-            self._ptr = next(_POINTERS) + offset
+            nbytes = max(1, int(np.prod(self.shape))) * dtype.itemsize
+            self._ptr = _allocate(nbytes) + offset
+            weakref.finalize(self, FREE.append, (self._ptr - offset, nbytes))
+            LOG.append(Allocation(self._ptr, nbytes, dtype, self.shape))
         else:
             self._ptr = host.__array_interface__["data"][0]
             HOST.setdefault(self._ptr, host)
@@ -95,9 +116,24 @@ class Tensor:
         return self._device_index
 
     def to(self, dtype: dtype) -> Tensor:
+        """A converted copy: values, not bit patterns (bfloat16 is held as its uint16 bits)."""
+        if self.host is None:
+            return Tensor(self.shape, dtype, self._device_index)
+        values = self.host
+        if self.dtype is bfloat16:
+            values = (values.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        if dtype is bfloat16:
+            return from_numpy(bfloat16_bits(np, np.ascontiguousarray(values)), self._device_index)
+        return from_numpy(values.astype(_NUMPY[dtype.name]), self._device_index)
+
+    def fill_(self, value: float) -> Tensor:
+        """Every element set to ``value`` (a float; bfloat16 through its bits)."""
+        FILLED.add(self._ptr)
         if self.host is not None:
-            return from_numpy(self.host.astype(_NUMPY[dtype.name]), self._device_index)
-        return Tensor(self.shape, dtype, self._device_index)
+            if self.dtype is bfloat16:
+                value = bfloat16_bits(np, np.full(1, value, np.float32))[0]
+            self.host[...] = value
+        return self
 
     def expand(self, shape: tuple[int, ...]) -> Tensor:
         """A broadcast view: stride 0 along new and size-1 dimensions."""
@@ -107,7 +143,7 @@ class Tensor:
             for i in range(len(shape))
         )
         view = Tensor.__new__(Tensor)
-        view.__dict__.update(self.__dict__, shape=tuple(shape), _strides=strides)
+        view.__dict__.update(self.__dict__, shape=tuple(shape), _strides=strides, _base=self)
         if self.host is not None:
             view.host = np.broadcast_to(self.host, shape)
         return view
@@ -122,6 +158,29 @@ def from_numpy(host: np.ndarray, device_index: int = 0) -> Tensor:
 Tensor.__module__ = "torch"  # kernelgen recognises torch tensors by module
 
 
+def _allocate(nbytes: int) -> int:
+    """A pointer to ``nbytes``: the start of the most recently freed block that holds them (the
+    rest of it stays free), else fresh memory."""
+    for index in range(len(FREE) - 1, -1, -1):
+        ptr, size = FREE[index]
+        if size >= nbytes:
+            rest = -(-nbytes // 512) * 512  # torch rounds blocks to 512 bytes
+            if size > rest:
+                FREE[index] = (ptr + rest, size - rest)
+            else:
+                del FREE[index]
+            return ptr
+    return next(_POINTERS) if nbytes <= 1 << 12 else _fresh(nbytes)
+
+
+def _fresh(nbytes: int) -> int:
+    """Fresh memory of more than one 4 KiB step of the pointer counter."""
+    ptr = next(_POINTERS)
+    for _ in range(nbytes >> 12):
+        next(_POINTERS)
+    return ptr
+
+
 def empty(shape: tuple[int, ...], dtype: dtype, device: device) -> Tensor:
     index = device.index if device.index is not None else 0
     if BACKED["on"]:
@@ -129,10 +188,47 @@ def empty(shape: tuple[int, ...], dtype: dtype, device: device) -> Tensor:
     return Tensor(shape, dtype, index)
 
 
+class Stream:
+    """``torch.cuda.Stream``: its pointer, device and the CUDA stream protocol."""
+
+    def __init__(self, ptr: int, index: int) -> None:
+        self.cuda_stream, self.device = ptr, device("cuda", index)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.cuda_stream)
+
+
+def current_stream(index: int | None = None) -> Stream:
+    return Stream(STREAMS.get(index or 0, 0), index or 0)
+
+
+class CUDAGraph:
+    """``torch.cuda.CUDAGraph`` (nothing is recorded)."""
+
+
+_CAPTURE_STREAMS = itertools.count(0xCA000, 0x100)
+
+
+@contextlib.contextmanager
+def graph(cuda_graph: CUDAGraph, pool: Any = None, stream: Any = None) -> Iterator[None]:
+    """``torch.cuda.graph``: device 0's current stream is a side stream that captures."""
+    previous = STREAMS.get(0, 0)
+    STREAMS[0] = ptr = stream.cuda_stream if stream is not None else next(_CAPTURE_STREAMS)
+    CAPTURING.add(ptr)
+    try:
+        yield
+    finally:
+        CAPTURING.discard(ptr)
+        STREAMS[0] = previous
+
+
 def module(backed: bool = False) -> types.ModuleType:
     """A fresh ``torch`` module object (empty allocation log, default streams; host memory
     behind every tensor with ``backed``)."""
     ALLOCATED.clear()
+    LOG.clear()
+    FREE.clear()
+    FILLED.clear()
     STREAMS.clear()
     HOST.clear()
     BACKED["on"] = backed
@@ -142,8 +238,10 @@ def module(backed: bool = False) -> types.ModuleType:
     for name in ("float16", "bfloat16", "float32", "int32", "dtype", "device", "empty"):
         setattr(torch, name, getattr(sys.modules[__name__], name))
 
-    def current_stream(index: int | None = None) -> Any:
-        return types.SimpleNamespace(cuda_stream=STREAMS.get(index or 0, 0))
-
-    torch.cuda = types.SimpleNamespace(current_stream=current_stream)
+    torch.cuda = types.SimpleNamespace(
+        current_stream=current_stream,
+        graph=graph,
+        CUDAGraph=CUDAGraph,
+        is_current_stream_capturing=lambda: STREAMS.get(0, 0) in CAPTURING,
+    )
     return torch
