@@ -27,6 +27,7 @@ from kernelgen.frameworks import (
     launch_arg,
     module_of,
     pointer_of,
+    refuse_during_capture,
 )
 from kernelgen.launch import (
     MAX_SPLITS,
@@ -280,7 +281,9 @@ def attention(
     arrays = arrays_of(q)
     device = _common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
     with arrays.scope(device):
-        call_plan, tensors = _checked_plan(
+        # temporaries: what the kernels read that the call made (a converted mask, uploaded
+        # lengths), held until the launches are queued on the stream they were made on
+        call_plan, tensors, temporaries = _checked_plan(
             call, bool(causal), seqlens_k, spec, num_splits, layout, arrays, device
         )
         if plan_key is not None:
@@ -288,6 +291,7 @@ def attention(
                 _CALL_PLANS.clear()
             _CALL_PLANS[plan_key] = call_plan
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
+        del temporaries  # each library frees in stream order: safe once queued
     return (out, lse) if return_lse else out
 
 
@@ -315,9 +319,11 @@ def _checked_plan(
     layout: str,
     arrays: Arrays,
     device: int,
-) -> tuple[CallPlan, dict[str, Any]]:
-    """The plan of a checked call (spec, split count, prepared launch) and its kernel arguments
-    by parameter name; runs with the call's device and stream current."""
+) -> tuple[CallPlan, dict[str, Any], list[Any]]:
+    """The plan of a checked call (spec, split count, prepared launch), its kernel arguments by
+    parameter name, and the temporaries they point into (the caller keeps them alive until
+    launched: torch arguments are raw pointers); runs with the call's device and stream
+    current."""
     batch = call.q.shape[0]
     seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
     misaligned = [
@@ -327,7 +333,7 @@ def _checked_plan(
     ]
     if spec is None:
         spec, tuned_splits = _untuned_or_tuned_launch(
-            call, causal, aligned=not misaligned, split=num_splits is not None
+            call, causal, aligned=not misaligned, split=num_splits is not None, library=arrays.name
         )
         num_splits = num_splits or tuned_splits
     elif spec.mma == "mma_sync" and misaligned:
@@ -335,11 +341,14 @@ def _checked_plan(
     check_fits_device(spec, device)
     kernel = runtime_kernel(spec)
     tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
+    temporaries = []
     if seqlens is not None:
         tensors["seqlens_k"] = launch_arg(arrays, seqlens)
+        temporaries.append(seqlens)
     if call.mask is not None:
         mask_array, strides = float32_broadcast(call.mask.source, mask_shape(call))
         tensors["mask"] = launch_arg(arrays, mask_array)
+        temporaries.append(mask_array)
         mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
@@ -348,7 +357,7 @@ def _checked_plan(
     call_plan = CallPlan(
         launch, out_shape, out_dtype, call.q.shape[:3], call.k.shape[2], arrays, device
     )
-    return call_plan, tensors
+    return call_plan, tensors, temporaries
 
 
 @dataclass(frozen=True)
@@ -465,12 +474,13 @@ def device_arch() -> tuple[int, str]:
 
 
 def _untuned_or_tuned_launch(
-    call: CheckedCall, causal: bool, aligned: bool, split: bool
+    call: CheckedCall, causal: bool, aligned: bool, split: bool, library: str = "cupy"
 ) -> tuple[KernelSpec, int | None]:
     """The spec (and split count, None: heuristic) for a call without a spec: the autotuner's
     choice (memo, disk, or a fresh tuning; see docs/autotuning.md), or a heuristic default where
     tuning does not apply (inputs the tensor-core kernels cannot read, GPUs before sm_80) or
-    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec)."""
+    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec). Tuning
+    for a torch call (``library``) leaves no free blocks in CuPy's memory pool."""
     capability, arch = device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
@@ -486,6 +496,7 @@ def _untuned_or_tuned_launch(
         )
         return spec, None
     from kernelgen.tuning import ProblemDesc, select_launch
+    from kernelgen.tuning.autotune import gpu_tuner
 
     problem = ProblemDesc(
         call.dtype,
@@ -498,7 +509,8 @@ def _untuned_or_tuned_launch(
         causal=causal,
         mask=call.mask is not None,
     )
-    launch = select_launch(problem)
+    tuner = gpu_tuner(free_pool=True) if library == "torch" else None
+    launch = select_launch(problem, tuner=tuner)
     return launch.spec, launch.num_splits
 
 
@@ -524,7 +536,8 @@ def is_host_sequence(x: Any) -> bool:
 
 def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
     """seqlens_k as a contiguous int32 device array of shape (batch,) (host sequences are
-    checked and uploaded to the current device, on the current stream)."""
+    checked and uploaded to the current device, on the current stream; refused while that
+    stream captures a CUDA graph, which would replay the values of the capture)."""
     if is_host_sequence(seqlens_k):
         host = np.asarray(seqlens_k)
         if host.ndim != 1 or host.shape[0] != batch:
@@ -539,6 +552,7 @@ def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
             raise InputError(
                 f"seqlens_k holds {int(bad[0])}; allowed 0 to {max_keys} (the keys k and v hold)"
             )
+        refuse_during_capture("seqlens_k", seqlens_k, "an int32 device array of q's library")
         return import_cupy().asarray(host.astype(np.int32))
     info = describe(seqlens_k, "seqlens_k")
     if info.shape != (batch,):

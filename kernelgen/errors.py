@@ -43,3 +43,9 @@ class ToolchainMissingError(KernelgenError, RuntimeError):
 class SettingError(KernelgenError, ValueError):
     """An environment variable kernelgen reads (e.g. KERNELGEN_TEMPLATE_DIR) holds a value it
     cannot use."""
+
+
+class CaptureError(InputError):
+    """An argument that needs a host upload or a temporary outside the caller's library, given
+    while the call's stream is capturing a CUDA graph (the graph would keep a freed address or a
+    host value fixed at capture)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.errors import CaptureError
 from kernelgen.launch import import_cupy
 
 
@@ -30,8 +31,9 @@ def dtype_name(dtype: Any) -> str:
     return name.removeprefix("torch.")
 
 
-# DLPack exchange of bfloat16 is recent in CuPy (import in 14.x, export later); a same-size
-# integer view carries the bits through any version without a copy.
+# CuPy exchanges bfloat16 through DLPack both ways since 14.0 (with ml_dtypes); older CuPy, and
+# producers without bfloat16 in their DLPack export, refuse it: a same-size integer view carries
+# the bits through any version without a copy.
 _DLPACK_REFUSALS = (NotImplementedError, TypeError, BufferError, ValueError)
 
 
@@ -141,7 +143,7 @@ class _TorchScope:
 
     def __init__(self, device: int) -> None:
         stream = _torch().cuda.current_stream(device).cuda_stream
-        self.contexts = (import_cupy().cuda.Device(device), _external_stream(stream, device))
+        self.contexts = (import_cupy().cuda.Device(device), cupy_stream(stream, device))
 
     def __enter__(self) -> None:
         device, stream = self.contexts
@@ -182,15 +184,40 @@ def _torch_device(index: int) -> Any:
     return device
 
 
-def _external_stream(ptr: int, device: int) -> Any:
-    """CuPy's handle of the stream ``ptr`` of ``device`` (kept: torch streams are few)."""
+class _StreamPointer:
+    """A raw stream pointer as the CUDA stream protocol's ``__cuda_stream__``."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(ptr: int, device: int) -> Any:
+    """CuPy's handle of the stream ``ptr`` of ``device`` (kept: torch streams are few).
+
+    ``Stream.from_external`` (ExternalStream warns since CuPy 14) leaves the device unknown
+    (14.2) or takes the current one; the handle is given ``device``, so that entering it on
+    another device raises as ``ExternalStream(ptr, device)`` did."""
     stream = _EXTERNAL_STREAMS.get((ptr, device))
     if stream is None:
         if len(_EXTERNAL_STREAMS) >= MAX_EXTERNAL_STREAMS:
             _EXTERNAL_STREAMS.clear()
-        stream = import_cupy().cuda.ExternalStream(ptr, device)
+        stream = import_cupy().cuda.Stream.from_external(_StreamPointer(ptr))
+        stream.device_id = device
         _EXTERNAL_STREAMS[(ptr, device)] = stream
     return stream
+
+
+def refuse_during_capture(name: str, value: Any, allowed: str) -> None:
+    """Raise a CaptureError naming argument ``name`` when the current CuPy stream (the call's:
+    it runs in its library's ``scope``) is capturing a CUDA graph."""
+    if import_cupy().cuda.get_current_stream().is_capturing():
+        raise CaptureError(
+            f"{name} is {type(value).__name__} while the call's stream captures a CUDA graph, "
+            f"which needs an upload or a temporary the graph cannot keep; pass {allowed}"
+        )
 
 
 def arrays_of(q: Any) -> Arrays:
@@ -234,6 +261,7 @@ def float32_broadcast(mask: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[int
     cupy = import_cupy()
     mask = as_cupy(mask)
     if mask.dtype != cupy.float32:
+        refuse_during_capture("mask", mask, "a float32 mask, or a mask of q's library")
         mask = mask.astype(cupy.float32)
     mask = cupy.broadcast_to(mask, shape)
     return mask, tuple(s // 4 for s in mask.strides)

@@ -118,15 +118,25 @@ def tune_problem(
 
 
 def gpu_tuner(
-    compile_fn: CompileFn | None = None, settings: MeasureSettings | None = None
+    compile_fn: CompileFn | None = None,
+    settings: MeasureSettings | None = None,
+    *,
+    free_pool: bool = False,
 ) -> Tuner:
-    """A tuner that times on the current GPU through CuPy."""
+    """A tuner that times on the current GPU through CuPy. ``free_pool``: afterwards, give the
+    blocks its input sets leave in CuPy's memory pool back to the device (for callers of
+    another library, torch, which cannot use them)."""
 
     def tuner(problem: ProblemDesc, key: TuningKey) -> TuningRecord:
-        from kernelgen.tuning.gpu import CupyBench
+        from kernelgen.tuning.gpu import CupyBench, free_memory_pool
 
         bench = CupyBench(problem, key.device)
-        return tune_problem(problem, key, bench, compile_fn=compile_fn, settings=settings)
+        try:
+            return tune_problem(problem, key, bench, compile_fn=compile_fn, settings=settings)
+        finally:
+            if free_pool:
+                del bench  # its input sets, now free blocks of the pool
+                free_memory_pool()
 
     return tuner
 
