@@ -8,9 +8,17 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, make_case
+from attention_cases import (
+    Case,
+    assert_matches,
+    bf16_bits_to_float,
+    float_to_bf16_bits,
+    make_case,
+    round_to,
+)
 from conftest import install_fake_libraries, launched_kernel, require_toolchain
 from test_emulated_kernels import emulated
 
@@ -18,6 +26,7 @@ import kernelgen
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.reference import naive_attention
 from kernelgen.testing import fake_cupy, fake_torch
+from kernelgen.testing.poison import poisoned_outputs
 
 pytestmark = pytest.mark.emulate
 
@@ -144,3 +153,38 @@ def test_mqa_decode_step_past_one_tile_packs_every_query_head(symbols):
     assert spec.pack_gqa and spec.split_kv and spec.block_m == 64 and combine.endswith("_combine")
     want = naive_attention(data.q, data.k, data.v, causal=True)
     assert_matches(host_float(out), host_float(lse), reference(data, *want), "float16")
+
+
+def device_values(x: np.ndarray, dtype: str, library: str) -> np.ndarray:
+    """float32 values as ``dtype`` elements in ``library``'s host representation (fake torch
+    keeps bfloat16 as its uint16 bits, CuPy as ml_dtypes' type)."""
+    if dtype == "bfloat16":
+        bits = float_to_bf16_bits(x)
+        return bits if library == "torch" else bits.view(ml_dtypes.bfloat16)
+    return x.astype(dtype)
+
+
+def as_float64(array) -> np.ndarray:
+    """A fake array's or tensor's values (bfloat16 bits widened)."""
+    host = array.host
+    if isinstance(array, fake_torch.Tensor) and array.dtype is fake_torch.bfloat16:
+        host = bf16_bits_to_float(host)
+    return np.asarray(host, dtype=np.float64)
+
+
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_dtype_through_both_libraries(symbols, dtype, library):
+    """GQA, causal, a (1, H, Sq, Sk) mask of q's dtype in q's library (converted to float32 by
+    that library), outputs poisoned through the test hook."""
+    data = make_case(Case(1, 4, 2, 24, 40, mask="broadcast"), dtype, 64, True, seed=5)
+    wrap = fake_torch.from_numpy if library == "torch" else fake_cupy.from_host
+    q, k, v, mask = (
+        wrap(device_values(getattr(data, name), dtype, library)) for name in ("q", "k", "v", "mask")
+    )
+    with poisoned_outputs():
+        out, lse = kernelgen.attention(q, k, v, causal=True, mask=mask, return_lse=True)
+    rounded = round_to(data.mask, dtype).astype(np.float64)  # the mask the kernels see
+    want = naive_attention(data.q, data.k, data.v, causal=True, mask=rounded)
+    assert_matches(as_float64(out), as_float64(lse), reference(data, *want), dtype)
+    assert [s.endswith("_combine") for s in symbols] == [False, True]  # 48 packed rows: decode
