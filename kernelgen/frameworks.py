@@ -84,8 +84,9 @@ class CupyArrays:
 
     @staticmethod
     def empty(shape: tuple[int, ...], dtype: Any, device: int) -> Any:
-        """Uninitialised memory on the current device (the caller's ``scope``). Also the hook
-        through which the GPU tests and the benchmark NaN-poison kernelgen's CuPy outputs."""
+        """Uninitialised memory on the current device (the caller's ``scope``). With
+        ``TorchArrays.empty``, the hook through which checks NaN-poison kernelgen's allocations
+        (:func:`kernelgen.testing.poison.poisoned_outputs`)."""
         return import_cupy().empty(shape, dtype=dtype)
 
     @staticmethod
