@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
-import subprocess
 import sys
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +26,20 @@ from bench.candidates import (
     tensor_core_candidates,
     v1_fields,
 )
+from bench.harness import (
+    GIB,
+    ROOT,
+    Harness,
+    git_info,
+    load_previous,
+    open_env,
+    run_settings,
+    run_shapes,
+    shape_or_error,
+)
 from bench.shapes import Shape, grid
 
-ROOT = Path(__file__).resolve().parent.parent
-QUICK_BUDGET_MS = 200.0
-FULL_BUDGET_MS = 500.0
 CANDIDATE_BUDGET_MS = 100.0  # screening; the best candidate is then re-timed on the full budget
-GIB = 1 << 30
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -98,82 +103,16 @@ def selected_peers(text: str) -> list[str]:
     return [n for n in PEER_NAMES if n in names]
 
 
-def git_info(root: Path = ROOT) -> dict[str, Any]:
-    """Commit of the working tree and whether it has uncommitted changes ("unknown" if no git)."""
-    try:
-        top = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        if Path(top).resolve() != root.resolve():  # a copy inside some other repository
-            return {"git_commit": "unknown", "git_dirty": None}
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": "unknown", "git_dirty": None}
-    return {"git_commit": commit or "unknown", "git_dirty": bool(dirty)}
-
-
 # ---- one shape ----------------------------------------------------------------------------------
-class Runner:
+class Runner(Harness):
     """Runs every selected peer on one shape after another, producing result rows."""
 
     def __init__(self, env: Any, args: argparse.Namespace, floors: dict[str, Any]) -> None:
-        from bench import gpu
-
-        self.gpu = gpu
-        self.env = env
-        self.args = args
-        self.floors = floors
-        self.peers = selected_peers(args.peers)
-        budget = args.budget_ms or (QUICK_BUDGET_MS if args.quick else FULL_BUDGET_MS)
-        self.timer = gpu.Timer(env, budget, min_reps=args.min_reps)
+        super().__init__(env, args, floors, selected_peers(args.peers))
         self.candidates = tensor_core_candidates(quick=args.quick)
-        self.compile_s: dict[str, float] = {}
-
-    # -- measurement of one implementation --
-    def measure(
-        self, shape: Shape, impl: Any, sets: list, ref: Any, budget_ms: float | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        """(status, fields) of one implementation: check, memory, then timing."""
-        gpu, env = self.gpu, self.env
-        q, k, v = sets[0]
-        out_bytes = metrics.tensor_bytes(shape)["out"]
-        tol = metrics.tolerance(shape.dtype)
-        if impl.poison is not None:
-            with impl.poison():
-                out = impl.call(q, k, v)
-        else:
-            gpu.poison_allocators(env, out_bytes)
-            out = impl.call(q, k, v)
-        env.sync()
-        err, nonfinite = gpu.relative_error(env, out, ref)
-        del out
-        fields: dict[str, Any] = {"rel_err": err, "tol": tol, "nonfinite": nonfinite}
-        if impl.spec_uri:
-            fields["spec_uri"] = impl.spec_uri
-        if err is None or err >= tol:
-            why = f"{nonfinite} non-finite outputs" if err is None else f"rel. error {err:.3g}"
-            return report.WRONG, {**fields, "reason": f"{why} >= tolerance {tol:g}"}
-        extra = gpu.extra_memory(env, impl, q, k, v, out_bytes)
-        fields["extra_mem_bytes"] = extra
-        fields["extra_mem_limit_bytes"] = metrics.lse_bytes(shape)
-        fields["extra_mem_ok"] = extra <= metrics.lse_bytes(shape)
-        times, info = self.timer.measure(
-            lambda i: impl.call(*sets[i]), len(sets), budget_ms=budget_ms
-        )
-        fields.update(self.figures(shape, times))
-        fields["timing"] = info
-        return report.OK, fields
 
     def figures(self, shape: Shape, times: list[float]) -> dict[str, Any]:
+        """TFLOP/s and the gaps to the matmul and copy floors."""
         stats = metrics.summarize(times)
         flops = metrics.shape_flops(shape)
         rate = metrics.tflops(flops, stats["median_ms"])
@@ -190,20 +129,6 @@ class Runner:
             "memory_floor_ms": memory_ms,
             "gap": stats["median_ms"] / floor if floor else None,
         }
-
-    def guarded(self, shape: Shape, peer: str, make: Any, sets: list, ref: Any) -> dict[str, Any]:
-        """Build and measure one peer; any failure becomes an error row, not a crash."""
-        gpu = self.gpu
-        try:
-            impl = make()
-            status, fields = self.measure(shape, impl, sets, ref)
-        except gpu.FatalGPUError:
-            raise
-        except Exception as exc:
-            self.env.sync()  # raises FatalGPUError when the context is gone
-            status = report.UNAVAILABLE if type(exc).__name__ == "SpecError" else report.ERROR
-            return report.make_row(shape, peer, status, reason=gpu.first_line(exc))
-        return report.make_row(shape, peer, status, **fields)
 
     # -- the peers --
     def torch_row(self, shape: Shape, backend: str, sets: list, ref: Any) -> dict[str, Any]:
@@ -265,10 +190,6 @@ class Runner:
         from kernelgen.spec import spec_from_dict
 
         return spec_from_dict(fields)
-
-    def compiled(self, spec: Any) -> None:
-        if spec.uri not in self.compile_s:
-            self.compile_s[spec.uri] = self.gpu.compile_spec(self.env, spec)
 
     def simt_row(self, shape: Shape, peer: str, sets: list, ref: Any) -> dict[str, Any]:
         if shape.seqlen_q > self.args.simt_max_seqlen:
@@ -401,59 +322,6 @@ def progress_line(row: dict[str, Any]) -> str:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-def open_env() -> Any:
-    """The GPU environment (bench.gpu.open_gpu), or None after one line on stderr."""
-    from bench import gpu
-
-    try:
-        return gpu.open_gpu()
-    except gpu.NoGPUError as exc:
-        print(f"bench: no usable GPU: {exc}", file=sys.stderr)
-        return None
-
-
-def run_settings(args: argparse.Namespace, shapes: Sequence[Any], **extra: Any) -> dict:
-    """The settings block of a result file: the flags, tolerances, ``extra``, the shape keys."""
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    settings.update(tolerance=metrics.TOLERANCE, **extra, shapes=[s.key for s in shapes])
-    return settings
-
-
-def run_shapes(
-    shapes: Sequence[Any],
-    rows_of: Callable[[Any], list[dict[str, Any]]],
-    checkpoint: Callable[[list[dict[str, Any]]], None],
-) -> tuple[list[dict[str, Any]], str | None]:
-    """``rows_of`` each shape in turn, ``checkpoint`` after each; stops at a dead GPU context.
-
-    Returns (rows, why it stopped or None)."""
-    from bench import gpu
-
-    rows: list[dict[str, Any]] = []
-    for shape in shapes:
-        try:
-            rows += rows_of(shape)
-        except gpu.FatalGPUError as exc:
-            print(f"bench: stopping: {exc}", file=sys.stderr)
-            return rows, str(exc)
-        checkpoint(rows)
-    return rows, None
-
-
-def shape_or_error(runner: Runner, shape: Shape) -> list[dict[str, Any]]:
-    """The shape's rows, or one ``all`` error row when it fails (e.g. out of memory while
-    making inputs). FatalGPUError passes through."""
-    gpu = runner.gpu
-    try:
-        return runner.shape_rows(shape)
-    except gpu.FatalGPUError:
-        raise
-    except Exception as exc:
-        print(f"bench: shape {shape.key} failed: {gpu.first_line(exc)}", file=sys.stderr)
-        gpu.release(runner.env)
-        return [report.make_row(shape, "all", report.ERROR, reason=gpu.first_line(exc))]
-
-
 def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
     from bench import gpu
 
@@ -507,12 +375,6 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
     print()
     print(report.markdown_table(all_rows, compact=True))
     return 1 if fatal else 0
-
-
-def load_previous(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return list(json.loads(path.read_text()).get("rows", []))
 
 
 def write_results(

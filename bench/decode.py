@@ -24,18 +24,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import attention, metrics, report
 from bench import decode_report as dr
-from bench.attention import (
-    FULL_BUDGET_MS,
-    GIB,
-    QUICK_BUDGET_MS,
-    ROOT,
-    Runner,
-    git_info,
-    load_previous,
-)
+from bench import harness, metrics, report
 from bench.decode_shapes import HEAD_DIM, DecodeShape, grid
+from bench.harness import GIB, ROOT, Harness, git_info, load_previous
 
 DEFAULT_MAX_KV_GIB = 24.0
 MAX_SETS = 1024  # decode input sets are small: up to this many to exceed 2x L2
@@ -224,19 +216,12 @@ class TorchRefusedError(Exception):
 Build = Callable[[DecodeShape, list], tuple[Any, dict[str, Any]]]
 
 
-class DecodeRunner(Runner):
-    """The prefill Runner's check, memory and timing (``measure``, ``guarded``, ``compiled``)
-    with decode's inputs, reference, peers and figures."""
+class DecodeRunner(Harness):
+    """The harness's check, memory and timing (``measure``, ``guarded``, ``compiled``) with
+    decode's inputs, reference, peers and figures."""
 
     def __init__(self, env: Any, args: argparse.Namespace, floors: dict[str, Any]) -> None:
-        # Not Runner.__init__: its peers and tensor-core candidates are the prefill grid's.
-        from bench import gpu
-
-        self.gpu, self.env, self.args, self.floors = gpu, env, args, floors
-        self.peers = selected_peers(args.peers)
-        budget = args.budget_ms or (QUICK_BUDGET_MS if args.quick else FULL_BUDGET_MS)
-        self.timer = gpu.Timer(env, budget, min_reps=args.min_reps)
-        self.compile_s: dict[str, float] = {}
+        super().__init__(env, args, floors, selected_peers(args.peers))
 
     def figures(self, shape: Any, times: list[float]) -> dict[str, Any]:
         stats = metrics.summarize(times)
@@ -504,18 +489,18 @@ def shape_or_error(runner: DecodeRunner, shape: DecodeShape) -> list[dict[str, A
         row = report.make_row(shape, dr.ALL, report.SKIPPED, reason=skip)
         print(dr.progress_line(row), flush=True)
         return [row]
-    return attention.shape_or_error(runner, shape)
+    return harness.shape_or_error(runner, shape)
 
 
 def run(args: argparse.Namespace, shapes: list[DecodeShape]) -> int:
     from bench import gpu
 
-    env = attention.open_env()
+    env = harness.open_env()
     if env is None:
         return 2
     today = dt.date.today()
     meta = run_meta(env, today)
-    settings = attention.run_settings(
+    settings = harness.run_settings(
         args, shapes, max_sets=MAX_SETS, split_sweep=list(dr.SPLIT_SWEEP)
     )
     runner = DecodeRunner(env, args, floors={})
@@ -532,7 +517,7 @@ def run(args: argparse.Namespace, shapes: list[DecodeShape]) -> int:
             paths, meta, floors, report.merge_rows(previous, rows, dr.sort_rows), settings
         )
 
-    rows, fatal = attention.run_shapes(shapes, lambda s: shape_or_error(runner, s), checkpoint)
+    rows, fatal = harness.run_shapes(shapes, lambda s: shape_or_error(runner, s), checkpoint)
     meta["fatal"] = fatal
     all_rows = report.merge_rows(previous, rows, dr.sort_rows)
     for path in write_results(paths, meta, floors, all_rows, settings):

@@ -55,12 +55,10 @@ class Env:
 
     def stream(self) -> Any:
         """A CuPy stream object for torch's current stream (use as a context manager)."""
-        ptr = self.torch.cuda.current_stream().cuda_stream
-        if not ptr:
+        stream = self.torch.cuda.current_stream()
+        if not stream.cuda_stream:
             return self.cupy.cuda.Stream.null
-        from kernelgen.frameworks import cupy_stream
-
-        return cupy_stream(ptr)
+        return self.cupy.cuda.Stream.from_external(stream)  # ExternalStream warns since CuPy 14
 
     def kg_module(self, name: str) -> Any:
         """A kernelgen submodule (``kernelgen.render`` the attribute is a function, so import)."""
@@ -307,22 +305,11 @@ def compile_spec(env: Env, spec: Any) -> float:
     return time.perf_counter() - start
 
 
-@contextlib.contextmanager
-def poisoned_kernelgen_outputs(env: Env) -> Iterator[None]:
-    """Make kernelgen's CuPy allocations NaN-filled through its documented test hook,
-    ``kernelgen.frameworks.CupyArrays.empty`` (bench/versions.sh swaps templates only, so the
-    Python and its hook are always this tree's)."""
-    cupy, holder = env.cupy, env.kg_module("frameworks").CupyArrays
-    nan_fill = env.kg_module("tuning.gpu").nan_fill
-    original = holder.__dict__["empty"]
-    empty = holder.empty
-    holder.empty = staticmethod(
-        lambda shape, dtype, device: nan_fill(cupy, empty(shape, dtype, device))
-    )
-    try:
-        yield
-    finally:
-        holder.empty = original
+def poisoned_kernelgen_outputs(env: Env) -> contextlib.AbstractContextManager[None]:
+    """kernelgen's allocations (CuPy or torch: out, lse, scratch) NaN-filled through its test
+    hook, ``kernelgen.testing.poison.poisoned_outputs`` (bench/versions.sh swaps templates only,
+    so the Python and its hook are always this tree's)."""
+    return env.kg_module("testing.poison").poisoned_outputs()
 
 
 def poison_allocators(env: Env, nbytes: int) -> None:

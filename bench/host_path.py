@@ -1,13 +1,14 @@
-"""Host time of kernelgen.attention() itself, with CuPy replaced by a stand-in that allocates
-and launches nothing (bench/fake_cupy.py): what kernelgen's Python adds to a call, on any
-machine. Issue #4's target (a cached call adds under 15 us over launching the kernel directly)
-is measured on a GPU by ``bench.tuning``; this is the part of it that does not need one.
+"""Host time of kernelgen.attention() itself, with CuPy replaced by a stand-in that allocates and
+launches nothing (kernelgen/testing/fake_cupy.py): what kernelgen's Python adds to a call, on
+any machine. Issue #4's target (a cached call adds under 15 us over launching the kernel
+directly) is measured on a GPU by ``bench.tuning``; this is the part of it that does not need
+one.
 
     python -m bench.host_path [--calls 5000]
 
-Rows: a repeated call (the remembered plan: signature, outputs, argument lists) and the
-checked path every first call of a signature takes (checks, spec choice, launch preparation),
-for CuPy arrays and for torch tensors (bench/fake_torch.py: the stream lookup and allocations
+Rows: a repeated call (the remembered plan: signature, outputs, argument lists) and the checked
+path every first call of a signature takes (checks, spec choice, launch preparation), for CuPy
+arrays and for torch tensors (kernelgen/testing/fake_torch.py: the stream lookup and allocations
 are stand-ins too). The libraries' own costs (two or four allocations from their memory pools,
 torch's current-stream lookup, the launch) come on top.
 """
@@ -22,7 +23,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bench import fake_cupy, fake_torch, tuning
+from bench import tuning
+from kernelgen.testing import fake_cupy, fake_torch
 
 SHAPES = {  # (B, H, Hkv, Sq, Sk, D)
     "prefill b4 h16 4k d128": (4, 16, 16, 4096, 4096, 128),

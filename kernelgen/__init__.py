@@ -1,11 +1,10 @@
 """kernelgen: readable, specialized FlashAttention kernels from declarative tiling specs.
 
-spec (YAML, Pydantic) -> render (Jinja2) -> compile (NVRTC) -> launch (CuPy) -> attention().
+spec (YAML, Pydantic) -> render (Jinja2) -> compile (NVRTC) -> launch (CuPy) -> policy (default
+specs) -> tune -> attention().
 """
 
-__version__ = "0.1.0"
-
-from kernelgen.api import attention, default_spec
+from kernelgen.api import attention
 from kernelgen.errors import (
     CompileError,
     InputError,
@@ -15,9 +14,11 @@ from kernelgen.errors import (
     SpecError,
     ToolchainMissingError,
 )
+from kernelgen.policy import default_spec
 from kernelgen.render import render
 from kernelgen.spec import KernelSpec, load_spec
 from kernelgen.tuning import TuningMissError, autotune, warmup
+from kernelgen.version import __version__
 
 __all__ = [
     "CompileError",

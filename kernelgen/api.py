@@ -1,4 +1,4 @@
-"""``kernelgen.attention``: input checks, layout handling, default spec choice, launch.
+"""``kernelgen.attention``: input checks, layout handling, spec choice (policy or tuner), launch.
 
 Every check runs on metadata before anything is launched or allocated, so bad input raises a
 typed error naming the argument and leaves the GPU untouched.
@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
 from kernelgen.frameworks import (
     Arrays,
@@ -28,6 +27,7 @@ from kernelgen.frameworks import (
     launch_arg,
     module_of,
     pointer_of,
+    refuse_during_capture,
 )
 from kernelgen.launch import (
     MAX_SPLITS,
@@ -37,13 +37,8 @@ from kernelgen.launch import (
     import_cupy,
     runtime_kernel,
 )
-from kernelgen.spec import (
-    DTYPE_BYTES,
-    MAX_HEAD_DIM,
-    KernelSpec,
-    default_smem_layout,
-    normalize_dtype,
-)
+from kernelgen.policy import decode_rows, default_spec
+from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -247,116 +242,6 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
     return mask
 
 
-DECODE_MAX_ROWS = 64  # packed rows (seqlen_q x query heads per K/V head) of one decode tile
-DECODE_MAX_SEQLEN_Q = 16  # queries per sequence of a decode step, whatever the GQA ratio
-
-
-def decode_rows(seqlen_q: int, group: int) -> int | None:
-    """Packed rows (``seqlen_q`` x ``group`` query heads per K/V head) when a call is a decode
-    step, None otherwise: at most :data:`DECODE_MAX_ROWS` rows (one tile per K/V head), or any
-    number of rows with at most :data:`DECODE_MAX_SEQLEN_Q` queries (64-row tiles, each reading
-    the K/V head once, instead of one mostly idle tile per query head)."""
-    rows = seqlen_q * group
-    return rows if rows <= DECODE_MAX_ROWS or seqlen_q <= DECODE_MAX_SEQLEN_Q else None
-
-
-def default_block_n(head_dim: int) -> int:
-    """Key tile of the untuned tensor-core spec: 64 keys, 32 above head dim 128 (registers)."""
-    return 64 if head_dim <= 128 else 32
-
-
-# Where the untuned prefill spec gives each warp 32 query rows (block_m 128 with 4 warps), per
-# arch: (largest head dim, block_n) steps. It is the static model's best tiling
-# (kernelgen.perfmodel: it halves the K/V re-reads of 16-row warps; docs/performance-model.md),
-# measured fastest on an H100 (bench/NOTES.md), and free of spills in both dtypes, causal or
-# not, at every head dim of its range (the compile tier checks samples of each range). sm_80
-# spills with 64-key tiles, and with 32-key tiles from head dim 88.
-WIDE_TILES: dict[str, tuple[tuple[int, int], ...]] = {
-    "sm_90": ((64, 64), (128, 32)),
-    "sm_80": ((80, 32),),
-}
-
-
-def default_tiling(head_dim: int, archs: tuple[str, ...]) -> tuple[int, int]:
-    """(block_m, block_n) of the untuned 4-warp prefill tensor-core spec for ``archs``: 32 rows
-    per warp (:data:`WIDE_TILES`) where every arch allows it, else 16 rows per warp (64 x
-    :func:`default_block_n`)."""
-    steps = [
-        next((n for limit, n in WIDE_TILES.get(arch, ()) if head_dim <= limit), None)
-        for arch in archs
-    ]
-    if steps and None not in steps:
-        return 128, min(steps)
-    return 64, default_block_n(head_dim)
-
-
-def default_spec(
-    dtype: str,
-    head_dim: int,
-    causal: bool,
-    arch: str | None = None,
-    *,
-    tensor_cores: bool = True,
-    decode_rows: int | None = None,
-    split_kv: bool | None = None,
-) -> KernelSpec:
-    """A sensible spec for a shape until the autotuner chooses.
-
-    float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps, two stages,
-    swizzled where the head dim allows, tiles from :func:`default_tiling` (32 rows per warp on
-    sm_90 up to head dim 128 and sm_80 up to 80, else 16 rows and 64 keys, 32 above head dim
-    128). With
-    ``decode_rows`` (a decode step's packed rows, :func:`decode_rows`): the decode kernel
-    instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
-    rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode
-    shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that fit (decode
-    shapes: 16-row tiles and split-KV as well). ``dtype`` takes the short names too (bf16,
-    fp16, f16, half, fp32, f32, float); any other raises InputError naming the allowed ones.
-    """
-    dtype = normalize_dtype(dtype)
-    archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
-    decode = decode_rows is not None
-    split = decode if split_kv is None else bool(split_kv)
-    causal = bool(causal)
-    if tensor_cores and dtype in ("float16", "bfloat16"):
-        warps = 4
-        block_m, block_n = default_tiling(head_dim, archs)
-        if decode_rows is not None:
-            warps = next((w for w in (1, 2, 4) if 16 * w >= decode_rows), 4)
-            block_m, block_n = 16 * warps, default_block_n(head_dim)
-        return KernelSpec(
-            loop_order="v2",
-            dtype=dtype,
-            head_dim=head_dim,
-            block_m=block_m,
-            block_n=block_n,
-            num_warps=warps,
-            causal=causal,
-            mma="mma_sync",
-            smem_layout=default_smem_layout(head_dim),
-            pack_gqa=decode,
-            split_kv=split,
-            archs=archs,
-        )
-    block_m = 16 if decode else 64 if head_dim <= 128 else 32
-    for block_n in (32, 16):
-        try:
-            return KernelSpec(
-                loop_order="v2",
-                dtype=dtype,
-                head_dim=head_dim,
-                block_m=block_m,
-                block_n=block_n,
-                num_warps=4,
-                causal=causal,
-                split_kv=split,
-                archs=archs,
-            )
-        except ValueError:
-            continue
-    raise InputError(f"no default kernel fits head_dim={head_dim}, dtype={dtype} on {archs}")
-
-
 def attention(
     q: Any,
     k: Any,
@@ -396,9 +281,8 @@ def attention(
     arrays = arrays_of(q)
     device = _common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
     with arrays.scope(device):
-        # temporaries: the float32 mask copy and uploaded host lengths, which torch calls pass
-        # as raw pointers; held here until the kernels are queued, or their memory could be
-        # handed to out before the launch
+        # temporaries: what the kernels read that the call made (a converted mask, uploaded
+        # lengths), held until the launches are queued on the stream they were made on
         call_plan, tensors, temporaries = _checked_plan(
             call, bool(causal), seqlens_k, spec, num_splits, layout, arrays, device
         )
@@ -407,7 +291,7 @@ def attention(
                 _CALL_PLANS.clear()
             _CALL_PLANS[plan_key] = call_plan
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
-        del temporaries  # the launches are queued
+        del temporaries  # each library frees in stream order: safe once queued
     return (out, lse) if return_lse else out
 
 
@@ -436,10 +320,10 @@ def _checked_plan(
     arrays: Arrays,
     device: int,
 ) -> tuple[CallPlan, dict[str, Any], list[Any]]:
-    """The plan of a checked call (spec, split count, prepared launch), its kernel arguments
-    by parameter name and the temporaries those arguments point into (the float32 mask copy,
-    uploaded host lengths: the caller holds them until the kernels are queued); runs with the
-    call's device and stream current."""
+    """The plan of a checked call (spec, split count, prepared launch), its kernel arguments by
+    parameter name, and the temporaries they point into (the caller keeps them alive until
+    launched: torch arguments are raw pointers); runs with the call's device and stream
+    current."""
     batch = call.q.shape[0]
     seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
     misaligned = [
@@ -449,7 +333,7 @@ def _checked_plan(
     ]
     if spec is None:
         spec, tuned_splits = _untuned_or_tuned_launch(
-            call, causal, aligned=not misaligned, split=num_splits is not None
+            call, causal, aligned=not misaligned, split=num_splits is not None, library=arrays.name
         )
         num_splits = num_splits or tuned_splits
     elif spec.mma == "mma_sync" and misaligned:
@@ -457,7 +341,7 @@ def _checked_plan(
     check_fits_device(spec, device)
     kernel = runtime_kernel(spec)
     tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
-    temporaries: list[Any] = []
+    temporaries = []
     if seqlens is not None:
         tensors["seqlens_k"] = launch_arg(arrays, seqlens)
         temporaries.append(seqlens)
@@ -590,12 +474,13 @@ def device_arch() -> tuple[int, str]:
 
 
 def _untuned_or_tuned_launch(
-    call: CheckedCall, causal: bool, aligned: bool, split: bool
+    call: CheckedCall, causal: bool, aligned: bool, split: bool, library: str = "cupy"
 ) -> tuple[KernelSpec, int | None]:
     """The spec (and split count, None: heuristic) for a call without a spec: the autotuner's
     choice (memo, disk, or a fresh tuning; see docs/autotuning.md), or a heuristic default where
     tuning does not apply (inputs the tensor-core kernels cannot read, GPUs before sm_80) or
-    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec)."""
+    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec). Tuning
+    for a torch call (``library``) leaves no free blocks in CuPy's memory pool."""
     capability, arch = device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
@@ -611,6 +496,7 @@ def _untuned_or_tuned_launch(
         )
         return spec, None
     from kernelgen.tuning import ProblemDesc, select_launch
+    from kernelgen.tuning.autotune import gpu_tuner
 
     problem = ProblemDesc(
         call.dtype,
@@ -623,7 +509,8 @@ def _untuned_or_tuned_launch(
         causal=causal,
         mask=call.mask is not None,
     )
-    launch = select_launch(problem)
+    tuner = gpu_tuner(free_pool=True) if library == "torch" else None
+    launch = select_launch(problem, tuner=tuner)
     return launch.spec, launch.num_splits
 
 
@@ -649,7 +536,8 @@ def is_host_sequence(x: Any) -> bool:
 
 def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
     """seqlens_k as a contiguous int32 device array of shape (batch,) (host sequences are
-    checked and uploaded to the current device, on the current stream)."""
+    checked and uploaded to the current device, on the current stream; refused while that
+    stream captures a CUDA graph, which would replay the values of the capture)."""
     if is_host_sequence(seqlens_k):
         host = np.asarray(seqlens_k)
         if host.ndim != 1 or host.shape[0] != batch:
@@ -664,6 +552,7 @@ def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
             raise InputError(
                 f"seqlens_k holds {int(bad[0])}; allowed 0 to {max_keys} (the keys k and v hold)"
             )
+        refuse_during_capture("seqlens_k", seqlens_k, "an int32 device array of q's library")
         return import_cupy().asarray(host.astype(np.int32))
     info = describe(seqlens_k, "seqlens_k")
     if info.shape != (batch,):

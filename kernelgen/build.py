@@ -7,13 +7,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernelgen import __version__
 from kernelgen.arch import ARCHS
 from kernelgen.compile import Resources, compile_offline
 from kernelgen.errors import SpecError
 from kernelgen.fileio import atomic_write_text
 from kernelgen.render import render, template_hash
 from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.version import __version__
 
 MANIFEST = "manifest.json"
 

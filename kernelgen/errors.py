@@ -97,3 +97,9 @@ class HazardError(EmulatorLaunchError):
 
 class EmulatorTimeoutError(EmulatorLaunchError):
     """A block did not finish within the watchdog's time (a deadlock or an endless loop)."""
+
+
+class CaptureError(InputError):
+    """An argument that needs a host upload or a temporary outside the caller's library, given
+    while the call's stream is capturing a CUDA graph (the graph would keep a freed address or a
+    host value fixed at capture)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.errors import CaptureError
 from kernelgen.launch import import_cupy
 
 
@@ -30,9 +31,9 @@ def dtype_name(dtype: Any) -> str:
     return name.removeprefix("torch.")
 
 
-# CuPy exchanges bfloat16 through DLPack both ways (from_dlpack and __dlpack__) since 14.0, the
-# version the cuda extra requires; should an exporter still refuse, a same-size integer view
-# carries the bits without a copy.
+# CuPy exchanges bfloat16 through DLPack both ways since 14.0 (with ml_dtypes); older CuPy, and
+# producers without bfloat16 in their DLPack export, refuse it: a same-size integer view carries
+# the bits through any version without a copy.
 _DLPACK_REFUSALS = (NotImplementedError, TypeError, BufferError, ValueError)
 
 
@@ -83,8 +84,9 @@ class CupyArrays:
 
     @staticmethod
     def empty(shape: tuple[int, ...], dtype: Any, device: int) -> Any:
-        """Uninitialised memory on the current device (the caller's ``scope``). Also the hook
-        through which the GPU tests and the benchmark NaN-poison kernelgen's CuPy outputs."""
+        """Uninitialised memory on the current device (the caller's ``scope``). With
+        ``TorchArrays.empty``, the hook through which checks NaN-poison kernelgen's allocations
+        (:func:`kernelgen.testing.poison.poisoned_outputs`)."""
         return import_cupy().empty(shape, dtype=dtype)
 
     @staticmethod
@@ -142,21 +144,12 @@ class _TorchScope:
 
     def __init__(self, device: int) -> None:
         stream = _torch().cuda.current_stream(device).cuda_stream
-        self.device = device
-        self.contexts = (import_cupy().cuda.Device(device), _external_stream(stream, device))
+        self.contexts = (import_cupy().cuda.Device(device), cupy_stream(stream, device))
 
     def __enter__(self) -> None:
         device, stream = self.contexts
         device.__enter__()
         try:
-            # Stream.from_external streams have no device (-1): the check ExternalStream(ptr,
-            # device) made on use, done here
-            current = import_cupy().cuda.runtime.getDevice()
-            if current != self.device:
-                raise RuntimeError(
-                    f"torch's stream {stream.ptr:#x} is on device {self.device}, but the current "
-                    f"device is {current}"
-                )
             stream.__enter__()
         except BaseException:
             device.__exit__(None, None, None)
@@ -192,32 +185,40 @@ def _torch_device(index: int) -> Any:
     return device
 
 
-class StreamPointer:
-    """A raw ``cudaStream_t`` through the CUDA stream protocol (``__cuda_stream__``: version 0
-    and the pointer), the argument of CuPy's ``Stream.from_external``."""
+class _StreamPointer:
+    """A raw stream pointer as the CUDA stream protocol's ``__cuda_stream__``."""
 
     def __init__(self, ptr: int) -> None:
-        self.ptr = int(ptr)
+        self.ptr = ptr
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return (0, self.ptr)
 
 
-def cupy_stream(ptr: int) -> Any:
-    """CuPy's handle of the external stream ``ptr``: ``Stream.from_external`` (CuPy 14 deprecates
-    ``ExternalStream``). It has no device: users check the current device themselves."""
-    return import_cupy().cuda.Stream.from_external(StreamPointer(ptr))
+def cupy_stream(ptr: int, device: int) -> Any:
+    """CuPy's handle of the stream ``ptr`` of ``device`` (kept: torch streams are few).
 
-
-def _external_stream(ptr: int, device: int) -> Any:
-    """CuPy's handle of the stream ``ptr`` of ``device`` (kept: torch streams are few)."""
+    ``Stream.from_external`` (ExternalStream warns since CuPy 14) leaves the device unknown
+    (14.2) or takes the current one; the handle is given ``device``, so that entering it on
+    another device raises as ``ExternalStream(ptr, device)`` did."""
     stream = _EXTERNAL_STREAMS.get((ptr, device))
     if stream is None:
         if len(_EXTERNAL_STREAMS) >= MAX_EXTERNAL_STREAMS:
             _EXTERNAL_STREAMS.clear()
-        stream = cupy_stream(ptr)
+        stream = import_cupy().cuda.Stream.from_external(_StreamPointer(ptr))
+        stream.device_id = device
         _EXTERNAL_STREAMS[(ptr, device)] = stream
     return stream
+
+
+def refuse_during_capture(name: str, value: Any, allowed: str) -> None:
+    """Raise a CaptureError naming argument ``name`` when the current CuPy stream (the call's:
+    it runs in its library's ``scope``) is capturing a CUDA graph."""
+    if import_cupy().cuda.get_current_stream().is_capturing():
+        raise CaptureError(
+            f"{name} is {type(value).__name__} while the call's stream captures a CUDA graph, "
+            f"which needs an upload or a temporary the graph cannot keep; pass {allowed}"
+        )
 
 
 def arrays_of(q: Any) -> Arrays:
@@ -261,6 +262,7 @@ def float32_broadcast(mask: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[int
     cupy = import_cupy()
     mask = as_cupy(mask)
     if mask.dtype != cupy.float32:
+        refuse_during_capture("mask", mask, "a float32 mask, or a mask of q's library")
         mask = mask.astype(cupy.float32)
     mask = cupy.broadcast_to(mask, shape)
     return mask, tuple(s // 4 for s in mask.strides)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import jinja2
 
-from kernelgen import __version__
 from kernelgen.errors import SettingError
 from kernelgen.spec import KernelSpec
+from kernelgen.version import __version__
 
 # Render from another copy of templates/ (e.g. an older commit's, to time two versions of a
 # kernel on one machine). Read once per process; the folder's hash keys every cache as usual.

@@ -71,13 +71,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
-    """CuPy and torch replaced by bench's host-only fakes (host memory behind every array with
-    ``backed``), every runtime kernel calling ``launch(symbol, grid, block, args, shared_mem)``
-    instead of a GPU, the heuristic specs (no tuning), no remembered call plans or kernels.
-    Fixtures that use it call ``clear_kernel_cache()`` when they end."""
-    from bench import fake_cupy, fake_torch
+    """CuPy and torch replaced by kernelgen.testing's host-only fakes (host memory behind every
+    array with ``backed``), every runtime kernel calling ``launch(symbol, grid, block, args,
+    shared_mem)`` instead of a GPU, the heuristic specs (no tuning), no remembered call
+    plans or kernels. Fixtures that use it call ``clear_kernel_cache()`` when they end."""
     from kernelgen import api
     from kernelgen.launch import RuntimeKernel, clear_kernel_cache
+    from kernelgen.testing import fake_cupy, fake_torch
 
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module(backed=backed))
     monkeypatch.setitem(sys.modules, "torch", fake_torch.module(backed=backed))

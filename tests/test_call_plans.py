@@ -1,6 +1,6 @@
 """CPU tier: a repeated attention() call takes its remembered plan, and only when nothing that
-decides the launches has changed. CuPy is replaced by bench/fake_cupy (no GPU, nothing runs);
-the launches are recorded."""
+decides the launches has changed. CuPy is replaced by kernelgen/testing/fake_cupy (no GPU,
+nothing runs); the launches are recorded."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from conftest import install_fake_libraries
 
 import kernelgen
-from bench import fake_cupy
 from kernelgen import api, launch
 from kernelgen.launch import clear_kernel_cache
+from kernelgen.testing import fake_cupy
 from kernelgen.tuning import clear_memo
 
 

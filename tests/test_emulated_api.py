@@ -1,13 +1,14 @@
 """Emulation tier, end to end: ``kernelgen.attention()`` itself (checks, spec choice, plan, the
 library's scope and allocations, launch arguments: raw pointers for torch, arrays for CuPy)
 runs the generated kernels in the CPU emulator, on CuPy arrays and torch tensors faked over
-host memory (bench/fake_cupy, bench/fake_torch with ``backed=True``), against float64."""
+host memory (kernelgen/testing/fake_cupy, fake_torch with ``backed=True``), against float64."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 from attention_cases import (
@@ -16,14 +17,16 @@ from attention_cases import (
     bf16_bits_to_float,
     float_to_bf16_bits,
     make_case,
+    round_to,
 )
 from conftest import install_fake_libraries, launched_kernel, require_toolchain
 
 import kernelgen
-from bench import fake_cupy, fake_torch
 from kernelgen.emulator.launches import spec_kernel
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.reference import naive_attention
+from kernelgen.testing import fake_cupy, fake_torch
+from kernelgen.testing.poison import poisoned_outputs
 
 pytestmark = pytest.mark.emulate
 
@@ -158,29 +161,36 @@ def test_mqa_decode_step_past_one_tile_packs_every_query_head(symbols):
     assert_matches(host_float(out), host_float(lse), reference(data, *want), "float16")
 
 
-@pytest.mark.parametrize("framework", ["torch", "cupy"])
-def test_bfloat16_with_a_bfloat16_mask_matches_float64(symbols, framework):
-    """bfloat16 q, k, v and mask through either fake: outputs allocated (and poisoned) as
-    bfloat16, the mask converted to float32 by value by the mask's library."""
-    case = Case(1, 2, 1, 16, 40, mask="broadcast")
-    data = make_case(case, "bfloat16", 64, True, seed=5)
-    rounded_mask = bf16_bits_to_float(float_to_bf16_bits(data.mask)).astype(np.float64)
-    if framework == "torch":
-        q, k, v, mask = (
-            fake_torch.from_numpy(float_to_bf16_bits(getattr(data, n)))
-            for n in ("q", "k", "v", "mask")
-        )
-        assert q.dtype is mask.dtype is fake_torch.bfloat16
-    else:
-        ml_dtypes = pytest.importorskip("ml_dtypes")  # what gives CuPy its bfloat16
-        q, k, v, mask = (
-            fake_cupy.from_host(getattr(data, n).astype(ml_dtypes.bfloat16))
-            for n in ("q", "k", "v", "mask")
-        )
-    out, lse = kernelgen.attention(q, k, v, causal=True, mask=mask, return_lse=True)
-    if framework == "torch":
-        assert out.dtype is fake_torch.bfloat16
-    else:
-        assert out.dtype == q.dtype
-    want = naive_attention(data.q, data.k, data.v, causal=True, mask=rounded_mask)
-    assert_matches(host_float(out), host_float(lse), reference(data, *want), "bfloat16")
+def device_values(x: np.ndarray, dtype: str, library: str) -> np.ndarray:
+    """float32 values as ``dtype`` elements in ``library``'s host representation (fake torch
+    keeps bfloat16 as its uint16 bits, CuPy as ml_dtypes' type)."""
+    if dtype == "bfloat16":
+        bits = float_to_bf16_bits(x)
+        return bits if library == "torch" else bits.view(ml_dtypes.bfloat16)
+    return x.astype(dtype)
+
+
+def as_float64(array) -> np.ndarray:
+    """A fake array's or tensor's values (bfloat16 bits widened)."""
+    host = array.host
+    if isinstance(array, fake_torch.Tensor) and array.dtype is fake_torch.bfloat16:
+        host = bf16_bits_to_float(host)
+    return np.asarray(host, dtype=np.float64)
+
+
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_dtype_through_both_libraries(symbols, dtype, library):
+    """GQA, causal, a (1, H, Sq, Sk) mask of q's dtype in q's library (converted to float32 by
+    that library), outputs poisoned through the test hook."""
+    data = make_case(Case(1, 4, 2, 24, 40, mask="broadcast"), dtype, 64, True, seed=5)
+    wrap = fake_torch.from_numpy if library == "torch" else fake_cupy.from_host
+    q, k, v, mask = (
+        wrap(device_values(getattr(data, name), dtype, library)) for name in ("q", "k", "v", "mask")
+    )
+    with poisoned_outputs():
+        out, lse = kernelgen.attention(q, k, v, causal=True, mask=mask, return_lse=True)
+    rounded = round_to(data.mask, dtype).astype(np.float64)  # the mask the kernels see
+    want = naive_attention(data.q, data.k, data.v, causal=True, mask=rounded)
+    assert_matches(as_float64(out), as_float64(lse), reference(data, *want), dtype)
+    assert [s.endswith("_combine") for s in symbols] == [False, True]  # 48 packed rows: decode

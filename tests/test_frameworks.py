@@ -1,28 +1,26 @@
 """CPU tier: where a call runs. Torch calls launch on torch's current stream of q's device with
 torch-allocated outputs and raw pointers; every call runs with its inputs' device current; inputs
-on different devices are refused. CuPy and torch are the fakes of bench/ (nothing runs on a GPU);
-launches are recorded with the device and stream current at launch time."""
+on different devices are refused. CuPy and torch are the fakes of kernelgen/testing/ (nothing
+runs on a GPU); launches are recorded with the device and stream current at launch time."""
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
 from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
-from bench import fake_cupy, fake_torch
 from kernelgen import api
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.render import kernel_params
+from kernelgen.testing import fake_cupy, fake_torch
 
 
 @pytest.fixture
 def recorded(monkeypatch, tuning_sandbox):
-    """Launches as dicts (symbol, device, stream, args, and the live fake torch and CuPy
-    allocations by pointer at launch time); fake CuPy and torch; no tuning."""
+    """Launches as dicts (symbol, device, stream, args); fake CuPy and torch; no tuning."""
     launches: list[dict] = []
 
     def launch(symbol, grid, block, args, shared_mem):
@@ -32,8 +30,6 @@ def recorded(monkeypatch, tuning_sandbox):
                 "device": fake_cupy.CURRENT["device"],
                 "stream": fake_cupy.CURRENT["stream"],
                 "args": args,
-                "torch_live": dict(fake_torch.ALLOCATED),
-                "cupy_live": dict(fake_cupy.ALLOCATED),
             }
         )
 
@@ -72,29 +68,6 @@ def test_a_torch_call_launches_on_torchs_stream_with_torch_outputs(recorded):
     assert fake_cupy.CURRENT == {"device": 0, "stream": 0}
 
 
-def test_a_torch_call_uses_no_deprecated_cupy_stream_api(recorded):
-    """CuPy 14 deprecates ExternalStream (the fake warns as it does): Stream.from_external."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.warns(DeprecationWarning, match="Stream.from_external"):
-            fake_cupy.ExternalStream(1)
-        fake_torch.STREAMS[0] = 0xABC
-        kernelgen.attention(*torch_qkv(), causal=True)
-    assert recorded[0]["stream"] == 0xABC
-
-
-def test_a_torch_stream_is_used_only_on_its_device(recorded):
-    """The device check ExternalStream(ptr, device) made: torch's stream of device 1 is not
-    entered while device 0 is current."""
-    from kernelgen import frameworks
-
-    scope = frameworks.TorchArrays.scope(1)
-    scope.contexts = (fake_cupy._Device(0), scope.contexts[1])  # a scope gone wrong
-    with pytest.raises(RuntimeError, match="on device 1, but the current device is 0"):
-        scope.__enter__()
-    assert fake_cupy.CURRENT == {"device": 0, "stream": 0}
-
-
 def test_a_repeated_torch_call_takes_its_plan_on_the_current_stream(recorded, monkeypatch):
     checks = []
     real_check = api.check_inputs
@@ -113,15 +86,16 @@ def test_a_repeated_torch_call_takes_its_plan_on_the_current_stream(recorded, mo
 
 def test_split_kv_partials_of_a_torch_call_share_one_torch_allocation(recorded):
     q, k, v = torch_qkv(seqlen_q=1, seqlen_k=4096)
-    allocated_before = set(fake_torch.ALLOCATED)
+    logged = len(fake_torch.LOG)
     out = kernelgen.attention(q, k, v, num_splits=8)
     assert [launch["symbol"].endswith("_combine") for launch in recorded] == [False, True]
     main, combine = (args_by_name(launch) for launch in recorded)
-    live = recorded[1]["torch_live"]
-    new = [t for p, t in live.items() if p not in allocated_before]
-    scratch, *rest = [t for t in new if t.dtype is fake_torch.float32]
-    assert rest == [] and [t for t in new if t.dtype is not fake_torch.float32] == [out]
-    start = scratch.data_ptr()
+    new = fake_torch.LOG[logged:]
+    scratch, *rest = [a for a in new if a.dtype is fake_torch.float32]
+    assert rest == [] and [a.ptr for a in new if a.dtype is not fake_torch.float32] == [
+        out.data_ptr()
+    ]
+    start = scratch.ptr
     end = start + 4 * math.prod(scratch.shape)
     places = []
     for name in ("o_partial", "lse_partial"):
@@ -140,25 +114,10 @@ def test_a_broadcast_torch_mask_is_converted_by_torch(recorded):
     mask = fake_torch.Tensor((1, 1, 100, 120), fake_torch.float16)
     kernelgen.attention(q, k, v, mask=mask)
     args = args_by_name(recorded[0])
-    converted = recorded[0]["torch_live"][int(args["mask"])]
-    assert converted is not mask and converted.dtype is fake_torch.float32
+    converted = next(a for a in fake_torch.LOG if a.ptr == int(args["mask"]))
+    assert converted.ptr != mask.data_ptr() and converted.dtype is fake_torch.float32
     strides = [int(args[f"mask_stride_{d}"]) for d in ("b", "h", "q", "k")]
     assert strides == [0, 0, 120, 1]
-
-
-def test_temporaries_of_a_torch_call_live_until_its_kernels_are_queued(recorded):
-    """The float32 copy of a float16 mask and the upload of host lengths go to the kernels as
-    raw pointers: they stay allocated until the launch, and no output takes their memory (the
-    fake allocators, like torch's and CuPy's, hand a freed block to the next allocation)."""
-    q, k, v = torch_qkv()
-    mask = fake_torch.Tensor((1, 1, 100, 120), fake_torch.float16)
-    out, lse = kernelgen.attention(q, k, v, mask=mask, seqlens_k=[120, 7], return_lse=True)
-    (launch,) = recorded
-    args = args_by_name(launch)
-    converted = launch["torch_live"].get(int(args["mask"]))
-    assert converted is not None and converted.dtype is fake_torch.float32
-    assert int(args["mask"]) not in (out.data_ptr(), lse.data_ptr())
-    assert int(args["seqlens_k"]) in launch["cupy_live"]
 
 
 def test_host_lengths_of_a_torch_call_upload_on_torchs_stream(recorded):

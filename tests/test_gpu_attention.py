@@ -30,16 +30,12 @@ CASES = [
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    import cupy
+def poisoned_outputs():
+    """Every output and scratch buffer of kernelgen, CuPy or torch, starts as NaN."""
+    from kernelgen.testing.poison import poisoned_outputs
 
-    from kernelgen.frameworks import CupyArrays
-    from kernelgen.tuning.gpu import nan_fill
-
-    def nan_filled(shape, dtype, device):
-        return nan_fill(cupy, cupy.empty(shape, dtype=dtype))
-
-    monkeypatch.setattr(CupyArrays, "empty", staticmethod(nan_filled))
+    with poisoned_outputs():
+        yield
 
 
 def device_array(x: np.ndarray, dtype: str, layout: str):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from bench import fake_cupy
 from kernelgen.launch import (
     Problem,
     RuntimeKernel,
@@ -15,6 +14,7 @@ from kernelgen.launch import (
 )
 from kernelgen.occupancy import blocks_per_sm
 from kernelgen.spec import KernelSpec
+from kernelgen.testing import fake_cupy
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,7 @@ def test_model_report_of_a_spec_is_complete_and_json_ready():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_default_tiling_is_the_model_best_of_the_four_warp_tilings_it_may_use(arch):
-    from kernelgen.api import default_spec
+    from kernelgen.policy import default_spec
 
     for head_dim in (64, 80, 128):
         chosen = default_spec("bfloat16", head_dim, False, arch)
@@ -148,8 +148,8 @@ def test_default_tiling_is_the_model_best_of_the_four_warp_tilings_it_may_use(ar
 def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(arch):
     """Samples of each WIDE_TILES range (its ends and an odd head dim), both dtypes, causal or
     not: the untuned default must never be a spilling kernel."""
-    from kernelgen.api import WIDE_TILES, default_spec
     from kernelgen.build import static_problems
+    from kernelgen.policy import WIDE_TILES, default_spec
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     limits = [limit for limit, _ in WIDE_TILES[arch]]

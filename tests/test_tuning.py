@@ -17,8 +17,8 @@ from test_tuning_fakes import (
     stable_ms,
 )
 
-from kernelgen.api import default_spec
 from kernelgen.errors import KernelgenError
+from kernelgen.policy import default_spec
 from kernelgen.tuning import (
     DeviceInfo,
     ProblemDesc,

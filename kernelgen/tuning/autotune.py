@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from kernelgen.errors import KernelgenError, SpecError
+from kernelgen.policy import default_spec
 from kernelgen.spec import KernelSpec, spec_from_dict
 from kernelgen.tuning.candidates import CompileFn, TunedLaunch, decode_rows, prune
 from kernelgen.tuning.db import TuningDB, TuningRecord
@@ -61,10 +62,8 @@ def autotune_mode(mode: str | None = None) -> Mode:
 
 
 def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
-    """The spec attention() uses without tuning (kernelgen.api.default_spec; the split-KV
+    """The spec attention() uses without tuning (kernelgen.policy.default_spec; the split-KV
     decode kernel for decode problems)."""
-    from kernelgen.api import default_spec
-
     return default_spec(
         problem.dtype,
         problem.head_dim,
@@ -119,15 +118,25 @@ def tune_problem(
 
 
 def gpu_tuner(
-    compile_fn: CompileFn | None = None, settings: MeasureSettings | None = None
+    compile_fn: CompileFn | None = None,
+    settings: MeasureSettings | None = None,
+    *,
+    free_pool: bool = False,
 ) -> Tuner:
-    """A tuner that times on the current GPU through CuPy."""
+    """A tuner that times on the current GPU through CuPy. ``free_pool``: afterwards, give the
+    blocks its input sets leave in CuPy's memory pool back to the device (for callers of
+    another library, torch, which cannot use them)."""
 
     def tuner(problem: ProblemDesc, key: TuningKey) -> TuningRecord:
-        from kernelgen.tuning.gpu import CupyBench
+        from kernelgen.tuning.gpu import CupyBench, free_memory_pool
 
         bench = CupyBench(problem, key.device)
-        return tune_problem(problem, key, bench, compile_fn=compile_fn, settings=settings)
+        try:
+            return tune_problem(problem, key, bench, compile_fn=compile_fn, settings=settings)
+        finally:
+            if free_pool:
+                del bench  # its input sets, now free blocks of the pool
+                free_memory_pool()
 
     return tuner
 

@@ -1,7 +1,7 @@
 """Candidate specs for a problem, and the static pruning that runs before any GPU time.
 
 A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. Decode
-problems (:func:`kernelgen.api.decode_rows`: at most 16 queries, or at most 64 packed rows)
+problems (:func:`kernelgen.policy.decode_rows`: at most 16 queries, or at most 64 packed rows)
 get the split-KV decode grid instead of the prefill grid, each spec with a few split counts
 around the launch heuristic.
 
@@ -30,6 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from kernelgen import policy
 from kernelgen.build import static_problems
 from kernelgen.compile import Resources
 from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
@@ -120,10 +121,8 @@ def tc_fields(
 
 def decode_rows(problem: ProblemDesc) -> int | None:
     """Packed rows of a decode problem (``seqlen_q`` x GQA ratio), None for other problems
-    (:func:`kernelgen.api.decode_rows`)."""
-    from kernelgen import api
-
-    return api.decode_rows(problem.seqlen_q, problem.gqa_ratio)
+    (:func:`kernelgen.policy.decode_rows`)."""
+    return policy.decode_rows(problem.seqlen_q, problem.gqa_ratio)
 
 
 def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
@@ -157,10 +156,8 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     if decode_rows(problem) is not None:
         yield from decode_fields(problem)
         if problem.dtype != "float32":
-            from kernelgen.api import default_block_n
-
             head_dim = problem.head_dim
-            yield tc_fields(4, default_block_n(head_dim), 2, default_smem_layout(head_dim))
+            yield tc_fields(4, policy.default_block_n(head_dim), 2, default_smem_layout(head_dim))
         yield SIMT_FALLBACKS[0]
         return
     if problem.dtype in ("float16", "bfloat16"):
@@ -377,9 +374,9 @@ def _nvrtc_version() -> str:
 def _memo_path(spec: KernelSpec, arch: str) -> Path:
     """``<cache dir>/resources/<uri>-<arch>-<digest>.json``: the digest covers the spec, the
     arch, the template hash, kernelgen's version and NVRTC's. The cubin sits beside it."""
-    from kernelgen import __version__
     from kernelgen.render import template_hash
     from kernelgen.tuning.db import cache_dir
+    from kernelgen.version import __version__
 
     identity = [spec.canonical_json(), arch, template_hash(), __version__, _nvrtc_version()]
     return cache_dir() / "resources" / f"{spec.uri}-{arch}-{canonical_digest(identity)[:16]}.json"

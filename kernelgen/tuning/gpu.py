@@ -50,6 +50,14 @@ def require_device() -> Any:
     return cupy
 
 
+def free_memory_pool() -> None:
+    """Give the free blocks of CuPy's default memory pool back to the device (blocks of live
+    arrays stay; CuPy frees a block only once its array is gone, in stream order)."""
+    from kernelgen.launch import import_cupy
+
+    import_cupy().get_default_memory_pool().free_all_blocks()
+
+
 @cache
 def _device(index: int) -> DeviceInfo:
     cupy = require_device()

@@ -171,8 +171,8 @@ class SoftwareInfo:
 @cache
 def local_software(nvrtc: str | None, cuda_runtime: str | None, cupy: str | None) -> SoftwareInfo:
     """kernelgen's own version and template hash plus the given toolchain versions."""
-    from kernelgen import __version__
     from kernelgen.render import template_hash
+    from kernelgen.version import __version__
 
     return SoftwareInfo(__version__, template_hash(), nvrtc, cuda_runtime, cupy)
 

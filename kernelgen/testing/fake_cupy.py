@@ -1,9 +1,12 @@
 """A host-only stand-in for the slice of CuPy that ``kernelgen.attention`` touches.
 
 Arrays carry a shape, byte strides, a dtype, a made-up device pointer and the device they were
-made on; ``empty`` allocates nothing; every "device" is an sm_90 with 132 SMs. The current
-device and stream (``Device`` and ``Stream.from_external`` contexts) are kept in :data:`CURRENT` so
-that tests can see where a launch went. ``module(backed=True)`` backs arrays with host memory
+made on; ``empty`` allocates nothing but is counted by the default memory pool
+(``get_default_memory_pool()``: bytes in use, freed blocks kept until ``free_all_blocks``); every
+"device" is an sm_90 with 132 SMs. The current device and stream (``Device`` and stream
+contexts: ``Stream.from_external``, and the deprecated ``ExternalStream``, which warns as CuPy 14
+does) are kept in :data:`CURRENT` so that tests can see where a launch went; streams that
+capture a CUDA graph are in :data:`CAPTURING`. ``module(backed=True)`` backs arrays with host memory
 (``ndarray.host``; :data:`HOST` maps each pointer to it), so that the CPU emulator can run the
 kernels that kernelgen launches. Kernel functions are whatever the caller puts
 into ``RuntimeKernel.functions`` (see :func:`install`). It exists to measure and test the host
@@ -26,11 +29,37 @@ import numpy as np
 _POINTERS = itertools.count(1 << 20, 1 << 12)  # 4 KiB apart: 16-byte aligned
 CURRENT = {"device": 0, "stream": 0}  # the current device index and stream pointer
 HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed arrays
-# live arrays by pointer (held weakly); freed pointers go to FREE and the next allocation takes
-# the last one at once, as CuPy's memory pool does on one stream
-ALLOCATED: weakref.WeakValueDictionary[int, ndarray] = weakref.WeakValueDictionary()
-FREE: list[int] = []
 BACKED = {"on": False}  # whether empty() and asarray() allocate host memory
+CAPTURING: set[int] = set()  # stream pointers capturing a CUDA graph (shared with fake_torch)
+
+
+class MemoryPool:
+    """CuPy's default memory pool as far as its accounting goes: an array's bytes are in use
+    while it lives, then cached as a free block until ``free_all_blocks``."""
+
+    def __init__(self) -> None:
+        self.used, self.free = 0, 0
+
+    def allocated(self, array: ndarray, nbytes: int) -> ndarray:
+        self.used += nbytes
+        weakref.finalize(array, self._freed, nbytes)
+        return array
+
+    def _freed(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self.free += nbytes
+
+    def used_bytes(self) -> int:
+        return self.used
+
+    def total_bytes(self) -> int:
+        return self.used + self.free
+
+    def free_all_blocks(self, stream: object = None) -> None:
+        self.free = 0
+
+
+POOL = MemoryPool()
 
 
 class _Memory:
@@ -62,27 +91,46 @@ class ndarray:  # noqa: N801 (CuPy's spelling)
                 strides.insert(0, running)
                 running *= size
         self.strides = tuple(strides)
-        self._owns = host is None and offset == 0  # an allocation of its own (freed on death)
         if host is None:
-            self.data = _Memory((FREE.pop() if FREE and self._owns else next(_POINTERS)) + offset)
-            ALLOCATED[self.data.ptr] = self
+            self.data = _Memory(next(_POINTERS) + offset)
         else:
             self.data = _Memory(host.__array_interface__["data"][0])
             HOST.setdefault(self.data.ptr, host)
         self._device_index = CURRENT["device"] if device is None else device
 
-    def __del__(self) -> None:
-        if self.__dict__.get("_owns"):
-            FREE.append(self.data.ptr)
-
     @property
     def device(self) -> _Device:
         return _Device(self._device_index)
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
     def astype(self, dtype: Any) -> ndarray:
         if self.host is not None:
             return ndarray((), dtype, host=self.host.astype(dtype))
-        return ndarray(self.shape, dtype)
+        return _pooled(ndarray(self.shape, dtype))
+
+    def view(self, dtype: Any) -> ndarray:
+        """The same memory as ``dtype`` elements (same itemsize only)."""
+        if self.host is not None:
+            return from_host(self.host.view(dtype), self._device_index)
+        view = ndarray(self.shape, dtype, self.strides, device=self._device_index)
+        view.data = self.data
+        return view
+
+    def fill(self, value: Any) -> None:
+        FILLED.add(self.data.ptr)
+        if self.host is not None:
+            self.host.fill(value)
+
+
+FILLED: set[int] = set()  # pointers of arrays that fill() wrote (e.g. a NaN poison)
+
+
+def _pooled(array: ndarray) -> ndarray:
+    """``array``, its bytes counted by the default memory pool while it lives."""
+    return POOL.allocated(array, array.nbytes)
 
 
 def from_host(host: np.ndarray, device: int | None = None) -> ndarray:
@@ -91,11 +139,14 @@ def from_host(host: np.ndarray, device: int | None = None) -> ndarray:
 
 
 def poisoned_host(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Host memory for a backed allocation: every byte 0xFF until written (NaN for fp32, fp16
-    and bfloat16, whether ml_dtypes' or uint16 bits; -1 or the maximum for integers). Filling
-    bytes, not values: ``np.full(shape, -1, uint16)`` raises OverflowError under NumPy 2."""
-    host = np.empty(shape, np.dtype(dtype))
-    host.reshape(-1).view(np.uint8)[:] = 0xFF
+    """Host memory for a backed allocation until written: NaN for floating types, every bit set
+    otherwise (-1 for signed integers; a NaN for bfloat16, as ml_dtypes' type or as the uint16
+    bits fake_torch keeps)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return np.full(shape, np.nan, dtype)
+    host = np.empty(shape, dtype)
+    host.reshape(-1).view(np.uint8).fill(0xFF)
     return host
 
 
@@ -107,8 +158,8 @@ def broadcast_to(array: ndarray, shape: tuple[int, ...]) -> ndarray:
 
 def asarray(host: Any) -> ndarray:
     if BACKED["on"]:
-        return from_host(np.array(host))
-    return ndarray(np.shape(host), np.asarray(host).dtype)
+        return _pooled(from_host(np.array(host)))
+    return _pooled(ndarray(np.shape(host), np.asarray(host).dtype))
 
 
 ndarray.__module__ = "cupy"  # kernelgen.api.describe recognises CuPy arrays by module
@@ -117,8 +168,8 @@ ndarray.__module__ = "cupy"  # kernelgen.api.describe recognises CuPy arrays by 
 def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
     shape = shape if isinstance(shape, tuple) else (shape,)
     if BACKED["on"]:
-        return from_host(poisoned_host(shape, dtype))
-    return ndarray(shape, dtype)
+        return _pooled(from_host(poisoned_host(shape, dtype)))
+    return _pooled(ndarray(shape, dtype))
 
 
 class _MakesCurrent:
@@ -148,10 +199,12 @@ class _Device(_MakesCurrent):
 
 
 class Stream(_MakesCurrent):
-    """``cupy.cuda.Stream`` of an external stream (``Stream.from_external``): a context that
-    makes the stream ``ptr`` current; no device (-1), as CuPy 14's."""
+    """``cupy.cuda.Stream`` as far as kernelgen uses it: ``from_external`` (CuPy 14.2: the
+    device is unknown, -1, unless set), a context that makes the stream current after CuPy's
+    device check, and ``is_capturing``."""
 
     slot = "stream"
+    null: Stream
 
     def __init__(self, ptr: int = 0, device_id: int = -1) -> None:
         self.ptr = self.current = ptr
@@ -159,19 +212,38 @@ class Stream(_MakesCurrent):
 
     @classmethod
     def from_external(cls, obj: Any) -> Stream:
-        """A stream from an object of the CUDA stream protocol (``__cuda_stream__``)."""
-        protocol = getattr(obj, "__cuda_stream__", None)
-        if protocol is None:
-            raise TypeError(f"{type(obj).__name__} does not implement __cuda_stream__")
-        _version, ptr = protocol()
-        return cls(ptr)
+        """A stream from an object with ``__cuda_stream__() -> (0, pointer)``."""
+        try:
+            version, ptr = obj.__cuda_stream__()
+        except AttributeError:
+            raise TypeError(
+                f"Object of type {type(obj).__name__} does not implement the CUDA stream "
+                "protocol (__cuda_stream__ method)"
+            ) from None
+        if version != 0:
+            raise TypeError(f"__cuda_stream__() returned unsupported version {version}")
+        stream = cls(ptr)
+        stream._foreign_stream_ref = obj
+        return stream
+
+    def __enter__(self) -> Stream:
+        if self.device_id not in (-1, CURRENT["device"]):  # CuPy's check_stream_device_match
+            raise RuntimeError(
+                f"The device that the stream is created on ({self.device_id}) does not match "
+                f"with the current device ({CURRENT['device']})"
+            )
+        super().__enter__()
+        return self
+
+    def is_capturing(self) -> bool:
+        return self.ptr in CAPTURING
 
 
-Stream.null = Stream(0)  # type: ignore[attr-defined]
+Stream.null = Stream(0)
 
 
 class ExternalStream(Stream):
-    """``cupy.cuda.ExternalStream``: deprecated since CuPy 14, warns as it does."""
+    """``cupy.cuda.ExternalStream``: deprecated since CuPy 14.0, and warns so."""
 
     def __init__(self, ptr: int, device_id: int = -1) -> None:
         warnings.warn(
@@ -181,6 +253,10 @@ class ExternalStream(Stream):
             stacklevel=2,
         )
         super().__init__(ptr, device_id)
+
+
+def get_current_stream() -> Stream:
+    return Stream(CURRENT["stream"])
 
 
 class CUDARuntimeError(RuntimeError):
@@ -202,8 +278,9 @@ def module(backed: bool = False) -> types.ModuleType:
     behind every array with ``backed``)."""
     CURRENT.update(device=0, stream=0)
     HOST.clear()
-    ALLOCATED.clear()
-    FREE.clear()
+    CAPTURING.clear()
+    FILLED.clear()
+    POOL.__init__()
     BACKED["on"] = backed
     cupy = types.ModuleType("cupy")
     cupy.__version__ = "0.0.0-fake"
@@ -211,6 +288,8 @@ def module(backed: bool = False) -> types.ModuleType:
     cupy.empty = empty
     cupy.asarray = asarray
     cupy.float32 = np.float32
+    cupy.uint16, cupy.uint32 = np.uint16, np.uint32
+    cupy.get_default_memory_pool = lambda: POOL
     cupy.broadcast_to = broadcast_to
     runtime = types.SimpleNamespace(
         getDeviceCount=lambda: 1,
@@ -224,6 +303,7 @@ def module(backed: bool = False) -> types.ModuleType:
         Device=_Device,
         Stream=Stream,
         ExternalStream=ExternalStream,
+        get_current_stream=get_current_stream,
         runtime=runtime,
         nvrtc=nvrtc,
     )
