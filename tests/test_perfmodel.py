@@ -181,3 +181,33 @@ def test_autotuner_times_the_model_best_prefill_candidates_and_keeps_the_others(
     assert kept[2] is fallback  # CUDA-core fallbacks are not the model's to cut
     assert len(dropped) == 2 and all(d.stage == "model" for d in dropped)
     assert all("> top 2" in d.reason for d in dropped)
+
+
+def test_model_command_refuses_bad_input_in_one_line():
+    from typer.testing import CliRunner
+
+    from kernelgen.cli import app
+
+    runner = CliRunner()
+    bad_arch = runner.invoke(app, ["model", str(TC_SPECS[0]), "--arch", "sm_99"])
+    assert bad_arch.exit_code == 2 and "--arch sm_99: unknown architecture" in bad_arch.output
+    missing = runner.invoke(app, ["model", "no/such/spec.yaml"])
+    assert missing.exit_code == 2 and "Traceback" not in missing.output
+
+
+@pytest.mark.compile
+def test_model_command_prints_json_per_spec_and_arch():
+    from typer.testing import CliRunner
+
+    from kernelgen.cli import app
+
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    path = next(p for p in TC_SPECS if "d64_m64_n64" in p.stem)
+    result = CliRunner().invoke(
+        app, ["model", str(path), "--arch", "sm_80", "--arch", "sm_90", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    reports = json.loads(result.stdout)
+    assert [r["arch"] for r in reports] == ["sm_80", "sm_90"]
+    assert all(r["unit"]["by_class"]["HMMA"] == 256 for r in reports)  # d64: half of 512
