@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option(
                 "--arch",
-                help="Architectures (repeat --arch, or comma-separated). Default: each spec's archs.",
+                help="Architectures (repeat --arch, or comma-separated); default: the spec's.",
             ),
         ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
