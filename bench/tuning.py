@@ -1,7 +1,9 @@
-"""``python -m bench.tuning``: the autotuner's three targets (issue #4), measured on a GPU.
+"""``python -m bench.tuning``: the autotuner's three targets, measured on a GPU.
 
-For each problem: (1) tune it cold (fresh tuning database, fresh compile memo and CuPy kernel
-cache) and time ``select_launch`` on the host clock; (2) re-time every candidate the tuner timed
+For each problem: (1) tune it cold and time ``select_launch`` on the host clock, in a fresh
+Python process whose tuning database, compile memo and CuPy kernel cache start empty (CuPy reads
+``CUPY_CACHE_DIR`` once, at import, and keeps every module it loaded in memory, so a cache
+cleared inside a warm process is not cold); (2) re-time every candidate the tuner timed
 on a longer budget (the exhaustive check) and compare the tuned winner with the best of them;
 (3) on a small shape, the host time per call of a cached ``kernelgen.attention`` against calling
 the same compiled kernel directly (``RuntimeKernel.__call__``, outputs preallocated).
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +30,7 @@ from typing import Any
 from bench import report
 from bench.attention import ROOT, git_info
 
-# Targets of issue #4.
+# The autotuner's targets.
 CHOICE_TOLERANCE = 1.03  # tuned winner within 3% of the exhaustive best
 TUNE_SECONDS = 10.0  # one shape, compile caches cold
 OVERHEAD_US = 15.0  # a cached attention() call over the direct launch
@@ -157,33 +161,68 @@ def markdown_document(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---- cold tuning, in a child process ----------------------------------------------------------
+def cold_environment(root: Path) -> dict[str, str]:
+    """The child's environment: the tuning database, compile memo and CuPy's kernel cache in
+    empty folders under ``root``, autotuning on."""
+    return {
+        **os.environ,
+        "KERNELGEN_CACHE_DIR": str(root / "kernelgen"),
+        "CUPY_CACHE_DIR": str(root / "cupy"),
+        "KERNELGEN_AUTOTUNE": "1",
+    }
+
+
+def cold_tune(shape: TuneShape, root: Path) -> dict[str, Any]:
+    """``python -m bench.tuning --cold-tune SHAPE`` in a fresh process with empty caches under
+    ``root``: {"tune_s", "winner"}; the record it wrote stays under ``root``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.tuning", "--cold-tune", json.dumps(vars(shape))],
+        env=cold_environment(root),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"cold tuning exited {done.returncode}: {last}")
+    return json.loads(lines[-1])
+
+
+def cold_tune_here(shape: TuneShape) -> dict[str, Any]:
+    """The child's side: the CUDA context made first (not a tuning cost), then
+    ``select_launch`` on the host clock."""
+    import cupy
+
+    from kernelgen.tuning import ProblemDesc, select_launch
+    from kernelgen.tuning.gpu import detect_device
+
+    problem = ProblemDesc.from_shape(shape.text, shape.dtype, shape.causal)
+    device = detect_device()
+    cupy.empty(1)
+    cupy.cuda.get_current_stream().synchronize()
+    start = time.perf_counter()
+    launch = select_launch(problem, device)
+    return {"tune_s": time.perf_counter() - start, "winner": launch.label}
+
+
 # ---- the GPU layer -------------------------------------------------------------------------
-def cold_caches(root: Path) -> None:
-    """Point the tuning database, compile memo and CuPy's kernel cache at empty folders."""
-    os.environ["KERNELGEN_CACHE_DIR"] = str(root / "kernelgen")
-    os.environ["CUPY_CACHE_DIR"] = str(root / "cupy")
-    os.environ["KERNELGEN_AUTOTUNE"] = "1"
-
-
 def tune_row(shape: TuneShape, scratch: Path) -> dict[str, Any]:
-    """Cold tuning time, the record, and the exhaustive re-timing of its candidates."""
-    from kernelgen.launch import clear_kernel_cache
+    """Cold tuning time (a fresh process), the record, and the exhaustive re-timing of its
+    candidates (here)."""
     from kernelgen.spec import spec_from_dict
-    from kernelgen.tuning import ProblemDesc, TuningDB, clear_memo, make_key, select_launch
-    from kernelgen.tuning.candidates import TunedLaunch, clear_resource_memo
+    from kernelgen.tuning import ProblemDesc, TuningDB, make_key
+    from kernelgen.tuning.candidates import TunedLaunch
     from kernelgen.tuning.gpu import CupyBench, detect_device
     from kernelgen.tuning.measure import MeasureSettings
 
-    cold_caches(scratch / shape.key)
-    clear_memo()
-    clear_resource_memo()
-    clear_kernel_cache()
+    root = scratch / shape.key
+    cold = cold_tune(shape, root)
     problem = ProblemDesc.from_shape(shape.text, shape.dtype, shape.causal)
     device = detect_device()
-    start = time.perf_counter()
-    launch = select_launch(problem, device)
-    tune_s = time.perf_counter() - start
-    record = TuningDB().load(make_key(problem, device))
+    record = TuningDB(root / "kernelgen").load(make_key(problem, device))
     assert record is not None, "the tuner wrote no record"
     bench = CupyBench(problem, device, seed=1)
     retimed: dict[str, float] = {}
@@ -198,15 +237,15 @@ def tune_row(shape: TuneShape, scratch: Path) -> dict[str, Any]:
             min_reps=MeasureSettings().min_reps,  # as many as the tuner's own full pass
         )
         retimed[candidate.label] = statistics.median(samples)
-    winner_ms = retimed.get(launch.label)
+    winner_ms = retimed.get(cold["winner"])
     ratio, best = choice_ratio(winner_ms, retimed)
     return {
         "shape": shape.key,
         **vars(shape),
-        "tune_s": round(tune_s, 3),
+        "tune_s": round(cold["tune_s"], 3),
         "timed": len(retimed),
         "dropped": len(record.dropped),
-        "winner": launch.label,
+        "winner": cold["winner"],
         "winner_ms": winner_ms,
         "best": best,
         "best_ms": retimed.get(best),
@@ -295,6 +334,8 @@ def run(args: argparse.Namespace, shapes: Sequence[TuneShape]) -> int:
     }
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kg-tuning-bench-") as tmp:
+        # this process's own tuning (the overhead shape) stays out of the user's cache too
+        os.environ.update(KERNELGEN_CACHE_DIR=str(Path(tmp) / "main"), KERNELGEN_AUTOTUNE="1")
         for shape in shapes:
             try:
                 rows.append(tune_row(shape, Path(tmp)))
@@ -331,11 +372,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="results folder")
     p.add_argument("--no-overhead", action="store_true", help="skip the cached-call measurement")
     p.add_argument("--list", action="store_true", help="print the shapes, then exit")
+    p.add_argument("--cold-tune", metavar="SHAPE_JSON", help=argparse.SUPPRESS)  # the child
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cold_tune:
+        print(json.dumps(cold_tune_here(TuneShape(**json.loads(args.cold_tune)))))
+        return 0
     shapes = QUICK if args.quick else FULL
     if args.list:
         for s in shapes:

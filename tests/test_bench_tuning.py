@@ -76,3 +76,52 @@ def test_shapes_and_list(capsys):
     assert tuning.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(s.key in out for s in tuning.FULL) and "overhead:" in out
+
+
+def test_cold_tuning_runs_in_a_fresh_process_with_empty_caches(tmp_path, monkeypatch):
+    """CuPy reads CUPY_CACHE_DIR at import and memoizes loaded modules: only a new process
+    with the variable set from the start is cold. This process's environment is left alone."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    before = dict(os.environ)
+    calls = []
+
+    def fake_run(argv, **kwargs):
+        calls.append((argv, kwargs))
+        return subprocess.CompletedProcess(argv, 0, 'progress\n{"tune_s": 4.5, "winner": "w"}\n')
+
+    monkeypatch.setattr(tuning.subprocess, "run", fake_run)
+    shape = tuning.QUICK[1]
+    assert tuning.cold_tune(shape, tmp_path / "x") == {"tune_s": 4.5, "winner": "w"}
+    ((argv, kwargs),) = calls
+    assert argv[:4] == [sys.executable, "-m", "bench.tuning", "--cold-tune"]
+    assert tuning.TuneShape(**json.loads(argv[4])) == shape
+    env = kwargs["env"]
+    assert env["CUPY_CACHE_DIR"] == str(tmp_path / "x" / "cupy")
+    assert env["KERNELGEN_CACHE_DIR"] == str(tmp_path / "x" / "kernelgen")
+    assert not (tmp_path / "x").exists()  # empty: nothing there before the child runs
+    assert dict(os.environ) == before
+
+
+def test_a_failed_cold_tuning_names_its_last_error(tmp_path, monkeypatch):
+    import subprocess
+
+    def fake_run(argv, **kwargs):
+        return subprocess.CompletedProcess(argv, 1, "", "Traceback\nRuntimeError: no GPU\n")
+
+    monkeypatch.setattr(tuning.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="cold tuning exited 1: RuntimeError: no GPU"):
+        tuning.cold_tune(tuning.QUICK[0], tmp_path)
+
+
+def test_the_child_prints_one_json_line(monkeypatch, capsys):
+    import json
+
+    seen = []
+    monkeypatch.setattr(tuning, "cold_tune_here", lambda s: seen.append(s) or {"tune_s": 1.0})
+    shape = tuning.FULL[2]
+    assert tuning.main(["--cold-tune", json.dumps(vars(shape))]) == 0
+    assert seen == [shape] and json.loads(capsys.readouterr().out) == {"tune_s": 1.0}
