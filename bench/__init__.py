@@ -1,4 +1,4 @@
-"""Benchmarks of kernelgen's attention kernels against their peers (DESIGN.md, "Benchmarks").
+"""Benchmarks of kernelgen's attention kernels against their peers (docs/design.md).
 
 Pure modules (no GPU, no torch, no CuPy): :mod:`bench.shapes`, :mod:`bench.metrics`,
 :mod:`bench.candidates`, :mod:`bench.report`. The GPU layer is :mod:`bench.gpu`; the command

@@ -1,4 +1,4 @@
-"""``python -m bench.decode``: decode attention (issue #5), achieved bandwidth against the copy.
+"""``python -m bench.decode``: decode attention, achieved bandwidth against the copy.
 
 For every shape of :mod:`bench.decode_shapes` it makes input sets (rotated past 2x L2), an fp32
 reference chunked over (batch, kv head), then checks and times kernelgen's decode kernel (the
@@ -46,7 +46,7 @@ SCRATCH = (
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.decode",
-        description="Decode attention benchmark (issue #5): achieved bandwidth of kernelgen's "
+        description="Decode attention benchmark: achieved bandwidth of kernelgen's "
         "split-KV decode kernel as a fraction of the measured copy bandwidth, next to kernelgen "
         "without split-KV and torch SDPA (flash, cuDNN, efficient).",
     )

@@ -203,7 +203,7 @@ def kernelgen_table(rows: Iterable[dict[str, Any]]) -> str:
     return report.md_table(header, lines, ["---", "---", "---", "---:", "---:"])
 
 
-# ---- targets (issue #5) ---------------------------------------------------------------------
+# ---- targets -----------------------------------------------------------------------------
 PASS, MISS, NOT_MEASURED = "PASS", "MISS", "not measured"
 FAILED = (WRONG, ERROR, UNAVAILABLE)  # a kernelgen row in these states misses the target
 
@@ -346,7 +346,7 @@ def markdown_document(result: dict[str, Any]) -> str:
         "",
         LEGEND,
         "",
-        "## Targets (issue #5; reported, not asserted)",
+        "## Targets (reported, not asserted)",
         "",
         *target_lines(evaluate_targets(rows)),
         "",

@@ -1,4 +1,4 @@
-"""The shape grid of the decode benchmark (issue #5): a few new tokens against a long KV cache.
+"""The shape grid of the decode benchmark: a few new tokens against a long KV cache.
 
 Full grid: bf16 and fp16; batch 1, 8, 64; 32 query heads with 32, 8 or 1 key/value heads (MHA,
 GQA 4, MQA); head dim 128; one query; Sk from 1k to 128k plus 10007, a length that is no multiple

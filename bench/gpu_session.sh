@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (../.library/device/METHOD.md: "one script that builds,
-# checks and times"): the GPU test tier, the benchmarks, a compute-sanitizer pass. Logs and
-# result files go under $OUT (default ./gpu-out); a short summary is printed last.
+# One GPU session in one command: the GPU test tier, the benchmarks, a compute-sanitizer pass.
+# Logs and result files go under $OUT (default ./gpu-out), also bundled into $OUT/session.tgz; a
+# short summary is printed last.
 #
 #   bench/gpu_session.sh [tests] [decode] [prefill] [tuning] [sanitize] [versions]
 #
@@ -31,8 +31,7 @@ run_stage() {  # name, limit, log, command...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
     >"$OUT/gpu.txt" 2>&1
-# a fresh tuning database, outside $OUT: the device tool brings back at most 8 files, so the
-# cache's many small files would crowd out the results (bundled into one archive at the end)
+# a fresh tuning database, outside $OUT: its many small files would crowd out the results
 export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-$(mktemp -d)/kernelgen-cache}
 
 for stage in "${stages[@]}"; do

@@ -16,7 +16,7 @@ TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
 def effective_keys(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
     """Keys each query sees on average: Sk, or for causal ``(max(0, Sk - Sq) + Sk) / 2``.
 
-    FlashAttention's benchmark convention (DESIGN.md); for Sq = Sk causal it is Sk / 2."""
+    FlashAttention's benchmark convention (docs/design.md); for Sq = Sk causal it is Sk / 2."""
     if not causal:
         return float(seqlen_k)
     return (max(0, seqlen_k - seqlen_q) + seqlen_k) / 2

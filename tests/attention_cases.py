@@ -1,7 +1,7 @@
 """Shared cases and checks for the kernel tiers (CPU emulation and GPU).
 
 Inputs are fresh random numbers rounded to the kernel's dtype; the reference is float64 NumPy on
-exactly those rounded values. Tolerances are DESIGN.md's and are never loosened.
+exactly those rounded values. Tolerances are docs/design.md's and are never loosened.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def make_case(case: Case, dtype: str, head_dim: int, causal: bool, seed: int) ->
 
 
 def assert_matches(out: np.ndarray, lse: np.ndarray | None, data: CaseData, dtype: str) -> None:
-    """out/lse (B, H, Sq, D)/(B, H, Sq) against the float64 reference, with DESIGN.md's limits
+    """out/lse (B, H, Sq, D)/(B, H, Sq) against the float64 reference, with docs/design.md's limits
     (lse None: a call that did not ask for it; out alone is checked)."""
     out = np.asarray(out, dtype=np.float64)
     assert not np.isnan(out).any(), f"NaN in out at {np.argwhere(np.isnan(out))[:5].tolist()}"

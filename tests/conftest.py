@@ -1,4 +1,4 @@
-"""Test tiers (DESIGN.md): CPU always; compile always in CI (fails, never skips, when CI=true);
+"""Test tiers (docs/design.md): CPU always; compile always in CI (fails, never skips, when CI=true);
 GPU (`-m gpu`) skipped where there is no CUDA device."""
 
 from __future__ import annotations
