@@ -1,4 +1,4 @@
-"""CPU tier: kernelgen/ and bench/ import one way (DESIGN.md: spec -> render -> compile -> launch ->
+"""CPU tier: kernelgen/ and bench/ import one way (docs/design.md: spec -> render -> compile -> launch ->
 policy -> tune -> api -> cli). Every import counts, those inside functions too: a lazy import
 hides a cycle from the interpreter, not from the design."""
 
