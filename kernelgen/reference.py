@@ -487,8 +487,8 @@ def combine_partials(
 # --------------------------------------------------------------------------------------------
 
 
-# The project's limits against float64 (docs/design.md) (never loosened): relative Frobenius error of out by input
-# dtype, absolute error of the lse.
+# The project's limits against float64 (docs/design.md; never loosened): relative Frobenius
+# error of out by input dtype, absolute error of the lse.
 OUT_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
 LSE_TOLERANCE = 1e-3
 

@@ -1,6 +1,6 @@
-"""CPU tier: kernelgen/ and bench/ import one way (docs/design.md: spec -> render -> compile -> launch ->
-policy -> tune -> api -> cli). Every import counts, those inside functions too: a lazy import
-hides a cycle from the interpreter, not from the design."""
+"""CPU tier: kernelgen/ and bench/ import one way (docs/design.md: spec -> render -> compile ->
+launch -> policy -> tune -> api -> cli). Every import counts, those inside functions too: a lazy
+import hides a cycle from the interpreter, not from the design."""
 
 from __future__ import annotations
 
