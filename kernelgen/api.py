@@ -29,6 +29,7 @@ from kernelgen.frameworks import (
     module_of,
     pointer_of,
 )
+from kernelgen.host import EMULATED_CAPABILITY, emulated_kernel
 from kernelgen.launch import (
     MAX_SPLITS,
     PreparedLaunch,
@@ -73,11 +74,10 @@ class TensorInfo:
 def describe(array: Any, name: str) -> TensorInfo:
     """Shape, strides and dtype of a device array, read without copying or launching anything."""
     module = module_of(array)
-    if module == "numpy":
-        raise InputTypeError(
-            f"{name} is a host (NumPy) array; kernelgen runs on the GPU: pass a CuPy array "
-            f"(cupy.asarray({name})) or a CUDA torch tensor"
-        )
+    if module == "numpy":  # the CPU backend (kernelgen.host): runs the kernels in the emulator
+        itemsize = array.dtype.itemsize
+        strides = tuple(s // itemsize for s in array.strides)
+        return TensorInfo(name, array.shape, strides, dtype_name(array.dtype), array)
     if module == "cupy":
         itemsize = array.dtype.itemsize
         return TensorInfo(
@@ -88,9 +88,10 @@ def describe(array: Any, name: str) -> TensorInfo:
             array,
         )
     if module == "torch":
-        if not array.is_cuda:
+        if not array.is_cuda and array.device.type != "cpu":  # CPU: kernelgen.host
             raise InputTypeError(
-                f"{name} is a torch tensor on {array.device}; move it to a CUDA device first"
+                f"{name} is a torch tensor on {array.device}; move it to a CUDA device (or the "
+                "CPU, to run it in the emulator)"
             )
         return TensorInfo(
             name, tuple(array.shape), tuple(array.stride()), dtype_name(array.dtype), array
@@ -411,18 +412,26 @@ def attention(
 
 
 def _common_device(named: dict[str, Any]) -> int:
-    """The device all device arrays among ``named`` live on (host sequences are skipped)."""
+    """The device all arrays among ``named`` live on (-1: host arrays, the CPU backend; a host
+    ``seqlens_k`` sequence is skipped)."""
     where = {
-        name: device_of(x) for name, x in named.items() if x is not None and not is_host_sequence(x)
+        name: device_of(x)
+        for name, x in named.items()
+        if x is not None and not (name == "seqlens_k" and is_host_sequence(x))
     }
     device = where["q"]
     for name, index in where.items():
         if index != device:
-            raise InputError(
-                f"{name} is on CUDA device {index} but q is on device {device}; pass "
-                f"{', '.join(where)} on one device"
+            error = InputError if min(index, device) >= 0 else InputTypeError
+            raise error(
+                f"{name} is on {_device_name(index)} but q is on {_device_name(device)}; pass "
+                f"{', '.join(where)} on one device (the CPU: NumPy arrays or CPU torch tensors)"
             )
     return device
+
+
+def _device_name(index: int) -> str:
+    return "the CPU" if index < 0 else f"CUDA device {index}"
 
 
 def _checked_plan(
@@ -440,7 +449,8 @@ def _checked_plan(
     uploaded host lengths: the caller holds them until the kernels are queued); runs with the
     call's device and stream current."""
     batch = call.q.shape[0]
-    seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
+    max_keys = call.k.shape[2]
+    seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, max_keys, arrays)
     misaligned = [
         why
         for t in (call.q, call.k, call.v)
@@ -448,13 +458,16 @@ def _checked_plan(
     ]
     if spec is None:
         spec, tuned_splits = _untuned_or_tuned_launch(
-            call, causal, aligned=not misaligned, split=num_splits is not None
+            call, causal, aligned=not misaligned, split=num_splits is not None, host=arrays.host
         )
         num_splits = num_splits or tuned_splits
     elif spec.mma == "mma_sync" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
-    check_fits_device(spec, device)
-    kernel = runtime_kernel(spec)
+    if arrays.host:  # the CPU backend: the same launches, run by the emulator
+        kernel = emulated_kernel(spec)
+    else:
+        check_fits_device(spec, device)
+        kernel = runtime_kernel(spec)
     tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
     temporaries: list[Any] = []
     if seqlens is not None:
@@ -498,7 +511,7 @@ class CallPlan:
         tensors = {name: arrays.launch_arg(x) for name, x in inputs.items()}
         with arrays.scope(self.device):
             if is_host_sequence(lengths):
-                lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k)
+                lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k, arrays)
                 tensors["seqlens_k"] = launch_arg(arrays, lengths)  # alive until launched
             elif lengths is not None:
                 tensors["seqlens_k"] = arrays.launch_arg(lengths)
@@ -589,16 +602,17 @@ def device_arch() -> tuple[int, str]:
 
 
 def _untuned_or_tuned_launch(
-    call: CheckedCall, causal: bool, aligned: bool, split: bool
+    call: CheckedCall, causal: bool, aligned: bool, split: bool, host: bool = False
 ) -> tuple[KernelSpec, int | None]:
     """The spec (and split count, None: heuristic) for a call without a spec: the autotuner's
     choice (memo, disk, or a fresh tuning; see docs/autotuning.md), or a heuristic default where
     tuning does not apply (inputs the tensor-core kernels cannot read, GPUs before sm_80) or
-    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec)."""
-    capability, arch = device_arch()
+    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec), and on the
+    CPU backend (``host``: no GPU to time; the portable spec, every arch's)."""
+    capability, arch = (EMULATED_CAPABILITY, None) if host else device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
-    if split or not tensor_cores:
+    if split or not tensor_cores or host:
         spec = default_spec(
             call.dtype,
             head_dim,
@@ -646,9 +660,9 @@ def is_host_sequence(x: Any) -> bool:
     return isinstance(x, (list, tuple)) or module_of(x) == "numpy"
 
 
-def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
-    """seqlens_k as a contiguous int32 device array of shape (batch,) (host sequences are
-    checked and uploaded to the current device, on the current stream)."""
+def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int, arrays: Arrays = CupyArrays) -> Any:
+    """seqlens_k as a contiguous int32 array of shape (batch,) for ``arrays``' kernels (host
+    sequences are checked and uploaded to the current device, on the current stream)."""
     if is_host_sequence(seqlens_k):
         host = np.asarray(seqlens_k)
         if host.ndim != 1 or host.shape[0] != batch:
@@ -663,7 +677,7 @@ def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
             raise InputError(
                 f"seqlens_k holds {int(bad[0])}; allowed 0 to {max_keys} (the keys k and v hold)"
             )
-        return import_cupy().asarray(host.astype(np.int32))
+        return arrays.from_host(host.astype(np.int32))
     info = describe(seqlens_k, "seqlens_k")
     if info.shape != (batch,):
         raise InputError(

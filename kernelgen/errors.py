@@ -97,3 +97,12 @@ class HazardError(EmulatorLaunchError):
 
 class EmulatorTimeoutError(EmulatorLaunchError):
     """A block did not finish within the watchdog's time (a deadlock or an endless loop)."""
+
+
+class KernelgenWarning(UserWarning):
+    """Base class of kernelgen's warnings."""
+
+
+class CPUBackendWarning(KernelgenWarning):
+    """attention() got host arrays and runs its kernels in the CPU emulator: correct, slow
+    (issued once per process)."""
