@@ -380,7 +380,9 @@ def attention(
     ``num_splits``: key chunks of a split-KV kernel (1 to 128; default: tuned or heuristic).
     Returns out (same layout and dtype as q), and with ``return_lse`` also the fp32 log-sum-exp
     of shape (B, H, Sq). CuPy inputs give CuPy outputs; torch tensors give torch tensors and run
-    on torch's current stream (see docs/design-decisions.md).
+    on torch's current stream (see docs/design-decisions.md). NumPy arrays and CPU torch tensors
+    take this same path with the kernels run by the CPU emulator (kernelgen.host; slow, for
+    correctness; it warns once), and give NumPy arrays / CPU torch tensors.
     """
     plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
