@@ -29,6 +29,7 @@ from kernelgen.frameworks import (
     pointer_of,
     refuse_during_capture,
 )
+from kernelgen.host import EMULATED_CAPABILITY, emulated_kernel
 from kernelgen.launch import (
     MAX_SPLITS,
     PreparedLaunch,
@@ -68,11 +69,10 @@ class TensorInfo:
 def describe(array: Any, name: str) -> TensorInfo:
     """Shape, strides and dtype of a device array, read without copying or launching anything."""
     module = module_of(array)
-    if module == "numpy":
-        raise InputTypeError(
-            f"{name} is a host (NumPy) array; kernelgen runs on the GPU: pass a CuPy array "
-            f"(cupy.asarray({name})) or a CUDA torch tensor"
-        )
+    if module == "numpy":  # the CPU backend (kernelgen.host): runs the kernels in the emulator
+        itemsize = array.dtype.itemsize
+        strides = tuple(s // itemsize for s in array.strides)
+        return TensorInfo(name, array.shape, strides, dtype_name(array.dtype), array)
     if module == "cupy":
         itemsize = array.dtype.itemsize
         return TensorInfo(
@@ -83,9 +83,10 @@ def describe(array: Any, name: str) -> TensorInfo:
             array,
         )
     if module == "torch":
-        if not array.is_cuda:
+        if not array.is_cuda and array.device.type != "cpu":  # CPU: kernelgen.host
             raise InputTypeError(
-                f"{name} is a torch tensor on {array.device}; move it to a CUDA device first"
+                f"{name} is a torch tensor on {array.device}; move it to a CUDA device (or the "
+                "CPU, to run it in the emulator)"
             )
         return TensorInfo(
             name, tuple(array.shape), tuple(array.stride()), dtype_name(array.dtype), array
@@ -265,7 +266,9 @@ def attention(
     ``num_splits``: key chunks of a split-KV kernel (1 to 128; default: tuned or heuristic).
     Returns out (same layout and dtype as q), and with ``return_lse`` also the fp32 log-sum-exp
     of shape (B, H, Sq). CuPy inputs give CuPy outputs; torch tensors give torch tensors and run
-    on torch's current stream (see docs/design-decisions.md).
+    on torch's current stream (see docs/design-decisions.md). NumPy arrays and CPU torch tensors
+    take this same path with the kernels run by the CPU emulator (kernelgen.host; slow, for
+    correctness; it warns once), and give NumPy arrays / CPU torch tensors.
     """
     plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
@@ -296,18 +299,26 @@ def attention(
 
 
 def _common_device(named: dict[str, Any]) -> int:
-    """The device all device arrays among ``named`` live on (host sequences are skipped)."""
+    """The device all arrays among ``named`` live on (-1: host arrays, the CPU backend; a host
+    ``seqlens_k`` sequence is skipped)."""
     where = {
-        name: device_of(x) for name, x in named.items() if x is not None and not is_host_sequence(x)
+        name: device_of(x)
+        for name, x in named.items()
+        if x is not None and not (name == "seqlens_k" and is_host_sequence(x))
     }
     device = where["q"]
     for name, index in where.items():
         if index != device:
-            raise InputError(
-                f"{name} is on CUDA device {index} but q is on device {device}; pass "
-                f"{', '.join(where)} on one device"
+            error = InputError if min(index, device) >= 0 else InputTypeError
+            raise error(
+                f"{name} is on {_device_name(index)} but q is on {_device_name(device)}; pass "
+                f"{', '.join(where)} on one device (the CPU: NumPy arrays or CPU torch tensors)"
             )
     return device
+
+
+def _device_name(index: int) -> str:
+    return "the CPU" if index < 0 else f"CUDA device {index}"
 
 
 def _checked_plan(
@@ -325,7 +336,8 @@ def _checked_plan(
     launched: torch arguments are raw pointers); runs with the call's device and stream
     current."""
     batch = call.q.shape[0]
-    seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, call.k.shape[2])
+    max_keys = call.k.shape[2]
+    seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, max_keys, arrays)
     misaligned = [
         why
         for t in (call.q, call.k, call.v)
@@ -333,13 +345,21 @@ def _checked_plan(
     ]
     if spec is None:
         spec, tuned_splits = _untuned_or_tuned_launch(
-            call, causal, aligned=not misaligned, split=num_splits is not None, library=arrays.name
+            call,
+            causal,
+            aligned=not misaligned,
+            split=num_splits is not None,
+            library=arrays.name,
+            host=arrays.host,
         )
         num_splits = num_splits or tuned_splits
     elif spec.mma == "mma_sync" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
-    check_fits_device(spec, device)
-    kernel = runtime_kernel(spec)
+    if arrays.host:  # the CPU backend: the same launches, run by the emulator
+        kernel = emulated_kernel(spec)
+    else:
+        check_fits_device(spec, device)
+        kernel = runtime_kernel(spec)
     tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
     temporaries = []
     if seqlens is not None:
@@ -383,7 +403,7 @@ class CallPlan:
         tensors = {name: arrays.launch_arg(x) for name, x in inputs.items()}
         with arrays.scope(self.device):
             if is_host_sequence(lengths):
-                lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k)
+                lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k, arrays)
                 tensors["seqlens_k"] = launch_arg(arrays, lengths)  # alive until launched
             elif lengths is not None:
                 tensors["seqlens_k"] = arrays.launch_arg(lengths)
@@ -474,17 +494,23 @@ def device_arch() -> tuple[int, str]:
 
 
 def _untuned_or_tuned_launch(
-    call: CheckedCall, causal: bool, aligned: bool, split: bool, library: str = "cupy"
+    call: CheckedCall,
+    causal: bool,
+    aligned: bool,
+    split: bool,
+    library: str = "cupy",
+    host: bool = False,
 ) -> tuple[KernelSpec, int | None]:
     """The spec (and split count, None: heuristic) for a call without a spec: the autotuner's
     choice (memo, disk, or a fresh tuning; see docs/autotuning.md), or a heuristic default where
     tuning does not apply (inputs the tensor-core kernels cannot read, GPUs before sm_80) or
-    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec). Tuning
-    for a torch call (``library``) leaves no free blocks in CuPy's memory pool."""
-    capability, arch = device_arch()
+    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec), and on the
+    CPU backend (``host``: no GPU to time; the portable spec, every arch's). Tuning for a torch
+    call (``library``) leaves no free blocks in CuPy's memory pool."""
+    capability, arch = (EMULATED_CAPABILITY, None) if host else device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
-    if split or not tensor_cores:
+    if split or not tensor_cores or host:
         spec = default_spec(
             call.dtype,
             head_dim,
@@ -534,10 +560,10 @@ def is_host_sequence(x: Any) -> bool:
     return isinstance(x, (list, tuple)) or module_of(x) == "numpy"
 
 
-def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
-    """seqlens_k as a contiguous int32 device array of shape (batch,) (host sequences are
-    checked and uploaded to the current device, on the current stream; refused while that
-    stream captures a CUDA graph, which would replay the values of the capture)."""
+def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int, arrays: Arrays = CupyArrays) -> Any:
+    """seqlens_k as a contiguous int32 array of shape (batch,) for ``arrays``' kernels (host
+    sequences are checked and uploaded to the current device, on the current stream; refused
+    while that stream captures a CUDA graph, which would replay the values of the capture)."""
     if is_host_sequence(seqlens_k):
         host = np.asarray(seqlens_k)
         if host.ndim != 1 or host.shape[0] != batch:
@@ -552,8 +578,9 @@ def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int) -> Any:
             raise InputError(
                 f"seqlens_k holds {int(bad[0])}; allowed 0 to {max_keys} (the keys k and v hold)"
             )
-        refuse_during_capture("seqlens_k", seqlens_k, "an int32 device array of q's library")
-        return import_cupy().asarray(host.astype(np.int32))
+        if not arrays.host:
+            refuse_during_capture("seqlens_k", seqlens_k, "an int32 device array of q's library")
+        return arrays.from_host(host.astype(np.int32))
     info = describe(seqlens_k, "seqlens_k")
     if info.shape != (batch,):
         raise InputError(

@@ -103,3 +103,12 @@ class CaptureError(InputError):
     """An argument that needs a host upload or a temporary outside the caller's library, given
     while the call's stream is capturing a CUDA graph (the graph would keep a freed address or a
     host value fixed at capture)."""
+
+
+class KernelgenWarning(UserWarning):
+    """Base class of kernelgen's warnings."""
+
+
+class CPUBackendWarning(KernelgenWarning):
+    """attention() got host arrays and runs its kernels in the CPU emulator: correct, slow
+    (issued once per process)."""

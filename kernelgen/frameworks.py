@@ -5,7 +5,9 @@ q's library is the call's. A CuPy call launches on CuPy's current stream and ret
 arrays. A torch call launches on torch's current stream of q's device and allocates its outputs
 (and split-KV partials) with torch, so it is ordered with the torch work around it like any
 torch operator, with no DLPack exchange or cross-stream event per call, and a torch CUDA graph
-can capture it. Either way q's device is the current device while the call runs.
+can capture it. Either way q's device is the current device while the call runs. Host arrays
+(NumPy, CPU torch) are the CPU backend's (:mod:`kernelgen.host`): the same protocol, kernels run
+by the emulator.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import CaptureError
+from kernelgen.host import HOST_DEVICE, HostArrays, as_numpy, host_arrays_of, is_host_array
 from kernelgen.launch import import_cupy
 
 
@@ -59,6 +62,7 @@ class CupyArrays:
     """Calls whose q is a CuPy array (or any other device array, viewed through CuPy)."""
 
     name = "cupy"
+    host = False
 
     @staticmethod
     def device_of(array: Any) -> int:
@@ -94,6 +98,11 @@ class CupyArrays:
         return import_cupy().float32
 
     @staticmethod
+    def from_host(values: np.ndarray) -> Any:
+        """Host values (host ``seqlens_k``) uploaded to the current device, current stream."""
+        return import_cupy().asarray(values)
+
+    @staticmethod
     def scope(device: int) -> contextlib.AbstractContextManager[Any]:
         """``device`` current; launches go to CuPy's current stream."""
         return import_cupy().cuda.Device(device)
@@ -103,6 +112,7 @@ class TorchArrays:
     """Calls whose q is a CUDA torch tensor."""
 
     name = "torch"
+    host = False
 
     @staticmethod
     def device_of(array: Any) -> int:
@@ -132,6 +142,9 @@ class TorchArrays:
     @staticmethod
     def float32() -> Any:
         return _torch().float32
+
+    # on torch's stream, which the call's scope makes CuPy's current
+    from_host = staticmethod(CupyArrays.from_host)
 
     @staticmethod
     def scope(device: int) -> contextlib.AbstractContextManager[Any]:
@@ -171,7 +184,7 @@ def _torch() -> Any:
     return torch
 
 
-Arrays = type[CupyArrays] | type[TorchArrays]
+Arrays = type[CupyArrays] | type[TorchArrays] | HostArrays
 
 _TORCH_DEVICES: dict[int, Any] = {}
 _EXTERNAL_STREAMS: dict[tuple[int, int], Any] = {}
@@ -223,18 +236,24 @@ def refuse_during_capture(name: str, value: Any, allowed: str) -> None:
 
 def arrays_of(q: Any) -> Arrays:
     """The library a call with query ``q`` runs in."""
+    if is_host_array(q):
+        return host_arrays_of(q)
     return TorchArrays if module_of(q) == "torch" else CupyArrays
 
 
 def device_of(array: Any) -> int:
-    """The CUDA device index of any device array attention() accepts."""
+    """The CUDA device index of any device array attention() accepts (host arrays: -1)."""
+    if is_host_array(array):
+        return HOST_DEVICE
     if module_of(array) == "torch":
         return TorchArrays.device_of(array)
     return CupyArrays.device_of(as_cupy(array))
 
 
 def pointer_of(array: Any) -> int:
-    """The device address of any device array attention() accepts."""
+    """The address of any array attention() accepts (host arrays: their host address)."""
+    if isinstance(array, np.ndarray):
+        return int(array.ctypes.data)
     if module_of(array) == "torch":
         return TorchArrays.pointer(array)
     return CupyArrays.pointer(as_cupy(array))
@@ -242,7 +261,10 @@ def pointer_of(array: Any) -> int:
 
 def launch_arg(arrays: Arrays, array: Any) -> Any:
     """``array`` as a kernel argument of a call in ``arrays``' library (foreign arrays, e.g. a
-    CuPy mask with a torch q, go as device pointers to torch calls and as CuPy views to CuPy's)."""
+    CuPy mask with a torch q, go as device pointers to torch calls and as CuPy views to CuPy's;
+    host calls take any host array, as a NumPy view)."""
+    if arrays.host:
+        return as_numpy(array)
     if module_of(array) == arrays.name:
         return arrays.launch_arg(array)
     if arrays is CupyArrays:
@@ -252,7 +274,11 @@ def launch_arg(arrays: Arrays, array: Any) -> Any:
 
 def float32_broadcast(mask: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[int, ...]]:
     """An additive mask as float32 broadcast to ``shape`` (a copy only for other dtypes), in its
-    own library (CuPy for anything but torch), with its strides in elements (0: broadcast)."""
+    own library (CuPy for anything but torch and NumPy), with its strides in elements (0:
+    broadcast)."""
+    if isinstance(mask, np.ndarray):
+        mask = np.broadcast_to(mask.astype(np.float32, copy=False), shape)
+        return mask, tuple(s // 4 for s in mask.strides)
     if module_of(mask) == "torch":
         torch = _torch()
         if mask.dtype != torch.float32:

@@ -171,10 +171,11 @@ def test_inputs_on_two_devices_are_refused(recorded, framework, odd_one):
     assert recorded == []
 
 
-def test_a_cpu_torch_tensor_is_refused_by_name(recorded):
+def test_a_cpu_torch_tensor_beside_cuda_ones_is_refused_by_name(recorded):
+    """CPU tensors go to the CPU backend, but not mixed with CUDA ones."""
     q, k, v = torch_qkv()
     cpu_k = fake_torch.Tensor(k.shape, k.dtype, device_index=-1)
-    with pytest.raises(kernelgen.InputTypeError, match="k is a torch tensor on cpu"):
+    with pytest.raises(kernelgen.InputTypeError, match="k is on the CPU but q is on CUDA device"):
         kernelgen.attention(q, cpu_k, v)
 
 

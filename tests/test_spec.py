@@ -265,7 +265,7 @@ def test_default_spec_takes_the_short_dtype_names():
 
 def test_pyproject_extras_pin_what_the_runtime_needs():
     """cuda: NumPy >= 2.1.2 (CuPy 14 enables bfloat16 only from it); bench: torch >= 2.4; dev:
-    no torch."""
+    torch pinned to the CPU build, never a range; integrations: transformers."""
     tomllib = pytest.importorskip("tomllib")
     from pathlib import Path
 
@@ -273,8 +273,11 @@ def test_pyproject_extras_pin_what_the_runtime_needs():
     extras = tomllib.loads(text)["project"]["optional-dependencies"]
     assert "numpy>=2.1.2" in extras["cuda"]
     assert "torch>=2.4" in extras["bench"]
-    # dev (what CI installs) must not pull torch: a multi-GB GPU build no CPU test needs
-    assert not any(req.startswith("torch") for req in extras["dev"])
+    # dev (what CI installs) pins torch to the CPU build CI has as a local wheel: a range would
+    # pull a multi-GB GPU build no CPU test needs
+    assert [req for req in extras["dev"] if req.startswith("torch")] == ["torch==2.13.0"]
+    assert "transformers>=4.50" in extras["dev"]
+    assert extras["integrations"] == ["transformers>=4.50"]
     assert not any("bench" in req for req in extras["dev"])
 
 

@@ -1,0 +1,140 @@
+"""Emulation tier, the CPU backend: ``kernelgen.attention()`` on NumPy arrays and CPU torch
+tensors runs the GPU path (checks, heuristic spec, call plan, split-KV, decode packing) with
+host arrays and the emulator as the kernel runner, against float64 (kernelgen.host)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+from attention_cases import Case, assert_matches, make_case
+from conftest import require_toolchain
+
+import kernelgen
+from kernelgen import api, host
+from kernelgen.errors import CPUBackendWarning, InputTypeError
+from kernelgen.reference import naive_attention
+
+pytestmark = [
+    pytest.mark.emulate,
+    pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
+]
+HEAD_DIM = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gxx():
+    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
+
+
+@pytest.fixture(autouse=True)
+def _no_tuning(monkeypatch):
+    """Nothing may reach the tuner or a GPU: the CPU backend takes the heuristic spec."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU backend asked for a GPU or the tuner")
+
+    monkeypatch.setattr(api, "device_arch", refuse)
+    monkeypatch.setattr(api, "runtime_kernel", refuse)
+    monkeypatch.setattr(api, "_CALL_PLANS", {})
+
+
+def torch_of(x: np.ndarray, dtype: str):
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(getattr(torch, dtype))
+
+
+def as_float(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    return x.float().numpy().astype(np.float64)
+
+
+def test_numpy_fp32_gqa_causal_with_lse():
+    data = make_case(Case(2, 4, 2, 19, 45), "float32", HEAD_DIM, True, seed=1)
+    out, lse = kernelgen.attention(data.q, data.k, data.v, causal=True, return_lse=True)
+    assert type(out) is np.ndarray and out.dtype == np.float32 and out.shape == data.q.shape
+    assert type(lse) is np.ndarray and lse.dtype == np.float32 and lse.shape == (2, 4, 19)
+    assert_matches(out, lse, data, "float32")
+
+
+def test_numpy_fp16_bshd_with_a_mask():
+    """A (1, H, Sq, Sk) float32 NumPy mask with fully masked rows; (B, S, H, D) views."""
+    data = make_case(Case(1, 2, 1, 17, 40, mask="broadcast"), "float16", HEAD_DIM, False, seed=2)
+    q, k, v = (getattr(data, n).astype(np.float16).transpose(0, 2, 1, 3) for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, mask=data.mask, layout="bshd", return_lse=True)
+    assert out.dtype == np.float16 and out.shape == q.shape
+    assert_matches(out.transpose(0, 2, 1, 3), lse, data, "float16")
+
+
+def test_torch_bf16_gqa_causal_gives_torch_outputs_and_reuses_its_plan():
+    torch = pytest.importorskip("torch")
+    for seed in (3, 4):  # the second call takes the remembered call plan
+        data = make_case(Case(1, 4, 2, 24, 24), "bfloat16", HEAD_DIM, True, seed=seed)
+        q, k, v = (torch_of(getattr(data, n), "bfloat16") for n in "qkv")
+        out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True)
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+        assert out.device.type == "cpu" and lse.dtype == torch.float32
+        assert_matches(as_float(out), as_float(lse), data, "bfloat16")
+    assert len(api._CALL_PLANS) == 1
+
+
+def test_torch_fp16_decode_with_seqlens_k_splits_and_packs():
+    """Sq = 1, 8 query heads on 2 K/V heads: the decode spec (GQA packed, split-KV, combine)."""
+    data = make_case(Case(3, 8, 2, 1, 150), "float16", HEAD_DIM, False, seed=5)
+    q, k, v = (torch_of(getattr(data, n), "float16") for n in "qkv")
+    lengths = [150, 1, 70]
+    out, lse = kernelgen.attention(q, k, v, seqlens_k=lengths, num_splits=3, return_lse=True)
+    decode = [s for s in host._KERNELS if s.pack_gqa and s.split_kv and s.dtype == "float16"]
+    assert decode, f"no packed split-KV decode spec among {list(host._KERNELS)}"
+    ref_out, ref_lse = naive_attention(data.q, data.k, data.v, seqlens_k=lengths)
+    want = type(data)(data.q, data.k, data.v, None, ref_out, ref_lse)
+    assert_matches(as_float(out), as_float(lse), want, "float16")
+
+
+def test_torch_fp32_mask_and_numpy_lengths():
+    """A CPU torch mask (converted and broadcast by torch) and int32 NumPy key lengths."""
+    data = make_case(Case(2, 2, 2, 8, 33, mask="broadcast"), "float32", HEAD_DIM, True, seed=6)
+    q, k, v, mask = (torch_of(getattr(data, n), "float32") for n in ("q", "k", "v", "mask"))
+    lengths = np.array([33, 20], dtype=np.int32)
+    out = kernelgen.attention(q, k, v, causal=True, mask=mask, seqlens_k=lengths)
+    ref_out, ref_lse = naive_attention(
+        data.q, data.k, data.v, causal=True, mask=data.mask, seqlens_k=lengths
+    )
+    want = type(data)(data.q, data.k, data.v, data.mask, ref_out, ref_lse)
+    assert_matches(as_float(out), None, want, "float32")
+
+
+def test_numpy_bfloat16_through_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    data = make_case(Case(1, 2, 2, 16, 16), "bfloat16", HEAD_DIM, False, seed=7)
+    q, k, v = (getattr(data, n).astype(ml_dtypes.bfloat16) for n in "qkv")
+    out = kernelgen.attention(q, k, v)
+    assert out.dtype == q.dtype
+    assert_matches(out.astype(np.float64), None, data, "bfloat16")
+
+
+def test_the_warning_is_given_once(monkeypatch):
+    monkeypatch.setattr(host, "_WARNED", type(host._WARNED)())
+    data = make_case(Case(1, 1, 1, 4, 8), "float32", HEAD_DIM, False, seed=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            kernelgen.attention(data.q, data.k, data.v)
+    assert [w.category for w in caught] == [CPUBackendWarning]
+    assert "not speed" in str(caught[0].message) and caught[0].filename == __file__
+
+
+def test_host_and_device_arrays_do_not_mix():
+    try:
+        from kernelgen.testing import fake_torch
+    except ImportError:
+        from bench import fake_torch
+
+    data = make_case(Case(1, 1, 1, 4, 8), "float16", HEAD_DIM, False, seed=9)
+    q = data.q.astype(np.float16)
+    cuda_k = fake_torch.Tensor(q.shape, fake_torch.float16, device_index=0)
+    with pytest.raises(InputTypeError, match="k is on CUDA device 0 but q is on the CPU"):
+        kernelgen.attention(q, cuda_k, q)
