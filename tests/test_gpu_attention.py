@@ -190,8 +190,10 @@ def test_bad_input_launches_nothing():
     k = cupy.ones((1, 3, 4, 64), dtype=cupy.float16)
     with pytest.raises(kernelgen.InputError, match="not divisible"):
         kernelgen.attention(q, k, k)
-    with pytest.raises(kernelgen.InputTypeError, match="host"):
-        kernelgen.attention(q.get(), k, k)
+    # host q (the CPU backend) with device k and v: one device or the other, never a mix
+    kv = cupy.ones((1, 2, 4, 64), dtype=cupy.float16)
+    with pytest.raises(kernelgen.InputTypeError, match="k is on CUDA device 0 but q is on the CPU"):
+        kernelgen.attention(q.get(), kv, kv)
 
 
 def test_misaligned_inputs_on_the_tensor_cores(monkeypatch):
