@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,13 +87,20 @@ def load_specs(paths: list[Path]) -> list[KernelSpec]:
     return specs
 
 
-def build_kernels(specs: list[KernelSpec], archs: list[str] | None) -> list[BuiltKernel]:
-    """Render and compile each spec for its archs (or ``archs`` when given)."""
+def build_kernels(
+    specs: list[KernelSpec],
+    archs: list[str] | None,
+    on_compiled: Callable[[str], None] | None = None,
+) -> list[BuiltKernel]:
+    """Render and compile each spec for its archs (or ``archs`` when given); ``on_compiled``
+    hears each (spec, arch) compile as it finishes (the CLI's progress bar)."""
     built = []
     for spec in specs:
         kernel = BuiltKernel(spec, render(spec))
         for arch in archs or spec.archs:
             kernel.resources.append(compile_offline(kernel.source, spec.uri, arch).resources)
+            if on_compiled is not None:
+                on_compiled(f"{spec.uri} {arch}")
         built.append(kernel)
     return built
 

@@ -145,10 +145,27 @@ def _print_resources(built) -> None:
 
 
 def _compile(specs, archs):
+    """Compile with a progress bar on stderr (a terminal only: logs stay clean)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
     from kernelgen.build import build_kernels
 
+    total = sum(len(archs or spec.archs) for spec in specs)
+    progress = Progress(
+        TextColumn("compiling"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    )
     try:
-        return build_kernels(specs, archs)
+        with progress:
+            task = progress.add_task("", total=total)
+            return build_kernels(
+                specs, archs, lambda what: progress.update(task, advance=1, description=what)
+            )
     except CompileError as exc:
         raise _fail([str(exc)], 1) from None
     except KernelgenError as exc:

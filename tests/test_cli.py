@@ -264,7 +264,7 @@ def fake_build(monkeypatch, spill: int = 0) -> None:
     from kernelgen.build import BuiltKernel
     from kernelgen.compile import Resources
 
-    def build_kernels(specs, archs=None):
+    def build_kernels(specs, archs=None, on_compiled=None):
         sass = {"HMMA": 64, "LDSM": 40, "LDL": 0, "STL": 0}
         return [
             BuiltKernel(
@@ -320,3 +320,19 @@ def test_build_warns_about_each_spilling_kernel_that_check_fails(tmp_path, monke
     assert len(checked.stderr.strip().splitlines()) == 2
     help_text = " ".join(run("build", "--help").stdout.replace("│", " ").split())
     assert "(it exits 1 on the same kernels)" in help_text
+
+
+@pytest.mark.compile
+def test_build_reports_each_compile_for_the_progress_bar_and_logs_stay_clean(tmp_path):
+    """build_kernels tells its listener of every (spec, arch) compile; off a terminal the CLI
+    shows no progress bar, so piped output holds only the table and the summary."""
+    from kernelgen.build import build_kernels
+
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    spec = load_spec(SPEC_PATHS[0])
+    heard: list[str] = []
+    build_kernels([spec], ["sm_80", "sm_90"], heard.append)
+    assert heard == [f"{spec.uri} sm_80", f"{spec.uri} sm_90"]
+    result = CliRunner().invoke(app, ["build", str(SPEC_PATHS[0]), "-o", str(tmp_path / "g")])
+    assert result.exit_code == 0, result.output
+    assert "compiling" not in result.output and "━" not in result.output
