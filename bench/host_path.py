@@ -1,6 +1,6 @@
 """Host time of kernelgen.attention() itself, with CuPy replaced by a stand-in that allocates and
 launches nothing (kernelgen/testing/fake_cupy.py): what kernelgen's Python adds to a call, on
-any machine. Issue #4's target (a cached call adds under 15 us over launching the kernel
+any machine. The autotuner's target (a cached call adds under 15 us over launching the kernel
 directly) is measured on a GPU by ``bench.tuning``; this is the part of it that does not need
 one.
 

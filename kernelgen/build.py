@@ -44,7 +44,7 @@ SASS_SHOWN = ("HMMA", "LDSM", "LDL", "STL")  # `kernelgen check` prints these ev
 
 
 def static_problems(spec: KernelSpec, res: Resources) -> list[str]:
-    """Why a compiled kernel fails issue #3's static bar on ``res.arch`` (empty: it passes):
+    """Why a compiled kernel fails the static bar on ``res.arch`` (empty: it passes):
     spill or stack bytes, shared memory over the arch's limit and, where the SASS was
     disassembled, local-memory loads/stores or a tensor-core spec without HMMA and LDSM."""
     problems = []

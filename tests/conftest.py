@@ -38,7 +38,7 @@ def _head_dim_spec(index: int, head_dim: int) -> KernelSpec:
     )
 
 
-# Issue #3: the tensor-core path takes every head dim from 32 to 256 in steps of 8.
+# The tensor-core path takes every head dim from 32 to 256 in steps of 8.
 HEAD_DIM_SWEEP = [_head_dim_spec(i, d) for i, d in enumerate(range(32, 257, 8))]
 
 

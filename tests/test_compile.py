@@ -58,7 +58,7 @@ def test_every_head_dim_compiles_without_spills(spec):
 
 
 def assert_static_quality(spec) -> None:
-    """Issue #3's static checks on every architecture the spec lists: no spill or stack bytes,
+    """The static checks on every architecture the spec lists: no spill or stack bytes,
     shared memory within the limit, and (with cuobjdump) tensor-core SASS without local memory."""
     source = render(spec)
     for arch in spec.archs:
@@ -103,7 +103,7 @@ def test_specs_cover_the_tensor_core_matrix():
 
 
 def test_specs_cover_split_kv_decode():
-    """Issue #5: split-KV decode specs, causal and not, every dtype: packed GQA on the tensor
+    """Split-KV decode specs, causal and not, every dtype: packed GQA on the tensor
     cores (fp16, bf16), the CUDA-core kernel for the rest (fp32 included)."""
     split = [s for s in (load_spec(p) for p in SPEC_PATHS) if s.split_kv]
     tensor_cores = [s for s in split if s.mma == "mma_sync"]
@@ -148,7 +148,7 @@ TC_SPEC_PATHS = [p for p in SPEC_PATHS if load_spec(p).mma == "mma_sync"]
 
 @pytest.mark.parametrize("path", TC_SPEC_PATHS, ids=lambda p: p.stem)
 def test_tensor_core_kernels_move_tiles_in_16_byte_pieces(path):
-    """Issue #3's 128-bit global traffic in the main kernel's SASS: every Q/K/V copy is a
+    """128-bit global traffic in the main kernel's SASS: every Q/K/V copy is a
     16-byte cp.async (LDGSTS.128); the output leaves in 16-byte stores beside the 4-byte LSE
     store (split-KV: fp32 partial rows as 8-byte pairs, the fragment layout's natural width)."""
     spec = load_spec(path)

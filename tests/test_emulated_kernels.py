@@ -122,7 +122,7 @@ def test_large_scores_do_not_overflow():
 
 @pytest.mark.parametrize("spec", HEAD_DIM_SWEEP, ids=lambda s: s.uri)
 def test_every_head_dim_on_the_tensor_cores(spec):
-    """Issue #3: head dims 32 to 256 in steps of 8. Dims that are not a multiple of 16 run with
+    """Head dims 32 to 256 in steps of 8. Dims that are not a multiple of 16 run with
     zero-filled padding columns; ldmatrix stays free of bank conflicts in both layouts. Half
     the dims (padded and not) take the (B, S, H, D) layout with a broadcast additive mask."""
     case = Case(1, 2, 1, 33, 70)  # GQA, partial row and key tiles

@@ -1,11 +1,11 @@
 """Emulation tier: how the tensor-core kernels use memory, from the emulator's launch statistics.
 
 Two properties that no output shows and that the profiler would measure on a GPU:
-* ldmatrix is free of shared-memory bank conflicts in both layouts (issue #3: "padded or
+* ldmatrix is free of shared-memory bank conflicts in both layouts ("padded or
   XOR-swizzled, no bank conflicts on ldmatrix"; ncu's bank-conflict counter on hardware);
 * the cp.async copies read every K/V row a block needs exactly once, and with packed GQA once
-  per K/V head rather than once per query head (issue #5), within each sequence's length;
-* causal blocks skip the key tiles entirely above their diagonal (issue #3).
+  per K/V head rather than once per query head, within each sequence's length;
+* causal blocks skip the key tiles entirely above their diagonal.
 Removing the causal bound from the template (kv_end = seqlen_k) fails the diagonal test for
 all 7 causal tensor-core specs.
 """

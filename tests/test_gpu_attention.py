@@ -250,7 +250,7 @@ def test_tuned_attention_is_correct(case, dtype, head_dim, causal, monkeypatch, 
     assert list(tmp_path.rglob("*.json")), "the tuning record was not written"
 
 
-# ---- split-KV decode (issue #5) -------------------------------------------------------------
+# ---- split-KV decode -----------------------------------------------------------------------
 
 SPLIT_PATHS = [p for p in SPEC_PATHS if load_spec(p).split_kv]
 DECODE_CASES = [
@@ -275,7 +275,7 @@ def test_split_kv_decode_on_gpu(path, case, num_splits):
 
 @pytest.mark.parametrize("path", SPLIT_PATHS, ids=lambda p: p.stem)
 def test_every_split_count_from_1_to_64_on_gpu(path):
-    """Issue #5's split counts 1..64, every one: a causal 3-query step on 2011 keys (32 or 63
+    """Split counts 1..64, every one: a causal 3-query step on 2011 keys (32 or 63
     key tiles, so the larger counts leave chunks empty)."""
     spec = load_spec(path)
     case = Case(1, 8, 2, 3, 2011)
