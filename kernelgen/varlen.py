@@ -63,10 +63,14 @@ def attention_varlen(
                 f"{t.name} has rank {len(t.shape)} (shape {t.shape}); expected rank 3, {shape}"
             )
     # attention()'s checks on the metadata, the packed rows seen as one batch entry of "bshd"
-    # (a sequence axis of 0 rows is checked as 1: an empty batch is allowed here)
+    # (an empty q, k or v, which NumPy gives zero strides, is checked as one contiguous row)
     as_batch = [
         TensorInfo(
-            t.name, (1, max(t.shape[0], 1), *t.shape[1:]), (0, *t.strides), t.dtype, t.source
+            t.name,
+            (1, max(t.shape[0], 1), *t.shape[1:]),
+            (0, *t.strides) if t.shape[0] else (0, t.shape[1] * t.shape[2], t.shape[2], 1),
+            t.dtype,
+            t.source,
         )
         for t in infos
     ]
