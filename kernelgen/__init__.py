@@ -18,6 +18,7 @@ from kernelgen.policy import default_spec
 from kernelgen.render import render
 from kernelgen.spec import KernelSpec, load_spec
 from kernelgen.tuning import TuningMissError, autotune, warmup
+from kernelgen.varlen import attention_varlen
 from kernelgen.version import __version__
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "TuningMissError",
     "__version__",
     "attention",
+    "attention_varlen",
     "autotune",
     "default_spec",
     "load_spec",
