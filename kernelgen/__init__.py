@@ -14,6 +14,7 @@ from kernelgen.errors import (
     SpecError,
     ToolchainMissingError,
 )
+from kernelgen.kvcache import attention_with_kvcache
 from kernelgen.policy import default_spec
 from kernelgen.render import render
 from kernelgen.spec import KernelSpec, load_spec
@@ -34,6 +35,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_varlen",
+    "attention_with_kvcache",
     "autotune",
     "default_spec",
     "load_spec",
