@@ -282,11 +282,11 @@ def attention(
     )
     num_splits = check_num_splits(num_splits, spec)
     arrays = arrays_of(q)
-    device = _common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
+    device = common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
     with arrays.scope(device):
         # temporaries: what the kernels read that the call made (a converted mask, uploaded
         # lengths), held until the launches are queued on the stream they were made on
-        call_plan, tensors, temporaries = _checked_plan(
+        call_plan, tensors, temporaries = checked_plan(
             call, bool(causal), seqlens_k, spec, num_splits, layout, arrays, device
         )
         if plan_key is not None:
@@ -298,7 +298,7 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _common_device(named: dict[str, Any]) -> int:
+def common_device(named: dict[str, Any]) -> int:
     """The device all arrays among ``named`` live on (-1: host arrays, the CPU backend; a host
     ``seqlens_k`` sequence is skipped)."""
     where = {
@@ -321,7 +321,7 @@ def _device_name(index: int) -> str:
     return "the CPU" if index < 0 else f"CUDA device {index}"
 
 
-def _checked_plan(
+def checked_plan(
     call: CheckedCall,
     causal: bool,
     seqlens_k: Any,

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from kernelgen.api import (
-    _checked_plan,
-    _common_device,
     check_inputs,
     check_num_splits,
+    checked_plan,
+    common_device,
     describe,
 )
 from kernelgen.errors import InputError, InputTypeError
@@ -110,7 +110,7 @@ def attention_with_kvcache(
                     "into it in place (pass a cache without requires_grad)"
                 )
     host_lengths = _host_lengths(cache_seqlens, batch, q)
-    device = _common_device(
+    device = common_device(
         {
             "q": q,
             "k_cache": k_cache,
@@ -132,7 +132,7 @@ def attention_with_kvcache(
             seqlens_k: Any = (host_lengths + new_len).astype(np.int32)
         else:
             seqlens_k = cache_seqlens
-        call_plan, tensors, temporaries = _checked_plan(
+        call_plan, tensors, temporaries = checked_plan(
             call, bool(causal), seqlens_k, spec, num_splits, "bshd", arrays, device
         )
         if appending and new_len:
