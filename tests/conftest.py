@@ -4,10 +4,12 @@ GPU (`-m gpu`) skipped where there is no CUDA device."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kernelgen.spec import KernelSpec
@@ -127,3 +129,37 @@ def tuning_sandbox(tmp_path, monkeypatch):
     _WARNED_CORRUPT.clear()
     yield
     clear_memo()
+
+
+# ---- the CPU backend (attention() and its siblings on host arrays, through the emulator) ----
+CPU_BACKEND_MARKS = [
+    pytest.mark.emulate,
+    pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
+    pytest.mark.usefixtures("gxx", "cpu_backend_only"),
+]
+
+
+@pytest.fixture(scope="module")
+def gxx():
+    """The emulator's C++ compiler (a failure in CI, a skip elsewhere)."""
+    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
+
+
+@pytest.fixture
+def cpu_backend_only(monkeypatch):
+    """Nothing may reach the tuner or a GPU: the CPU backend takes the heuristic spec."""
+    from kernelgen import api
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU backend asked for a GPU or the tuner")
+
+    monkeypatch.setattr(api, "device_arch", refuse)
+    monkeypatch.setattr(api, "runtime_kernel", refuse)
+    monkeypatch.setattr(api, "_CALL_PLANS", {})
+
+
+def host_dtype(dtype: str):
+    """The NumPy dtype of ``dtype`` (bfloat16 through ml_dtypes, skipped without it)."""
+    if dtype == "bfloat16":
+        return pytest.importorskip("ml_dtypes").bfloat16
+    return np.dtype(dtype)

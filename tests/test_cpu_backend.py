@@ -4,41 +4,20 @@ host arrays and the emulator as the kernel runner, against float64 (kernelgen.ho
 
 from __future__ import annotations
 
-import shutil
 import warnings
 
 import numpy as np
 import pytest
 from attention_cases import Case, assert_matches, make_case
-from conftest import require_toolchain
+from conftest import CPU_BACKEND_MARKS
 
 import kernelgen
 from kernelgen import api, host
 from kernelgen.errors import CPUBackendWarning, InputTypeError
 from kernelgen.reference import naive_attention
 
-pytestmark = [
-    pytest.mark.emulate,
-    pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
-]
+pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gxx():
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
-
-
-@pytest.fixture(autouse=True)
-def _no_tuning(monkeypatch):
-    """Nothing may reach the tuner or a GPU: the CPU backend takes the heuristic spec."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the CPU backend asked for a GPU or the tuner")
-
-    monkeypatch.setattr(api, "device_arch", refuse)
-    monkeypatch.setattr(api, "runtime_kernel", refuse)
-    monkeypatch.setattr(api, "_CALL_PLANS", {})
 
 
 def torch_of(x: np.ndarray, dtype: str):

@@ -5,44 +5,17 @@ changes only in the appended rows, and bad input raises before any write."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 from attention_cases import round_to
-from conftest import require_toolchain
+from conftest import CPU_BACKEND_MARKS, host_dtype
 
 import kernelgen
-from kernelgen import api
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
-pytestmark = [
-    pytest.mark.emulate,
-    pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
-]
+pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gxx():
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
-
-
-@pytest.fixture(autouse=True)
-def _no_tuning(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the CPU backend asked for a GPU or the tuner")
-
-    monkeypatch.setattr(api, "device_arch", refuse)
-    monkeypatch.setattr(api, "runtime_kernel", refuse)
-    monkeypatch.setattr(api, "_CALL_PLANS", {})
-
-
-def _numpy_dtype(dtype: str):
-    if dtype == "bfloat16":
-        return pytest.importorskip("ml_dtypes").bfloat16
-    return np.dtype(dtype)
 
 
 def _data(batch, seqlen_q, new_len, max_keys, heads, kv_heads, dtype, seed):
@@ -121,7 +94,7 @@ def test_append_then_attend_equals_attending_to_the_concatenation(
     dtype, heads, kv_heads, seqlen_q, new_len, lengths, causal, splits
 ):
     data = _data(len(lengths), seqlen_q, new_len, 40, heads, kv_heads, dtype, seed=sum(lengths))
-    q, k_cache, v_cache, k_new, v_new = (x.astype(_numpy_dtype(dtype)) for x in data)
+    q, k_cache, v_cache, k_new, v_new = (x.astype(host_dtype(dtype)) for x in data)
     out, lse = kernelgen.attention_with_kvcache(
         q,
         k_cache,

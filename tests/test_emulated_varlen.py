@@ -3,43 +3,17 @@ through the CPU backend, against float64 per-sequence references (kernelgen.refe
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 from attention_cases import round_to
-from conftest import require_toolchain
+from conftest import CPU_BACKEND_MARKS, host_dtype
 
 import kernelgen
-from kernelgen import api, host
+from kernelgen import host
 from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
-pytestmark = [
-    pytest.mark.emulate,
-    pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
-]
+pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gxx():
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
-
-
-@pytest.fixture(autouse=True)
-def _no_tuning(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the CPU backend asked for a GPU or the tuner")
-
-    monkeypatch.setattr(api, "device_arch", refuse)
-    monkeypatch.setattr(api, "runtime_kernel", refuse)
-    monkeypatch.setattr(api, "_CALL_PLANS", {})
-
-
-def _numpy_dtype(dtype: str):
-    if dtype == "bfloat16":
-        return pytest.importorskip("ml_dtypes").bfloat16
-    return np.dtype(dtype)
 
 
 def _offsets(lengths: list[int]) -> np.ndarray:
@@ -106,7 +80,7 @@ CASES = [
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "causal", "lengths"), CASES)
 def test_varlen_matches_float64(dtype, heads, kv_heads, causal, lengths):
     q, k, v, cu_q, cu_k = _packed(*lengths, heads, kv_heads, dtype, seed=len(lengths[0]))
-    np_dtype = _numpy_dtype(dtype)
+    np_dtype = host_dtype(dtype)
     out, lse = kernelgen.attention_varlen(
         q.astype(np_dtype),
         k.astype(np_dtype),
@@ -166,7 +140,7 @@ def test_varlen_does_no_work_on_padding(monkeypatch):
     monkeypatch.setattr(host._EmulatedFunction, "__call__", counting)
     lengths_q, lengths_k = [1, 0, 8, 3, 3, 1], [40, 5, 1, 70, 70, 12]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 1, "bfloat16", seed=4)
-    bf16 = _numpy_dtype("bfloat16")
+    bf16 = host_dtype("bfloat16")
     out = kernelgen.attention_varlen(
         q.astype(bf16), k.astype(bf16), v.astype(bf16), cu_q, cu_k, 8, 70, causal=True
     )
