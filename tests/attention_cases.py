@@ -104,3 +104,116 @@ def assert_matches(out: np.ndarray, lse: np.ndarray | None, data: CaseData, dtyp
     if (~empty).any():
         lse_error = np.max(np.abs(lse[~empty] - data.ref_lse[~empty]))
         assert lse_error <= LSE_TOLERANCE, f"lse error {lse_error:.3g} > {LSE_TOLERANCE}"
+
+
+# ---- packed variable-length batches (attention_varlen) ----
+
+
+def varlen_offsets(lengths: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def packed_varlen(lengths_q, lengths_k, heads, kv_heads, dtype, seed, head_dim=32):
+    """Packed varlen q, k, v holding ``dtype`` values (as float64) and the int32 offsets."""
+    rng = np.random.default_rng(seed)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = round_to(rng.standard_normal((total_q, heads, head_dim)), dtype)
+    k = round_to(rng.standard_normal((total_k, kv_heads, head_dim)), dtype)
+    v = round_to(rng.standard_normal((total_k, kv_heads, head_dim)), dtype)
+    return q, k, v, varlen_offsets(lengths_q), varlen_offsets(lengths_k)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, causal):
+    """float64 out (total_q, H, D) and lse (H, total_q), one sequence at a time."""
+    out = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.start == rows.stop:
+            continue
+        o, s = naive_attention(
+            q[rows].transpose(1, 0, 2)[None],
+            k[keys].transpose(1, 0, 2)[None],
+            v[keys].transpose(1, 0, 2)[None],
+            causal=causal,
+        )
+        out[rows] = o[0].transpose(1, 0, 2)
+        lse[:, rows] = s[0]
+    return out, lse
+
+
+def check_varlen(out, lse, ref_out, ref_lse, dtype):
+    out = np.asarray(out, dtype=np.float64)
+    assert not np.isnan(out).any()
+    error = relative_error(out, ref_out)
+    assert error <= OUT_TOLERANCE[dtype], f"relative error {error:.3g} > {OUT_TOLERANCE[dtype]}"
+    empty = np.isneginf(ref_lse)  # (H, total_q)
+    assert np.all(out.transpose(1, 0, 2)[empty] == 0.0), "rows that see no key give out = 0"
+    if lse is None:
+        return
+    assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
+    assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where no key is seen"
+    if (~empty).any():
+        assert np.max(np.abs(lse[~empty] - ref_lse[~empty])) <= LSE_TOLERANCE
+
+
+# ---- a contiguous KV cache with appended rows (attention_with_kvcache) ----
+
+
+def kvcache_data(batch, seqlen_q, new_len, max_keys, heads, kv_heads, dtype, seed, head_dim=32):
+    """float32 q (B, Sq, H, D), caches (B, S_max, Hkv, D) and k_new/v_new (B, S_new, Hkv, D),
+    all holding values of ``dtype``."""
+    rng = np.random.default_rng(seed)
+
+    def draw(*shape):
+        return round_to(rng.standard_normal(shape), dtype)
+
+    q = draw(batch, seqlen_q, heads, head_dim)
+    k_cache, v_cache = (draw(batch, max_keys, kv_heads, head_dim) for _ in range(2))
+    k_new, v_new = (draw(batch, new_len, kv_heads, head_dim) for _ in range(2))
+    return q, k_cache, v_cache, k_new, v_new
+
+
+def kvcache_reference(q, k_cache, v_cache, k_new, v_new, lengths, causal):
+    """float64 out (B, Sq, H, D) and lse (B, H, Sq): entry b attends to its first lengths[b]
+    cached keys followed by its new ones (the concatenation, no cache involved)."""
+    batch, seqlen_q, heads, _ = q.shape
+    out = np.zeros(q.shape)
+    lse = np.full((batch, heads, seqlen_q), -np.inf)
+    for b, length in enumerate(lengths):
+        keys = np.concatenate([k_cache[b, :length], k_new[b]])
+        values = np.concatenate([v_cache[b, :length], v_new[b]])
+        if keys.shape[0] == 0:
+            continue
+        o, s = naive_attention(
+            q[b].transpose(1, 0, 2)[None],
+            keys.transpose(1, 0, 2)[None],
+            values.transpose(1, 0, 2)[None],
+            causal=causal,
+        )
+        out[b] = o[0].transpose(1, 0, 2)
+        lse[b] = s[0]
+    return out, lse
+
+
+def appended_cache(cache, new, lengths):
+    """The cache as it must be after the call: ``new`` in rows lengths[b]:, the rest as was."""
+    want = cache.copy()
+    for b, length in enumerate(lengths):
+        want[b, length : length + new.shape[1]] = new[b]
+    return want
+
+
+def check_kvcache(out, lse, ref_out, ref_lse, dtype):
+    out = np.asarray(out, dtype=np.float64)
+    assert not np.isnan(out).any()
+    error = relative_error(out, ref_out)
+    assert error <= OUT_TOLERANCE[dtype], f"relative error {error:.3g} > {OUT_TOLERANCE[dtype]}"
+    empty = np.isneginf(ref_lse)  # (B, H, Sq)
+    assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0.0), "rows that see no key give out = 0"
+    if lse is None:
+        return
+    assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
+    assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where no key is seen"
+    if (~empty).any():
+        assert np.max(np.abs(lse[~empty] - ref_lse[~empty])) <= LSE_TOLERANCE

@@ -7,74 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_cases import round_to
+from attention_cases import appended_cache, check_kvcache, kvcache_data, kvcache_reference
 from conftest import CPU_BACKEND_MARKS, host_dtype
 
 import kernelgen
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
 pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
-
-
-def _data(batch, seqlen_q, new_len, max_keys, heads, kv_heads, dtype, seed):
-    """float32 q (B, Sq, H, D), caches (B, S_max, Hkv, D) and k_new/v_new (B, S_new, Hkv, D),
-    all holding values of ``dtype``."""
-    rng = np.random.default_rng(seed)
-
-    def draw(*shape):
-        return round_to(rng.standard_normal(shape), dtype)
-
-    q = draw(batch, seqlen_q, heads, HEAD_DIM)
-    k_cache, v_cache = (draw(batch, max_keys, kv_heads, HEAD_DIM) for _ in range(2))
-    k_new, v_new = (draw(batch, new_len, kv_heads, HEAD_DIM) for _ in range(2))
-    return q, k_cache, v_cache, k_new, v_new
-
-
-def _reference(q, k_cache, v_cache, k_new, v_new, lengths, causal):
-    """float64 out (B, Sq, H, D) and lse (B, H, Sq): entry b attends to its first lengths[b]
-    cached keys followed by its new ones (the concatenation, no cache involved)."""
-    batch, seqlen_q, heads, _ = q.shape
-    out = np.zeros(q.shape)
-    lse = np.full((batch, heads, seqlen_q), -np.inf)
-    for b, length in enumerate(lengths):
-        keys = np.concatenate([k_cache[b, :length], k_new[b]])
-        values = np.concatenate([v_cache[b, :length], v_new[b]])
-        if keys.shape[0] == 0:
-            continue
-        o, s = naive_attention(
-            q[b].transpose(1, 0, 2)[None],
-            keys.transpose(1, 0, 2)[None],
-            values.transpose(1, 0, 2)[None],
-            causal=causal,
-        )
-        out[b] = o[0].transpose(1, 0, 2)
-        lse[b] = s[0]
-    return out, lse
-
-
-def _appended(cache, new, lengths):
-    """The cache as it must be after the call: ``new`` in rows lengths[b]:, the rest as was."""
-    want = cache.copy()
-    for b, length in enumerate(lengths):
-        want[b, length : length + new.shape[1]] = new[b]
-    return want
-
-
-def _check(out, lse, ref_out, ref_lse, dtype):
-    out = np.asarray(out, dtype=np.float64)
-    assert not np.isnan(out).any()
-    error = relative_error(out, ref_out)
-    assert error <= OUT_TOLERANCE[dtype], f"relative error {error:.3g} > {OUT_TOLERANCE[dtype]}"
-    empty = np.isneginf(ref_lse)  # (B, H, Sq)
-    assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0.0), "rows that see no key give out = 0"
-    if lse is None:
-        return
-    assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
-    assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where no key is seen"
-    if (~empty).any():
-        assert np.max(np.abs(lse[~empty] - ref_lse[~empty])) <= LSE_TOLERANCE
 
 
 # dtype, heads, kv_heads, Sq, S_new, lengths (cache_seqlens), causal, num_splits
@@ -93,7 +33,9 @@ CASES = [
 def test_append_then_attend_equals_attending_to_the_concatenation(
     dtype, heads, kv_heads, seqlen_q, new_len, lengths, causal, splits
 ):
-    data = _data(len(lengths), seqlen_q, new_len, 40, heads, kv_heads, dtype, seed=sum(lengths))
+    data = kvcache_data(
+        len(lengths), seqlen_q, new_len, 40, heads, kv_heads, dtype, seed=sum(lengths)
+    )
     q, k_cache, v_cache, k_new, v_new = (x.astype(host_dtype(dtype)) for x in data)
     out, lse = kernelgen.attention_with_kvcache(
         q,
@@ -107,24 +49,24 @@ def test_append_then_attend_equals_attending_to_the_concatenation(
         return_lse=True,
     )
     assert out.dtype == q.dtype and out.shape == q.shape
-    _check(out, lse, *_reference(*data, lengths, causal), dtype)
+    check_kvcache(out, lse, *kvcache_reference(*data, lengths, causal), dtype)
     for cache, new, before in ((k_cache, k_new, data[1]), (v_cache, v_new, data[2])):
-        want = _appended(before.astype(cache.dtype), new, lengths)
+        want = appended_cache(before.astype(cache.dtype), new, lengths)
         assert np.array_equal(cache.view(np.uint8), want.view(np.uint8)), "only new rows change"
 
 
 def test_without_new_tokens_attends_to_the_cache_lengths():
     """No k_new: q sees cache_seqlens[b] keys (an entry with none gives out 0, lse -inf); an int
     length serves every entry; the cache is not written."""
-    data = _data(3, 2, 0, 24, 4, 2, "float16", seed=5)
+    data = kvcache_data(3, 2, 0, 24, 4, 2, "float16", seed=5)
     q, k_cache, v_cache = (x.astype(np.float16) for x in data[:3])
     before = k_cache.copy(), v_cache.copy()
     out, lse = kernelgen.attention_with_kvcache(
         q, k_cache, v_cache, [4, 0, 24], causal=True, return_lse=True
     )
-    _check(out, lse, *_reference(*data, [4, 0, 24], True), "float16")
+    check_kvcache(out, lse, *kvcache_reference(*data, [4, 0, 24], True), "float16")
     out = kernelgen.attention_with_kvcache(q, k_cache, v_cache, 11, num_splits=2)
-    _check(out, None, *_reference(*data, [11] * 3, False), "float16")
+    check_kvcache(out, None, *kvcache_reference(*data, [11] * 3, False), "float16")
     assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
 
 
@@ -134,8 +76,8 @@ def test_decode_loop_with_torch_cpu_tensors():
     token appended so far; an entry starting empty works."""
     torch = pytest.importorskip("torch")
     lengths = [0, 13, 6]
-    first = _data(3, 1, 1, 16, 8, 1, "bfloat16", seed=6)
-    second = _data(3, 1, 1, 16, 8, 1, "bfloat16", seed=7)
+    first = kvcache_data(3, 1, 1, 16, 8, 1, "bfloat16", seed=6)
+    second = kvcache_data(3, 1, 1, 16, 8, 1, "bfloat16", seed=7)
     k_cache, v_cache = (torch.from_numpy(x).to(torch.bfloat16) for x in first[1:3])
     seqlens = torch.tensor(lengths, dtype=torch.int32)
     news_k, news_v = [], []
@@ -154,13 +96,13 @@ def test_decode_loop_with_torch_cpu_tensors():
         news_k.append(k_new)
         news_v.append(v_new)
         k_all, v_all = np.concatenate(news_k, axis=1), np.concatenate(news_v, axis=1)
-        ref = _reference(q, first[1], first[2], k_all, v_all, lengths, True)
-        _check(out.float().numpy(), None, *ref, "bfloat16")
+        ref = kvcache_reference(q, first[1], first[2], k_all, v_all, lengths, True)
+        check_kvcache(out.float().numpy(), None, *ref, "bfloat16")
         seqlens += 1  # the caller advances the lengths
 
 
 def _bad_call_leaves_cache_unchanged(error, match, **changes):
-    data = _data(2, 1, 2, 8, 4, 2, "float16", seed=8)
+    data = kvcache_data(2, 1, 2, 8, 4, 2, "float16", seed=8)
     q, k_cache, v_cache, k_new, v_new = (x.astype(np.float16) for x in data)
     kwargs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": [3, 6]}
     kwargs.update(k_new=k_new, v_new=v_new)
@@ -238,7 +180,7 @@ def test_bad_input_raises_before_any_write(error, match, changes):
 
 
 def test_read_only_cache_and_spec_mismatch_raise_before_any_write():
-    data = _data(2, 1, 1, 8, 4, 2, "float16", seed=9)
+    data = kvcache_data(2, 1, 1, 8, 4, 2, "float16", seed=9)
     q, k_cache, v_cache, k_new, v_new = (x.astype(np.float16) for x in data)
     before = k_cache.copy(), v_cache.copy()
     v_cache.flags.writeable = False

@@ -5,63 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_cases import round_to
+from attention_cases import check_varlen, packed_varlen, varlen_reference
 from conftest import CPU_BACKEND_MARKS, host_dtype
 
 import kernelgen
 from kernelgen import host
-from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
 pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
-
-
-def _offsets(lengths: list[int]) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def _packed(lengths_q, lengths_k, heads, kv_heads, dtype, seed):
-    """Packed q, k, v in ``dtype`` (float32 copies hold the same values) and the offsets."""
-    rng = np.random.default_rng(seed)
-    total_q, total_k = sum(lengths_q), sum(lengths_k)
-    q = round_to(rng.standard_normal((total_q, heads, HEAD_DIM)), dtype)
-    k = round_to(rng.standard_normal((total_k, kv_heads, HEAD_DIM)), dtype)
-    v = round_to(rng.standard_normal((total_k, kv_heads, HEAD_DIM)), dtype)
-    return q, k, v, _offsets(lengths_q), _offsets(lengths_k)
-
-
-def _reference(q, k, v, cu_q, cu_k, causal):
-    """float64 out (total_q, H, D) and lse (H, total_q), one sequence at a time."""
-    out = np.zeros(q.shape)
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for b in range(len(cu_q) - 1):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if rows.start == rows.stop:
-            continue
-        o, s = naive_attention(
-            q[rows].transpose(1, 0, 2)[None],
-            k[keys].transpose(1, 0, 2)[None],
-            v[keys].transpose(1, 0, 2)[None],
-            causal=causal,
-        )
-        out[rows] = o[0].transpose(1, 0, 2)
-        lse[:, rows] = s[0]
-    return out, lse
-
-
-def _check(out, lse, ref_out, ref_lse, dtype):
-    out = np.asarray(out, dtype=np.float64)
-    assert not np.isnan(out).any()
-    error = relative_error(out, ref_out)
-    assert error <= OUT_TOLERANCE[dtype], f"relative error {error:.3g} > {OUT_TOLERANCE[dtype]}"
-    empty = np.isneginf(ref_lse)  # (H, total_q)
-    assert np.all(out.transpose(1, 0, 2)[empty] == 0.0), "rows that see no key give out = 0"
-    if lse is None:
-        return
-    assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
-    assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where no key is seen"
-    if (~empty).any():
-        assert np.max(np.abs(lse[~empty] - ref_lse[~empty])) <= LSE_TOLERANCE
 
 
 # (lengths_q, lengths_k): zero-length sequences, one query, a sequence with queries but no keys,
@@ -79,7 +30,7 @@ CASES = [
 
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "causal", "lengths"), CASES)
 def test_varlen_matches_float64(dtype, heads, kv_heads, causal, lengths):
-    q, k, v, cu_q, cu_k = _packed(*lengths, heads, kv_heads, dtype, seed=len(lengths[0]))
+    q, k, v, cu_q, cu_k = packed_varlen(*lengths, heads, kv_heads, dtype, seed=len(lengths[0]))
     np_dtype = host_dtype(dtype)
     out, lse = kernelgen.attention_varlen(
         q.astype(np_dtype),
@@ -93,14 +44,14 @@ def test_varlen_matches_float64(dtype, heads, kv_heads, causal, lengths):
         return_lse=True,
     )
     assert out.dtype == np_dtype and out.shape == q.shape
-    _check(out, lse, *_reference(q, k, v, cu_q, cu_k, causal), dtype)
+    check_varlen(out, lse, *varlen_reference(q, k, v, cu_q, cu_k, causal), dtype)
 
 
 def test_varlen_without_lse_host_list_offsets_and_torch():
     """Offsets as host lists; CPU torch tensors in give CPU torch out; lse not asked for."""
     torch = pytest.importorskip("torch")
     lengths_q, lengths_k = [2, 0, 7], [9, 3, 7]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, "float16", seed=3)
+    q, k, v, cu_q, cu_k = packed_varlen(lengths_q, lengths_k, 4, 2, "float16", seed=3)
     out = kernelgen.attention_varlen(
         *(torch.from_numpy(x.astype(np.float16)) for x in (q, k, v)),
         cu_q.tolist(),
@@ -110,8 +61,8 @@ def test_varlen_without_lse_host_list_offsets_and_torch():
         causal=True,
     )
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float16
-    ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, True)
-    _check(out.float().numpy(), None, ref_out, ref_lse, "float16")
+    ref_out, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, True)
+    check_varlen(out.float().numpy(), None, ref_out, ref_lse, "float16")
 
 
 def test_empty_batch_and_batch_without_keys():
@@ -139,12 +90,12 @@ def test_varlen_does_no_work_on_padding(monkeypatch):
 
     monkeypatch.setattr(host._EmulatedFunction, "__call__", counting)
     lengths_q, lengths_k = [1, 0, 8, 3, 3, 1], [40, 5, 1, 70, 70, 12]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 1, "bfloat16", seed=4)
+    q, k, v, cu_q, cu_k = packed_varlen(lengths_q, lengths_k, 8, 1, "bfloat16", seed=4)
     bf16 = host_dtype("bfloat16")
     out = kernelgen.attention_varlen(
         q.astype(bf16), k.astype(bf16), v.astype(bf16), cu_q, cu_k, 8, 70, causal=True
     )
-    _check(out, None, *_reference(q, k, v, cu_q, cu_k, True), "bfloat16")
+    check_varlen(out, None, *varlen_reference(q, k, v, cu_q, cu_k, True), "bfloat16")
     k_bytes = sum(s.cp_async_bytes_by_arg.get("k", 0) for s in stats)
     row_bytes = HEAD_DIM * 2
     assert k_bytes == row_bytes * sum(lk for lq, lk in zip(lengths_q, lengths_k, strict=True) if lq)

@@ -1,0 +1,107 @@
+"""GPU tier: the serving entry points on real hardware (skipped without a CUDA device):
+``attention_varlen`` with offsets on the device and ``attention_with_kvcache`` appending into a
+device cache, in CuPy and (where torch has CUDA) torch, against float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from attention_cases import (
+    appended_cache,
+    check_kvcache,
+    check_varlen,
+    kvcache_data,
+    kvcache_reference,
+    packed_varlen,
+    varlen_reference,
+)
+
+import kernelgen
+
+pytestmark = pytest.mark.gpu
+
+MIXED = ([3, 0, 1, 40, 40, 1, 2, 130], [7, 4, 0, 40, 40, 1, 300, 150])
+
+
+def to_device(x: np.ndarray, dtype: str, library: str):
+    """``x`` (values of ``dtype``) as a device array of ``library``."""
+    import cupy
+
+    from kernelgen.tuning.gpu import upload
+
+    array = upload(cupy, np.ascontiguousarray(x, dtype=np.float32), dtype)
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA")
+        return torch.from_dlpack(array)
+    return array
+
+
+def to_host(array) -> np.ndarray:
+    """Any device array (CuPy or torch, any float dtype) as float64 NumPy."""
+    import cupy
+
+    from kernelgen.tuning.gpu import as_float32
+
+    if not isinstance(array, cupy.ndarray):
+        array = cupy.from_dlpack(array)
+    return as_float32(cupy, array).get().astype(np.float64)
+
+
+def offsets_on_device(offsets: np.ndarray, library: str):
+    import cupy
+
+    array = cupy.asarray(offsets, dtype=cupy.int32)
+    return array if library == "cupy" else pytest.importorskip("torch").from_dlpack(array)
+
+
+@pytest.mark.parametrize("library", ["cupy", "torch"])
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "causal"),
+    [("float16", 16, 2, True), ("bfloat16", 8, 1, False), ("float16", 4, 4, False)],
+)
+def test_varlen_on_gpu_with_device_offsets(library, dtype, heads, kv_heads, causal):
+    q, k, v, cu_q, cu_k = packed_varlen(*MIXED, heads, kv_heads, dtype, seed=heads, head_dim=128)
+    out, lse = kernelgen.attention_varlen(
+        *(to_device(x, dtype, library) for x in (q, k, v)),
+        offsets_on_device(cu_q, library),
+        offsets_on_device(cu_k, library),
+        max(MIXED[0]),
+        max(MIXED[1]),
+        causal=causal,
+        return_lse=True,
+    )
+    lse = to_host(lse).astype(np.float32)
+    check_varlen(to_host(out), lse, *varlen_reference(q, k, v, cu_q, cu_k, causal), dtype)
+
+
+@pytest.mark.parametrize("library", ["cupy", "torch"])
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "new_len", "lengths", "splits"),
+    [
+        ("bfloat16", 32, 8, 1, [0, 900, 4000], None),
+        ("float16", 16, 1, 4, [7, 2000, 31], 5),
+    ],
+)
+def test_kvcache_append_then_attend_on_gpu(
+    library, dtype, heads, kv_heads, new_len, lengths, splits
+):
+    data = kvcache_data(len(lengths), new_len, new_len, 4100, heads, kv_heads, dtype, 7, 128)
+    q, k_cache, v_cache, k_new, v_new = (to_device(x, dtype, library) for x in data)
+    out, lse = kernelgen.attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        offsets_on_device(np.asarray(lengths, np.int32), library),
+        k_new=k_new,
+        v_new=v_new,
+        causal=True,
+        num_splits=splits,
+        return_lse=True,
+    )
+    want = kvcache_reference(*data, lengths, True)
+    check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, dtype)
+    # the caches hold the new rows at lengths[b]:, and nothing else changed
+    np.testing.assert_array_equal(to_host(k_cache), appended_cache(data[1], data[3], lengths))
+    np.testing.assert_array_equal(to_host(v_cache), appended_cache(data[2], data[4], lengths))
