@@ -6,7 +6,6 @@ Problems with specs or tools print one line each and exit 2, never a traceback.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,11 +15,12 @@ from rich import box
 from rich.table import Table
 
 from kernelgen.arch import ARCHS
-from kernelgen.cli_console import err_console, out_console
+from kernelgen.cli_args import ArchOption, SpecPaths, load_spec_files, split_archs
+from kernelgen.cli_console import err_console, fail, out_console
 from kernelgen.cli_emulate import register as register_emulate
 from kernelgen.cli_model import register as register_model
 from kernelgen.cli_tune import register as register_tuning
-from kernelgen.errors import CompileError, KernelgenError, SpecError
+from kernelgen.errors import CompileError, KernelgenError
 from kernelgen.spec import spec_json_schema
 
 app = typer.Typer(
@@ -48,49 +48,6 @@ def _root(
     ] = False,
 ) -> None:
     """Generate specialized FlashAttention CUDA kernels from tiling specs."""
-
-
-_ARCH_NAME = re.compile(r"^sm_\d+a?$")
-
-SpecPaths = Annotated[list[Path], typer.Argument(help="Spec YAML files.", show_default=False)]
-ArchOption = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--arch",
-        help="Architectures to compile for (repeat, or list after it: --arch sm_80 sm_90). "
-        "Default: each spec's archs.",
-    ),
-]
-
-
-def _fail(lines: list[str], code: int = 2) -> typer.Exit:
-    for line in lines:
-        err_console.print(line, markup=False)
-    return typer.Exit(code)
-
-
-def _split_archs(paths: list[Path], archs: list[str] | None) -> tuple[list[Path], list[str] | None]:
-    """Let ``--arch sm_80 sm_90`` work: arch names among the paths join --arch."""
-    if archs is None:
-        return paths, None
-    extra = [p for p in paths if _ARCH_NAME.match(str(p)) and not p.exists()]
-    names = [a for value in archs for a in value.replace(",", " ").split()]
-    names += [str(p) for p in extra]
-    unknown = [a for a in names if a not in ARCHS]
-    if unknown:
-        raise _fail(
-            [f"--arch {a}: unknown architecture; allowed: {', '.join(ARCHS)}" for a in unknown]
-        )
-    return [p for p in paths if p not in extra], names
-
-
-def _load(paths: list[Path]):
-    from kernelgen.build import load_specs
-
-    try:
-        return load_specs(paths)
-    except SpecError as exc:
-        raise _fail(exc.problems) from None
 
 
 def _summary_table(built) -> Table:
@@ -167,9 +124,9 @@ def _compile(specs, archs):
                 specs, archs, lambda what: progress.update(task, advance=1, description=what)
             )
     except CompileError as exc:
-        raise _fail([str(exc)], 1) from None
+        raise fail([str(exc)], 1) from None
     except KernelgenError as exc:
-        raise _fail([str(exc)]) from None
+        raise fail([str(exc)]) from None
 
 
 def _check_out_dir(out: Path) -> None:
@@ -177,7 +134,7 @@ def _check_out_dir(out: Path) -> None:
     for folder in (out, *out.parents):
         if folder.exists():
             if not folder.is_dir():
-                raise _fail([f"-o {out}: {folder} exists and is not a folder"])
+                raise fail([f"-o {out}: {folder} exists and is not a folder"])
             return
 
 
@@ -198,20 +155,20 @@ def build(
     judges them (it exits 1 on the same kernels)."""
     from kernelgen.build import stale_files, static_problems, write_generated
 
-    paths, archs = _split_archs(specs, arch)
-    loaded = _load(paths)
+    paths, archs = split_archs(specs, arch)
+    loaded = load_spec_files(paths)
     _check_out_dir(out)  # before compiling anything
     if check:
         problems = stale_files(loaded, out)
         if problems:
-            raise _fail([*problems, "run `kernelgen build` on the same specs to refresh"], 1)
+            raise fail([*problems, "run `kernelgen build` on the same specs to refresh"], 1)
         out_console.print(f"{out}/ is up to date with {len(loaded)} specs")
         return
     built = _compile(loaded, archs)
     try:
         write_generated(built, out)
     except OSError as exc:  # e.g. a read-only folder
-        raise _fail([f"cannot write to {out}: {exc.strerror or exc}"]) from None
+        raise fail([f"cannot write to {out}: {exc.strerror or exc}"]) from None
     out_console.print(_summary_table(built))
     out_console.print(f"wrote {len(built)} kernels and {out / 'manifest.json'}")
     for k in built:
@@ -227,7 +184,7 @@ def show(spec: Annotated[Path, typer.Argument(help="A spec YAML file.")]) -> Non
     """Print the CUDA source a spec generates."""
     from kernelgen.render import render
 
-    (loaded,) = _load([spec])
+    (loaded,) = load_spec_files([spec])
     sys.stdout.write(render(loaded))
 
 
@@ -245,16 +202,12 @@ def check(
     from kernelgen.build import static_problems
     from kernelgen.cli_model import model_reports
 
-    paths, archs = _split_archs(specs, arch)
-    loaded = _load(paths)
+    paths, archs = split_archs(specs, arch)
+    loaded = load_spec_files(paths)
     built = _compile(loaded, archs)
     _print_resources(built)
     if model:
-        try:
-            reports = model_reports(loaded, archs)
-        except KernelgenError as exc:
-            raise _fail([str(exc)]) from None
-        for report in reports:
+        for report in model_reports(loaded, archs, built):
             out_console.print(f"{report.uri} {report.arch}: {report.summary()}", markup=False)
     problems = [
         f"{k.spec.uri}: {why}"
@@ -263,7 +216,7 @@ def check(
         for why in static_problems(k.spec, r)
     ]
     if problems:
-        raise _fail(problems, 1)
+        raise fail(problems, 1)
 
 
 @app.command()

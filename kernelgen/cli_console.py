@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
+import typer
 from rich.console import Console
 
 UNWRAPPED_WIDTH = 10_000  # columns assumed when the stream is not a terminal
@@ -51,3 +52,11 @@ def _is_terminal(stream: TextIO) -> bool:
 
 out_console = UnwrappedConsole()
 err_console = UnwrappedConsole(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(lines: list[str], code: int = 2) -> typer.Exit:
+    """Print each problem as one line on stderr; the Exit to raise (2: bad input, 1: a check
+    failed)."""
+    for line in lines:
+        err_console.print(line, markup=False)
+    return typer.Exit(code)

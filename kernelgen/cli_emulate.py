@@ -18,10 +18,10 @@ from typing import Annotated
 import numpy as np
 import typer
 from rich import box
-from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kernelgen.cli_console import err_console, fail, out_console
 from kernelgen.errors import (
     EmulatorCompileError,
     EmulatorError,
@@ -32,16 +32,7 @@ from kernelgen.errors import (
 )
 from kernelgen.spec import DTYPE_BYTES, KernelSpec
 
-out_console = Console()
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-
 DEFAULT_SHAPE = "1,2,1,100,160"  # partial query and key tiles, GQA
-
-
-def _fail(lines: list[str], code: int = 2) -> typer.Exit:
-    for line in lines:
-        err_console.print(line, markup=False)
-    return typer.Exit(code)
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -183,9 +174,9 @@ def emulate(
         if causal is not None and causal != loaded.causal:
             loaded = KernelSpec(**{**loaded.model_dump(), "causal": causal})
     except SpecError as exc:
-        raise _fail(str(exc).splitlines()) from None
+        raise fail(str(exc).splitlines()) from None
     except ValueError as exc:
-        raise _fail([str(exc)]) from None
+        raise fail([str(exc)]) from None
     q, k, v = _random_inputs(loaded, dims, seed)
     rows: list[Row] = []
     with Progress(
@@ -211,14 +202,14 @@ def emulate(
             rows.append(Row("hazards (race check)", "1", "0", False))
             hazard = exc.message
         except (EmulatorCompileError, EmulatorLaunchError) as exc:
-            raise _fail([str(exc)], 1) from None
+            raise fail([str(exc)], 1) from None
         except EmulatorError as exc:
-            raise _fail([str(exc)]) from None
+            raise fail([str(exc)]) from None
         except KernelgenError as exc:  # the shape does not fit the spec, e.g. a grid limit
-            raise _fail([str(exc)]) from None
+            raise fail([str(exc)]) from None
     if run is None:
         out_console.print(_table(loaded, dims, rows))
-        raise _fail([f"hazard: {hazard}"], 1)
+        raise fail([f"hazard: {hazard}"], 1)
     rows = [
         *_error_rows(loaded, run, q, k, v),
         Row("hazards (race check)", "0", "0", True),
@@ -227,7 +218,7 @@ def emulate(
     out_console.print(_table(loaded, dims, rows))
     failed = [r.what for r in rows if r.ok is False]
     if failed:
-        raise _fail([f"{loaded.uri}: failed: {', '.join(failed)}"], 1)
+        raise fail([f"{loaded.uri}: failed: {', '.join(failed)}"], 1)
 
 
 def register(app: typer.Typer) -> None:

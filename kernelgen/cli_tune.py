@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kernelgen.cli_console import err_console, out_console
+from kernelgen.cli_console import fail, out_console
 from kernelgen.errors import KernelgenError
 from kernelgen.tuning.db import TuningDB
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo
@@ -22,12 +22,6 @@ cache_app = typer.Typer(no_args_is_help=True, help="Inspect and move tuning reco
 
 # What a dry run assumes without a GPU (an H100 SXM) unless --arch / --sms say otherwise.
 DRY_RUN_DEVICE = DeviceInfo("(assumed) NVIDIA H100", "9.0", 132)
-
-
-def _fail(lines: list[str], code: int = 2) -> typer.Exit:
-    for line in lines:
-        err_console.print(line, markup=False)
-    return typer.Exit(code)
 
 
 def current_environment() -> tuple[DeviceInfo, SoftwareInfo]:
@@ -46,11 +40,11 @@ def _dry_run_device(arch: str | None, sms: int | None) -> DeviceInfo:
     else:
         digits = arch.removeprefix("sm_")
         if not digits.isdigit() or len(digits) < 2:
-            raise _fail([f"--arch {arch}: expected a name like sm_90"])
+            raise fail([f"--arch {arch}: expected a name like sm_90"])
         device = DeviceInfo(f"(assumed) {arch}", f"{digits[:-1]}.{digits[-1]}", 132)
     if sms is not None:
         if sms < 1:
-            raise _fail([f"--sms {sms}: the SM count must be at least 1"])
+            raise fail([f"--sms {sms}: the SM count must be at least 1"])
         device = DeviceInfo(device.name, device.compute_capability, sms, device.l2_bytes)
     return device
 
@@ -112,7 +106,7 @@ def tune(
         device, software = current_environment()
         launch = select_launch(problem, device, software=software, mode="on", force=force)
     except KernelgenError as exc:
-        raise _fail(str(exc).splitlines()[:1]) from None
+        raise fail(str(exc).splitlines()[:1]) from None
     out_console.print(f"{problem.bucket().label}: {launch.label}", markup=False)
 
 
@@ -142,10 +136,10 @@ def cache_show(key: Annotated[str, typer.Argument(help="A key id (or a unique pr
     try:
         path = db.find(key)
     except KeyError as exc:
-        raise _fail([exc.args[0]]) from None
+        raise fail([exc.args[0]]) from None
     record = db.read_path(path)
     if record is None:
-        raise _fail([f"{path} is unreadable or corrupt"])
+        raise fail([f"{path} is unreadable or corrupt"])
     out_console.print_json(json.dumps(record.payload()))
 
 
@@ -156,7 +150,7 @@ def cache_clear() -> None:
     try:
         removed = db.clear()
     except OSError as exc:
-        raise _fail([f"cannot clear {db.dir}: {exc.strerror or exc}"]) from None
+        raise fail([f"cannot clear {db.dir}: {exc.strerror or exc}"]) from None
     out_console.print(f"removed {removed} records from {db.dir}")
 
 
@@ -166,7 +160,7 @@ def cache_export(file: Annotated[Path, typer.Argument(help="Bundle to write (JSO
     try:
         count = TuningDB().export(file)
     except OSError as exc:
-        raise _fail([f"cannot write {file}: {exc.strerror or exc}"]) from None
+        raise fail([f"cannot write {file}: {exc.strerror or exc}"]) from None
     out_console.print(f"exported {count} records to {file}")
 
 
@@ -181,13 +175,13 @@ def cache_import(file: Annotated[Path, typer.Argument(help="A bundle from cache 
         records = db.read_bundle(file)  # a bad file is reported before the GPU is looked at
         imported, rejected = db.import_records(records, environment_id(*current_environment()))
     except (KernelgenError, ValueError) as exc:
-        raise _fail(str(exc).splitlines()[:1]) from None
+        raise fail(str(exc).splitlines()[:1]) from None
     except OSError as exc:
-        raise _fail([f"cannot write to {db.dir}: {exc.strerror or exc}"]) from None
+        raise fail([f"cannot write to {db.dir}: {exc.strerror or exc}"]) from None
     clear_memo()
     out_console.print(f"imported {imported} records into {db.dir}")
     if rejected:
-        raise _fail(rejected)
+        raise fail(rejected)
 
 
 def register(app: typer.Typer) -> None:

@@ -23,7 +23,13 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from kernelgen.compile import SassInstruction, compile_offline, disassemble, sass_instructions
+from kernelgen.compile import (
+    Resources,
+    SassInstruction,
+    compile_offline,
+    disassemble,
+    sass_instructions,
+)
 from kernelgen.errors import SettingError
 from kernelgen.occupancy import kernel_occupancy
 from kernelgen.render import render
@@ -102,11 +108,16 @@ class Prediction:
         return self.clocks[self.limiter]
 
 
-def predict(figures: UnitFigures, arch: str) -> Prediction:
-    """The four per-SM bounds of ``figures`` on ``arch`` (:data:`RATES`)."""
+def rates_of(arch: str) -> MachineRates:
+    """:data:`RATES` of ``arch``; a SettingError naming the modelled archs otherwise."""
     if arch not in RATES:
         raise SettingError(f"arch={arch!r}: the performance model knows {', '.join(RATES)}")
-    rates = RATES[arch]
+    return RATES[arch]
+
+
+def predict(figures: UnitFigures, arch: str) -> Prediction:
+    """The four per-SM bounds of ``figures`` on ``arch`` (:data:`RATES`)."""
+    rates = rates_of(arch)
     clocks = {
         "issue": figures.instructions / rates.issue,
         "shared memory": figures.smem_bytes / rates.smem_bytes,
@@ -258,20 +269,24 @@ def analytic_cost(spec: KernelSpec, arch: str) -> float:
     return max(v for k, v in prediction.clocks.items() if k != "issue")
 
 
-def model_spec(spec: KernelSpec, arch: str) -> ModelReport:
-    """Compile ``spec``'s interior variant for ``arch`` offline and model its key-tile loop.
+def interior_loop(spec: KernelSpec, arch: str) -> LoopBody:
+    """The steady-state key-tile loop of ``spec``'s interior variant compiled for ``arch``.
     Needs the NVRTC and cuobjdump/nvdisasm wheels (``pip install 'kernelgen[nvrtc]'``)."""
-    if spec.mma != "mma_sync":
-        raise SettingError(f"{spec.uri}: the performance model covers mma_sync specs only")
-    if arch not in RATES:
-        raise SettingError(f"arch={arch!r}: the performance model knows {', '.join(RATES)}")
-    source = render(spec)
-    interior = compile_offline(interior_source(source), spec.uri, arch, sass=False)
-    sass = disassemble(interior.cubin)
+    compiled = compile_offline(interior_source(render(spec)), spec.uri, arch, sass=False)
+    sass = disassemble(compiled.cubin)
     if sass is None:
         raise SettingError("cuobjdump/nvdisasm are not installed (pip install 'kernelgen[nvrtc]')")
-    res = compile_offline(source, spec.uri, arch, sass=False).resources  # the real kernel's
-    figures = unit_figures(hmma_loop(sass), spec)
+    return hmma_loop(sass)
+
+
+def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) -> ModelReport:
+    """Model ``spec``'s key-tile loop on ``arch``; ``resources`` is the real kernel's ptxas report
+    where the caller has it (else it is compiled for it)."""
+    if spec.mma != "mma_sync":
+        raise SettingError(f"{spec.uri}: the performance model covers mma_sync specs only")
+    rates_of(arch)  # an arch the model knows, before compiling anything
+    figures = unit_figures(interior_loop(spec, arch), spec)
+    res = resources or compile_offline(render(spec), spec.uri, arch, sass=False).resources
     prediction = predict(figures, arch)
     vs_fa2 = None
     if spec.head_dim == 128:

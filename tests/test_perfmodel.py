@@ -8,15 +8,14 @@ import json
 import pytest
 from conftest import SPEC_PATHS, require_toolchain
 
-from kernelgen.compile import compile_offline, cuobjdump_path, disassemble, nvrtc_available
+from kernelgen.compile import compile_offline, cuobjdump_path, nvrtc_available
 from kernelgen.errors import SettingError
 from kernelgen.perfmodel import (
     FA2_D128,
     UnitFigures,
     analytic_cost,
     analytic_figures,
-    hmma_loop,
-    interior_source,
+    interior_loop,
     model_spec,
     predict,
     unit_figures,
@@ -96,8 +95,7 @@ def test_sass_loop_issues_what_the_tiling_requires(path):
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
     spec = load_spec(path)
-    compiled = compile_offline(interior_source(render(spec)), spec.uri, "sm_90", sass=False)
-    measured = unit_figures(hmma_loop(disassemble(compiled.cubin)), spec)
+    measured = unit_figures(interior_loop(spec, "sm_90"), spec)
     expected = analytic_figures(spec)
     for name in ("HMMA", "LDSM", "MUFU"):
         assert measured.count(name) == pytest.approx(expected.count(name)), name
@@ -205,7 +203,7 @@ def test_model_command_prints_json_per_spec_and_arch():
     require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
     path = next(p for p in TC_SPECS if "d64_m64_n64" in p.stem)
     result = CliRunner().invoke(
-        app, ["model", str(path), "--arch", "sm_80", "--arch", "sm_90", "--json"]
+        app, ["model", str(path), "--arch", "sm_80", "sm_90", "--json"]
     )
     assert result.exit_code == 0, result.output
     reports = json.loads(result.stdout)
