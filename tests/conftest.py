@@ -4,7 +4,6 @@ GPU (`-m gpu`) skipped where there is no CUDA device."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from functools import cache
 from pathlib import Path
@@ -135,14 +134,18 @@ def tuning_sandbox(tmp_path, monkeypatch):
 CPU_BACKEND_MARKS = [
     pytest.mark.emulate,
     pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
-    pytest.mark.usefixtures("gxx", "cpu_backend_only"),
+    pytest.mark.usefixtures("cpu_backend_only"),
 ]
 
 
-@pytest.fixture(scope="module")
-def gxx():
-    """The emulator's C++ compiler (a failure in CI, a skip elsewhere)."""
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
+@pytest.fixture(autouse=True)
+def _emulator_compiler(request):
+    """Tests marked ``emulate`` need the emulator's C++ compiler: a failure in CI, a skip
+    elsewhere."""
+    if request.node.get_closest_marker("emulate") is not None:
+        from kernelgen.emulator.kernel import compiler_available
+
+        require_toolchain(compiler_available(), "g++ (for the CUDA emulator)")
 
 
 @pytest.fixture

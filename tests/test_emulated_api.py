@@ -6,7 +6,6 @@ host memory (kernelgen/testing/fake_cupy, fake_torch with ``backed=True``), agai
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import ml_dtypes
 import numpy as np
@@ -19,7 +18,7 @@ from attention_cases import (
     make_case,
     round_to,
 )
-from conftest import install_fake_libraries, launched_kernel, require_toolchain
+from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
 from kernelgen.emulator.launches import spec_kernel
@@ -29,11 +28,6 @@ from kernelgen.testing import fake_cupy, fake_torch
 from kernelgen.testing.poison import poisoned_outputs
 
 pytestmark = pytest.mark.emulate
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gxx():
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
 
 
 def host_of(arg):

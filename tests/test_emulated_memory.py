@@ -13,13 +13,12 @@ all 7 causal tensor-core specs.
 from __future__ import annotations
 
 import re
-import shutil
 import zlib
 
 import numpy as np
 import pytest
 from attention_cases import Case, make_case
-from conftest import SPEC_PATHS, require_toolchain
+from conftest import SPEC_PATHS
 from test_emulated_kernels import run_emulated
 
 from kernelgen.render import render
@@ -28,11 +27,6 @@ from kernelgen.spec import DTYPE_BYTES, load_spec
 pytestmark = pytest.mark.emulate
 
 TC_SPECS = [s for s in map(load_spec, SPEC_PATHS) if s.mma == "mma_sync"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gxx():
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
 
 
 def _data(spec, case: Case):

@@ -202,9 +202,7 @@ def test_model_command_prints_json_per_spec_and_arch():
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
     path = next(p for p in TC_SPECS if "d64_m64_n64" in p.stem)
-    result = CliRunner().invoke(
-        app, ["model", str(path), "--arch", "sm_80", "sm_90", "--json"]
-    )
+    result = CliRunner().invoke(app, ["model", str(path), "--arch", "sm_80", "sm_90", "--json"])
     assert result.exit_code == 0, result.output
     reports = json.loads(result.stdout)
     assert [r["arch"] for r in reports] == ["sm_80", "sm_90"]

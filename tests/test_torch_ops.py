@@ -4,12 +4,9 @@ tensors through the CPU backend, against float64."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 from attention_cases import Case, assert_matches, make_case
-from conftest import require_toolchain
 
 torch = pytest.importorskip("torch")
 kt = pytest.importorskip("kernelgen.torch_ops")
@@ -18,11 +15,6 @@ pytestmark = [
     pytest.mark.emulate,
     pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gxx():
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
 
 
 def test_the_operator_passes_torch_library_checks():

@@ -7,11 +7,9 @@ greedy ``generate()`` with the KV cache (decode steps)."""
 from __future__ import annotations
 
 import copy
-import shutil
 
 import numpy as np
 import pytest
-from conftest import require_toolchain
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,11 +22,6 @@ pytestmark = [
     pytest.mark.emulate,
     pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gxx():
-    require_toolchain(shutil.which("g++") is not None, "g++ (for the CUDA emulator)")
 
 
 @pytest.fixture(scope="module")

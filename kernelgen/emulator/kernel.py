@@ -201,6 +201,11 @@ def _cache_dir() -> Path:
     return d
 
 
+def compiler_available() -> bool:
+    """Whether the emulator's C++ compiler (g++, or $KG_EMULATOR_CXX) is on PATH."""
+    return shutil.which(os.environ.get("KG_EMULATOR_CXX", "g++")) is not None
+
+
 def _compiler() -> str:
     cxx = os.environ.get("KG_EMULATOR_CXX", "g++")
     path = shutil.which(cxx)
