@@ -28,6 +28,10 @@ ARCHS: dict[str, Arch] = {
         Arch("sm_86", 86, 99 * KIB, 100 * KIB, 1536, 16),  # RTX 30xx, A10, A40
         Arch("sm_89", 89, 99 * KIB, 100 * KIB, 1536, 24),  # RTX 40xx, L4, L40
         Arch("sm_90", 90, 227 * KIB, 228 * KIB, 2048, 32),  # H100, H200
+        # sm_90 with its architecture-specific instructions (wgmma, setmaxnreg): code compiled
+        # for it runs on compute capability 9.0 only. After sm_90, so that a 9.0 device's
+        # nearest_arch stays the portable sm_90.
+        Arch("sm_90a", 90, 227 * KIB, 228 * KIB, 2048, 32),
         Arch("sm_100", 100, 227 * KIB, 228 * KIB, 2048, 32),  # B200
         Arch("sm_120", 120, 99 * KIB, 100 * KIB, 1536, 32),  # RTX 50xx
     )

@@ -46,7 +46,8 @@ SASS_SHOWN = ("HMMA", "LDSM", "LDL", "STL")  # `kernelgen check` prints these ev
 def static_problems(spec: KernelSpec, res: Resources) -> list[str]:
     """Why a compiled kernel fails the static bar on ``res.arch`` (empty: it passes):
     spill or stack bytes, shared memory over the arch's limit and, where the SASS was
-    disassembled, local-memory loads/stores or a tensor-core spec without HMMA and LDSM."""
+    disassembled, local-memory loads/stores, a tensor-core spec without HMMA and LDSM or a
+    wgmma spec without HGMMA and UTMALDG."""
     problems = []
     if res.spill_store_bytes or res.spill_load_bytes or res.stack_bytes:
         problems.append(
@@ -65,6 +66,8 @@ def static_problems(spec: KernelSpec, res: Resources) -> list[str]:
         )
     if sass and spec.mma == "mma_sync" and not (sass.get("HMMA", 0) and sass.get("LDSM", 0)):
         problems.append(f"tensor-core spec without HMMA or LDSM in its SASS for {res.arch}")
+    if sass and spec.mma == "wgmma" and not (sass.get("HGMMA", 0) and sass.get("UTMALDG", 0)):
+        problems.append(f"wgmma spec without HGMMA or UTMALDG in its SASS for {res.arch}")
     return problems
 
 

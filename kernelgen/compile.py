@@ -174,6 +174,7 @@ def parse_ptxas_report(log: str, name: str, arch: str) -> Resources:
 SASS_OPCODES: tuple[str, ...] = (
     "HMMA",
     "HGMMA",
+    "UTMALDG",
     "LDSM",
     "LDGSTS",
     "LDS",

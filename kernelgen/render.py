@@ -24,7 +24,21 @@ ENTRY_TEMPLATE = {
     ("simt", "v1"): "fa_fwd_v1.cu.j2",
     ("simt", "v2"): "fa_fwd_v2.cu.j2",
     ("mma_sync", "v2"): "fa_fwd_v2_tc.cu.j2",
+    ("wgmma", "v2"): "fa_fwd_wgmma.cu.j2",
 }
+# What the generated file's header says the kernel runs on.
+ENGINE_DESCRIPTION = {
+    "simt": "CUDA cores",
+    "mma_sync": "tensor cores (mma.sync m16n8k16, ldmatrix, cp.async)",
+    "wgmma": "Hopper tensor cores (wgmma, TMA, mbarriers; warp-specialised)",
+}
+# The tensor-map parameter type of TMA kernels (the driver's CUtensorMap, 128 opaque bytes).
+TENSOR_MAP_CTYPE = "const __grid_constant__ CUtensorMap"
+# setmaxnreg budgets of the wgmma kernels (registers per thread; multiples of 8 from 24 to 256):
+# the producer keeps what issuing copies needs, the consumers share the rest of the 64K register
+# file (512 per thread of one warpgroup), at most 240 each.
+PRODUCER_REGS = 24
+MAX_CONSUMER_REGS = 240
 
 
 @dataclass(frozen=True)
@@ -85,11 +99,14 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     A split-KV kernel writes fp32 partials (o_partial, lse_partial) instead of out and lse;
     ``seqlens_k`` (per-sequence key lengths, or null) clamps ``seqlen_k`` for each batch entry."""
     elem = CXX_ELEMENT[spec.dtype].name
-    params = [
-        Param("q", f"const {elem}*"),
-        Param("k", f"const {elem}*"),
-        Param("v", f"const {elem}*"),
-    ]
+    if spec.mma == "wgmma":  # q, k and v reach the kernel as TMA tensor maps
+        params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
+    else:
+        params = [
+            Param("q", f"const {elem}*"),
+            Param("k", f"const {elem}*"),
+            Param("v", f"const {elem}*"),
+        ]
     if spec.split_kv:
         params += [Param("o_partial", "float*"), Param("lse_partial", "float*")]
     else:
@@ -99,7 +116,8 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
         params.append(Param("workspace", "float*"))
     names = ["batch", "num_heads", "num_kv_heads", "seqlen_q", "max_seqlen_k"]
     params += [Param(name, "int") for name in names + (["num_splits"] if spec.split_kv else [])]
-    params += _strides("q", "bhs") + _strides("k", "bhs") + _strides("v", "bhs")
+    if spec.mma != "wgmma":  # the tensor maps hold the strides of q, k and v
+        params += _strides("q", "bhs") + _strides("k", "bhs") + _strides("v", "bhs")
     if not spec.split_kv:
         params += _strides("out", "bhs")
     params += _strides("mask", "bhqk")
@@ -118,6 +136,14 @@ def combine_params(spec: KernelSpec) -> tuple[Param, ...]:
     ]
     params += [Param(name, "int") for name in ("batch", "num_heads", "seqlen_q", "num_splits")]
     return tuple(params + _strides("out", "bhs"))
+
+
+def consumer_registers(spec: KernelSpec) -> int:
+    """setmaxnreg budget of a wgmma consumer thread: the register file (64K, i.e. 512 per thread
+    of one warpgroup) less the producer's, shared by the consumers, in multiples of 8, at most
+    :data:`MAX_CONSUMER_REGS`."""
+    share = (512 - PRODUCER_REGS) // max(1, spec.consumer_warpgroups)
+    return min(MAX_CONSUMER_REGS, share // 8 * 8)
 
 
 def workspace_floats(spec: KernelSpec, batch: int, num_heads: int, seqlen_q: int) -> int:
@@ -179,6 +205,9 @@ def render(spec: KernelSpec) -> str:
     return template.render(
         spec=spec,
         uri=spec.uri,
+        engine=ENGINE_DESCRIPTION[spec.mma],
+        producer_regs=PRODUCER_REGS,
+        consumer_regs=consumer_registers(spec) if spec.mma == "wgmma" else 0,
         elem=CXX_ELEMENT[spec.dtype],
         params=kernel_params(spec),
         combine_params=combine_params(spec) if spec.split_kv else (),

@@ -19,7 +19,7 @@ from kernelgen.errors import InputError, SpecError
 
 DType = Literal["float32", "float16", "bfloat16"]
 LoopOrder = Literal["v1", "v2"]
-MmaPath = Literal["simt", "mma_sync"]
+MmaPath = Literal["simt", "mma_sync", "wgmma"]
 SmemLayout = Literal["padded", "swizzled"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -51,17 +51,28 @@ def normalize_dtype(name: str) -> str:
 
 
 TILE_SIZES = (16, 32, 64, 128)
-WARP_COUNTS = (1, 2, 4, 8)
+WARP_COUNTS = (1, 2, 4, 8, 12)  # 12: wgmma's producer warpgroup and two consumer warpgroups
 MAX_HEAD_DIM = 256
 # fp32 registers a thread may devote to its slice of the output row and of the score row;
 # beyond this the kernels spill (checked for real by ptxas in the compile tier).
-MAX_ACCUMULATORS_PER_THREAD = {"simt": 128, "mma_sync": 160}
+MAX_ACCUMULATORS_PER_THREAD = {"simt": 128, "mma_sync": 160, "wgmma": 160}
 MMA_STAGES = (2, 3, 4)
 # Query rows one warp owns on the tensor cores: one or two m16 tiles (two share each K/V fragment).
 MMA_ROWS_PER_WARP = (16, 32)
 # Tensor-core rows are moved in 16-byte chunks (8 elements): the padded layout adds one chunk per
 # row (an odd row stride in chunks), the swizzled one XORs the chunk index with the row (mod 8).
 MMA_PAD_WORDS = {"padded": 4, "swizzled": 0}
+# wgmma (sm_90a): a consumer warpgroup (4 warps) owns 64 query rows (the m64 of wgmma), one more
+# warpgroup produces (issues the TMA copies). Head dims: the tiles are 64-element column blocks
+# of 128 bytes (the 128-byte swizzle); 96 fills the second block half (TMA zero-fills the rest).
+WGMMA_ARCHS = ("sm_90a",)
+WGMMA_HEAD_DIMS = (64, 96, 128, 256)
+WGMMA_BLOCK_M = (64, 128)  # one or two consumer warpgroups
+WGMMA_BLOCK_N = (32, 64, 128)
+WGMMA_ROWS_PER_WARPGROUP = 64
+WGMMA_COLUMN_BLOCK = 64  # elements of one 128-byte swizzled row (16-bit types)
+WGMMA_SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the repeat of the 128-byte swizzle
+WGMMA_BARRIER_BYTES = 8
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -102,13 +113,19 @@ class KernelSpec(BaseModel):
     head_dim: int = Field(description="Head dimension D: a multiple of 8, at most 256.")
     block_m: int = Field(description="Query rows per tile (16, 32, 64 or 128).")
     block_n: int = Field(description="Key rows per tile (16, 32, 64 or 128).")
-    num_warps: int = Field(4, description="Warps per thread block (1, 2, 4 or 8).")
+    num_warps: int = Field(
+        4,
+        description="Warps per thread block (1, 2, 4 or 8; wgmma: 4 per warpgroup, a producer "
+        "and block_m / 64 consumers, i.e. 8 or 12, its default).",
+    )
     causal: bool = Field(False, description="Bottom-right aligned causal mask.")
     mma: MmaPath = Field(
         "simt",
         description="simt: CUDA-core FMA kernels (all dtypes, v1 and v2); mma_sync: tensor cores "
         "(mma.sync m16n8k16, ldmatrix, cp.async; float16/bfloat16, v2, block_m = 16 or 32 rows "
-        "per warp times num_warps).",
+        "per warp times num_warps); wgmma: Hopper tensor cores (archs [sm_90a] only: wgmma, TMA, "
+        "mbarriers; float16/bfloat16, v2, head_dim 64/96/128/256, block_m 64 or 128 = one or "
+        "two consumer warpgroups, block_n 32/64/128).",
     )
     stages: int | None = Field(
         None,  # resolved by _fill_mode_defaults: 1 for simt, 2 for mma_sync
@@ -150,7 +167,12 @@ class KernelSpec(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        tensor_cores = data.get("mma") == "mma_sync"
+        tensor_cores = data.get("mma") in ("mma_sync", "wgmma")
+        if data.get("mma") == "wgmma":  # one layout and one target: defaults, not choices
+            data.setdefault("smem_layout", "swizzled")
+            data.setdefault("archs", WGMMA_ARCHS)
+            if isinstance(data.get("block_m"), int) and "num_warps" not in data:
+                data["num_warps"] = 4 * (1 + data["block_m"] // WGMMA_ROWS_PER_WARPGROUP)
         if data.get("stages") is None:
             data["stages"] = 2 if tensor_cores else 1
         if data.get("smem_pad") is None:
@@ -226,7 +248,11 @@ class KernelSpec(BaseModel):
     # ---- whole-spec checks ----------------------------------------------------------------
     @model_validator(mode="after")
     def _check_geometry(self) -> KernelSpec:
-        problems = self._mma_problems() if self.mma == "mma_sync" else self._simt_problems()
+        problems = {
+            "simt": self._simt_problems,
+            "mma_sync": self._mma_problems,
+            "wgmma": self._wgmma_problems,
+        }[self.mma]()
         if problems:  # the geometry below is meaningless for a spec with a wrong mode
             raise ValueError("\n".join(problems))
         if self.threads < self.block_m:
@@ -240,7 +266,16 @@ class KernelSpec(BaseModel):
                 f"num_warps={self.num_warps} need {self.accumulators_per_thread} fp32 "
                 f"accumulators per thread; at most {MAX_ACCUMULATORS_PER_THREAD[self.mma]} fit in "
                 "registers "
-                "(raise num_warps or lower the tiles)"
+                + (
+                    "(lower block_n)"
+                    if self.mma == "wgmma"
+                    else "(raise num_warps or lower the tiles)"
+                )
+            )
+        if self.mma != "wgmma" and self.num_warps == 12:
+            problems.append(
+                f"num_warps=12 is not allowed with mma={self.mma!r}; use 1, 2, 4 or 8 (12 is "
+                "wgmma's producer and two consumer warpgroups)"
             )
         for name in self.archs:
             limit = ARCHS[name].max_smem_per_block
@@ -308,7 +343,76 @@ class KernelSpec(BaseModel):
             )
         return problems
 
+    def _wgmma_problems(self) -> list[str]:
+        problems = []
+        if self.dtype == "float32":
+            problems.append(
+                "dtype='float32' is not allowed with mma='wgmma'; use float16 or bfloat16"
+            )
+        if self.loop_order != "v2":
+            problems.append(
+                f"loop_order={self.loop_order!r} is not allowed with mma='wgmma'; use v2"
+            )
+        other = [a for a in self.archs if a not in WGMMA_ARCHS]
+        if other:
+            problems.append(
+                f"archs={list(self.archs)} is not allowed with mma='wgmma'; wgmma and setmaxnreg "
+                f"exist only on {', '.join(WGMMA_ARCHS)} (use archs: [{', '.join(WGMMA_ARCHS)}])"
+            )
+        if self.head_dim not in WGMMA_HEAD_DIMS:
+            problems.append(
+                f"head_dim={self.head_dim} is not allowed with mma='wgmma'; use one of "
+                f"{', '.join(map(str, WGMMA_HEAD_DIMS))}"
+            )
+        if self.block_m not in WGMMA_BLOCK_M:
+            problems.append(
+                f"block_m={self.block_m} is not allowed with mma='wgmma'; each consumer "
+                f"warpgroup owns {WGMMA_ROWS_PER_WARPGROUP} query rows, so use "
+                f"{' or '.join(map(str, WGMMA_BLOCK_M))}"
+            )
+        elif self.num_warps != self.wgmma_warps:
+            problems.append(
+                f"num_warps={self.num_warps} is not allowed with mma='wgmma' and block_m="
+                f"{self.block_m}; use {self.wgmma_warps} (a producer warpgroup and "
+                f"{self.block_m // WGMMA_ROWS_PER_WARPGROUP} consumer warpgroups), or leave it out"
+            )
+        if self.block_n not in WGMMA_BLOCK_N:
+            problems.append(
+                f"block_n={self.block_n} is not allowed with mma='wgmma'; use one of "
+                f"{', '.join(map(str, WGMMA_BLOCK_N))}"
+            )
+        if self.stages not in MMA_STAGES:
+            problems.append(
+                f"stages={self.stages} is not allowed with mma='wgmma'; use one of "
+                f"{', '.join(map(str, MMA_STAGES))}"
+            )
+        if self.smem_layout != "swizzled" or self.smem_pad != 0:
+            problems.append(
+                f"smem_layout={self.smem_layout!r}, smem_pad={self.smem_pad} are not allowed "
+                "with mma='wgmma'; its tiles are always 128-byte swizzled (leave both out)"
+            )
+        for field, value in (("pack_gqa", self.pack_gqa), ("split_kv", self.split_kv)):
+            if value:
+                problems.append(f"{field}=true is not allowed with mma='wgmma' (not built yet)")
+        return problems
+
     # ---- derived geometry (single source for render, launch and validation) --------------
+    @property
+    def wgmma_warps(self) -> int:
+        """Warps of a wgmma block: the producer warpgroup and one consumer warpgroup per 64
+        query rows."""
+        return 4 * (1 + self.block_m // WGMMA_ROWS_PER_WARPGROUP)
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        """wgmma: warpgroups that compute (each owns 64 query rows of the tile)."""
+        return self.block_m // WGMMA_ROWS_PER_WARPGROUP
+
+    @property
+    def column_blocks(self) -> int:
+        """wgmma: 64-element (128-byte) column blocks a Q, K or V tile row is stored in."""
+        return -(-self.head_dim // WGMMA_COLUMN_BLOCK)
+
     @property
     def threads(self) -> int:
         return self.num_warps * 32
@@ -317,15 +421,19 @@ class KernelSpec(BaseModel):
     def threads_per_row(self) -> int:
         """Lanes of one warp that share a query row (its scores and its output columns).
 
-        simt: 1 to 16, never more than block_n. mma_sync: the 4 lanes of a quad, which the
-        m16n8 accumulator layout gives 2 of each 8 columns of rows g and g + 8."""
-        if self.mma == "mma_sync":
+        simt: 1 to 16, never more than block_n. mma_sync and wgmma: the 4 lanes of a quad,
+        which the m16n8 (and m64nN) accumulator layout gives 2 of each 8 columns of rows g and
+        g + 8."""
+        if self.mma in ("mma_sync", "wgmma"):
             return 4
         return max(1, self.threads // self.block_m)
 
     @property
     def rows_per_warp(self) -> int:
-        """Query rows of the tile that one warp owns (mma_sync: 16 or 32, the m16 tiles)."""
+        """Query rows of the tile that one warp owns (mma_sync: 16 or 32, the m16 tiles; wgmma:
+        16, a consumer warp's quarter of its warpgroup's 64)."""
+        if self.mma == "wgmma":
+            return WGMMA_ROWS_PER_WARPGROUP // 4
         return self.block_m // self.num_warps
 
     @property
@@ -348,6 +456,8 @@ class KernelSpec(BaseModel):
     @property
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K and V tiles in shared memory, in elements."""
+        if self.mma == "wgmma":
+            return WGMMA_COLUMN_BLOCK  # one 128-byte row of a column block
         width = self.head_dim_padded if self.mma == "mma_sync" else self.head_dim
         return width + self.smem_pad * 4 // self.elem_bytes
 
@@ -358,13 +468,17 @@ class KernelSpec(BaseModel):
 
     @property
     def accumulators_per_thread(self) -> int:
-        if self.mma == "mma_sync":  # a warp's rows of scores and of the output, over 32 lanes
+        if self.mma in ("mma_sync", "wgmma"):  # a warp's rows of scores and output, 32 lanes
             return self.rows_per_warp * (self.block_n + self.head_dim_padded) // 32
         return self.keys_per_thread + self.cols_per_thread
 
     @property
     def smem_bytes(self) -> int:
         row_bytes = self.smem_row_elems * self.elem_bytes
+        if self.mma == "wgmma":  # Q, the K and V rings, their barriers, 1024-byte alignment
+            tile_rows = self.block_m + 2 * self.stages * self.block_n
+            barriers = (1 + 3 * self.stages) * WGMMA_BARRIER_BYTES
+            return tile_rows * self.column_blocks * row_bytes + barriers + WGMMA_SWIZZLE_ATOM
         if self.mma == "mma_sync":  # Q tile (reused to stage the output), then K and V rings
             return (self.block_m + 2 * self.stages * self.block_n) * row_bytes
         return (
@@ -378,6 +492,8 @@ class KernelSpec(BaseModel):
         parts = ["fa_fwd", self.loop_order]
         if self.mma == "mma_sync":
             parts.append("tc")
+        elif self.mma == "wgmma":
+            parts.append("wg")
         parts += [
             DTYPE_SHORT[self.dtype],
             f"d{self.head_dim}",
@@ -387,6 +503,8 @@ class KernelSpec(BaseModel):
         ]
         if self.mma == "mma_sync":
             parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
+        elif self.mma == "wgmma":
+            parts.append(f"s{self.stages}")
         else:
             parts.append(f"p{self.smem_pad}")
         if self.causal:

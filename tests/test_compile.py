@@ -5,6 +5,7 @@ Runs in CI and fails there (never skips) when NVRTC or the CUDA headers are miss
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from kernelgen.compile import (
     sass_instructions,
 )
 from kernelgen.errors import CompileError
-from kernelgen.render import MAX_SPLITS, render
+from kernelgen.render import MAX_SPLITS, PRODUCER_REGS, consumer_registers, render
 from kernelgen.spec import KernelSpec, load_spec
 
 pytestmark = pytest.mark.compile
@@ -78,6 +79,8 @@ def assert_static_quality(spec) -> None:
             assert sass["LDL"] == 0 and sass["STL"] == 0, sass  # no local memory
             if spec.mma == "mma_sync":  # tensor cores fed by ldmatrix, not a CUDA-core fallback
                 assert (sass["HMMA"], sass["LDSM"]) == tensor_core_instructions(spec), sass
+            elif spec.mma == "wgmma":  # wgmma fed by TMA (counted in the test below)
+                assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["LDSM"] == 0, sass
             else:
                 assert sass["HMMA"] == 0 and sass["LDS"] > 0 and sass["LDG"] > 0, sass
 
@@ -217,3 +220,53 @@ def test_interior_loop_of_a_tensor_core_spec_issues_its_tile_hmmas():
         for c in ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL", "BAR", "other")
     )
     assert row["BAR"] == 1  # one block barrier per key tile (the refill follows the wait's)
+
+
+WGMMA_SPEC_PATHS = [p for p in SPEC_PATHS if load_spec(p).mma == "wgmma"]
+
+
+def test_specs_cover_the_wgmma_matrix():
+    """Hopper specs for head dims 64, 128 and 256 in bf16, fp16 too, causal and not."""
+    specs = [load_spec(p) for p in WGMMA_SPEC_PATHS]
+    assert {s.head_dim for s in specs if s.dtype == "bfloat16"} >= {64, 128, 256}
+    assert {s.dtype for s in specs} == {"float16", "bfloat16"}
+    assert {s.causal for s in specs} == {False, True}
+    assert {s.consumer_warpgroups for s in specs} == {1, 2}
+    assert all(s.archs == ("sm_90a",) for s in specs)
+
+
+def highest_register(instructions) -> int:
+    """The highest general register (R0..R254) the instructions name (-1: none)."""
+    found = [int(r) for i in instructions for r in re.findall(r"\bR(\d+)\b", i.operands)]
+    return max(found, default=-1)
+
+
+@pytest.mark.parametrize("path", WGMMA_SPEC_PATHS, ids=lambda p: p.stem)
+def test_wgmma_kernels_use_hopper_instructions_within_their_register_budgets(path):
+    """Each product is one HGMMA in the SASS (head_dim / 16 for S = Q K^T, block_n / 16 for
+    O += P V, none repeated: one loop body), the tiles arrive by TMA (UTMALDG; no LDSM, no
+    cp.async), and the register reallocation holds: the producer's code after its
+    setmaxnreg.dec names no register past its budget, the consumers' none past theirs."""
+    spec = load_spec(path)
+    (arch,) = spec.archs
+    compiled = compile_offline(render(spec), spec.uri, arch)
+    sass = compiled.resources.sass_instructions
+    require_toolchain(bool(sass), "cuobjdump + nvdisasm wheels")
+    assert sass["HGMMA"] == spec.head_dim_padded // 16 + spec.block_n // 16, sass
+    assert sass["UTMALDG"] > 0 and sass["LDSM"] == sass["LDGSTS"] == sass["HMMA"] == 0, sass
+    assert "setmaxnreg" not in compiled.log  # ptxas would say it ignored it
+    rows = sass_instructions(function_sass(disassembly(spec, arch), spec.uri))
+    opcodes = [i.opcode for i in rows]
+    dealloc = opcodes.index("USETMAXREG.DEALLOC.CTAPOOL")
+    assert f"0x{PRODUCER_REGS:x}" in rows[dealloc].operands
+    # the producer's code: from its setmaxnreg.dec to the kernel's last EXIT (the out-of-line
+    # wait loops ptxas places after it serve both roles)
+    end = max(i for i, r in enumerate(rows) if r.opcode == "EXIT")
+    assert highest_register(rows[dealloc:end]) < PRODUCER_REGS
+    alloc = opcodes.index("USETMAXREG.TRY_ALLOC.CTAPOOL")
+    assert f"0x{consumer_registers(spec):x}" in rows[alloc].operands
+    assert highest_register(rows) < consumer_registers(spec)
+    # the entry allocation funds the reallocation: (entry - producer) frees what consumers add
+    entry = compiled.resources.registers
+    warpgroups = spec.consumer_warpgroups
+    assert entry - PRODUCER_REGS >= warpgroups * (consumer_registers(spec) - entry)

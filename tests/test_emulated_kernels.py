@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 from attention_cases import Case, assert_matches, make_case
-from conftest import HEAD_DIM_SWEEP, SPEC_PATHS
+from conftest import HEAD_DIM_SWEEP, POINTER_SPEC_PATHS
 
 from kernelgen.emulator.attention import emulate_attention
 from kernelgen.spec import KernelSpec, load_spec
@@ -68,7 +68,7 @@ def run_emulated(
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", POINTER_SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_matches_float64_reference(path, case):
     spec = load_spec(path)
     seed = zlib.crc32(f"{spec.uri} {case}".encode())  # stable across processes
@@ -77,7 +77,7 @@ def test_spec_matches_float64_reference(path, case):
     assert_matches(out, lse, data, spec.dtype)
 
 
-@pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", POINTER_SPEC_PATHS, ids=lambda p: p.stem)
 def test_a_null_lse_is_not_written(path):
     """attention() passes a null lse when the caller did not ask for it: every kernel (the
     combine too) must skip that store and still write out (a store through null would crash)."""
@@ -90,7 +90,7 @@ def test_a_null_lse_is_not_written(path):
 
 
 def test_nan_inputs_propagate_only_to_their_rows():
-    spec = load_spec(SPEC_PATHS[0])
+    spec = load_spec(POINTER_SPEC_PATHS[0])
     case = Case(1, 1, 1, 9, 20)
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=7)
     data.q[0, 0, 3, 5] = np.nan
@@ -106,7 +106,7 @@ def test_large_scores_do_not_overflow():
 
     (Scores of 1e4 are the NumPy models' test: fp32 itself resolves an lse of 1e4 only to ~1e-3.)
     """
-    spec = next(load_spec(p) for p in SPEC_PATHS if load_spec(p).dtype == "float32")
+    spec = next(load_spec(p) for p in POINTER_SPEC_PATHS if load_spec(p).dtype == "float32")
     case = Case(1, 1, 1, 5, 40, scale=30.0)
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=3)
     assert np.abs(data.ref_lse[np.isfinite(data.ref_lse)]).max() > 100

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 from attention_cases import Case, assert_matches, make_case
-from conftest import SPEC_PATHS
+from conftest import POINTER_SPEC_PATHS as SPEC_PATHS
 
 import kernelgen
 import kernelgen.api

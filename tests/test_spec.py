@@ -198,7 +198,7 @@ def test_tensor_core_two_m_tiles_per_warp():
         ({"stages": 5}, "stages=5 is not allowed"),
         ({"smem_pad": 1}, "smem_pad=1 is not allowed with mma='mma_sync'"),
         ({"smem_layout": "swizzled", "head_dim": 96}, "smem_layout='swizzled' is not allowed"),
-        ({"mma": "wgmma"}, "mma='wgmma' is not allowed"),
+        ({"mma": "tcgen05"}, "mma='tcgen05' is not allowed"),
         ({"head_dim": 256, "block_n": 128}, "accumulators per thread"),
     ],
 )
@@ -223,6 +223,55 @@ def test_invalid_tensor_core_specs(changes, needle):
 def test_simt_rejects_tensor_core_fields(changes, needle):
     problems = problems_of(**changes)
     assert any(needle in p for p in problems), problems
+
+
+WG = dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=128, block_m=128, block_n=128)
+
+
+def test_wgmma_defaults_target_sm90a_with_a_producer_warpgroup():
+    spec = spec_from_dict(WG)
+    assert spec.archs == ("sm_90a",)
+    assert (spec.num_warps, spec.threads, spec.consumer_warpgroups) == (12, 384, 2)
+    assert (spec.smem_layout, spec.smem_pad, spec.stages) == ("swizzled", 0, 2)
+    assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m128_n128_w12_s2"
+    assert spec.threads_per_row == 4 and spec.rows_per_warp == 16
+    assert spec.accumulators_per_thread == (128 + 128) // 2
+    # Q (128 rows) and 2 stages of K and V (128 rows each), 2 column blocks of 128 bytes a row,
+    # 7 barriers of 8 bytes, 1024 bytes to align the base to the swizzle atom.
+    assert spec.smem_bytes == (128 + 4 * 128) * 2 * 128 + 7 * 8 + 1024
+    one = spec_from_dict({**WG, "block_m": 64, "head_dim": 96, "dtype": "float16"})
+    assert (one.num_warps, one.column_blocks, one.head_dim_padded) == (8, 2, 96)
+    assert spec_from_dict(one.model_dump()) == one  # a dumped spec loads back unchanged
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"archs": ["sm_90"]}, "archs=['sm_90'] is not allowed with mma='wgmma'"),
+        ({"archs": ["sm_80", "sm_90a"]}, "exist only on sm_90a"),
+        ({"dtype": "float32"}, "dtype='float32' is not allowed with mma='wgmma'"),
+        ({"loop_order": "v1"}, "loop_order='v1' is not allowed with mma='wgmma'; use v2"),
+        ({"head_dim": 80}, "head_dim=80 is not allowed with mma='wgmma'; use one of 64, 96"),
+        ({"block_m": 32}, "block_m=32 is not allowed with mma='wgmma'"),
+        ({"num_warps": 8}, "num_warps=8 is not allowed with mma='wgmma' and block_m=128; use 12"),
+        ({"block_n": 16}, "block_n=16 is not allowed with mma='wgmma'"),
+        ({"stages": 1}, "stages=1 is not allowed with mma='wgmma'"),
+        ({"smem_layout": "padded"}, "always 128-byte swizzled"),
+        ({"pack_gqa": True}, "pack_gqa=true is not allowed with mma='wgmma'"),
+        ({"split_kv": True}, "split_kv=true is not allowed with mma='wgmma'"),
+        ({"head_dim": 256}, "(lower block_n)"),
+        ({"stages": 4}, "exceeds the 232448-byte limit of sm_90a"),
+    ],
+)
+def test_invalid_wgmma_specs(changes, needle):
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({**WG, **changes})
+    assert any(needle in p for p in info.value.problems), info.value.problems
+
+
+def test_twelve_warps_are_wgmma_only():
+    problems = problems_of(num_warps=12, block_m=128)
+    assert any("num_warps=12 is not allowed with mma='simt'" in p for p in problems), problems
 
 
 def test_cuda_core_v2_splits_keys_for_every_dtype():
