@@ -64,9 +64,9 @@ def _bad(name: str, value: Any, allowed: str) -> EmulatorArgumentError:
 def _enum(name: str, value: str | int, table: dict[str, int]) -> int:
     if isinstance(value, str) and value in table:
         return table[value]
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        if int(value) in table.values():
-            return int(value)
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if is_int and int(value) in table.values():
+        return int(value)
     raise _bad(name, value, f"{', '.join(table)} (or the driver's values {sorted(table.values())})")
 
 

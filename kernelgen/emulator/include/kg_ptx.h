@@ -251,6 +251,12 @@ inline void set_b32(R& r, uint32_t v) {
   static_assert(sizeof(R) == 4 && std::is_trivially_copyable_v<R>, "\"=r\" operand type");
   std::memcpy(&r, &v, 4);
 }
+// A "=l" destination: any 64-bit object that receives the bits.
+template <class R>
+inline void set_b64(R& r, uint64_t v) {
+  static_assert(sizeof(R) == 8 && std::is_trivially_copyable_v<R>, "\"=l\" operand type");
+  std::memcpy(&r, &v, 8);
+}
 // An f32 operand given as "r": the 32-bit value holds the float's bits (as in a PTX .b32/.f32
 // register), e.g. CUTLASS-style accumulators in uint32_t arrays.
 template <class V>
