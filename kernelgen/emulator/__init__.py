@@ -27,6 +27,7 @@ from kernelgen.emulator.kernel import (
     build_kernel,
     include_dir,
 )
+from kernelgen.emulator.tensor_map import TensorMap, encode_tensor_map_tiled
 from kernelgen.emulator.transform import PTX_FORMS, transform_source
 from kernelgen.errors import (
     EmulatorArgumentError,
@@ -54,7 +55,9 @@ __all__ = [
     "EmulatorUnavailableError",
     "HazardError",
     "LaunchStats",
+    "TensorMap",
     "build_kernel",
+    "encode_tensor_map_tiled",
     "include_dir",
     "transform_source",
 ]
