@@ -654,7 +654,7 @@ def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tup
         if not op.readable:
             raise stmt.error(f'wgmma accumulator {op.describe()} is read and written: use "+f"')
         d.append(f"({op.expr})")
-    rest = args[2:] if register_a else args[3:]
+    rest = args[3:]
     scale_d = stmt.pred(rest[0], "wgmma scale-d")
     scales = [_checked_immediate(stmt, a, "wgmma imm-scale", (1, -1)) for a in rest[1:3]]
     trans = [_checked_immediate(stmt, a, "wgmma imm-trans", (0, 1)) for a in rest[3:]]

@@ -10,8 +10,8 @@
 //
 // Asynchrony: the product is computed at issue (from the operands as they are then) and held
 // back; the accumulator registers get a NaN poison until the wgmma.wait_group that retires the
-// group writes the results. At retire the product is computed again and must be the same (else
-// the operand shared memory changed while the wgmma was in flight), the accumulators must still
+// group writes the results. At retire the operands are read again and must be the same bits
+// (else the operand shared memory changed while the wgmma was in flight), the accumulators must still
 // hold the poison (else a thread wrote them) and register-A variables their values at issue.
 #ifndef KG_WGMMA_H
 #define KG_WGMMA_H
@@ -64,6 +64,7 @@ struct WgmmaOp {
   uint64_t desc_a, desc_b;
   double a[2][16];         // rows g and g + 8 of A (register A), scale applied at compute
   float c[128], result[128];
+  uint64_t read_hash;      // of the shared-memory bits the thread read at issue
   uint32_t* d[128];        // the accumulator variables
   std::vector<std::pair<const uint32_t*, uint32_t>> a_vars;  // register-A variables, values
 };
@@ -85,15 +86,15 @@ struct WgmmaThreadState {
 };
 inline thread_local WgmmaThreadState wgmma_state;
 
-inline double wgmma_elem(bool f16, const unsigned char* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
+inline double wgmma_elem(bool f16, uint16_t bits) {
   return f16 ? static_cast<double>(half_bits_to_float(bits))
              : static_cast<double>(bf16_bits_to_float(bits));
 }
 
 // The thread's D elements of `op`; `check_reads`: the race checks of the shared reads (at issue).
-inline void wgmma_compute(const WgmmaOp& op, float* out, bool check_reads) {
+// Returns a hash (FNV-1a) of the shared-memory bits it read, in order.
+inline uint64_t wgmma_compute(const WgmmaOp& op, float* out, bool check_reads) {
+  uint64_t hash = 0xcbf29ce484222325ull;
   const uint32_t lane = tctx.lane, w = (tctx.linear / 32) % 4;
   const uint32_t g = lane / 4, q = lane % 4;
   const MatrixDescriptor da = MatrixDescriptor::of(op.desc_a), db = MatrixDescriptor::of(op.desc_b);
@@ -105,7 +106,10 @@ inline void wgmma_compute(const WgmmaOp& op, float* out, bool check_reads) {
       check_tma_read(last_chunk);
       note_shared_read(p);
     }
-    return wgmma_elem(op.f16, p);
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    hash = (hash ^ bits) * 0x100000001b3ull;
+    return wgmma_elem(op.f16, bits);
   };
   double a[2][16];
   for (int r = 0; r < 2; ++r) {
@@ -130,6 +134,7 @@ inline void wgmma_compute(const WgmmaOp& op, float* out, bool check_reads) {
       }
     }
   }
+  return hash;
 }
 
 inline void wgmma_check_operands(int scale_a, int scale_b, int trans_a, int trans_b) {
@@ -162,7 +167,7 @@ inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
       std::memcpy(&op.c[r], regs[r], 4);
     }
   }
-  wgmma_compute(op, op.result, true);
+  op.read_hash = wgmma_compute(op, op.result, true);
   for (int r = 0; r < nregs; ++r) {
     *regs[r] = kWgmmaPoison;
     s.in_flight[regs[r]] = {op.id, op.result[r]};
@@ -174,9 +179,8 @@ inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
 inline void wgmma_retire(WgmmaOp& op) {
   WgmmaThreadState& s = wgmma_state;
   float again[128];
-  wgmma_compute(op, again, false);
   const int nregs = op.n / 2;
-  if (std::memcmp(again, op.result, sizeof(float) * static_cast<size_t>(nregs)) != 0) {
+  if (wgmma_compute(op, again, false) != op.read_hash) {
     const MatrixDescriptor da = MatrixDescriptor::of(op.desc_a);
     const MatrixDescriptor db = MatrixDescriptor::of(op.desc_b);
     report_hazard("shared memory a wgmma reads (A at 0x%x%s, B at 0x%x) changed between its issue "
