@@ -14,7 +14,7 @@ from kernelgen.errors import KernelgenError
 
 
 def model_reports(specs, archs: list[str] | None, built=None) -> list:
-    """A :class:`kernelgen.perfmodel.ModelReport` per mma_sync spec and modelled arch (the
+    """A :class:`kernelgen.perfmodel.ModelReport` per tensor-core spec and modelled arch (the
     spec's archs, or ``archs``); other specs and archs are left out. ``built`` (kernelgen
     build's BuiltKernel list) lends each kernel's ptxas resources, so it is not compiled again."""
     from kernelgen.perfmodel import RATES, model_spec
@@ -24,7 +24,7 @@ def model_reports(specs, archs: list[str] | None, built=None) -> list:
         return [
             model_spec(spec, arch, resources.get((spec.uri, arch)))
             for spec in specs
-            if spec.mma == "mma_sync"
+            if spec.mma != "simt"
             for arch in (archs or spec.archs)
             if arch in RATES
         ]

@@ -24,6 +24,7 @@ import numpy as np
 from kernelgen.errors import CPUBackendWarning
 from kernelgen.launch import RuntimeKernel, default_num_splits
 from kernelgen.spec import KernelSpec
+from kernelgen.tensor_maps import TensorMapLayout, encode_on_host
 
 HOST_DEVICE = -1  # the device index of host arrays (torch's get_device() of a CPU tensor)
 # What the heuristic default spec and split count are chosen for on the CPU: the tensor-core
@@ -210,9 +211,18 @@ class _EmulatedFunction:
         self.kernel(grid=grid, block=block, shared_mem=shared_mem, args=values)
 
 
+def encode_host_tensor_map(layout: TensorMapLayout, tensor: Any) -> Any:
+    """A wgmma launch's tensor map of a host tensor (an array, or a pointer into a live host
+    allocation as the launch path passes it), by the emulator's encoder."""
+    array = array_at(int(tensor)) if isinstance(tensor, (int, np.integer)) else tensor
+    return encode_on_host(layout, array)
+
+
 class EmulatedRuntimeKernel(RuntimeKernel):
     """A spec's kernels built for the CPU emulator (g++), launched by the same
     :class:`~kernelgen.launch.PreparedLaunch` as on a GPU."""
+
+    encode_tensor_map = staticmethod(encode_host_tensor_map)
 
     def __init__(self, spec: KernelSpec) -> None:  # no super().__init__: nothing of CuPy's
         self.spec = spec

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from functools import cache
@@ -28,6 +29,13 @@ from kernelgen.render import (
     workspace_floats,
 )
 from kernelgen.spec import KernelSpec
+from kernelgen.tensor_maps import (
+    Encoder,
+    TensorMapCache,
+    device_pointer,
+    encode_device_tensor,
+    tensor_map_layouts,
+)
 
 DEFAULT_DYNAMIC_SMEM = 48 * 1024  # above this a kernel must opt in
 
@@ -199,6 +207,9 @@ def default_num_splits(
 class RuntimeKernel:
     """A spec's kernels compiled for the current device, ready to launch."""
 
+    # How a wgmma spec's TMA tensor maps are made from its tensors (the driver's encoder).
+    encode_tensor_map: Encoder = staticmethod(encode_device_tensor)
+
     def __init__(self, spec: KernelSpec, cubin_path: str | Path | None = None) -> None:
         cupy = import_cupy()
         self.spec = spec
@@ -213,6 +224,8 @@ class RuntimeKernel:
     def _compile(self, cupy: Any, symbols: list[str]) -> dict[str, Any]:
         """The spec's functions, compiled from its rendered source by CuPy (NVRTC)."""
         source = render(self.spec)
+        if self.spec.mma == "wgmma":
+            return self._compile_arch_specific(cupy, source, symbols)
         options = [*COMMON_OPTIONS]
         with contextlib.suppress(ToolchainMissingError):  # else CuPy's own include directory
             options.append(f"-I{cuda_include_dir()}")
@@ -224,6 +237,19 @@ class RuntimeKernel:
 
             uri = self.spec.uri
             raise CompileError(uri, str(exc), save_failed_source(uri, source)) from None
+
+    def _compile_arch_specific(self, cupy: Any, source: str, symbols: list[str]) -> dict[str, Any]:
+        """wgmma specs target sm_90a, which CuPy's own compile (it picks sm_90) cannot: the cubin
+        is compiled offline for each of the spec's archs and loaded from a file."""
+        from kernelgen.compile import compile_offline
+
+        (arch,) = self.spec.archs
+        compiled = compile_offline(source, self.spec.uri, arch, sass=False)
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / f"{self.spec.uri}.cubin"
+            path.write_bytes(compiled.cubin)
+            module = cupy.RawModule(path=str(path))
+            return {symbol: module.get_function(symbol) for symbol in symbols}
 
     def _load(self, cupy: Any, cubin_path: str | Path, symbols: list[str]) -> dict[str, Any]:
         """The spec's functions from a cubin compiled offline for this device's arch; empty
@@ -250,7 +276,9 @@ class RuntimeKernel:
         if prepared is None:
             if len(self._prepared) >= MAX_PREPARED:
                 self._prepared.clear()
-            prepared = PreparedLaunch(self.spec, self.functions, problem, scale)
+            prepared = PreparedLaunch(
+                self.spec, self.functions, problem, scale, self.encode_tensor_map
+            )
             self._prepared[key] = prepared
         return prepared
 
@@ -285,8 +313,19 @@ class PreparedLaunch:
     tensors into the argument lists. This is what keeps a repeated attention() call cheap."""
 
     def __init__(
-        self, spec: KernelSpec, functions: dict[str, Any], problem: Problem, scale: float
+        self,
+        spec: KernelSpec,
+        functions: dict[str, Any],
+        problem: Problem,
+        scale: float,
+        encode_tensor_map: Encoder = encode_device_tensor,
     ) -> None:
+        # wgmma: the TMA tensor maps' layouts are checked and fixed here, once per call shape
+        self.tensor_maps = (
+            TensorMapCache(tensor_map_layouts(spec, problem), encode_tensor_map)
+            if spec.mma == "wgmma"
+            else None
+        )
         buffers = tuple(scratch_floats(spec, problem).items())
         self.scratch_offsets, self.scratch_floats = scratch_layout(buffers)
         self.steps: list[tuple[Any, Grid, Grid, int, list[Any], tuple[tuple[int, str], ...]]] = []
@@ -317,6 +356,8 @@ class PreparedLaunch:
             scratch = cupy.empty(self.scratch_floats, dtype=cupy.float32)  # alive until launched
             for name, pointer in self.scratch_pointers(scratch.data.ptr).items():
                 tensors.setdefault(name, pointer)
+        if self.tensor_maps is not None:
+            tensors = {**tensors, **self.tensor_maps.arguments(tensors, device_pointer)}
         for function, grid, block, shared_mem, template, tensor_slots in self.steps:
             args = list(template)
             for index, name in tensor_slots:
@@ -356,13 +397,23 @@ def _device_limits(device: int) -> DeviceLimits:
     )
 
 
-MIN_CAPABILITY = {"simt": 0, "mma_sync": 80}  # ldmatrix, cp.async and bf16 mma.sync: sm_80
+# ldmatrix, cp.async and bf16 mma.sync: sm_80; wgmma, TMA and setmaxnreg: sm_90a, which runs on
+# compute capability 9.0 only (not on later GPUs).
+MIN_CAPABILITY = {"simt": 0, "mma_sync": 80, "wgmma": 90}
+EXACT_CAPABILITY = {"wgmma": 90}
 
 
 def check_fits_device(spec: KernelSpec, device: int) -> None:
     """Raise an InputError naming the spec when ``device`` cannot run it (too old for its
     instructions, too little shared memory per block), before CUDA refuses the launch."""
     limits = _device_limits(device)
+    exact = EXACT_CAPABILITY.get(spec.mma)
+    if exact is not None and limits.capability != exact:
+        raise InputError(
+            f"spec {spec.uri} has mma={spec.mma}, compiled for sm_{exact}a, which runs only on "
+            f"compute capability {exact // 10}.{exact % 10} (H100, H200); device {device} is "
+            f"sm_{limits.capability}: use an mma_sync spec"
+        )
     if limits.capability < MIN_CAPABILITY[spec.mma]:
         raise InputError(
             f"spec {spec.uri} has mma={spec.mma}, which needs compute capability "

@@ -42,12 +42,33 @@ WARP_MEMORY_BYTES = 512  # bytes one warp-wide LDSM.x4 or LDGSTS.128 moves throu
 # interior variant writes instead: no key hidden and no mask (scores stay raw), and a full K/V
 # tile to copy (no bounds test). interior_source() checks each appears exactly once.
 INTERIOR = {
-    "exact = tile >= first_exact || mask != nullptr;": "exact = false;",
-    "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
+    "mma_sync": {
+        "exact = tile >= first_exact || mask != nullptr;": "exact = false;",
+        "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
+    },
+    # TMA copies have no bounds test (the copy engine zero-fills); only the scores' path differs
+    "wgmma": {"exact = t >= first_exact || mask != nullptr;": "exact = false;"},
 }
 # Instruction classes shown per unit: the tensor and memory instructions, the softmax's float
 # work, and the rest (integer, address, control).
-CLASSES = ("HMMA", "LDSM", "LDGSTS", "FFMA", "FADD", "FMUL", "FMNMX", "MUFU", "SHFL", "BAR")
+CLASSES = (
+    "HMMA",
+    "HGMMA",
+    "LDSM",
+    "LDGSTS",
+    "UTMALDG",
+    "FFMA",
+    "FADD",
+    "FMUL",
+    "FMNMX",
+    "MUFU",
+    "SHFL",
+    "BAR",
+    "SYNCS",
+)
+TENSOR_FAMILIES = ("HMMA", "HGMMA")
+MMA_SYNC_MACS = 16 * 8 * 16  # multiply-adds of one m16n8k16
+_HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 
 
@@ -59,6 +80,7 @@ class MachineRates:
     smem_bytes: float  # shared-memory bytes (LDSM reads, LDGSTS writes)
     hmma: float  # m16n8k16 mma.sync instructions
     mufu: float  # MUFU (exp2) instructions: 16 lanes per clock per SM
+    wgmma_macs: float = 0.0  # fp16/bf16 multiply-adds of wgmma (0: the arch has none)
 
 
 # A100: 4 schedulers, 128 B/clk shared memory, 1024 dense fp16 FMA/clk (0.5 m16n8k16 per clock),
@@ -67,6 +89,8 @@ class MachineRates:
 RATES: dict[str, MachineRates] = {
     "sm_80": MachineRates(issue=4, smem_bytes=128, hmma=0.5, mufu=0.5),
     "sm_90": MachineRates(issue=4, smem_bytes=128, hmma=2 / 3, mufu=0.5),
+    # sm_90a: the same SM; wgmma reaches the dense peak, 2048 fp16/bf16 multiply-adds per clock.
+    "sm_90a": MachineRates(issue=4, smem_bytes=128, hmma=2 / 3, mufu=0.5, wgmma_macs=2048),
 }
 
 
@@ -79,6 +103,7 @@ class UnitFigures:
     by_class: dict[str, float]
     smem_bytes: float
     rescale: float = 0.0  # instructions a row's moving reference adds (per unit)
+    wgmma_macs: float = 0.0  # multiply-adds the unit's HGMMA instructions do
 
     def count(self, name: str) -> float:
         return self.by_class.get(name, 0.0)
@@ -97,7 +122,8 @@ FA2_D128 = UnitFigures(
 @dataclass(frozen=True)
 class Prediction:
     """Clocks one SM needs per unit under each resource, the binding one, and the ceiling as a
-    fraction of the arch's mma.sync peak (1.0: the tensor cores never wait)."""
+    fraction of the peak of the tensor instructions the kernel uses (mma.sync or wgmma; 1.0: the
+    tensor cores never wait)."""
 
     clocks: dict[str, float]
     limiter: str
@@ -118,10 +144,13 @@ def rates_of(arch: str) -> MachineRates:
 def predict(figures: UnitFigures, arch: str) -> Prediction:
     """The four per-SM bounds of ``figures`` on ``arch`` (:data:`RATES`)."""
     rates = rates_of(arch)
+    if figures.wgmma_macs and not rates.wgmma_macs:
+        raise SettingError(f"arch={arch!r} has no wgmma; model wgmma specs on sm_90a")
+    wgmma = figures.wgmma_macs / rates.wgmma_macs if figures.wgmma_macs else 0.0
     clocks = {
         "issue": figures.instructions / rates.issue,
         "shared memory": figures.smem_bytes / rates.smem_bytes,
-        "tensor": figures.count("HMMA") / rates.hmma,
+        "tensor": figures.count("HMMA") / rates.hmma + wgmma,
         "MUFU": figures.count("MUFU") / rates.mufu,
     }
     limiter = max(clocks, key=lambda name: clocks[name])
@@ -137,6 +166,7 @@ class LoopBody:
     counts: dict[str, int]
     rescale: int = 0
     inner_loops: int = 0  # backward branches inside the body: their repeats are not counted
+    hgmma: tuple[tuple[int, int, int, bool], ...] = ()  # (m, n, k, A from smem) per HGMMA
 
     @property
     def issued(self) -> int:
@@ -146,9 +176,24 @@ class LoopBody:
     def per_hmma(self) -> float:
         return self.issued / self.counts.get("HMMA", 0)
 
+    def hgmma_smem_bytes(self, elem_bytes: int) -> float:
+        """Shared-memory bytes the body's HGMMA read, per warp: a warpgroup reads A (m x k,
+        unless in registers) and B (k x n) once per instruction, which each of its 4 warps
+        issues."""
+        total = sum((m * k if a_smem else 0) + k * n for m, n, k, a_smem in self.hgmma)
+        return total * elem_bytes / 4
 
-def hmma_loop(sass: str) -> LoopBody:
-    """The largest loop (backward branch) whose body holds HMMA instructions."""
+    @property
+    def hgmma_macs(self) -> float:
+        """Multiply-adds of the body's HGMMA, per warp (a quarter of the warpgroup's)."""
+        return sum(m * n * k for m, n, k, _ in self.hgmma) / 4
+
+
+def hmma_loop(sass: str, family: str | tuple[str, ...] = TENSOR_FAMILIES) -> LoopBody:
+    """The largest loop (backward branch, no EXIT inside) whose body holds ``family``
+    instructions (by default the tensor instructions, HMMA or HGMMA; "UTMALDG" finds a TMA
+    producer's loop)."""
+    families = (family,) if isinstance(family, str) else family
     rows = sass_instructions(sass)
     best: LoopBody | None = None
     for end in rows:
@@ -157,13 +202,30 @@ def hmma_loop(sass: str) -> LoopBody:
             continue
         body = [row for row in rows if start <= row.address <= end.address]
         skipped = _vote_skipped(body)
-        counts = Counter(row.family for row in body if row.address not in skipped)
-        if counts["HMMA"] and (best is None or sum(counts.values()) > best.issued):
+        kept = [row for row in body if row.address not in skipped]
+        counts = Counter(row.family for row in kept)
+        # A range holding an EXIT is no loop: ptxas's out-of-line wait blocks branch back
+        # into a loop from below the kernel's exits.
+        real = "EXIT" not in counts
+        if real and any(counts[f] for f in families) and (best is None or len(kept) > best.issued):
             inner = sum(_backward_target(row) is not None for row in body[:-1])
-            best = LoopBody(dict(counts), len(skipped), inner)
+            shapes = Counter(row.opcode + row.operands for row in kept if row.family == "HGMMA")
+            best = LoopBody(dict(counts), len(skipped), inner, hgmma=_hgmma_operands(shapes))
     if best is None:
-        raise ValueError("no loop with HMMA instructions in the SASS")
+        raise ValueError(f"no loop with {'/'.join(families)} instructions in the SASS")
     return best
+
+
+def _hgmma_operands(instructions: Counter[str]) -> tuple[tuple[int, int, int, bool], ...]:
+    """(m, n, k, A from shared memory) of each HGMMA of a loop body (its text: opcode and
+    operands); A comes from registers when the operand after D is a register."""
+    found = []
+    for text, count in instructions.items():
+        m, n, k = (int(x) for x in _HGMMA_SHAPE.search(text).groups())  # type: ignore[union-attr]
+        operands = [o.strip() for o in text.split(" ", 1)[1].split(",")]
+        a_in_smem = not re.fullmatch(r"R\d+", operands[1])
+        found += [(m, n, k, a_in_smem)] * count
+    return tuple(found)
 
 
 def _branch_target(row: SassInstruction) -> int | None:
@@ -190,23 +252,45 @@ def _vote_skipped(body: list[SassInstruction]) -> set[int]:
     return skipped
 
 
-def interior_source(source: str) -> str:
+def interior_source(source: str, mma: str = "mma_sync") -> str:
     """The rendered kernel with every key tile taking the interior (no-test) path."""
-    for test, interior in INTERIOR.items():
+    for test, interior in INTERIOR[mma].items():
         if source.count(test) != 1:
-            raise ValueError(f"the tensor-core template no longer contains {test!r} once")
+            raise ValueError(f"the {mma} template no longer contains {test!r} once")
         source = source.replace(test, interior)
     return source
 
 
-def unit_figures(body: LoopBody, spec: KernelSpec) -> UnitFigures:
+def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = None) -> UnitFigures:
     """Per-unit figures of one warp's loop body: a warp's iteration covers rows_per_warp
-    queries x block_n keys, so a unit takes 4096 / (rows_per_warp * block_n) of them."""
+    queries x block_n keys, so a unit takes 4096 / (rows_per_warp * block_n) of them.
+
+    wgmma: ``producer`` is the TMA producer's loop, one thread's iteration per key tile of the
+    block (block_m x block_n), added to the consumers' instructions; shared-memory traffic is
+    what the HGMMA read (:meth:`LoopBody.hgmma_smem_bytes`) plus what the TMA copies write (the
+    K and V tiles, whole 128-byte column blocks, once per block)."""
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * spec.block_n)
+    per_unit_block = UNIT_QUERIES * UNIT_KEYS / (spec.block_m * spec.block_n)
     by_class = {name: body.counts.get(name, 0) * per_unit for name in CLASSES}
-    by_class["other"] = body.issued * per_unit - sum(by_class.values())
+    issued = body.issued * per_unit
+    if producer is not None:
+        for name in CLASSES:
+            by_class[name] += producer.counts.get(name, 0) * per_unit_block
+        issued += producer.issued * per_unit_block
+    by_class["other"] = issued - sum(by_class.values())
     memory = (by_class["LDSM"] + by_class["LDGSTS"]) * WARP_MEMORY_BYTES
-    return UnitFigures(body.issued * per_unit, by_class, memory, body.rescale * per_unit)
+    memory += body.hgmma_smem_bytes(spec.elem_bytes) * per_unit
+    if spec.mma == "wgmma":
+        memory += tma_tile_bytes(spec) * per_unit_block
+    return UnitFigures(
+        issued, by_class, memory, body.rescale * per_unit, body.hgmma_macs * per_unit
+    )
+
+
+def tma_tile_bytes(spec: KernelSpec) -> int:
+    """Bytes a wgmma block's TMA copies write per key tile: the K and V tiles, each block_n
+    rows of whole 64-element (128-byte) column blocks."""
+    return 2 * spec.block_n * spec.column_blocks * spec.smem_row_elems * spec.elem_bytes
 
 
 @dataclass(frozen=True)
@@ -234,11 +318,13 @@ class ModelReport:
         """One line for ``kernelgen check``."""
         u, p = self.unit, self.prediction
         versus = "" if self.vs_fa2 is None else f", {self.vs_fa2:.2f}x FA2's ceiling"
+        tensor = "HGMMA" if u.count("HGMMA") else "HMMA"
+        peak = "wgmma" if tensor == "HGMMA" else "mma.sync"
         return (
             f"model per 64x64 unit: {u.instructions:.0f} instructions, "
-            f"{u.smem_bytes / 1024:.0f} KiB shared memory, {u.count('HMMA'):.0f} HMMA, "
+            f"{u.smem_bytes / 1024:.0f} KiB shared memory, {u.count(tensor):.0f} {tensor}, "
             f"{u.count('MUFU'):.0f} MUFU; bound by {p.limiter} ({p.cost:.0f} clk); "
-            f"{p.fraction_of_peak:.2f} of the mma.sync peak{versus}"
+            f"{p.fraction_of_peak:.2f} of the {peak} peak{versus}"
         )
 
 
@@ -249,6 +335,8 @@ def analytic_figures(spec: KernelSpec) -> UnitFigures:
     and V (block_n / 16 x k-steps each) and issues 2 x m-tiles x n8-tiles x k-steps HMMA; the
     block copies the K and V tiles once (16-byte LDGSTS); one exp2 per score and one per row and
     tile for the rescale factor."""
+    if spec.mma == "wgmma":
+        return _wgmma_analytic_figures(spec)
     rows, keys = spec.rows_per_warp, spec.block_n
     k_steps = spec.head_dim_padded // 16
     per_unit = UNIT_QUERIES * UNIT_KEYS / (rows * keys)
@@ -262,30 +350,63 @@ def analytic_figures(spec: KernelSpec) -> UnitFigures:
     return UnitFigures(sum(by_class.values()), by_class, memory)
 
 
+def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
+    """analytic_figures of a wgmma spec. A consumer warp's key tile issues head_dim / 16 HGMMA
+    for S (m64 x block_n x k16, both operands in shared memory) and block_n / 16 for O (A, the
+    probabilities, in registers); per warpgroup and tile they read Q (64 rows) and the K and V
+    tiles once. The TMA copies write the K and V tiles once per block."""
+    keys, dim = spec.block_n, spec.head_dim_padded
+    per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * keys)
+    per_warpgroup_tile = UNIT_QUERIES * UNIT_KEYS / (64 * keys)
+    hgmma = (dim // 16 + keys // 16) * per_unit
+    reads = (64 + 2 * keys) * dim * spec.elem_bytes * per_warpgroup_tile
+    writes = tma_tile_bytes(spec) * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
+    mufu = (spec.rows_per_warp * keys / 32 + 2) * per_unit
+    by_class = {"HGMMA": hgmma, "LDSM": 0.0, "LDGSTS": 0.0, "MUFU": mufu}
+    macs = 2 * UNIT_QUERIES * UNIT_KEYS * dim
+    return UnitFigures(sum(by_class.values()), by_class, reads + writes, wgmma_macs=macs)
+
+
 def analytic_cost(spec: KernelSpec, arch: str) -> float:
     """Predicted clocks per unit from :func:`analytic_figures`, issue left out: what the
     autotuner orders candidates by where no SASS is at hand (a GPU host at run time)."""
+    if spec.mma == "wgmma":  # what a 9.0 device runs it as
+        arch = "sm_90a"
     prediction = predict(analytic_figures(spec), arch if arch in RATES else "sm_80")
     return max(v for k, v in prediction.clocks.items() if k != "issue")
 
 
-def interior_loop(spec: KernelSpec, arch: str) -> LoopBody:
-    """The steady-state key-tile loop of ``spec``'s interior variant compiled for ``arch``.
-    Needs the NVRTC and cuobjdump/nvdisasm wheels (``pip install 'kernelgen[nvrtc]'``)."""
-    compiled = compile_offline(interior_source(render(spec)), spec.uri, arch, sass=False)
+def interior_sass(spec: KernelSpec, arch: str) -> str:
+    """SASS of ``spec``'s interior variant compiled for ``arch``. Needs the NVRTC and
+    cuobjdump/nvdisasm wheels (``pip install 'kernelgen[nvrtc]'``)."""
+    source = interior_source(render(spec), spec.mma)
+    compiled = compile_offline(source, spec.uri, arch, sass=False)
     sass = disassemble(compiled.cubin)
     if sass is None:
         raise SettingError("cuobjdump/nvdisasm are not installed (pip install 'kernelgen[nvrtc]')")
-    return hmma_loop(sass)
+    return sass
+
+
+def interior_loop(spec: KernelSpec, arch: str) -> LoopBody:
+    """The steady-state key-tile loop of ``spec``'s interior variant compiled for ``arch``."""
+    return hmma_loop(interior_sass(spec, arch))
+
+
+def interior_loops(spec: KernelSpec, arch: str) -> tuple[LoopBody, LoopBody | None]:
+    """The consumers' key-tile loop and, for wgmma specs, the TMA producer's (else None)."""
+    sass = interior_sass(spec, arch)
+    producer = hmma_loop(sass, "UTMALDG") if spec.mma == "wgmma" else None
+    return hmma_loop(sass), producer
 
 
 def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) -> ModelReport:
     """Model ``spec``'s key-tile loop on ``arch``; ``resources`` is the real kernel's ptxas report
     where the caller has it (else it is compiled for it)."""
-    if spec.mma != "mma_sync":
-        raise SettingError(f"{spec.uri}: the performance model covers mma_sync specs only")
+    if spec.mma == "simt":
+        raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
     rates_of(arch)  # an arch the model knows, before compiling anything
-    figures = unit_figures(interior_loop(spec, arch), spec)
+    consumer, producer = interior_loops(spec, arch)
+    figures = unit_figures(consumer, spec, producer)
     res = resources or compile_offline(render(spec), spec.uri, arch, sass=False).resources
     prediction = predict(figures, arch)
     vs_fa2 = None

@@ -16,6 +16,7 @@ from kernelgen.perfmodel import (
     analytic_cost,
     analytic_figures,
     interior_loop,
+    interior_loops,
     model_spec,
     predict,
     unit_figures,
@@ -120,7 +121,7 @@ def test_model_report_of_a_spec_is_complete_and_json_ready():
     simt = spec_from_dict(
         {"loop_order": "v2", "dtype": "float32", "head_dim": 64, "block_m": 64, "block_n": 32}
     )
-    with pytest.raises(SettingError, match="mma_sync"):
+    with pytest.raises(SettingError, match="tensor-core specs only"):
         model_spec(simt, "sm_90")
 
 
@@ -207,3 +208,62 @@ def test_model_command_prints_json_per_spec_and_arch():
     reports = json.loads(result.stdout)
     assert [r["arch"] for r in reports] == ["sm_80", "sm_90"]
     assert all(r["unit"]["by_class"]["HMMA"] == 256 for r in reports)  # d64: half of 512
+
+
+# ---- the Hopper (wgmma) kernels ----
+WGMMA_SPECS = [p for p in SPEC_PATHS if load_spec(p).mma == "wgmma"]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("path", WGMMA_SPECS, ids=lambda p: p.stem)
+def test_wgmma_loop_issues_what_the_tiling_requires(path):
+    """The consumers' interior loop issues exactly the tiling's HGMMA and exp2 and reads exactly
+    its operands from shared memory (Q, K and V once per warpgroup and tile, P from registers),
+    the TMA producer's loop adds the K/V tile writes; no LDSM, no cp.async, one loop body (no
+    inner loop), and the products account for a unit's multiply-adds."""
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    spec = load_spec(path)
+    consumer, producer = interior_loops(spec, "sm_90a")
+    assert consumer.inner_loops == 0 and producer is not None
+    measured = unit_figures(consumer, spec, producer)
+    expected = analytic_figures(spec)
+    for name in ("HGMMA", "MUFU", "LDSM", "LDGSTS"):
+        assert measured.count(name) == pytest.approx(expected.count(name)), name
+    assert measured.smem_bytes == pytest.approx(expected.smem_bytes)
+    assert measured.wgmma_macs == pytest.approx(2 * 64 * 64 * spec.head_dim_padded)
+    assert measured.count("UTMALDG") > 0
+
+
+@pytest.mark.compile
+def test_wgmma_d128_bf16_meets_the_hopper_targets():
+    """Head dim 128, bf16, sm_90a, per 64 x 64 unit of the steady state: no LDSM, at most
+    56 KiB of shared-memory traffic and 1000 instructions over all warps (producer included),
+    no spill or stack; the tensor cores bind."""
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    spec = load_spec(next(p for p in WGMMA_SPECS if p.stem == "v2_wg_bf16_d128_m128_n128_s2"))
+    report = model_spec(spec, "sm_90a")
+    assert report.unit.count("LDSM") == 0
+    assert report.unit.smem_bytes <= 56 * 1024
+    assert report.unit.instructions <= 1000
+    assert report.spill_bytes == report.stack_bytes == 0
+    assert report.prediction.limiter == "tensor"
+    assert report.prediction.clocks["tensor"] == pytest.approx(512)  # 2048 multiply-adds/clock
+    assert "of the wgmma peak" in report.summary()
+
+
+def test_wgmma_analytic_traffic_and_cost():
+    """d128, 128 x 128 tiles: the warpgroups read Q, K, V (16 + 32 + 32 KiB per 64 x 128
+    tile, i.e. 40 KiB per unit) and TMA writes K and V (64 KiB per 128 x 128 block tile: 16 KiB
+    per unit); the cost on a 9.0 device is the wgmma peak's 512 clocks."""
+    spec = spec_from_dict(
+        {"loop_order": "v2", "mma": "wgmma", "dtype": "bfloat16", "head_dim": 128}
+        | {"block_m": 128, "block_n": 128}
+    )
+    figures = analytic_figures(spec)
+    assert figures.smem_bytes == 56 * 1024
+    assert figures.count("HGMMA") == 32 and figures.count("LDSM") == 0
+    assert analytic_cost(spec, "sm_90") == pytest.approx(512)
+    with pytest.raises(SettingError, match="no wgmma"):
+        predict(figures, "sm_90")

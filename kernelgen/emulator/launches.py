@@ -16,6 +16,7 @@ from kernelgen.emulator.kernel import EmulatedKernel, LaunchStats, build_kernel
 from kernelgen.launch import Problem, kernel_arguments, launch_steps, scratch_floats
 from kernelgen.render import render
 from kernelgen.spec import KernelSpec
+from kernelgen.tensor_maps import encode_on_host, tensor_map_arguments, tensor_map_layouts
 
 __all__ = ["from_device_dtype", "run_launches", "spec_kernel", "to_device_dtype"]
 
@@ -59,12 +60,16 @@ def run_launches(
 ) -> dict[str, LaunchStats]:
     """Every launch of the spec's plan for ``problem``, in order, over ``arrays`` (q, k, v, out
     and the optional lse, mask, seqlens_k by parameter name); the scratch buffers are added to
-    ``arrays`` poisoned with NaN. Returns each kernel's launch statistics by symbol.
+    ``arrays`` poisoned with NaN, and a wgmma spec's tensor maps of q, k and v. Returns each
+    kernel's launch statistics by symbol.
 
     ``source`` replaces the rendered CUDA (e.g. a modified kernel); ``on_step(done, total)`` is
     called after each launch."""
     for name, floats in scratch_floats(spec, problem).items():
         arrays[name] = np.full(floats, np.nan, dtype=np.float32)
+    if spec.mma == "wgmma":  # q, k and v reach the kernel as TMA tensor maps
+        layouts = tensor_map_layouts(spec, problem)
+        arrays.update(tensor_map_arguments(layouts, arrays, encode_on_host))
     stats: dict[str, LaunchStats] = {}
     steps = launch_steps(spec, problem)
     for i, step in enumerate(steps):

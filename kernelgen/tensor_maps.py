@@ -1,0 +1,202 @@
+"""TMA tensor maps of the wgmma (sm_90a) kernels: what to encode, and the encoders.
+
+A wgmma kernel reads q, k and v through tensor maps (``const __grid_constant__ CUtensorMap``
+parameters) instead of pointers. Each map describes one tensor as 4-d, innermost first: (head
+dim, sequence, head, batch), with the tensor's own byte strides, so batch, head and GQA are
+coordinates of the copy and any strided (B, H, S, D) or (B, S, H, D) view works as long as the
+driver's rules hold (16-byte aligned base, strides multiples of 16 bytes). The box is one
+64-column (128-byte) block of block_m query rows or block_n key rows, 128-byte swizzled; rows
+past the sequence and columns past the head dim read as zeros.
+
+Everything but the data pointer follows from the spec and the call shape, so a call plan
+computes its :class:`TensorMapLayout` once; encoding is per pointer (on a GPU the driver's
+``cuTensorMapEncodeTiled`` from cuda-bindings, imported lazily; on the CPU the emulator's
+``encode_tensor_map_tiled``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernelgen.errors import InputError, ToolchainMissingError
+from kernelgen.spec import DTYPE_BYTES, WGMMA_COLUMN_BLOCK, KernelSpec
+
+TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
+SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
+L2_PROMOTION = "256B"  # K and V rows are read by every row tile of a head: promote whole lines
+# The kernel parameter of each map -> the tensor it maps, and which tile rows its box holds.
+MAP_TENSORS = {"q_map": ("q", "block_m"), "k_map": ("k", "block_n"), "v_map": ("v", "block_n")}
+
+
+@dataclass(frozen=True)
+class TensorMapLayout:
+    """The encode parameters of one tensor map except the address, innermost dimension first."""
+
+    tensor: str  # q, k or v (for messages)
+    data_type: str  # float16 or bfloat16
+    dims: tuple[int, int, int, int]  # (head_dim, seq, heads, batch)
+    strides_bytes: tuple[int, int, int]  # of dims 1..3: sequence, head, batch
+    box: tuple[int, int, int, int]  # (64, tile rows, 1, 1)
+
+    @property
+    def element_strides(self) -> tuple[int, ...]:
+        return (1,) * len(self.dims)
+
+
+def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLayout]:
+    """The layouts of q_map, k_map and v_map for one call shape (a
+    :class:`kernelgen.launch.Problem`, which imports this module); raises :class:`InputError`
+    naming the tensor when a stride breaks TMA's 16-byte rule."""
+    elem = DTYPE_BYTES[spec.dtype]
+    shapes = {
+        "q": (problem.seqlen_q, problem.num_heads, problem.q_strides),
+        "k": (problem.seqlen_k, problem.num_kv_heads, problem.k_strides),
+        "v": (problem.seqlen_k, problem.num_kv_heads, problem.v_strides),
+    }
+    layouts = {}
+    for param, (tensor, rows_field) in MAP_TENSORS.items():
+        seq, heads, (stride_b, stride_h, stride_s) = shapes[tensor]
+        strides = (stride_s * elem, stride_h * elem, stride_b * elem)
+        bad = [s for s in strides if s % TMA_ALIGN_BYTES or s <= 0]
+        if bad:
+            raise InputError(
+                f"{tensor}: strides {tuple(s // elem for s in strides)} (sequence, head, batch; "
+                f"elements) are not allowed with mma='wgmma'; the tensor copies (TMA) need "
+                f"positive strides that are multiples of {TMA_ALIGN_BYTES // elem} elements "
+                "(a contiguous copy of the tensor has them)"
+            )
+        layouts[param] = TensorMapLayout(
+            tensor=tensor,
+            data_type=spec.dtype,
+            dims=(spec.head_dim, seq, heads, problem.batch),
+            strides_bytes=strides,  # type: ignore[arg-type]
+            box=(WGMMA_COLUMN_BLOCK, getattr(spec, rows_field), 1, 1),
+        )
+    return layouts
+
+
+def check_address(layout: TensorMapLayout, address: int) -> None:
+    """The base of a mapped tensor must be 16-byte aligned (InputError naming the tensor)."""
+    if address % TMA_ALIGN_BYTES:
+        raise InputError(
+            f"{layout.tensor}: its data starts at an address that is not {TMA_ALIGN_BYTES}-byte "
+            "aligned, which tensor copies (TMA, mma='wgmma') need; pass a contiguous copy"
+        )
+
+
+# An encoder turns (layout, the tensor: a device pointer or a host array) into the argument of
+# a CUtensorMap parameter.
+Encoder = Callable[[TensorMapLayout, Any], Any]
+
+
+def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.void:
+    """The driver's map (cuda-bindings' ``cuTensorMapEncodeTiled``) as a 128-byte structured
+    NumPy scalar, the form a CuPy kernel argument of a C struct takes."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise ToolchainMissingError(
+            "cuda-bindings is not installed; mma='wgmma' builds its TMA tensor maps with the "
+            "driver API (install kernelgen[cuda])"
+        ) from exc
+    check_address(layout, pointer)
+    data_type = {
+        "float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    }[layout.data_type]
+    err, tensor_map = driver.cuTensorMapEncodeTiled(
+        data_type,
+        len(layout.dims),
+        pointer,
+        list(layout.dims),
+        list(layout.strides_bytes),
+        list(layout.box),
+        list(layout.element_strides),
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise InputError(f"{layout.tensor}: the driver refused its tensor map ({err}): {layout}")
+    words = np.array([int(w) for w in tensor_map.opaque], dtype=np.uint64)
+    return words.view(TENSOR_MAP_DTYPE)[0]
+
+
+# A C struct of 16 64-bit words, as CuPy passes a structured NumPy scalar to a kernel.
+TENSOR_MAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])
+
+
+def encode_on_host(layout: TensorMapLayout, array: np.ndarray) -> Any:
+    """The CPU emulator's map of a host array (its ``encode_tensor_map_tiled``, same
+    parameters as the driver's)."""
+    from kernelgen.emulator.tensor_map import encode_tensor_map_tiled
+
+    check_address(layout, array.ctypes.data)
+    return encode_tensor_map_tiled(
+        layout.data_type,
+        len(layout.dims),
+        array,
+        layout.dims,
+        layout.strides_bytes,
+        layout.box,
+        layout.element_strides,
+        interleave="none",
+        swizzle=SWIZZLE,
+        l2_promotion=L2_PROMOTION,
+        oob_fill="none",
+    )
+
+
+def device_pointer(tensor: Any) -> int:
+    """The device address of a launch argument: a CuPy array, a torch tensor or a pointer
+    (``np.uint64``, as the launch path passes torch tensors)."""
+    if isinstance(tensor, (int, np.integer)):
+        return int(tensor)
+    data = getattr(tensor, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return int(data.ptr)
+    return int(tensor.data_ptr())
+
+
+def encode_device_tensor(layout: TensorMapLayout, tensor: Any) -> np.void:
+    """:func:`encode_on_device` of a CuPy array, torch tensor or device pointer."""
+    return encode_on_device(layout, device_pointer(tensor))
+
+
+def tensor_map_arguments(
+    layouts: dict[str, TensorMapLayout], tensors: dict[str, Any], encode: Encoder
+) -> dict[str, Any]:
+    """The q_map, k_map and v_map arguments of a launch over ``tensors`` (by name)."""
+    return {param: encode(layout, tensors[layout.tensor]) for param, layout in layouts.items()}
+
+
+MAX_CACHED_MAPS = 64  # maps a call plan keeps, by tensor address (then it starts over)
+
+
+class TensorMapCache:
+    """The tensor maps of one call plan: the layouts computed once, each map encoded once per
+    tensor address (a repeated call on the same buffers encodes nothing)."""
+
+    def __init__(self, layouts: dict[str, TensorMapLayout], encode: Encoder) -> None:
+        self.layouts = layouts
+        self.encode = encode
+        self._maps: dict[tuple[str, int], Any] = {}
+
+    def arguments(self, tensors: dict[str, Any], address: Callable[[Any], int]) -> dict[str, Any]:
+        """The map arguments over ``tensors``; ``address`` gives a tensor's cache key."""
+        out = {}
+        for param, layout in self.layouts.items():
+            tensor = tensors[layout.tensor]
+            key = (param, address(tensor))
+            found = self._maps.get(key)
+            if found is None:
+                if len(self._maps) >= MAX_CACHED_MAPS:
+                    self._maps.clear()
+                found = self._maps[key] = self.encode(layout, tensor)
+            out[param] = found
+        return out

@@ -1,0 +1,91 @@
+"""Emulation tier of the Hopper (sm_90a) wgmma kernels: their generated CUDA (TMA, mbarriers,
+wgmma, setmaxnreg) on the CPU emulator against float64 NumPy, every spec of specs/ on the
+same cases as the other kernels (GQA, MQA, Sq != Sk, lengths that are not multiples of the tile,
+masks with empty rows, both layouts, a moving row maximum, a negative scale). The emulator
+raises on any hazard (an accumulator read before wgmma.wait_group, shared memory read before
+its TMA copy completed its mbarrier phase), so a passing run is also hazard-free.
+
+Mutations of the kernel source that the tests must catch: no wgmma.wait_group, no mbarrier
+wait on the K tiles, the descriptors' swizzle mode off by one.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from attention_cases import Case, CaseData, assert_matches, make_case
+from conftest import WGMMA_SPEC_PATHS
+from test_emulated_kernels import CASES, run_emulated
+
+from kernelgen.errors import EmulatorError
+from kernelgen.reference import naive_attention
+from kernelgen.render import render
+from kernelgen.spec import load_spec, spec_from_dict
+
+pytestmark = pytest.mark.emulate
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("path", WGMMA_SPEC_PATHS, ids=lambda p: p.stem)
+def test_wgmma_spec_matches_float64_reference(path, case):
+    spec = load_spec(path)
+    seed = zlib.crc32(f"{spec.uri} {case}".encode())
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
+    out, lse = run_emulated(spec, case, data)
+    assert_matches(out, lse, data, spec.dtype)
+
+
+def test_wgmma_null_lse_and_per_sequence_key_lengths():
+    """No lse asked for (a null pointer), and seqlens_k (a KV cache: the keys past each entry's
+    length are copied by TMA but hidden), each entry against its own float64 reference."""
+    spec = load_spec(WGMMA_SPEC_PATHS[0])
+    case = Case(2, 2, 1, 20, 90)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=5)
+    out, lse = run_emulated(spec, case, data, want_lse=False)
+    assert lse is None
+    assert_matches(out, None, data, spec.dtype)
+    lengths = np.array([90, 37], dtype=np.int32)
+    out, lse = run_emulated(spec, case, data, seqlens_k=lengths)
+    for b, n in enumerate(lengths):
+        q, k, v = data.q[b : b + 1], data.k[b : b + 1, :, :n], data.v[b : b + 1, :, :n]
+        ref_out, ref_lse = naive_attention(q, k, v, causal=spec.causal)
+        entry = CaseData(q, k, v, None, ref_out, ref_lse)
+        assert_matches(out[b : b + 1], lse[b : b + 1], entry, spec.dtype)
+
+
+# ---- mutations: each must make the run fail (a hazard, a deadlock or a wrong result) --------
+MUTANT_SPEC = spec_from_dict(
+    dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=64, block_m=64, block_n=32)
+)
+MUTATIONS = {
+    "no wgmma.wait_group": (
+        'asm volatile("wgmma.wait_group.sync.aligned %0;\\n" ::"n"(PENDING) : "memory");',
+        "",
+    ),
+    "no mbarrier wait for the K tile": ("mbarrier_wait(k_full + 8 * slot, parity);", ""),
+    "64-byte swizzle in the descriptors": (
+        "DESC_SWIZZLE_128B = 1u << 30;",
+        "DESC_SWIZZLE_128B = 2u << 30;",
+    ),
+}
+
+
+def test_the_unmutated_kernel_passes():
+    case = Case(1, 2, 1, 70, 100)
+    data = make_case(case, MUTANT_SPEC.dtype, MUTANT_SPEC.head_dim, MUTANT_SPEC.causal, 9)
+    out, lse = run_emulated(MUTANT_SPEC, case, data)
+    assert_matches(out, lse, data, MUTANT_SPEC.dtype)
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_mutated_kernel_fails(name):
+    original, mutated = MUTATIONS[name]
+    source = render(MUTANT_SPEC)
+    assert source.count(original) == 1, name
+    case = Case(1, 2, 1, 70, 100)
+    data = make_case(case, MUTANT_SPEC.dtype, MUTANT_SPEC.head_dim, MUTANT_SPEC.causal, 9)
+    with pytest.raises((EmulatorError, AssertionError)):
+        out, lse = run_emulated(MUTANT_SPEC, case, data, source=source.replace(original, mutated))
+        assert_matches(out, lse, data, MUTANT_SPEC.dtype)
