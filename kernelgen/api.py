@@ -200,7 +200,7 @@ def check_inputs(
                     f"spec {spec.uri} has {field}={getattr(spec, field)!r} but the call needs "
                     f"{field}={wanted!r}"
                 )
-        if spec.mma == "mma_sync":
+        if spec.mma != "simt":  # tensor-core specs copy 16-byte chunks (cp.async or TMA)
             for t in (q, k, v):
                 problem = _misaligned_strides(t)
                 if problem:
@@ -353,7 +353,7 @@ def checked_plan(
             host=arrays.host,
         )
         num_splits = num_splits or tuned_splits
-    elif spec.mma == "mma_sync" and misaligned:
+    elif spec.mma != "simt" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     if arrays.host:  # the CPU backend: the same launches, run by the emulator
         kernel = emulated_kernel(spec)

@@ -515,6 +515,11 @@ class KernelSpec(BaseModel):
             parts.append("split")
         return "_".join(parts)
 
+    def compile_arch(self, device_arch: str) -> str:
+        """The target to compile for on a device of ``device_arch``: the arch-specific sm_90a
+        for wgmma specs (which run on 9.0 devices only), else the device's own."""
+        return WGMMA_ARCHS[0] if self.mma == "wgmma" else device_arch
+
     @property
     def combine_uri(self) -> str:
         """Symbol of the split-KV combine kernel generated next to the main one."""

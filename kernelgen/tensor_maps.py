@@ -153,10 +153,12 @@ def encode_on_host(layout: TensorMapLayout, array: np.ndarray) -> Any:
 
 
 def device_pointer(tensor: Any) -> int:
-    """The device address of a launch argument: a CuPy array, a torch tensor or a pointer
-    (``np.uint64``, as the launch path passes torch tensors)."""
+    """The address of a launch argument: a CuPy array, a torch tensor, a pointer (``np.uint64``,
+    as the launch path passes torch tensors) or a host NumPy array."""
     if isinstance(tensor, (int, np.integer)):
         return int(tensor)
+    if isinstance(tensor, np.ndarray):  # the CPU backend's host arrays
+        return int(tensor.ctypes.data)
     data = getattr(tensor, "data", None)
     if data is not None and hasattr(data, "ptr"):
         return int(data.ptr)

@@ -161,6 +161,17 @@ TC_FIELDS = {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "num_war
             r"needs 135168 bytes of shared memory per block; device 0 \(sm_89\) allows at most "
             r"101376",
         ),
+        (  # Hopper's wgmma kernels run on compute capability 9.0 only: not on an A100 ...
+            launch.DeviceLimits(capability=80, sm_count=108, smem_optin=166912),
+            {"mma": "wgmma", "head_dim": 64, "block_m": 64, "block_n": 64, "num_warps": 8},
+            r"mma=wgmma, compiled for sm_90a, which runs only on compute capability 9.0 \(H100, "
+            r"H200\); device 0 is sm_80: use an mma_sync spec",
+        ),
+        (  # ... nor on a B200
+            launch.DeviceLimits(capability=100, sm_count=148, smem_optin=232448),
+            {"mma": "wgmma", "head_dim": 64, "block_m": 64, "block_n": 64, "num_warps": 8},
+            r"mma=wgmma, compiled for sm_90a, .* device 0 is sm_100",
+        ),
     ],
 )
 def test_a_spec_the_device_cannot_run_is_an_input_error(

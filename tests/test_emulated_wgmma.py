@@ -19,7 +19,7 @@ from attention_cases import Case, CaseData, assert_matches, make_case
 from conftest import WGMMA_SPEC_PATHS
 from test_emulated_kernels import CASES, run_emulated
 
-from kernelgen.errors import EmulatorError
+from kernelgen.errors import CPUBackendWarning, EmulatorError
 from kernelgen.reference import naive_attention
 from kernelgen.render import render
 from kernelgen.spec import load_spec, spec_from_dict
@@ -89,3 +89,25 @@ def test_mutated_kernel_fails(name):
     with pytest.raises((EmulatorError, AssertionError)):
         out, lse = run_emulated(MUTANT_SPEC, case, data, source=source.replace(original, mutated))
         assert_matches(out, lse, data, MUTANT_SPEC.dtype)
+
+
+def test_attention_on_host_arrays_runs_a_wgmma_spec():
+    """kernelgen.attention() on NumPy arrays (the CPU backend) with a wgmma spec: the same call
+    plan as on a GPU (PreparedLaunch, its tensor maps cached per address), GQA, causal, both
+    layouts; a second call on the same arrays reuses the maps."""
+    import warnings
+
+    import kernelgen
+
+    spec = next(s for s in map(load_spec, WGMMA_SPEC_PATHS) if s.causal and s.dtype == "float16")
+    case = Case(1, 4, 2, 50, 80)
+    data = make_case(case, spec.dtype, spec.head_dim, True, seed=21)
+    q, k, v = (x.astype(np.float16) for x in (data.q, data.k, data.v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CPUBackendWarning)
+        for _ in range(2):
+            out, lse = kernelgen.attention(q, k, v, causal=True, return_lse=True, spec=spec)
+            assert_matches(out.astype(np.float32), lse, data, spec.dtype)
+        bshd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)]
+        out = kernelgen.attention(*bshd, causal=True, layout="bshd", spec=spec)
+    assert_matches(out.transpose(0, 2, 1, 3).astype(np.float32), None, data, spec.dtype)

@@ -321,6 +321,7 @@ def test_pyproject_extras_pin_what_the_runtime_needs():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     extras = tomllib.loads(text)["project"]["optional-dependencies"]
     assert "numpy>=2.1.2" in extras["cuda"]
+    assert "cuda-bindings>=13" in extras["cuda"]  # wgmma's tensor maps (driver API)
     assert "torch>=2.4" in extras["bench"]
     # dev (what CI installs) pins torch to the CPU build CI has as a local wheel: a range would
     # pull a multi-GB GPU build no CPU test needs

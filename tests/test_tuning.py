@@ -276,7 +276,7 @@ def test_select_spec_tunes_once_then_reads_the_database():
     clear_memo()  # a new process: the disk answers
     assert select_spec(problem(), DEVICE, software=SOFTWARE, tuner=tuner) == spec
     assert len(calls) == 1
-    assert spec.archs == ("sm_90",)
+    assert spec.archs == (spec.compile_arch(DEVICE.arch),)  # sm_90a for wgmma, else sm_90
 
 
 def test_autotune_off_uses_the_heuristic_default(monkeypatch, tmp_path):
@@ -384,3 +384,22 @@ def test_as_element_rounds_float32_to_the_element_type():
     assert half.dtype == np.float16
     assert as_float32(np, half).tolist() == [1.0, -2.5, 1.0, 65504.0, float(np.float16(1e-8))]
     assert as_element(np, x, "float32").tolist() == x.tolist()
+
+
+def test_wgmma_candidates_only_for_16_bit_prefill_on_compute_capability_9_0():
+    """Hopper specs (archs [sm_90a]) join the grid on a 9.0 device for fp16/bf16 prefill with a
+    head dim they take, never on sm_80, for fp32, for decode shapes or other head dims."""
+
+    def wgmma(p, arch):
+        specs, _ = valid_candidates(p, arch)
+        return [s for s in specs if s.mma == "wgmma"]
+
+    found = wgmma(problem(head_dim=128), "sm_90")
+    assert found and all(
+        s.archs == ("sm_90a",) and s.compile_arch("sm_90") == "sm_90a" for s in found
+    )
+    assert {s.block_m for s in found} == {64, 128}
+    assert not wgmma(problem(head_dim=128), "sm_80")
+    assert not wgmma(problem(head_dim=80), "sm_90")
+    assert not wgmma(problem(dtype="float32"), "sm_90")
+    assert not wgmma(problem(seqlen_q=1), "sm_90")

@@ -40,13 +40,15 @@ def run(*args: str):
 def test_dry_run_with_a_fake_compile(monkeypatch):
     from kernelgen.tuning import candidates
 
-    spilling = "fa_fwd_v2_tc_f16_d64_m128_n128_w8_s3_swz_causal"
+    # on a 9.0 device the wgmma (sm_90a) specs rank first in the static model
+    spilling = "fa_fwd_v2_wg_f16_d64_m128_n128_w12_s3_causal"
     monkeypatch.setattr(candidates, "offline_resources", fake_compile(frozenset({spilling})))
+    monkeypatch.setenv("COLUMNS", "200")
     result = run(
         "tune", "--shape", "2,16,16,2048,2048,64", "--dtype", "fp16", "--causal", "--dry-run"
     )
     assert result.exit_code == 0, result.output
-    assert "fa_fwd_v2_tc_f16_d64_m64_n64_w4_s2_swz_causal" in result.stdout
+    assert "fa_fwd_v2_wg_f16_d64_m128_n128_w12_s2_causal" in result.stdout
     assert f"drop [resources] {spilling}: ptxas" in result.stdout
     assert "dry run: nothing timed" in result.stdout
 

@@ -36,7 +36,13 @@ from kernelgen.compile import Resources
 from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
-from kernelgen.spec import KernelSpec, default_smem_layout, spec_from_dict
+from kernelgen.spec import (
+    WGMMA_ARCHS,
+    WGMMA_HEAD_DIMS,
+    KernelSpec,
+    default_smem_layout,
+    spec_from_dict,
+)
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, canonical_digest
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,13 @@ TC_WARP_TILINGS = ((4, 16), (8, 16), (4, 32))
 TC_BLOCK_N = (32, 64, 128)
 TC_STAGES = (2, 3)
 TC_LAYOUTS = ("swizzled", "padded")
+# Hopper grid (wgmma, fp16/bf16, offered only on compute capability 9.0, compiled for sm_90a):
+# one or two consumer warpgroups x key tile x stages.
+WGMMA_BLOCK_M = (128, 64)
+WGMMA_BLOCK_N = (128, 64)
+WGMMA_STAGES = (2, 3)
+# The device arch whose GPUs run sm_90a code (wgmma exists on 9.0 only, not on later GPUs).
+WGMMA_DEVICE_ARCH = "sm_90"
 # CUDA-core grid (fp32; the first entries double as fp16/bf16 fallbacks).
 SIMT_BLOCK_M = (32, 64, 128)
 SIMT_BLOCK_N = (16, 32, 64)
@@ -172,6 +185,27 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     yield SIMT_FALLBACKS[-1]
 
 
+def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
+    """The Hopper grid, for fp16/bf16 prefill problems on a 9.0 device (``arch`` sm_90) and
+    head dims the wgmma kernels take; nothing elsewhere."""
+    if (
+        arch != WGMMA_DEVICE_ARCH
+        or problem.dtype not in ("float16", "bfloat16")
+        or problem.head_dim not in WGMMA_HEAD_DIMS
+        or decode_rows(problem) is not None
+    ):
+        return
+    for block_m, block_n, stages in itertools.product(WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_STAGES):
+        yield {
+            "loop_order": "v2",
+            "mma": "wgmma",
+            "block_m": block_m,
+            "block_n": block_n,
+            "stages": stages,
+            "archs": list(WGMMA_ARCHS),
+        }
+
+
 def _label(fields: dict[str, Any]) -> str:
     """A readable name for a field set that is not a valid spec (so it has no URI)."""
     return " ".join(f"{k}={v}" for k, v in fields.items())
@@ -234,7 +268,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
         "causal": problem.causal,
         "archs": [arch],
     }
-    for fields in candidate_fields(problem):
+    for fields in itertools.chain(wgmma_fields(problem, arch), candidate_fields(problem)):
         try:
             spec = spec_from_dict({**common, **fields})
         except SpecError as exc:
@@ -294,7 +328,7 @@ def prune_resources(
 def _resource_verdict(spec: KernelSpec, arch: str, compile_fn: CompileFn) -> Resources | str:
     """ptxas' resources for ``spec``, or why it is disqualified."""
     try:
-        res = compile_fn(spec, arch)
+        res = compile_fn(spec, spec.compile_arch(arch))
     except (ToolchainMissingError, SettingError):  # the machine's problem, not the candidate's
         raise
     except (KernelgenError, ValueError) as exc:
@@ -315,7 +349,7 @@ def prune_by_model(
     'top_k'}``; the others (CUDA-core fallbacks, split-KV decode launches) are kept in order."""
     from kernelgen.perfmodel import analytic_cost
 
-    modelled = [x for x in launches if x.spec.mma == "mma_sync" and not x.spec.split_kv]
+    modelled = [x for x in launches if x.spec.mma != "simt" and not x.spec.split_kv]
     cost = {id(x): analytic_cost(x.spec, arch) for x in modelled}
     ranked = sorted(modelled, key=lambda x: cost[id(x)])
     dropped = [

@@ -190,7 +190,7 @@ class CupyBench:
         from kernelgen.launch import runtime_kernel
         from kernelgen.tuning.candidates import offline_cubin
 
-        runtime_kernel(spec, offline_cubin(spec, self.device.arch))
+        runtime_kernel(spec, offline_cubin(spec, spec.compile_arch(self.device.arch)))
         self._launch(spec, 0)  # a first launch loads the module outside the timed region
         self.cupy.cuda.get_current_stream().synchronize()
 

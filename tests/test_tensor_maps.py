@@ -1,0 +1,104 @@
+"""CPU tier: the TMA tensor maps of the wgmma kernels (kernelgen.tensor_maps): their layouts
+from a call shape, the driver's stride rule as a typed error, one encode per tensor address,
+and the device checks of wgmma specs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernelgen.errors import InputError
+from kernelgen.launch import Problem
+from kernelgen.spec import spec_from_dict
+from kernelgen.tensor_maps import (
+    TensorMapCache,
+    check_address,
+    device_pointer,
+    tensor_map_layouts,
+)
+
+SPEC = spec_from_dict(
+    {"loop_order": "v2", "mma": "wgmma", "dtype": "bfloat16", "head_dim": 96}
+    | {"block_m": 128, "block_n": 64}
+)
+
+
+def problem(q_strides=(4 * 100 * 96, 100 * 96, 96), kv_strides=(2 * 300 * 96, 300 * 96, 96)):
+    return Problem(
+        batch=3,
+        num_heads=4,
+        num_kv_heads=2,
+        seqlen_q=100,
+        seqlen_k=300,
+        head_dim=96,
+        q_strides=q_strides,
+        k_strides=kv_strides,
+        v_strides=kv_strides,
+        out_strides=q_strides,
+    )
+
+
+def test_layouts_are_4d_innermost_first_with_byte_strides_and_tile_boxes():
+    layouts = tensor_map_layouts(SPEC, problem())
+    assert set(layouts) == {"q_map", "k_map", "v_map"}
+    q, k = layouts["q_map"], layouts["k_map"]
+    assert (q.tensor, q.data_type) == ("q", "bfloat16")
+    assert q.dims == (96, 100, 4, 3) and k.dims == (96, 300, 2, 3)
+    assert q.strides_bytes == (192, 100 * 192, 4 * 100 * 192)
+    assert q.box == (64, 128, 1, 1) and k.box == (64, 64, 1, 1)  # block_m / block_n rows
+    assert layouts["v_map"].strides_bytes == k.strides_bytes
+    assert q.element_strides == (1, 1, 1, 1)
+
+
+def test_bshd_strides_map_the_same_tensor():
+    """(B, S, H, D) memory: the sequence stride is H * D, the head stride D."""
+    layouts = tensor_map_layouts(SPEC, problem(q_strides=(100 * 4 * 96, 96, 4 * 96)))
+    assert layouts["q_map"].strides_bytes == (4 * 96 * 2, 96 * 2, 100 * 4 * 96 * 2)
+
+
+def test_a_stride_that_is_not_16_bytes_is_an_input_error_naming_the_tensor():
+    with pytest.raises(InputError, match=r"^k: strides \(300, 60000, 120000\)"):
+        tensor_map_layouts(SPEC, problem(kv_strides=(120000, 60000, 300)))
+    with pytest.raises(InputError, match="not 16-byte aligned"):
+        check_address(tensor_map_layouts(SPEC, problem())["q_map"], 0x1008)
+
+
+def test_each_map_is_encoded_once_per_tensor_address():
+    calls = []
+
+    def encode(layout, tensor):
+        calls.append((layout.tensor, device_pointer(tensor)))
+        return f"map of {layout.tensor} at {device_pointer(tensor):#x}"
+
+    cache = TensorMapCache(tensor_map_layouts(SPEC, problem()), encode)
+    tensors = {"q": np.uint64(0x1000), "k": np.uint64(0x2000), "v": np.uint64(0x3000)}
+    first = cache.arguments(tensors, device_pointer)
+    again = cache.arguments(tensors, device_pointer)
+    assert (
+        first
+        == again
+        == {
+            "q_map": "map of q at 0x1000",
+            "k_map": "map of k at 0x2000",
+            "v_map": "map of v at 0x3000",
+        }
+    )
+    assert len(calls) == 3
+    moved = cache.arguments({**tensors, "q": np.uint64(0x4000)}, device_pointer)
+    assert moved["q_map"] == "map of q at 0x4000" and len(calls) == 4
+
+
+def test_device_pointer_of_each_kind_of_argument():
+    array = np.zeros(8, dtype=np.float32)
+    assert device_pointer(array) == array.ctypes.data
+    assert device_pointer(np.uint64(1234)) == 1234
+
+    class CupyLike:
+        class data:  # noqa: N801 (CuPy's attribute name)
+            ptr = 4096
+
+    class TorchLike:
+        def data_ptr(self):
+            return 8192
+
+    assert device_pointer(CupyLike()) == 4096 and device_pointer(TorchLike()) == 8192
