@@ -25,6 +25,7 @@ from bench.candidates import (
     spec_fields,
     tensor_core_candidates,
     v1_fields,
+    wgmma_candidates,
 )
 from bench.harness import (
     GIB,
@@ -110,6 +111,7 @@ class Runner(Harness):
     def __init__(self, env: Any, args: argparse.Namespace, floors: dict[str, Any]) -> None:
         super().__init__(env, args, floors, selected_peers(args.peers))
         self.candidates = tensor_core_candidates(quick=args.quick)
+        self.hopper_candidates = wgmma_candidates(quick=args.quick)
 
     def figures(self, shape: Shape, times: list[float]) -> dict[str, Any]:
         """TFLOP/s and the gaps to the matmul and copy floors."""
@@ -207,14 +209,33 @@ class Runner(Harness):
             row["compile_s"] = round(self.compile_s[row["spec_uri"]], 3)
         return row
 
-    def tensor_core_row(self, shape: Shape, sets: list, ref: Any) -> dict[str, Any]:
+    def wgmma_row(self, shape: Shape, sets: list, ref: Any) -> dict[str, Any]:
+        """The Hopper kernels (sm_90a code runs on compute capability 9.0 only), best of N."""
+        if self.env.arch != "sm_90":
+            reason = (
+                f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {self.env.arch}"
+            )
+            return report.make_row(shape, "kg-wgmma", report.UNAVAILABLE, reason=reason)
+        base = identity(self.base_fields(shape))
+        listed = [(candidate_label(o), spec_fields(base, o)) for o in self.hopper_candidates]
+        return self.tensor_core_row(shape, sets, ref, "kg-wgmma", listed)
+
+    def tensor_core_row(
+        self,
+        shape: Shape,
+        sets: list,
+        ref: Any,
+        peer: str = "kg-tc-v2",
+        listed: list[tuple[str, dict]] | None = None,
+    ) -> dict[str, Any]:
+        """The best of the tensor-core candidates (``listed``, default :meth:`candidate_list`)."""
         from kernelgen.errors import SpecError
 
-        gpu, peer = self.gpu, "kg-tc-v2"
+        gpu = self.gpu
         base = self.base_fields(shape)
         tried: list[dict[str, Any]] = []
         seen: set[str] = set()
-        for label, fields in self.candidate_list(shape, base):
+        for label, fields in listed if listed is not None else self.candidate_list(shape, base):
             entry: dict[str, Any] = {"label": label, "fields": fields}
             try:
                 spec = self.spec_from(fields)
@@ -298,6 +319,8 @@ class Runner(Harness):
                     row = report.make_row(shape, peer, report.UNAVAILABLE, reason=reason)
                 elif peer == "kg-tc-v2":
                     row = self.tensor_core_row(shape, sets, ref)
+                elif peer == "kg-wgmma":
+                    row = self.wgmma_row(shape, sets, ref)
                 else:
                     row = self.simt_row(shape, peer, sets, ref)
             except gpu.FatalGPUError:

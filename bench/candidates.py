@@ -31,11 +31,18 @@ PEERS: tuple[Peer, ...] = (
     Peer("kg-simt-v1", "kg-v1", "kernelgen CUDA-core v1 (default tiles, FA1 order)", "kernelgen"),
     Peer("kg-simt-v2", "kg-v2", "kernelgen CUDA-core v2 (default_spec)", "kernelgen"),
     Peer("kg-tc-v2", "kg-tc", "kernelgen tensor-core v2, best of N specs per shape", "kernelgen"),
+    Peer(
+        "kg-wgmma",
+        "kg-wg",
+        "kernelgen Hopper wgmma + TMA (sm_90a, 9.0 devices only), best of N specs per shape",
+        "kernelgen",
+    ),
 )
 PEER_NAMES: tuple[str, ...] = tuple(p.name for p in PEERS)
 PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in PEERS}
 TORCH_PEERS: tuple[str, ...] = tuple(p.name for p in PEERS if p.family == "torch")
 TENSOR_CORE_PEER = "kg-tc-v2"
+WGMMA_PEER = "kg-wgmma"
 FLASH_PEER = "torch-flash"
 
 
@@ -61,8 +68,27 @@ def tensor_core_candidates(quick: bool = False) -> list[dict[str, Any]]:
     ]
 
 
+def wgmma_candidates(quick: bool = False) -> list[dict[str, Any]]:
+    """Spec-field overrides for the Hopper (wgmma) kernel: the autotuner's grid for 9.0 devices
+    (kernelgen.tuning.candidates). Quick: 2 stages."""
+    from kernelgen.tuning.candidates import (
+        WGMMA_BLOCK_M,
+        WGMMA_BLOCK_N,
+        WGMMA_STAGES,
+    )
+
+    stages = WGMMA_STAGES[:1] if quick else WGMMA_STAGES
+    return [
+        {"loop_order": "v2", "mma": "wgmma", "block_m": m, "block_n": n, "stages": st}
+        | {"archs": ["sm_90a"]}
+        for m, n, st in itertools.product(WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages)
+    ]
+
+
 def candidate_label(fields: dict[str, Any]) -> str:
-    """Short tag of a candidate, e.g. ``m64n128w4s2-swz``."""
+    """Short tag of a candidate, e.g. ``m64n128w4s2-swz`` (wgmma: ``wg-m128n128s2``)."""
+    if fields.get("mma") == "wgmma":
+        return f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
     return (
         f"m{fields['block_m']}n{fields['block_n']}w{fields['num_warps']}"

@@ -375,13 +375,15 @@ def test_opcode_counts_read_every_address_width():
 def test_interior_source_replaces_each_tile_test_once():
     from kernelgen.perfmodel import INTERIOR, interior_source
 
-    source = " ".join(INTERIOR)
-    assert interior_source(source) == " ".join(INTERIOR.values())
-    for test in INTERIOR:
-        with pytest.raises(ValueError, match="no longer contains"):
-            interior_source(source.replace(test, ""))
-        with pytest.raises(ValueError, match="no longer contains"):
-            interior_source(source + test)
+    assert set(INTERIOR) == {"mma_sync", "wgmma"}
+    for mma, tests in INTERIOR.items():  # each template's own tile tests
+        source = " ".join(tests)
+        assert interior_source(source, mma) == " ".join(tests.values())
+        for test in tests:
+            with pytest.raises(ValueError, match="no longer contains"):
+                interior_source(source.replace(test, ""), mma)
+            with pytest.raises(ValueError, match="no longer contains"):
+                interior_source(source + test, mma)
 
 
 def test_schedule_model_runs_longest_blocks_first_to_a_shorter_finish():
@@ -396,3 +398,17 @@ def test_schedule_model_runs_longest_blocks_first_to_a_shorter_finish():
     rows = table(sms=132, overhead=0.5)
     assert all(r["descending"] <= r["ascending"] + 1e-12 for r in rows)
     assert all(r["descending"] >= 1.0 for r in rows)  # never below the ideal
+
+
+def test_wgmma_peer_and_its_candidates():
+    """The Hopper peer times the autotuner's wgmma grid: valid specs for archs [sm_90a]."""
+    from bench.candidates import PEERS_BY_NAME, candidate_label, wgmma_candidates
+    from kernelgen.spec import spec_from_dict
+
+    assert PEERS_BY_NAME["kg-wgmma"].family == "kernelgen"
+    grid = wgmma_candidates()
+    assert len(grid) == 8 and len(wgmma_candidates(quick=True)) == 4
+    identity = {"dtype": "bfloat16", "head_dim": 128, "causal": False, "archs": ["sm_80"]}
+    specs = [spec_from_dict({**identity, **fields}) for fields in grid]
+    assert all(s.mma == "wgmma" and s.archs == ("sm_90a",) for s in specs)
+    assert candidate_label(grid[0]) == "wg-m128n128s2"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from attention_cases import Case, assert_matches, make_case
 from conftest import POINTER_SPEC_PATHS as SPEC_PATHS
+from conftest import WGMMA_SPEC_PATHS
 
 import kernelgen
 import kernelgen.api
@@ -101,6 +102,43 @@ def test_spec_without_lse_on_gpu(path, case):
     out, lse = run(spec, case, data, want_lse=False)
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
+
+
+def require_compute_capability_9_0() -> None:
+    """The wgmma specs are sm_90a code: they run on compute capability 9.0 only."""
+    import cupy
+
+    capability = cupy.cuda.Device().compute_capability
+    if capability != "90":
+        pytest.skip(f"wgmma (sm_90a) needs compute capability 9.0; this device is {capability}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("path", WGMMA_SPEC_PATHS, ids=lambda p: p.stem)
+def test_wgmma_spec_on_gpu(path, case):
+    """The Hopper kernels (TMA tensor maps built by the driver, wgmma) on the same cases."""
+    require_compute_capability_9_0()
+    spec = load_spec(path)
+    data = make_case(
+        case, spec.dtype, spec.head_dim, spec.causal, seed=zlib.crc32(path.stem.encode())
+    )
+    out, lse = run(spec, case, data)
+    assert_matches(out, lse, data, spec.dtype)
+    out, lse = run(spec, case, data, want_lse=False)  # same buffers' maps reused; null lse
+    assert lse is None
+    assert_matches(out, None, data, spec.dtype)
+
+
+def test_wgmma_spec_on_another_gpu_is_a_typed_error():
+    """On a device other than compute capability 9.0 a wgmma spec is refused before launch."""
+    import cupy
+
+    if cupy.cuda.Device().compute_capability == "90":
+        pytest.skip("this device runs wgmma")
+    spec = load_spec(WGMMA_SPEC_PATHS[0])
+    data = make_case(Case(1, 1, 1, 8, 8), spec.dtype, spec.head_dim, spec.causal, seed=1)
+    with pytest.raises(kernelgen.InputError, match=r"compute capability 9\.0"):
+        run(spec, Case(1, 1, 1, 8, 8), data)
 
 
 @pytest.mark.parametrize(
