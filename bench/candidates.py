@@ -74,21 +74,25 @@ def wgmma_candidates(quick: bool = False) -> list[dict[str, Any]]:
     from kernelgen.tuning.candidates import (
         WGMMA_BLOCK_M,
         WGMMA_BLOCK_N,
+        WGMMA_OVERLAP,
         WGMMA_STAGES,
     )
 
     stages = WGMMA_STAGES[:1] if quick else WGMMA_STAGES
     return [
         {"loop_order": "v2", "mma": "wgmma", "block_m": m, "block_n": n, "stages": st}
-        | {"archs": ["sm_90a"]}
-        for m, n, st in itertools.product(WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages)
+        | {"overlap": overlap, "archs": ["sm_90a"]}
+        for m, n, st, overlap in itertools.product(
+            WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages, WGMMA_OVERLAP
+        )
     ]
 
 
 def candidate_label(fields: dict[str, Any]) -> str:
-    """Short tag of a candidate, e.g. ``m64n128w4s2-swz`` (wgmma: ``wg-m128n128s2``)."""
+    """Short tag of a candidate, e.g. ``m64n128w4s2-swz`` (wgmma: ``wg-m128n64s2-ovl``)."""
     if fields.get("mma") == "wgmma":
-        return f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
+        overlap = "-ovl" if fields.get("overlap") else ""
+        return f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}{overlap}"
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
     return (
         f"m{fields['block_m']}n{fields['block_n']}w{fields['num_warps']}"

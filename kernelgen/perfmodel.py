@@ -265,12 +265,15 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
     """Per-unit figures of one warp's loop body: a warp's iteration covers rows_per_warp
     queries x block_n keys, so a unit takes 4096 / (rows_per_warp * block_n) of them.
 
-    wgmma: ``producer`` is the TMA producer's loop, one thread's iteration per key tile of the
-    block (block_m x block_n), added to the consumers' instructions; shared-memory traffic is
-    what the HGMMA read (:meth:`LoopBody.hgmma_smem_bytes`) plus what the TMA copies write (the
-    K and V tiles, whole 128-byte column blocks, once per block)."""
+    wgmma: a consumer iteration covers as many key tiles as its HGMMA say (two when the loop
+    is unrolled for the overlap); ``producer`` is the TMA producer's loop, one thread's
+    iteration per key tile of the block (block_m x block_n), added to the consumers';
+    shared-memory traffic is what the HGMMA read (:meth:`LoopBody.hgmma_smem_bytes`) plus what
+    the TMA copies write (the K and V tiles, whole 128-byte column blocks, once per block)."""
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * spec.block_n)
     per_unit_block = UNIT_QUERIES * UNIT_KEYS / (spec.block_m * spec.block_n)
+    if spec.mma == "wgmma":  # an overlapped loop is unrolled: one iteration, two key tiles
+        per_unit /= len(body.hgmma) / (spec.head_dim_padded // 16 + spec.block_n // 16)
     by_class = {name: body.counts.get(name, 0) * per_unit for name in CLASSES}
     issued = body.issued * per_unit
     if producer is not None:

@@ -155,6 +155,12 @@ class KernelSpec(BaseModel):
         "thread block writes its chunk's output and LSE in fp32, and a generated combine kernel "
         "folds them with the attention monoid (loop_order v2 only).",
     )
+    overlap: bool = Field(
+        False,
+        description="wgmma only: overlap each key tile's softmax with the next tile's Q K^T "
+        "inside a warpgroup (FlashAttention 3's intra-warpgroup pipelining; two sets of "
+        "weights in registers).",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -194,7 +200,7 @@ class KernelSpec(BaseModel):
             )
         return value
 
-    @field_validator("causal", "pack_gqa", "split_kv", mode="before")
+    @field_validator("causal", "pack_gqa", "split_kv", "overlap", mode="before")
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         """Boolean fields take true or false only (not 1, 0 or the string 'yes')."""
@@ -271,6 +277,11 @@ class KernelSpec(BaseModel):
                     if self.mma == "wgmma"
                     else "(raise num_warps or lower the tiles)"
                 )
+            )
+        if self.mma != "wgmma" and self.overlap:
+            problems.append(
+                f"overlap=true is not allowed with mma={self.mma!r}; it pipelines wgmma products "
+                "(use mma: wgmma)"
             )
         if self.mma != "wgmma" and self.num_warps == 12:
             problems.append(
@@ -469,7 +480,8 @@ class KernelSpec(BaseModel):
     @property
     def accumulators_per_thread(self) -> int:
         if self.mma in ("mma_sync", "wgmma"):  # a warp's rows of scores and output, 32 lanes
-            return self.rows_per_warp * (self.block_n + self.head_dim_padded) // 32
+            overlapped = self.block_n // 2 if self.overlap else 0  # a second tile's weights
+            return self.rows_per_warp * (self.block_n + self.head_dim_padded) // 32 + overlapped
         return self.keys_per_thread + self.cols_per_thread
 
     @property
@@ -504,7 +516,7 @@ class KernelSpec(BaseModel):
         if self.mma == "mma_sync":
             parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
         elif self.mma == "wgmma":
-            parts.append(f"s{self.stages}")
+            parts.append(f"s{self.stages}" + ("_ovl" if self.overlap else ""))
         else:
             parts.append(f"p{self.smem_pad}")
         if self.causal:

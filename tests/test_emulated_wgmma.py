@@ -19,7 +19,7 @@ from attention_cases import Case, CaseData, assert_matches, make_case
 from conftest import WGMMA_SPEC_PATHS
 from test_emulated_kernels import CASES, run_emulated
 
-from kernelgen.errors import CPUBackendWarning, EmulatorError
+from kernelgen.errors import CPUBackendWarning, EmulatorError, HazardError
 from kernelgen.reference import naive_attention
 from kernelgen.render import render
 from kernelgen.spec import load_spec, spec_from_dict
@@ -64,7 +64,10 @@ MUTATIONS = {
         'asm volatile("wgmma.wait_group.sync.aligned %0;\\n" ::"n"(PENDING) : "memory");',
         "",
     ),
-    "no mbarrier wait for the K tile": ("mbarrier_wait(k_full + 8 * slot, parity);", ""),
+    "no mbarrier wait for the K tile": (
+        "mbarrier_wait(k_full + 8 * (t % STAGES), (t / STAGES) & 1);",
+        "",
+    ),
     "64-byte swizzle in the descriptors": (
         "DESC_SWIZZLE_128B = 1u << 30;",
         "DESC_SWIZZLE_128B = 2u << 30;",
@@ -111,3 +114,21 @@ def test_attention_on_host_arrays_runs_a_wgmma_spec():
         bshd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)]
         out = kernelgen.attention(*bshd, causal=True, layout="bshd", spec=spec)
     assert_matches(out.transpose(0, 2, 1, 3).astype(np.float32), None, data, spec.dtype)
+
+
+def test_overlapped_kernel_reading_scores_before_their_products_retired_fails():
+    """The overlapped loop waits for the older of its two product groups (S of tile t) before
+    the softmax; without that wait it reads S while wgmma still writes it (a hazard)."""
+    spec = spec_from_dict(
+        dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=64, block_m=64)
+        | dict(block_n=32, overlap=True)
+    )
+    original = "wgmma_wait<1>();  // S of tile t; tile t - 1's P V may still run"
+    source = render(spec)
+    assert source.count(original) == 1
+    case = Case(1, 2, 1, 70, 100)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 9)
+    out, lse = run_emulated(spec, case, data, source=source)
+    assert_matches(out, lse, data, spec.dtype)
+    with pytest.raises(HazardError, match="wgmma"):
+        run_emulated(spec, case, data, source=source.replace(original, ""))

@@ -219,13 +219,16 @@ WGMMA_SPECS = [p for p in SPEC_PATHS if load_spec(p).mma == "wgmma"]
 def test_wgmma_loop_issues_what_the_tiling_requires(path):
     """The consumers' interior loop issues exactly the tiling's HGMMA and exp2 and reads exactly
     its operands from shared memory (Q, K and V once per warpgroup and tile, P from registers),
-    the TMA producer's loop adds the K/V tile writes; no LDSM, no cp.async, one loop body (no
-    inner loop), and the products account for a unit's multiply-adds."""
+    the TMA producer's loop adds the K/V tile writes; no LDSM, no cp.async, no inner loop but
+    the mbarrier waits' retries, and the products account for a unit's multiply-adds."""
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
     spec = load_spec(path)
     consumer, producer = interior_loops(spec, "sm_90a")
-    assert consumer.inner_loops == 0 and producer is not None
+    # backward branches inside the body can only be the retry loops of its mbarrier waits (K
+    # and V of each tile: one pass once the tile has landed)
+    tiles = len(consumer.hgmma) / (spec.head_dim_padded // 16 + spec.block_n // 16)
+    assert consumer.inner_loops <= 2 * tiles and producer is not None
     measured = unit_figures(consumer, spec, producer)
     expected = analytic_figures(spec)
     for name in ("HGMMA", "MUFU", "LDSM", "LDGSTS"):

@@ -57,10 +57,12 @@ TC_BLOCK_N = (32, 64, 128)
 TC_STAGES = (2, 3)
 TC_LAYOUTS = ("swizzled", "padded")
 # Hopper grid (wgmma, fp16/bf16, offered only on compute capability 9.0, compiled for sm_90a):
-# one or two consumer warpgroups x key tile x stages.
+# one or two consumer warpgroups x key tile x stages x the intra-warpgroup overlap (whose worth
+# only timing can tell: the static model does not see the latency it hides).
 WGMMA_BLOCK_M = (128, 64)
 WGMMA_BLOCK_N = (128, 64)
 WGMMA_STAGES = (2, 3)
+WGMMA_OVERLAP = (False, True)
 # The device arch whose GPUs run sm_90a code (wgmma exists on 9.0 only, not on later GPUs).
 WGMMA_DEVICE_ARCH = "sm_90"
 # CUDA-core grid (fp32; the first entries double as fp16/bf16 fallbacks).
@@ -195,13 +197,16 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
         or decode_rows(problem) is not None
     ):
         return
-    for block_m, block_n, stages in itertools.product(WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_STAGES):
+    for block_m, block_n, stages, overlap in itertools.product(
+        WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_STAGES, WGMMA_OVERLAP
+    ):
         yield {
             "loop_order": "v2",
             "mma": "wgmma",
             "block_m": block_m,
             "block_n": block_n,
             "stages": stages,
+            "overlap": overlap,
             "archs": list(WGMMA_ARCHS),
         }
 
