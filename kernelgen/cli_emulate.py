@@ -128,10 +128,42 @@ def _memory_rows(spec: KernelSpec, run, shape: tuple[int, ...]) -> list[Row]:
         row_blocks = launch_geometry(spec, run.problem)[0][0]  # (row tile, head) blocks
         every = row_blocks * math.ceil(sk / spec.block_n)
         rows.append(Row("key tiles visited", f"{visited:g}", f"of {every} (no skipping)", None))
+    elif main.tma_bytes:
+        rows += _tma_rows(spec, main.tma_bytes, minimum, shape)
     else:
         rows.append(Row("global bytes read (cp.async)", "n/a", "plain loads, not counted", None))
         rows.append(Row("key tiles visited", "n/a", "counted from cp.async", None))
     return rows
+
+
+def _tma_rows(spec: KernelSpec, tma_bytes: int, minimum: int, shape: tuple[int, ...]) -> list:
+    """wgmma specs: the bytes their TMA boxes brought in (whole boxes: 128-byte column blocks,
+    rows past the sequence zero-filled) and the key tiles they visited, from those bytes less
+    the Q tiles of the blocks that load one (a block whose rows see no key loads nothing)."""
+    b, h, _, sq, sk = shape
+    row_bytes = spec.column_blocks * 128
+    key_tiles = []
+    for first in range(0, sq, spec.block_m):
+        last = min(first + spec.block_m, sq) - 1
+        kv_end = min(sk, last + 1 + sk - sq) if spec.causal else sk
+        key_tiles.append(math.ceil(kv_end / spec.block_n) if kv_end > 0 else 0)
+    q_bytes = b * h * sum(1 for n in key_tiles if n) * spec.block_m * row_bytes
+    visited = (tma_bytes - q_bytes) / (2 * spec.block_n * row_bytes)
+    every = b * h * len(key_tiles) * math.ceil(sk / spec.block_n)
+    return [
+        Row(
+            "global bytes read (TMA boxes)",
+            f"{tma_bytes} ({tma_bytes / minimum:.2f}x)",
+            f"minimum {minimum}",
+            None,
+        ),
+        Row(
+            "key tiles visited",
+            f"{visited:g}",
+            f"{b * h * sum(key_tiles)} expected of {every}",
+            visited == b * h * sum(key_tiles),
+        ),
+    ]
 
 
 def _table(spec: KernelSpec, shape: tuple[int, ...], rows: list[Row]) -> Table:

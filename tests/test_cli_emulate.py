@@ -113,3 +113,18 @@ def test_a_missing_wait_is_a_hazard(monkeypatch, fresh_kernels):
     assert result.exit_code == 1, result.output
     assert "hazard: " in result.output
     assert "is in flight" in result.output
+
+
+def test_a_wgmma_spec_reports_its_tma_bytes_and_skipped_tiles():
+    """A Hopper spec: no ldmatrix, the bytes its TMA boxes read, and the key tiles visited
+    counted from them: causal skipping leaves half of them (300 queries, 100 keys, 64-key
+    tiles: the first 128-row tile sees no key, the second one key tile, the third two)."""
+    spec = ROOT / "specs" / "v2_wg_bf16_d128_m128_n64_s2_ovl.yaml"
+    result = run(spec, "--shape", "2,2,1,300,100", "--causal", "--seed", 1)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "FAIL" not in out
+    assert _value(out, "ldmatrix shared-memory wavefronts") == "n/a"
+    assert int(_value(out, "global bytes read (TMA boxes)")) > 0
+    assert _value(out, "key tiles visited") == "12"
+    assert "12 expected of 24" in out
