@@ -93,9 +93,10 @@ def check_address(layout: TensorMapLayout, address: int) -> None:
 Encoder = Callable[[TensorMapLayout, Any], Any]
 
 
-def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.void:
-    """The driver's map (cuda-bindings' ``cuTensorMapEncodeTiled``) as a 128-byte structured
-    NumPy scalar, the form a CuPy kernel argument of a C struct takes."""
+def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.ndarray:
+    """The driver's map (cuda-bindings' ``cuTensorMapEncodeTiled``) as a one-element structured
+    NumPy array of 128 bytes: CuPy passes a NumPy array of size one to a kernel by value (the
+    launch copies the parameter's size from it), which is how a C struct argument travels."""
     try:
         from cuda.bindings import driver
     except ImportError as exc:
@@ -124,10 +125,10 @@ def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.void:
     if err != driver.CUresult.CUDA_SUCCESS:
         raise InputError(f"{layout.tensor}: the driver refused its tensor map ({err}): {layout}")
     words = np.array([int(w) for w in tensor_map.opaque], dtype=np.uint64)
-    return words.view(TENSOR_MAP_DTYPE)[0]
+    return words.view(TENSOR_MAP_DTYPE)  # shape (1,)
 
 
-# A C struct of 16 64-bit words, as CuPy passes a structured NumPy scalar to a kernel.
+# The C struct CUtensorMap: 16 64-bit words.
 TENSOR_MAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])
 
 
@@ -165,7 +166,7 @@ def device_pointer(tensor: Any) -> int:
     return int(tensor.data_ptr())
 
 
-def encode_device_tensor(layout: TensorMapLayout, tensor: Any) -> np.void:
+def encode_device_tensor(layout: TensorMapLayout, tensor: Any) -> np.ndarray:
     """:func:`encode_on_device` of a CuPy array, torch tensor or device pointer."""
     return encode_on_device(layout, device_pointer(tensor))
 

@@ -102,3 +102,37 @@ def test_device_pointer_of_each_kind_of_argument():
             return 8192
 
     assert device_pointer(CupyLike()) == 4096 and device_pointer(TorchLike()) == 8192
+
+
+def test_device_encoding_passes_the_layout_to_the_driver_and_returns_a_by_value_argument(
+    monkeypatch,
+):
+    """encode_on_device hands cuTensorMapEncodeTiled the layout (bf16, rank 4, dims, byte
+    strides, box, unit element strides, no interleave, 128B swizzle, zero OOB fill) and returns
+    the 128 bytes as a one-element structured array (CuPy passes size-one arrays by value)."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from kernelgen.tensor_maps import TENSOR_MAP_DTYPE, encode_on_device
+
+    seen = {}
+
+    class FakeMap:
+        opaque = tuple(range(100, 116))
+
+    def fake_encode(*args):
+        seen["args"] = args
+        return driver.CUresult.CUDA_SUCCESS, FakeMap()
+
+    monkeypatch.setattr(driver, "cuTensorMapEncodeTiled", fake_encode)
+    layout = tensor_map_layouts(SPEC, problem())["k_map"]
+    encoded = encode_on_device(layout, 0x7F0000001000)
+    assert encoded.shape == (1,) and encoded.dtype == TENSOR_MAP_DTYPE
+    assert encoded.nbytes == 128 and list(encoded["opaque"][0]) == list(range(100, 116))
+    args = seen["args"]
+    assert args[0] == driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    assert args[1:7] == (4, 0x7F0000001000, [96, 300, 2, 3], [192, 57600, 115200], [64, 64, 1, 1],
+                         [1, 1, 1, 1])  # fmt: skip
+    assert args[7] == driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+    assert args[8] == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    assert args[10] == driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+    with pytest.raises(InputError, match="not 16-byte aligned"):
+        encode_on_device(layout, 0x7F0000001008)
