@@ -39,7 +39,8 @@ def test_wgmma_spec_matches_float64_reference(path, case):
 
 def test_wgmma_null_lse_and_per_sequence_key_lengths():
     """No lse asked for (a null pointer), and seqlens_k (a KV cache: the keys past each entry's
-    length are copied by TMA but hidden), each entry against its own float64 reference."""
+    length are copied by TMA but hidden), each entry against its own float64 reference, an
+    entry of no key included."""
     spec = load_spec(WGMMA_SPEC_PATHS[0])
     case = Case(2, 2, 1, 20, 90)
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=5)
@@ -53,6 +54,12 @@ def test_wgmma_null_lse_and_per_sequence_key_lengths():
         ref_out, ref_lse = naive_attention(q, k, v, causal=spec.causal)
         entry = CaseData(q, k, v, None, ref_out, ref_lse)
         assert_matches(out[b : b + 1], lse[b : b + 1], entry, spec.dtype)
+    # an entry with no key: its block loads nothing and writes the identity (out 0, lse -inf)
+    out, lse = run_emulated(spec, case, data, seqlens_k=np.array([0, 90], dtype=np.int32))
+    assert (out[0] == 0).all() and np.isneginf(lse[0]).all()
+    q, k, v = (x[1:] for x in (data.q, data.k, data.v))
+    second = CaseData(q, k, v, None, data.ref_out[1:], data.ref_lse[1:])
+    assert_matches(out[1:], lse[1:], second, spec.dtype)
 
 
 # ---- mutations: each must make the run fail (a hazard, a deadlock or a wrong result) --------
