@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 
 from kernelgen.emulator import (
+    EmulatorArgumentError,
+    EmulatorLaunchError,
+    EmulatorSourceError,
     HazardError,
     build_kernel,
     encode_tensor_map_tiled,
+    transform_source,
 )
 
 pytestmark = pytest.mark.emulate
@@ -686,3 +690,240 @@ def test_tma_swizzle_agrees_with_wgmma_descriptors(gemm_kernel, span, tb):
     np.testing.assert_array_equal(run(swz), a @ b)
     if span:
         assert not np.array_equal(run("none"), a @ b)
+
+
+# ---- mbarrier --------------------------------------------------------------------------------
+
+MBAR_SRC = (
+    COMMON
+    + r"""
+__device__ uint64_t arrive(uint32_t bar) {
+  uint64_t state;
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 %0, [%1];"
+               : "=l"(state) : "r"(bar) : "memory");
+  return state;
+}
+__device__ int test_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; "
+               "selp.b32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done;
+}
+__device__ int test_state(uint32_t bar, uint64_t state) {
+  uint32_t done;
+  asm volatile("{ .reg .pred p; mbarrier.test_wait.shared::cta.b64 p, [%1], %2; "
+               "@p mov.u32 %0, 1; @!p mov.u32 %0, 0; }" : "=r"(done) : "r"(bar), "l"(state));
+  return done;
+}
+__device__ int try_state(uint32_t bar, uint64_t state) {
+  uint32_t done;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.acquire.cta.shared::cta.b64 p, [%1], %2; "
+               "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "l"(state) : "memory");
+  return done;
+}
+// mode 0: phases of a 4-arrival barrier and a transaction barrier, recorded in `out`;
+// 1: wait on a barrier never initialized; 2: one arrival too many; 3: tx-count overflow;
+// 4: init count 0.
+extern "C" __global__ void mbar(const unsigned char* src, int* out, int mode) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t bar = smem_u32(smem), tx_bar = smem_u32(smem + 8), data = smem_u32(smem + 128);
+  const int t = threadIdx.x, lane = t % 32;
+  if (t == 0 && mode != 1) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" :: "r"(bar), "r"(mode == 4 ? 0 : 4));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(tx_bar));
+  }
+  __syncthreads();
+  if (mode == 1) { wait_phase(bar, 0); return; }
+  if (mode == 2 && t == 0) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], 16;" :: "r"(tx_bar));
+    arrive(tx_bar);
+    arrive(tx_bar);
+  }
+  if (mode == 3 && t == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(tx_bar), "r"((1 << 20) - 1));
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], 1;" :: "r"(tx_bar));
+  }
+  if (mode != 0) return;
+  for (int phase = 0; phase < 3; ++phase) {
+    int* o = out + 8 * phase;
+    if (t == 0) o[0] = test_parity(bar, phase & 1);  // nobody arrived yet
+    __syncthreads();
+    uint64_t state = 0;
+    if (lane == 0 && t != 0) state = arrive(bar);  // warps 1..3
+    __syncthreads();
+    if (t == 0) {
+      o[1] = test_parity(bar, phase & 1);  // 3 of 4 arrived
+      o[2] = static_cast<int>(state);
+      state = arrive(bar);
+      o[3] = static_cast<int>(state);   // the phase it arrived on
+      o[4] = test_parity(bar, phase & 1);
+      o[5] = test_parity(bar, (phase + 1) & 1);  // the next phase has not completed
+      o[6] = test_state(bar, state) + 2 * try_state(bar, state);
+    }
+    wait_phase(bar, phase & 1);
+    __syncthreads();
+  }
+  if (t == 0) {  // transactions: arrive first, the bytes complete the phase
+    uint64_t state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], 32;"
+                 : "=l"(state) : "r"(tx_bar) : "memory");
+    out[24] = test_parity(tx_bar, 0);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], 32, [%2];" :: "r"(data), "l"(src), "r"(tx_bar) : "memory");
+    out[25] = test_parity(tx_bar, 0);
+    wait_phase(tx_bar, 0);
+    for (int i = 0; i < 32; ++i) out[26 + i] = smem[128 + i];
+  }
+}
+"""
+)
+
+
+@pytest.fixture(scope="module")
+def mbar_kernel():
+    params = [("const unsigned char*", "src"), ("int*", "out"), ("int", "mode")]
+    return build_kernel(MBAR_SRC, "mbar", params)
+
+
+def test_mbarrier_phases_and_transactions(mbar_kernel):
+    """A phase completes at the last expected arrival (parity flips every phase; the arrive
+    state names the phase); a transaction phase completes when its bytes arrive."""
+    src = np.arange(16, 48, dtype=np.uint8)
+    out = np.full(64, -1, np.int32)
+    mbar_kernel(grid=1, block=128, shared_mem=256, args=[src, out, 0], timeout=30)
+    for phase in range(3):
+        # not done, not done, (state of warp 1..3 arrivals not recorded), its phase, done,
+        # next parity not done, test_wait and try_wait on the state both true
+        assert list(out[8 * phase : 8 * phase + 7]) == [0, 0, 0, phase, 1, 0, 3], phase
+    assert list(out[24:26]) == [0, 1]
+    np.testing.assert_array_equal(out[26:58], src)
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        (1, "was not initialized"),
+        (2, r"1 arrival\(s\) on the mbarrier .* expects 0 more"),
+        (3, "transaction count .* would be 1048576"),
+        (4, "count 0 outside"),
+    ],
+)
+def test_mbarrier_misuse_traps(mbar_kernel, mode, message):
+    out = np.zeros(64, np.int32)
+    with pytest.raises(EmulatorLaunchError, match=message):
+        mbar_kernel(
+            grid=1, block=128, shared_mem=256, args=[np.zeros(32, np.uint8), out, mode], timeout=30
+        )
+
+
+# ---- the forms accepted, and what is refused -----------------------------------------------------
+
+
+def test_block_forms_rewrite():
+    """A PTX block's registers become C++ locals of a lambda run in place; guards become ifs."""
+    src = (
+        "__device__ void f(unsigned bar, unsigned parity, unsigned& done) {\n"
+        '  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;'
+        ' @p mov.u32 %0, 1; @!p mov.u32 %0, 0; }" : "=r"(done) : "r"(bar), "r"(parity));\n}\n'
+    )
+    out = transform_source(src)
+    assert out.count("\n") == src.count("\n")
+    assert "[&]() { bool kg_ptx_p = 0;" in out
+    assert "(kg_ptx_p = ::kg_emu::ptx::mbarrier_try_wait(::kg_emu::ptx::b32(bar), true," in out
+    assert "if (!kg_ptx_p) ::kg_emu::ptx::set_b32((done), static_cast<uint32_t>(0));" in out
+
+
+@pytest.mark.parametrize(
+    ("stmt", "message"),
+    [
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n12k16.f32.bf16.bf16 {%0}, %1, %1,'
+            ' 1, 1, 1, 0, 0;" : "+f"(f) : "l"(p));',
+            r"N=12 is not a multiple of 8",
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, 1, 1, 1, 0, 0;" : "=f"(f) : "l"(p));',
+            r'is read and written: use "\+f"',
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, 1, 2, 1, 0, 0;" : "+f"(f) : "l"(p));',
+            r"imm-scale is 2; allowed: 1, -1",
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, %2, 1, 1, 0, 0;" : "+f"(f) : "l"(p), "r"(x));',
+            r"scale-d must be a predicate",
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, 1, 1, 1, 0, 0;" : "+f"(f) : "l"(p));',
+            r"A and B must have the same type",
+        ),
+        ('asm volatile("setmaxnreg.inc.sync.aligned.u32 20;");', r"multiple of 8 in \[24, 256\]"),
+        (
+            'asm volatile("mbarrier.try_wait.parity.shared::cta.b64 %0, [%1], %2;"'
+            ' : "=r"(x) : "r"(x), "r"(x));',
+            r"must be a predicate declared in the asm block",
+        ),
+        (
+            'asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx'
+            '::bytes [%0], [%1, {%0}], [%0];" :: "r"(x), "l"(p));',
+            r"expected operands 'addr \[tmap, vec2\] addr'",
+        ),
+        (
+            'asm volatile("{ .reg .pred p; LOOP: mbarrier.try_wait.parity.shared.b64 p, [%0], 0;'
+            ' @!p bra LOOP; }" :: "r"(x));',
+            r"unsupported instruction 'LOOP:",
+        ),
+        ('asm volatile("@q mov.u32 %0, 1;" : "=r"(x));', r"guard @q is not a declared predicate"),
+        (
+            'asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %1}],'
+            ' [%1];" :: "l"(p), "r"(x));',
+            r"unsupported instruction",
+        ),
+    ],
+)
+def test_unsupported_hopper_asm_is_rejected(stmt, message):
+    src = "__device__ void f(unsigned x, float f, const void* p) {\n\n  " + stmt + "\n}\n"
+    with pytest.raises(EmulatorSourceError, match=message):
+        transform_source(src)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tensor_rank": 6}, "tensorRank=6"),
+        ({"global_strides": (100,)}, r"globalStrides=\(100,\); allowed: multiples of 16"),
+        ({"box_dim": (64, 300)}, r"boxDim=\(64, 300\); allowed: each in \[1, 256\]"),
+        ({"box_dim": (4, 8)}, "a multiple of 16 bytes"),
+        ({"swizzle": "64B"}, "at most the swizzle span 64 bytes"),
+        ({"swizzle": "16B"}, "swizzle='16B'"),
+        ({"element_strides": (1, 9)}, r"elementStrides=\(1, 9\)"),
+        ({"tensor_data_type": "int8"}, "tensorDataType='int8'"),
+        ({"tensor_data_type": "uint16", "oob_fill": "nan"}, "'none' for integer data types"),
+        ({"global_dim": (64,)}, r"globalDim=\(64,\); allowed: 2 integers"),
+    ],
+)
+def test_tensor_map_encode_checks_the_driver_rules(change, message):
+    q = np.zeros((8, 64), np.float16)
+    kwargs = dict(
+        tensor_data_type="float16",
+        tensor_rank=2,
+        global_address=q,
+        global_dim=(64, 8),
+        global_strides=(128,),
+        box_dim=(64, 8),
+        element_strides=(1, 1),
+        swizzle="128B",
+    )
+    kwargs.update(change)
+    with pytest.raises(EmulatorArgumentError, match=message):
+        encode_tensor_map_tiled(**kwargs)
+
+
+def test_tensor_map_parameter_needs_a_tensor_map(tma_kernel):
+    with pytest.raises(TypeError, match="needs a TensorMap"):
+        tma_kernel(grid=1, block=64, shared_mem=16392, args=[b"x" * 128, None, 1, 16, None, 0])
