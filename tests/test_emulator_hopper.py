@@ -927,3 +927,79 @@ def test_tensor_map_encode_checks_the_driver_rules(change, message):
 def test_tensor_map_parameter_needs_a_tensor_map(tma_kernel):
     with pytest.raises(TypeError, match="needs a TensorMap"):
         tma_kernel(grid=1, block=64, shared_mem=16392, args=[b"x" * 128, None, 1, 16, None, 0])
+
+
+# ---- mutations of the emulator that the probes above catch ---------------------------------------
+
+
+@pytest.fixture
+def mutated(tmp_path, monkeypatch):
+    """``mutated(header, old, new)``: later builds use the emulator's headers with one edit (and
+    an empty build cache)."""
+    import shutil
+
+    from kernelgen.emulator import kernel
+
+    monkeypatch.setenv("KG_EMULATOR_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "include"
+    shutil.copytree(kernel.INCLUDE_DIR, copy)
+    monkeypatch.setattr(kernel, "INCLUDE_DIR", copy)
+
+    def apply(name: str, old: str, new: str) -> None:
+        text = (copy / name).read_text()
+        assert old in text, old
+        (copy / name).write_text(text.replace(old, new))
+
+    return apply
+
+
+def test_mutation_accumulator_fragment_is_caught(mutated):
+    mutated(
+        "kg_wgmma.h", "4 * j + 2 * r + static_cast<int>(i)", "4 * j + r + 2 * static_cast<int>(i)"
+    )
+    kernel = build_kernel(probe_source(64), "probe_64", PROBE_PARAMS)
+    rng = np.random.default_rng(0)
+    a = rng.integers(-4, 5, (64, 16)).astype(np.float64)
+    b = rng.integers(-4, 5, (16, 64)).astype(np.float64)
+    assert not np.array_equal(run_probe(kernel, 64, a, b, 0, 0, 128), a @ b)
+
+
+def test_mutation_register_a_fragment_is_caught(mutated):
+    mutated("kg_wgmma.h", "[(row >= 8) + 2 * (k >= 8)]", "[2 * (row >= 8) + (k >= 8)]")
+    params = [
+        ("const uint16_t*", "a"),
+        ("const unsigned char*", "image"),
+        ("int", "image_bytes"),
+        ("const unsigned long long*", "descs"),
+        ("float*", "out"),
+        ("int", "mutation"),
+    ]
+    kernel = build_kernel(register_a_source(256), "rs_256", params)
+    rng = np.random.default_rng(3)
+    a = rng.integers(-4, 5, (64, 32)).astype(np.float64)
+    b = rng.integers(-4, 5, (32, 256)).astype(np.float64)
+    assert not np.array_equal(run_register_a(kernel, a, b), a @ b)
+
+
+def test_mutation_tma_fill_and_arrival_check_are_caught(mutated):
+    mutated("kg_tma.h", "std::memset(out, 0, esz);", "std::memset(out, 0x11, esz);")
+    mutated("kg_mbarrier.h", "if (count < 1 || count > b.pending) {", "if (count < 1) {")
+    tma = build_kernel(
+        TMA_SRC,
+        "tma_box",
+        [
+            ("const __grid_constant__ CUtensorMap", "tmap"),
+            ("const int*", "coords"),
+            ("int", "rank"),
+            ("int", "bytes"),
+            ("unsigned char*", "out"),
+            ("int", "mutation"),
+        ],
+    )
+    with pytest.raises(AssertionError):
+        test_tma_box_loads(tma, TMA_CASES[0])
+    mbar = build_kernel(
+        MBAR_SRC, "mbar", [("const unsigned char*", "src"), ("int*", "out"), ("int", "mode")]
+    )
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_mbarrier_misuse_traps(mbar, 2, "arrival")
