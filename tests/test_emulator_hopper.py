@@ -1003,3 +1003,152 @@ def test_mutation_tma_fill_and_arrival_check_are_caught(mutated):
     )
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         test_mbarrier_misuse_traps(mbar, 2, "arrival")
+
+
+# ---- a warp-specialized pipeline ---------------------------------------------------------------
+
+PIPELINE_SRC = (
+    COMMON
+    + wgmma_ss(64)
+    + r"""
+__device__ uint64_t desc128(uint32_t addr) {  // K-major, 128B swizzle, 8-row groups 1024 apart
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+// D (64 x 64) = A (64 x 64 tiles) B over `tiles` k-tiles through a 2-stage ring: a producer
+// warpgroup (one elected thread issues the TMA) and a consumer warpgroup. mutation 1: the
+// consumer skips the full-barrier wait; 2: it releases a stage before its wgmma retired.
+extern "C" __global__ void pipeline(const __grid_constant__ CUtensorMap tmap_a,
+                                    const __grid_constant__ CUtensorMap tmap_b, int tiles,
+                                    float* out, int mutation) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = smem_u32(smem);
+  const uint32_t full = base + 65536, empty = full + 16;  // two barriers each
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(full + 8 * s));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 128;" :: "r"(empty + 8 * s));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    uint32_t elected = 0;
+    asm volatile("{ .reg .pred p; elect.sync _|p, %1; selp.b32 %0, 1, 0, p; }"
+                 : "=r"(elected) : "r"(0xffffffffu));
+    if (threadIdx.x / 32 == 0 && elected) {
+      for (int t = 0; t < tiles; ++t) {
+        const int s = t % 2;
+        wait_phase(empty + 8 * s, ((t / 2) & 1) ^ 1);
+        const uint32_t bar = full + 8 * s, a = base + 32768 * s, b = a + 16384;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 16384;" :: "r"(bar));
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3}], [%4];"
+                     :: "r"(a), "l"(&tmap_a), "r"(64 * t), "r"(0), "r"(bar) : "memory");
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3}], [%4];"
+                     :: "r"(b), "l"(&tmap_b), "r"(64 * t), "r"(0), "r"(bar) : "memory");
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  float d[32];
+  for (int r = 0; r < 32; ++r) d[r] = 0.f;
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % 2;
+    if (mutation != 1) wait_phase(full + 8 * s, (t / 2) & 1);
+    const uint32_t a = base + 32768 * s, b = a + 16384;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int k = 0; k < 4; ++k) {
+      wgmma_ss_64<0, 0, 1>(d, desc128(a + 32 * k), desc128(b + 32 * k), t > 0 || k > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    if (mutation != 2) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(empty + 8 * s) : "memory");
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int r = 0; r < 32; ++r) out[(threadIdx.x - 128) * 32 + r] = d[r];
+}
+"""
+)
+
+
+PIPELINE_PARAMS = [
+    ("const __grid_constant__ CUtensorMap", "tmap_a"),
+    ("const __grid_constant__ CUtensorMap", "tmap_b"),
+    ("int", "tiles"),
+    ("float*", "out"),
+    ("int", "mutation"),
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline_kernel():
+    return build_kernel(PIPELINE_SRC, "pipeline", PIPELINE_PARAMS)
+
+
+def run_pipeline(kernel, a, b, mutation=0, timeout=30):
+    tiles = a.shape[1] // 64
+    maps = [
+        encode_tensor_map_tiled(
+            "bfloat16",
+            2,
+            bf16_bits(x),
+            (64 * tiles, 64),
+            (128 * tiles,),
+            (64, 64),
+            (1, 1),
+            swizzle="128B",
+        )
+        for x in (a, b.T)
+    ]
+    out = np.zeros((128, 32), np.float32)
+    stats = kernel(
+        grid=1,
+        block=256,
+        shared_mem=65536 + 32,
+        args=[*maps, tiles, out, mutation],
+        timeout=timeout,
+    )
+    return decode(out, 64), stats
+
+
+def test_warp_specialized_pipeline(pipeline_kernel):
+    """A producer/consumer ring of 2 stages over 5 k-tiles (full and empty mbarriers, parities
+    wrapping): exactly A @ B; 8 KiB of TMA per operand tile, 4 wgmmas per tile."""
+    rng = np.random.default_rng(11)
+    a = rng.integers(-3, 4, (64, 320)).astype(np.float64)
+    b = rng.integers(-3, 4, (320, 64)).astype(np.float64)
+    got, stats = run_pipeline(pipeline_kernel, a, b)
+    np.testing.assert_array_equal(got, a @ b)
+    assert (stats.wgmma, stats.tma_bytes) == (20, 5 * 16384)
+
+
+def test_pipeline_missing_waits_fail(pipeline_kernel):
+    """A consumer that skips its full-barrier wait reads tiles before their TMA completed (a
+    hazard, or garbage when it runs ahead of the copy); one that frees a stage before its wgmma
+    retired lets the next TMA overwrite the operands in flight (a hazard)."""
+    rng = np.random.default_rng(12)
+    a = rng.integers(-3, 4, (64, 256)).astype(np.float64)
+    b = rng.integers(-3, 4, (256, 64)).astype(np.float64)
+    try:  # two tiles: the producer never waits for a stage (a consumer running ahead over more
+        # tiles completes empty-barrier phases early and the producer then waits forever)
+        got, _ = run_pipeline(pipeline_kernel, a[:, :128], b[:128], mutation=1)
+    except HazardError as e:
+        assert "before its TMA write completed" in str(e)
+    else:
+        assert not np.array_equal(got, a[:, :128] @ b[:128])
+    with pytest.raises(HazardError, match="changed between its issue"):
+        run_pipeline(pipeline_kernel, a, b, mutation=2)
+
+
+def test_a_stuck_transaction_names_its_mbarrier():
+    """A producer that expects more bytes than its copies bring deadlocks the consumers; the
+    watchdog's report names the barrier and what it still waits for."""
+    src = PIPELINE_SRC.replace('_, [%0], 16384;"', '_, [%0], 16400;"')
+    kernel = build_kernel(src, "pipeline", PIPELINE_PARAMS)
+    a = np.ones((64, 64))
+    with pytest.raises(EmulatorLaunchError, match="0 of 1 arrivals and 16 transaction bytes"):
+        run_pipeline(kernel, a, a, timeout=2)

@@ -546,10 +546,25 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
           }
         }
         if (timed_out) {
-          snprintf(msg, sizeof msg,
-                   "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads still "
-                   "running (deadlock at a barrier or shuffle, or an endless loop)",
-                   bx, by, bz, timeout_ms, r, n);
+          int used = snprintf(msg, sizeof msg,
+                              "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads "
+                              "still running (deadlock at a barrier, shuffle or mbarrier wait, "
+                              "or an endless loop)",
+                              bx, by, bz, timeout_ms, r, n);
+          // The first mbarrier with a phase under way, as a hint (read without the lock: the
+          // threads are stuck).
+          for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 400; ++i) {
+            const MbarrierState& b = L.mbarriers[i];
+            if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
+              continue;
+            }
+            snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                     "; the mbarrier at shared 0x%zx is in phase %u with %d of %u arrivals and "
+                     "%d transaction bytes pending",
+                     0x400 /* kSharedBase */ + 8 * i, b.phase.load(), b.pending, b.expected,
+                     b.tx);
+            break;
+          }
           rc = 3;
           fail(err, errlen, msg);
           break;
@@ -576,7 +591,9 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   }
 
   if (timed_out) {
-    // Threads are stuck: leave them (and everything they can touch) alive, detached.
+    // Threads are stuck: leave them (and everything they can touch) alive, detached. Those in
+    // an mbarrier wait see the flag and leave the kernel (no thread keeps polling).
+    L.trapped.store(1);
     for (uint32_t i = 0; i < started; ++i) pthread_detach(threads[i]);
     delete[] threads;
     pthread_mutex_unlock(&launch_mutex);
