@@ -172,7 +172,7 @@ COMMIT = 'asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");'
 WAIT0 = 'asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");'
 
 
-def probe_source(n: int) -> str:
+def probe_source(n: int, elem: str = "bf16") -> str:
     """Shared memory from a byte image, one wgmma per k step, the registers out. ``mutation``:
     1 no wait_group, 2 an accumulator written in flight, 3 operand memory overwritten in flight,
     4 no wgmma.fence."""
@@ -186,7 +186,7 @@ def probe_source(n: int) -> str:
     )
     return (
         COMMON
-        + wgmma_ss(n)
+        + wgmma_ss(n, elem)
         + f"""
 extern "C" __global__ void probe_{n}(const unsigned char* image, int image_bytes,
     const unsigned long long* descs, int steps, const float* c, float* out, int ta, int tb,
@@ -253,7 +253,9 @@ def operand_layout(mn_major: bool, span: int, extent_mn: int):
     return (mn, k, span), lbo, sbo, used
 
 
-def run_probe(kernel, n, a, b, ta, tb, span, *, neg=0, scale_d=0, c=None, mutation=0):
+def run_probe(
+    kernel, n, a, b, ta, tb, span, *, neg=0, scale_d=0, c=None, mutation=0, bits=bf16_bits
+):
     """D of ``steps`` k16 wgmmas: a (64 x 16 steps) and b (16 steps x n) placed per step in the
     canonical layout (K-major, or MN-major for ta / tb), each operand region 1024-aligned."""
     steps = a.shape[1] // 16
@@ -266,7 +268,7 @@ def run_probe(kernel, n, a, b, ta, tb, span, *, neg=0, scale_d=0, c=None, mutati
         for operand, mn_major, extent in ((a_step, ta, 64), (b_step, tb, n)):
             layout, lbo, sbo, used = operand_layout(bool(mn_major), span, extent)
             base = image_size
-            place(image, base, bf16_bits(operand), layout)
+            place(image, base, bits(operand), layout)
             descs.append(descriptor(0x400 + base, lbo, sbo, span))
             image_size = base + -(-used // 1024) * 1024
     assert image_size <= image.size
@@ -307,6 +309,19 @@ def test_wgmma_descriptor_layouts_and_accumulator_fragment(probe64, ta, tb, span
     a = rng.integers(-4, 5, (64, 32)).astype(np.float64)
     b = rng.integers(-4, 5, (32, 64)).astype(np.float64)
     np.testing.assert_array_equal(run_probe(probe64, 64, a, b, ta, tb, span), a @ b)
+
+
+@pytest.mark.parametrize(("n", "elem"), [(8, "f16"), (128, "f16"), (200, "bf16")])
+def test_wgmma_other_widths_and_f16(n, elem):
+    """m64nNk16 at the smallest N, at N = 128 with f16 inputs, and at an N that is no power of
+    two; MN-major A, K-major B, 64B swizzle."""
+    kernel = build_kernel(probe_source(n, elem), f"probe_{n}", PROBE_PARAMS)
+    rng = np.random.default_rng(n)
+    a = rng.integers(-4, 5, (64, 16)).astype(np.float64)
+    b = rng.integers(-4, 5, (16, n)).astype(np.float64)
+    bits = bf16_bits if elem == "bf16" else (lambda x: np.asarray(x, np.float16).view(np.uint16))
+    got = run_probe(kernel, n, a, b, 1, 0, 64 if n % 32 == 0 else 0, bits=bits)
+    np.testing.assert_array_equal(got, a @ b)
 
 
 def test_wgmma_accumulate_and_negate(probe64):
