@@ -860,7 +860,7 @@ def test_block_forms_rewrite():
         (
             'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
             ' %1, %1, 1, 1, 1, 0, 0;" : "=f"(f) : "l"(p));',
-            r'is read and written: use "\+f"',
+            r'is read and written by wgmma: declare it "\+f"',
         ),
         (
             'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
