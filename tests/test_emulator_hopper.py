@@ -324,6 +324,15 @@ def test_wgmma_other_widths_and_f16(n, elem):
     np.testing.assert_array_equal(got, a @ b)
 
 
+def test_wgmma_needs_a_whole_warpgroup(probe64):
+    """A block of 64 threads holds no complete warpgroup: its wgmma traps."""
+    image = np.zeros(4096, np.uint8)
+    out = np.zeros(64 * 32, np.float32)
+    args = [image, 4096, np.zeros(2, np.uint64), 1, out, out, 0, 0, 0, 0, 0]
+    with pytest.raises(EmulatorLaunchError, match=r"warpgroup \(threads 0..127\) is not complete"):
+        probe64(grid=1, block=64, shared_mem=4096, args=args)
+
+
 def test_wgmma_accumulate_and_negate(probe64):
     """scale-d 1 adds the accumulators' previous values; imm-scale-a -1 negates A."""
     rng = np.random.default_rng(7)

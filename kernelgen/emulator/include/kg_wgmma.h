@@ -148,6 +148,11 @@ inline void wgmma_check_operands(int scale_a, int scale_b, int trans_a, int tran
 
 inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
   WgmmaThreadState& s = wgmma_state;
+  if (tctx.linear / 128 * 128 + 128 > tctx.launch->nthreads) {
+    trap_with("wgmma.mma_async by thread %u: its warpgroup (threads %u..%u) is not complete in a "
+              "block of %u threads", tctx.linear, tctx.linear / 128 * 128,
+              tctx.linear / 128 * 128 + 127, tctx.launch->nthreads);
+  }
   if (!s.fenced) {
     report_hazard("wgmma.mma_async without a wgmma.fence since the thread's last "
                   "wgmma.wait_group (or the kernel start): its register accesses are unordered");
