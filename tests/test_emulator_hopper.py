@@ -74,13 +74,13 @@ def canonical(mn_major: bool, span: int, extent_mn: int, lbo: int, sbo: int):
 
 
 def place(image: np.ndarray, base: int, matrix: np.ndarray, layout) -> None:
-    """Write ``matrix`` (extent_mn x 16, bf16 bits) into the byte image at ``base`` (1024-aligned)
-    through ``layout`` and the swizzle of ``span``."""
+    """Write ``matrix`` (extent_mn x 16, bf16 bits) into the byte image at ``base`` through
+    ``layout`` and the swizzle of ``span``, its pattern starting at ``base``."""
     (mn_shape, mn_stride), (k_shape, k_stride), span = layout
     for i in range(matrix.shape[0]):
         for kk in range(16):
-            logical = base + cute(mn_shape, mn_stride, i) + cute(k_shape, k_stride, kk)
-            at = swizzle(logical, span)
+            logical = cute(mn_shape, mn_stride, i) + cute(k_shape, k_stride, kk)
+            at = base + swizzle(logical, span)
             image[at : at + 2] = np.frombuffer(matrix[i, kk].tobytes(), np.uint8)
 
 
@@ -254,10 +254,24 @@ def operand_layout(mn_major: bool, span: int, extent_mn: int):
 
 
 def run_probe(
-    kernel, n, a, b, ta, tb, span, *, neg=0, scale_d=0, c=None, mutation=0, bits=bf16_bits
+    kernel,
+    n,
+    a,
+    b,
+    ta,
+    tb,
+    span,
+    *,
+    neg=0,
+    scale_d=0,
+    c=None,
+    mutation=0,
+    bits=bf16_bits,
+    shift=0,
 ):
     """D of ``steps`` k16 wgmmas: a (64 x 16 steps) and b (16 steps x n) placed per step in the
-    canonical layout (K-major, or MN-major for ta / tb), each operand region 1024-aligned."""
+    canonical layout (K-major, or MN-major for ta / tb), each operand region 1024-aligned plus
+    ``shift`` bytes (a multiple of 128: the descriptors then carry the base offset)."""
     steps = a.shape[1] // 16
     image_size = 0
     descs = []
@@ -267,9 +281,10 @@ def run_probe(
         b_step = b[16 * s : 16 * s + 16, :].T  # (n, k)
         for operand, mn_major, extent in ((a_step, ta, 64), (b_step, tb, n)):
             layout, lbo, sbo, used = operand_layout(bool(mn_major), span, extent)
-            base = image_size
+            base = image_size + shift
             place(image, base, bits(operand), layout)
-            descs.append(descriptor(0x400 + base, lbo, sbo, span))
+            base_offset = ((0x400 + base) >> 7) & 7 if span else 0
+            descs.append(descriptor(0x400 + base, lbo, sbo, span, base_offset))
             image_size = base + -(-used // 1024) * 1024
     assert image_size <= image.size
     c = np.zeros((128, n // 2), np.float32) if c is None else c
@@ -322,6 +337,16 @@ def test_wgmma_other_widths_and_f16(n, elem):
     bits = bf16_bits if elem == "bf16" else (lambda x: np.asarray(x, np.float16).view(np.uint16))
     got = run_probe(kernel, n, a, b, 1, 0, 64 if n % 32 == 0 else 0, bits=bits)
     np.testing.assert_array_equal(got, a @ b)
+
+
+@pytest.mark.parametrize("span", [32, 64, 128])
+def test_wgmma_base_offset(probe64, span):
+    """Swizzled tiles whose pattern starts 384 bytes past a 1024-byte boundary, described with
+    the PTX ISA's base offset ((pattern start >> 7) & 7): still exactly A @ B."""
+    rng = np.random.default_rng(span)
+    a = rng.integers(-4, 5, (64, 16)).astype(np.float64)
+    b = rng.integers(-4, 5, (16, 64)).astype(np.float64)
+    np.testing.assert_array_equal(run_probe(probe64, 64, a, b, 0, 1, span, shift=384), a @ b)
 
 
 def test_wgmma_needs_a_whole_warpgroup(probe64):
