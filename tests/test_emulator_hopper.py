@@ -741,6 +741,36 @@ def test_tma_swizzle_agrees_with_wgmma_descriptors(gemm_kernel, span, tb):
         assert not np.array_equal(run("none"), a @ b)
 
 
+def test_tma_wgmma_gemm_of_random_bf16_against_float64(gemm_kernel):
+    """Random normal bf16 operands (round to nearest even), K = 64 through TMA (128B swizzle)
+    and wgmma: the fp32 result is within fp32 rounding of the float64 product."""
+    rng = np.random.default_rng(5)
+
+    def bf16(x):  # round to nearest even; returns (bits, values)
+        u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    a_bits, a = bf16(rng.standard_normal((64, 64)))
+    b_bits, b = bf16(rng.standard_normal((64, 64)))  # k x n, n contiguous: MN-major B
+    loads_a, steps_a, box = tma_tiles(128, False, 0, 0)
+    loads_b, steps_b, _ = tma_tiles(128, True, 16384, 1)
+    descs = []
+    for (sa, la, ba), (sb, lb, bb) in zip(steps_a, steps_b, strict=True):
+        descs += [descriptor(0x400 + sa, la, ba, 128), descriptor(0x400 + sb, lb, bb, 128)]
+    maps = [
+        encode_tensor_map_tiled("bfloat16", 2, x, (64, 64), (128,), box, (1, 1), swizzle="128B")
+        for x in (a_bits, b_bits)
+    ]
+    loads = np.array(loads_a + loads_b, np.int32)
+    out = np.zeros((128, 32), np.float32)
+    args = [*maps, loads, len(loads), 16384, np.array(descs, np.uint64), 4, 1, out]
+    gemm_kernel(grid=1, block=128, shared_mem=32768 + 8, args=args, timeout=30)
+    ref = a @ b
+    err = np.abs(decode(out, 64) - ref).max() / np.abs(ref).max()
+    assert err < 1e-7, err
+
+
 # ---- mbarrier --------------------------------------------------------------------------------
 
 MBAR_SRC = (
