@@ -568,7 +568,7 @@ TMA_CASES = [
     ("float16", (40, 7), 48, (64, 8), (1, 1), "128B", [(-8, 3), (0, -2)], "none"),
     ("uint16", (32, 5, 3), 40, (32, 4, 2), (1, 1, 1), "64B", [(0, 2, 1), (0, 0, 0)], "none"),
     ("uint8", (32, 9), 48, (32, 8), (1, 1), "32B", [(0, 0), (0, 4)], "none"),
-    ("float32", (100,), 100, (16,), (2,), "none", [(90,), (-4,)], "nan"),
+    ("float32", (100,), 100, (16,), (1,), "none", [(90,), (-4,)], "nan"),
     (
         "float32",
         (4, 3, 2, 2, 2),
@@ -608,6 +608,20 @@ def test_tma_box_loads(tma_kernel, case):
     )
     np.testing.assert_array_equal(out.reshape(2, nbytes), np.stack(want))
     assert stats.tma_bytes == 2 * nbytes
+
+
+def test_tma_innermost_element_stride_is_refused(tma_kernel):
+    data = np.zeros((8, 64), np.float16)
+    tmap = encode_tensor_map_tiled("float16", 2, data, (64, 8), (128,), (64, 8), (2, 1))
+    out = np.zeros(2 * 512, np.uint8)
+    with pytest.raises(EmulatorLaunchError, match="element stride 2 in the innermost dimension"):
+        tma_kernel(
+            grid=1,
+            block=64,
+            shared_mem=16392,
+            args=[tmap, np.zeros((2, 5), np.int32), 2, 512, out, 0],
+            timeout=30,
+        )
 
 
 def test_tma_read_before_the_mbarrier_wait_is_a_hazard(tma_kernel):
