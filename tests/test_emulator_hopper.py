@@ -175,10 +175,10 @@ WAIT0 = 'asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");'
 def probe_source(n: int, elem: str = "bf16") -> str:
     """Shared memory from a byte image, one wgmma per k step, the registers out. ``mutation``:
     1 no wait_group, 2 an accumulator written in flight, 3 operand memory overwritten in flight,
-    4 no wgmma.fence."""
+    4 no wgmma.fence, 5 different descriptors in different warps."""
     calls = "\n".join(
         f"  else if (ta == {ta} && tb == {tb} && neg == {sa}) "
-        f"wgmma_ss_{n}<{ta}, {tb}, {-1 if sa else 1}>(d, descs[2 * s], descs[2 * s + 1], "
+        f"wgmma_ss_{n}<{ta}, {tb}, {-1 if sa else 1}>(d, descs[2 * s] + skew, descs[2 * s + 1], "
         "scale_d || s > 0);"
         for ta in (0, 1)
         for tb in (0, 1)
@@ -197,6 +197,8 @@ extern "C" __global__ void probe_{n}(const unsigned char* image, int image_bytes
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   float d[{n // 2}];
   for (int r = 0; r < {n // 2}; ++r) d[r] = c[threadIdx.x * {n // 2} + r];
+  // mutation 5: warps 1..3 see A 32 bytes further on (per-warp descriptors are not allowed)
+  const unsigned long long skew = mutation == 5 && threadIdx.x >= 32 ? 2 : 0;
   if (mutation != 4) {FENCE}
   for (int s = 0; s < steps; ++s) {{
     if (false) {{}}
@@ -368,6 +370,14 @@ def test_wgmma_accumulate_and_negate(probe64):
     np.testing.assert_array_equal(got, -(a @ b) + decode(c, 64))
     overwrite = run_probe(probe64, 64, a, b, 0, 1, 128, neg=0, scale_d=0, c=c)
     np.testing.assert_array_equal(overwrite, a @ b)
+
+
+def test_wgmma_descriptors_differ_across_the_warpgroup(probe64):
+    """Each warp would compute its own rows right, but the PTX ISA requires one descriptor for
+    the whole warpgroup: reported."""
+    a = np.ones((64, 16))
+    with pytest.raises(EmulatorLaunchError, match=r"wgmma.mma_async #0 of warpgroup 0 differs"):
+        run_probe(probe64, 64, a, np.ones((16, 64)), 0, 0, 128, mutation=5)
 
 
 @pytest.mark.parametrize(
@@ -1133,7 +1143,7 @@ extern "C" __global__ void pipeline(const __grid_constant__ CUtensorMap tmap_a,
     if (threadIdx.x / 32 == 0 && elected) {
       for (int t = 0; t < tiles; ++t) {
         const int s = t % 2;
-        wait_phase(empty + 8 * s, ((t / 2) & 1) ^ 1);
+        if (t >= 2) wait_phase(empty + 8 * s, ((t / 2) - 1) & 1);  // stage freed
         const uint32_t bar = full + 8 * s, a = base + 32768 * s, b = a + 16384;
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 16384;" :: "r"(bar));
         asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -1221,16 +1231,17 @@ def test_warp_specialized_pipeline(pipeline_kernel):
 
 def test_pipeline_missing_waits_fail(pipeline_kernel):
     """A consumer that skips its full-barrier wait reads tiles before their TMA completed (a
-    hazard, or garbage when it runs ahead of the copy); one that frees a stage before its wgmma
-    retired lets the next TMA overwrite the operands in flight (a hazard)."""
+    hazard; or, when it runs ahead of the copy, garbage, which the copy then overwrites under the
+    wgmma: a hazard, or wrong numbers); one that frees a stage before its wgmma retired lets the
+    next TMA overwrite the operands in flight (a hazard)."""
     rng = np.random.default_rng(12)
     a = rng.integers(-3, 4, (64, 256)).astype(np.float64)
     b = rng.integers(-3, 4, (256, 64)).astype(np.float64)
-    try:  # two tiles: the producer never waits for a stage (a consumer running ahead over more
-        # tiles completes empty-barrier phases early and the producer then waits forever)
+    try:  # two tiles: the producer never waits for a stage (with more, a consumer running
+        # ahead completes empty-barrier phases early and the producer waits forever)
         got, _ = run_pipeline(pipeline_kernel, a[:, :128], b[:128], mutation=1)
-    except HazardError as e:
-        assert "before its TMA write completed" in str(e)
+    except HazardError as e:  # read after the copy, or the copy landed under the wgmma
+        assert "before its TMA write completed" in str(e) or "changed between its issue" in str(e)
     else:
         assert not np.array_equal(got, a[:, :128] @ b[:128])
     with pytest.raises(HazardError, match="changed between its issue"):

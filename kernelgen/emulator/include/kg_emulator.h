@@ -254,6 +254,15 @@ struct MbarrierState {
   }
 };
 
+// One wgmma of a warpgroup as its first thread issued it (kg_wgmma.h): the other 127 threads'
+// wgmma with the same issue number must have the same shape and descriptors.
+struct WarpgroupIssue {
+  uint64_t number_plus_1 = 0;  // 0: none yet
+  uint64_t desc_a = 0, desc_b = 0, shape = 0;
+  uint32_t thread = 0;
+};
+constexpr uint32_t kWarpgroupIssueRing = 64;
+
 struct Launch {
   void (*thunk)(void**) = nullptr;
   void** args = nullptr;
@@ -287,13 +296,14 @@ struct Launch {
   int nranges = 0;
   std::atomic<uint64_t> arg_copies[kMaxArgRanges] = {};
   std::atomic<uint64_t> arg_bytes[kMaxArgRanges] = {};
-  // Hopper's asynchronous state (kg_mbarrier.h, kg_tma.h): one mbarrier per 8 bytes of dynamic
-  // shared memory (guarded by mbar_lock) and per 16-byte chunk the mbarrier phase of the last
-  // TMA write; reset before every block.
+  // Hopper's asynchronous state (kg_mbarrier.h, kg_tma.h, kg_wgmma.h): one mbarrier per 8
+  // bytes of dynamic shared memory (guarded by mbar_lock), per 16-byte chunk the mbarrier phase
+  // of the last TMA write, the recent wgmmas of each warpgroup; reset before every block.
   MbarrierState* mbarriers = nullptr;
   size_t n_mbarriers = 0;
   pthread_mutex_t mbar_lock = PTHREAD_MUTEX_INITIALIZER;
   std::atomic<uint64_t>* chunk_tma = nullptr;
+  WarpgroupIssue* warpgroup_issues = nullptr;  // kWarpgroupIssueRing per warpgroup (mbar_lock)
 };
 
 
@@ -494,6 +504,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   L.chunk_tma = new std::atomic<uint64_t>[L.chunks + 1];
   L.n_mbarriers = smem_bytes / 8;
   L.mbarriers = new MbarrierState[L.n_mbarriers + 1];
+  const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
+  L.warpgroup_issues = new WarpgroupIssue[n_issues];
   for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
 
   pthread_t* threads = new pthread_t[n];
@@ -524,6 +536,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
           L.chunk_tma[i].store(0, std::memory_order_relaxed);
         }
         for (size_t i = 0; i < L.n_mbarriers; ++i) L.mbarriers[i].reset();
+        for (size_t i = 0; i < n_issues; ++i) L.warpgroup_issues[i] = WarpgroupIssue{};
         L.cur_block = uint3{bx, by, bz};
         L.remaining.store(n, std::memory_order_relaxed);
         L.start_seq.fetch_add(1, std::memory_order_acq_rel);
@@ -616,6 +629,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   delete[] L.chunk_writes;
   delete[] L.chunk_tma;
   delete[] L.mbarriers;
+  delete[] L.warpgroup_issues;
   delete[] L.warps;
   delete Lp;
   pthread_mutex_unlock(&launch_mutex);
