@@ -1255,4 +1255,4 @@ def test_a_stuck_transaction_names_its_mbarrier():
     kernel = build_kernel(src, "pipeline", PIPELINE_PARAMS)
     a = np.ones((64, 64))
     with pytest.raises(EmulatorLaunchError, match="0 of 1 arrivals and 16 transaction bytes"):
-        run_pipeline(kernel, a, a, timeout=2)
+        run_pipeline(kernel, a, a, timeout=5)
