@@ -937,6 +937,22 @@ def test_block_forms_rewrite():
     assert "if (!kg_ptx_p) ::kg_emu::ptx::set_b32((done), static_cast<uint32_t>(0));" in out
 
 
+def test_wgmma_accumulators_as_32_bit_integers_rewrite():
+    """CUTLASS-style accumulators: "+r" uint32_t holding the float bits, immediates as "n"."""
+    src = (
+        "__device__ void f(unsigned (&d)[4], unsigned long long da, unsigned long long db) {\n"
+        '  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4,'
+        ' %5, 1, %6, 1, 0, %7;" : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])'
+        ' : "l"(da), "l"(db), "n"(-1), "n"(1));\n}\n'
+    )
+    out = transform_source(src)
+    want = (
+        "::kg_emu::ptx::wgmma_ss<::kg_emu::ptx::Elem::f16, 8>(static_cast<uint64_t>(da), "
+        "static_cast<uint64_t>(db), true, (-1), 1, 0, (1), (d[0]), (d[1]), (d[2]), (d[3]))"
+    )
+    assert want in out
+
+
 @pytest.mark.parametrize(
     ("stmt", "message"),
     [
