@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 
 from kernelgen.emulator import (
+    EmulatorArgumentError,
+    EmulatorLaunchError,
+    EmulatorSourceError,
     HazardError,
     build_kernel,
     encode_tensor_map_tiled,
+    transform_source,
 )
 
 pytestmark = pytest.mark.emulate
@@ -70,13 +74,13 @@ def canonical(mn_major: bool, span: int, extent_mn: int, lbo: int, sbo: int):
 
 
 def place(image: np.ndarray, base: int, matrix: np.ndarray, layout) -> None:
-    """Write ``matrix`` (extent_mn x 16, bf16 bits) into the byte image at ``base`` (1024-aligned)
-    through ``layout`` and the swizzle of ``span``."""
+    """Write ``matrix`` (extent_mn x 16, bf16 bits) into the byte image at ``base`` through
+    ``layout`` and the swizzle of ``span``, its pattern starting at ``base``."""
     (mn_shape, mn_stride), (k_shape, k_stride), span = layout
     for i in range(matrix.shape[0]):
         for kk in range(16):
-            logical = base + cute(mn_shape, mn_stride, i) + cute(k_shape, k_stride, kk)
-            at = swizzle(logical, span)
+            logical = cute(mn_shape, mn_stride, i) + cute(k_shape, k_stride, kk)
+            at = base + swizzle(logical, span)
             image[at : at + 2] = np.frombuffer(matrix[i, kk].tobytes(), np.uint8)
 
 
@@ -168,13 +172,13 @@ COMMIT = 'asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");'
 WAIT0 = 'asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");'
 
 
-def probe_source(n: int) -> str:
+def probe_source(n: int, elem: str = "bf16") -> str:
     """Shared memory from a byte image, one wgmma per k step, the registers out. ``mutation``:
     1 no wait_group, 2 an accumulator written in flight, 3 operand memory overwritten in flight,
-    4 no wgmma.fence."""
+    4 no wgmma.fence, 5 different descriptors in different warps."""
     calls = "\n".join(
         f"  else if (ta == {ta} && tb == {tb} && neg == {sa}) "
-        f"wgmma_ss_{n}<{ta}, {tb}, {-1 if sa else 1}>(d, descs[2 * s], descs[2 * s + 1], "
+        f"wgmma_ss_{n}<{ta}, {tb}, {-1 if sa else 1}>(d, descs[2 * s] + skew, descs[2 * s + 1], "
         "scale_d || s > 0);"
         for ta in (0, 1)
         for tb in (0, 1)
@@ -182,7 +186,7 @@ def probe_source(n: int) -> str:
     )
     return (
         COMMON
-        + wgmma_ss(n)
+        + wgmma_ss(n, elem)
         + f"""
 extern "C" __global__ void probe_{n}(const unsigned char* image, int image_bytes,
     const unsigned long long* descs, int steps, const float* c, float* out, int ta, int tb,
@@ -193,6 +197,8 @@ extern "C" __global__ void probe_{n}(const unsigned char* image, int image_bytes
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   float d[{n // 2}];
   for (int r = 0; r < {n // 2}; ++r) d[r] = c[threadIdx.x * {n // 2} + r];
+  // mutation 5: warps 1..3 see A 32 bytes further on (per-warp descriptors are not allowed)
+  const unsigned long long skew = mutation == 5 && threadIdx.x >= 32 ? 2 : 0;
   if (mutation != 4) {FENCE}
   for (int s = 0; s < steps; ++s) {{
     if (false) {{}}
@@ -249,9 +255,25 @@ def operand_layout(mn_major: bool, span: int, extent_mn: int):
     return (mn, k, span), lbo, sbo, used
 
 
-def run_probe(kernel, n, a, b, ta, tb, span, *, neg=0, scale_d=0, c=None, mutation=0):
+def run_probe(
+    kernel,
+    n,
+    a,
+    b,
+    ta,
+    tb,
+    span,
+    *,
+    neg=0,
+    scale_d=0,
+    c=None,
+    mutation=0,
+    bits=bf16_bits,
+    shift=0,
+):
     """D of ``steps`` k16 wgmmas: a (64 x 16 steps) and b (16 steps x n) placed per step in the
-    canonical layout (K-major, or MN-major for ta / tb), each operand region 1024-aligned."""
+    canonical layout (K-major, or MN-major for ta / tb), each operand region 1024-aligned plus
+    ``shift`` bytes (a multiple of 128: the descriptors then carry the base offset)."""
     steps = a.shape[1] // 16
     image_size = 0
     descs = []
@@ -261,9 +283,10 @@ def run_probe(kernel, n, a, b, ta, tb, span, *, neg=0, scale_d=0, c=None, mutati
         b_step = b[16 * s : 16 * s + 16, :].T  # (n, k)
         for operand, mn_major, extent in ((a_step, ta, 64), (b_step, tb, n)):
             layout, lbo, sbo, used = operand_layout(bool(mn_major), span, extent)
-            base = image_size
-            place(image, base, bf16_bits(operand), layout)
-            descs.append(descriptor(0x400 + base, lbo, sbo, span))
+            base = image_size + shift
+            place(image, base, bits(operand), layout)
+            base_offset = ((0x400 + base) >> 7) & 7 if span else 0
+            descs.append(descriptor(0x400 + base, lbo, sbo, span, base_offset))
             image_size = base + -(-used // 1024) * 1024
     assert image_size <= image.size
     c = np.zeros((128, n // 2), np.float32) if c is None else c
@@ -305,6 +328,38 @@ def test_wgmma_descriptor_layouts_and_accumulator_fragment(probe64, ta, tb, span
     np.testing.assert_array_equal(run_probe(probe64, 64, a, b, ta, tb, span), a @ b)
 
 
+@pytest.mark.parametrize(("n", "elem"), [(8, "f16"), (128, "f16"), (200, "bf16")])
+def test_wgmma_other_widths_and_f16(n, elem):
+    """m64nNk16 at the smallest N, at N = 128 with f16 inputs, and at an N that is no power of
+    two; MN-major A, K-major B, 64B swizzle."""
+    kernel = build_kernel(probe_source(n, elem), f"probe_{n}", PROBE_PARAMS)
+    rng = np.random.default_rng(n)
+    a = rng.integers(-4, 5, (64, 16)).astype(np.float64)
+    b = rng.integers(-4, 5, (16, n)).astype(np.float64)
+    bits = bf16_bits if elem == "bf16" else (lambda x: np.asarray(x, np.float16).view(np.uint16))
+    got = run_probe(kernel, n, a, b, 1, 0, 64 if n % 32 == 0 else 0, bits=bits)
+    np.testing.assert_array_equal(got, a @ b)
+
+
+@pytest.mark.parametrize("span", [32, 64, 128])
+def test_wgmma_base_offset(probe64, span):
+    """Swizzled tiles whose pattern starts 384 bytes past a 1024-byte boundary, described with
+    the PTX ISA's base offset ((pattern start >> 7) & 7): still exactly A @ B."""
+    rng = np.random.default_rng(span)
+    a = rng.integers(-4, 5, (64, 16)).astype(np.float64)
+    b = rng.integers(-4, 5, (16, 64)).astype(np.float64)
+    np.testing.assert_array_equal(run_probe(probe64, 64, a, b, 0, 1, span, shift=384), a @ b)
+
+
+def test_wgmma_needs_a_whole_warpgroup(probe64):
+    """A block of 64 threads holds no complete warpgroup: its wgmma traps."""
+    image = np.zeros(4096, np.uint8)
+    out = np.zeros(64 * 32, np.float32)
+    args = [image, 4096, np.zeros(2, np.uint64), 1, out, out, 0, 0, 0, 0, 0]
+    with pytest.raises(EmulatorLaunchError, match=r"warpgroup \(threads 0..127\) is not complete"):
+        probe64(grid=1, block=64, shared_mem=4096, args=args)
+
+
 def test_wgmma_accumulate_and_negate(probe64):
     """scale-d 1 adds the accumulators' previous values; imm-scale-a -1 negates A."""
     rng = np.random.default_rng(7)
@@ -315,6 +370,14 @@ def test_wgmma_accumulate_and_negate(probe64):
     np.testing.assert_array_equal(got, -(a @ b) + decode(c, 64))
     overwrite = run_probe(probe64, 64, a, b, 0, 1, 128, neg=0, scale_d=0, c=c)
     np.testing.assert_array_equal(overwrite, a @ b)
+
+
+def test_wgmma_descriptors_differ_across_the_warpgroup(probe64):
+    """Each warp would compute its own rows right, but the PTX ISA requires one descriptor for
+    the whole warpgroup: reported."""
+    a = np.ones((64, 16))
+    with pytest.raises(EmulatorLaunchError, match=r"wgmma.mma_async #0 of warpgroup 0 differs"):
+        run_probe(probe64, 64, a, np.ones((16, 64)), 0, 0, 128, mutation=5)
 
 
 @pytest.mark.parametrize(
@@ -515,7 +578,7 @@ TMA_CASES = [
     ("float16", (40, 7), 48, (64, 8), (1, 1), "128B", [(-8, 3), (0, -2)], "none"),
     ("uint16", (32, 5, 3), 40, (32, 4, 2), (1, 1, 1), "64B", [(0, 2, 1), (0, 0, 0)], "none"),
     ("uint8", (32, 9), 48, (32, 8), (1, 1), "32B", [(0, 0), (0, 4)], "none"),
-    ("float32", (100,), 100, (16,), (2,), "none", [(90,), (-4,)], "nan"),
+    ("float32", (100,), 100, (16,), (1,), "none", [(90,), (-4,)], "nan"),
     (
         "float32",
         (4, 3, 2, 2, 2),
@@ -555,6 +618,20 @@ def test_tma_box_loads(tma_kernel, case):
     )
     np.testing.assert_array_equal(out.reshape(2, nbytes), np.stack(want))
     assert stats.tma_bytes == 2 * nbytes
+
+
+def test_tma_innermost_element_stride_is_refused(tma_kernel):
+    data = np.zeros((8, 64), np.float16)
+    tmap = encode_tensor_map_tiled("float16", 2, data, (64, 8), (128,), (64, 8), (2, 1))
+    out = np.zeros(2 * 512, np.uint8)
+    with pytest.raises(EmulatorLaunchError, match="element stride 2 in the innermost dimension"):
+        tma_kernel(
+            grid=1,
+            block=64,
+            shared_mem=16392,
+            args=[tmap, np.zeros((2, 5), np.int32), 2, 512, out, 0],
+            timeout=30,
+        )
 
 
 def test_tma_read_before_the_mbarrier_wait_is_a_hazard(tma_kernel):
@@ -686,3 +763,512 @@ def test_tma_swizzle_agrees_with_wgmma_descriptors(gemm_kernel, span, tb):
     np.testing.assert_array_equal(run(swz), a @ b)
     if span:
         assert not np.array_equal(run("none"), a @ b)
+
+
+def test_tma_wgmma_gemm_of_random_bf16_against_float64(gemm_kernel):
+    """Random normal bf16 operands (round to nearest even), K = 64 through TMA (128B swizzle)
+    and wgmma: the fp32 result is within fp32 rounding of the float64 product."""
+    rng = np.random.default_rng(5)
+
+    def bf16(x):  # round to nearest even; returns (bits, values)
+        u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    a_bits, a = bf16(rng.standard_normal((64, 64)))
+    b_bits, b = bf16(rng.standard_normal((64, 64)))  # k x n, n contiguous: MN-major B
+    loads_a, steps_a, box = tma_tiles(128, False, 0, 0)
+    loads_b, steps_b, _ = tma_tiles(128, True, 16384, 1)
+    descs = []
+    for (sa, la, ba), (sb, lb, bb) in zip(steps_a, steps_b, strict=True):
+        descs += [descriptor(0x400 + sa, la, ba, 128), descriptor(0x400 + sb, lb, bb, 128)]
+    maps = [
+        encode_tensor_map_tiled("bfloat16", 2, x, (64, 64), (128,), box, (1, 1), swizzle="128B")
+        for x in (a_bits, b_bits)
+    ]
+    loads = np.array(loads_a + loads_b, np.int32)
+    out = np.zeros((128, 32), np.float32)
+    args = [*maps, loads, len(loads), 16384, np.array(descs, np.uint64), 4, 1, out]
+    gemm_kernel(grid=1, block=128, shared_mem=32768 + 8, args=args, timeout=30)
+    ref = a @ b
+    err = np.abs(decode(out, 64) - ref).max() / np.abs(ref).max()
+    assert err < 1e-7, err
+
+
+# ---- mbarrier --------------------------------------------------------------------------------
+
+MBAR_SRC = (
+    COMMON
+    + r"""
+__device__ uint64_t arrive(uint32_t bar) {
+  uint64_t state;
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 %0, [%1];"
+               : "=l"(state) : "r"(bar) : "memory");
+  return state;
+}
+__device__ int test_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; "
+               "selp.b32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done;
+}
+__device__ int test_state(uint32_t bar, uint64_t state) {
+  uint32_t done;
+  asm volatile("{ .reg .pred p; mbarrier.test_wait.shared::cta.b64 p, [%1], %2; "
+               "@p mov.u32 %0, 1; @!p mov.u32 %0, 0; }" : "=r"(done) : "r"(bar), "l"(state));
+  return done;
+}
+__device__ int try_state(uint32_t bar, uint64_t state) {
+  uint32_t done;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.acquire.cta.shared::cta.b64 p, [%1], %2; "
+               "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "l"(state) : "memory");
+  return done;
+}
+// mode 0: phases of a 4-arrival barrier and a transaction barrier, recorded in `out`;
+// 1: wait on a barrier never initialized; 2: one arrival too many; 3: tx-count overflow;
+// 4: init count 0.
+extern "C" __global__ void mbar(const unsigned char* src, int* out, int mode) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t bar = smem_u32(smem), tx_bar = smem_u32(smem + 8), data = smem_u32(smem + 128);
+  const int t = threadIdx.x, lane = t % 32;
+  if (t == 0 && mode != 1) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" :: "r"(bar), "r"(mode == 4 ? 0 : 4));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(tx_bar));
+  }
+  __syncthreads();
+  if (mode == 1) { wait_phase(bar, 0); return; }
+  if (mode == 2 && t == 0) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], 16;" :: "r"(tx_bar));
+    arrive(tx_bar);
+    arrive(tx_bar);
+  }
+  if (mode == 3 && t == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(tx_bar), "r"((1 << 20) - 1));
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], 1;" :: "r"(tx_bar));
+  }
+  if (mode != 0) return;
+  for (int phase = 0; phase < 3; ++phase) {
+    int* o = out + 8 * phase;
+    if (t == 0) o[0] = test_parity(bar, phase & 1);  // nobody arrived yet
+    __syncthreads();
+    uint64_t state = 0;
+    if (lane == 0 && t != 0) state = arrive(bar);  // warps 1..3
+    __syncthreads();
+    if (t == 0) {
+      o[1] = test_parity(bar, phase & 1);  // 3 of 4 arrived
+      o[2] = static_cast<int>(state);
+      state = arrive(bar);
+      o[3] = static_cast<int>(state);   // the phase it arrived on
+      o[4] = test_parity(bar, phase & 1);
+      o[5] = test_parity(bar, (phase + 1) & 1);  // the next phase has not completed
+      o[6] = test_state(bar, state) + 2 * try_state(bar, state);
+    }
+    wait_phase(bar, phase & 1);
+    __syncthreads();
+  }
+  if (t == 0) {  // transactions: arrive first, the bytes complete the phase
+    uint64_t state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], 32;"
+                 : "=l"(state) : "r"(tx_bar) : "memory");
+    out[24] = test_parity(tx_bar, 0);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], 32, [%2];" :: "r"(data), "l"(src), "r"(tx_bar) : "memory");
+    out[25] = test_parity(tx_bar, 0);
+    wait_phase(tx_bar, 0);
+    for (int i = 0; i < 32; ++i) out[26 + i] = smem[128 + i];
+  }
+}
+"""
+)
+
+
+@pytest.fixture(scope="module")
+def mbar_kernel():
+    params = [("const unsigned char*", "src"), ("int*", "out"), ("int", "mode")]
+    return build_kernel(MBAR_SRC, "mbar", params)
+
+
+def test_mbarrier_phases_and_transactions(mbar_kernel):
+    """A phase completes at the last expected arrival (parity flips every phase; the arrive
+    state names the phase); a transaction phase completes when its bytes arrive."""
+    src = np.arange(16, 48, dtype=np.uint8)
+    out = np.full(64, -1, np.int32)
+    mbar_kernel(grid=1, block=128, shared_mem=256, args=[src, out, 0], timeout=30)
+    for phase in range(3):
+        # not done, not done, (state of warp 1..3 arrivals not recorded), its phase, done,
+        # next parity not done, test_wait and try_wait on the state both true
+        assert list(out[8 * phase : 8 * phase + 7]) == [0, 0, 0, phase, 1, 0, 3], phase
+    assert list(out[24:26]) == [0, 1]
+    np.testing.assert_array_equal(out[26:58], src)
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        (1, "was not initialized"),
+        (2, r"1 arrival\(s\) on the mbarrier .* expects 0 more"),
+        (3, "transaction count .* would be 1048576"),
+        (4, "count 0 outside"),
+    ],
+)
+def test_mbarrier_misuse_traps(mbar_kernel, mode, message):
+    out = np.zeros(64, np.int32)
+    with pytest.raises(EmulatorLaunchError, match=message):
+        mbar_kernel(
+            grid=1, block=128, shared_mem=256, args=[np.zeros(32, np.uint8), out, mode], timeout=30
+        )
+
+
+# ---- the forms accepted, and what is refused -----------------------------------------------------
+
+
+def test_block_forms_rewrite():
+    """A PTX block's registers become C++ locals of a lambda run in place; guards become ifs."""
+    src = (
+        "__device__ void f(unsigned bar, unsigned parity, unsigned& done) {\n"
+        '  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;'
+        ' @p mov.u32 %0, 1; @!p mov.u32 %0, 0; }" : "=r"(done) : "r"(bar), "r"(parity));\n}\n'
+    )
+    out = transform_source(src)
+    assert out.count("\n") == src.count("\n")
+    assert "[&]() { bool kg_ptx_p = 0;" in out
+    assert "(kg_ptx_p = ::kg_emu::ptx::mbarrier_try_wait(::kg_emu::ptx::b32(bar), true," in out
+    assert "if (!kg_ptx_p) ::kg_emu::ptx::set_b32((done), static_cast<uint32_t>(0));" in out
+
+
+def test_wgmma_accumulators_as_32_bit_integers_rewrite():
+    """CUTLASS-style accumulators: "+r" uint32_t holding the float bits, immediates as "n"."""
+    src = (
+        "__device__ void f(unsigned (&d)[4], unsigned long long da, unsigned long long db) {\n"
+        '  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4,'
+        ' %5, 1, %6, 1, 0, %7;" : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])'
+        ' : "l"(da), "l"(db), "n"(-1), "n"(1));\n}\n'
+    )
+    out = transform_source(src)
+    want = (
+        "::kg_emu::ptx::wgmma_ss<::kg_emu::ptx::Elem::f16, 8>(static_cast<uint64_t>(da), "
+        "static_cast<uint64_t>(db), true, (-1), 1, 0, (1), (d[0]), (d[1]), (d[2]), (d[3]))"
+    )
+    assert want in out
+
+
+@pytest.mark.parametrize(
+    ("stmt", "message"),
+    [
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n12k16.f32.bf16.bf16 {%0}, %1, %1,'
+            ' 1, 1, 1, 0, 0;" : "+f"(f) : "l"(p));',
+            r"N=12 is not a multiple of 8",
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, 1, 1, 1, 0, 0;" : "=f"(f) : "l"(p));',
+            r'is read and written by wgmma: declare it "\+f"',
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, 1, 2, 1, 0, 0;" : "+f"(f) : "l"(p));',
+            r"imm-scale is 2; allowed: 1, -1",
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, %2, 1, 1, 0, 0;" : "+f"(f) : "l"(p), "r"(x));',
+            r"scale-d must be a predicate",
+        ),
+        (
+            'asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.bf16 {%0, %0, %0, %0},'
+            ' %1, %1, 1, 1, 1, 0, 0;" : "+f"(f) : "l"(p));',
+            r"A and B must have the same type",
+        ),
+        ('asm volatile("setmaxnreg.inc.sync.aligned.u32 20;");', r"multiple of 8 in \[24, 256\]"),
+        (
+            'asm volatile("mbarrier.try_wait.parity.shared::cta.b64 %0, [%1], %2;"'
+            ' : "=r"(x) : "r"(x), "r"(x));',
+            r"must be a predicate declared in the asm block",
+        ),
+        (
+            'asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx'
+            '::bytes [%0], [%1, {%0}], [%0];" :: "r"(x), "l"(p));',
+            r"expected operands 'addr \[tmap, vec2\] addr'",
+        ),
+        (
+            'asm volatile("{ .reg .pred p; LOOP: mbarrier.try_wait.parity.shared.b64 p, [%0], 0;'
+            ' @!p bra LOOP; }" :: "r"(x));',
+            r"unsupported instruction 'LOOP:",
+        ),
+        ('asm volatile("@q mov.u32 %0, 1;" : "=r"(x));', r"guard @q is not a declared predicate"),
+        (
+            'asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %1}],'
+            ' [%1];" :: "l"(p), "r"(x));',
+            r"unsupported instruction",
+        ),
+    ],
+)
+def test_unsupported_hopper_asm_is_rejected(stmt, message):
+    src = "__device__ void f(unsigned x, float f, const void* p) {\n\n  " + stmt + "\n}\n"
+    with pytest.raises(EmulatorSourceError, match=message):
+        transform_source(src)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tensor_rank": 6}, "tensorRank=6"),
+        ({"global_strides": (100,)}, r"globalStrides=\(100,\); allowed: multiples of 16"),
+        ({"box_dim": (64, 300)}, r"boxDim=\(64, 300\); allowed: each in \[1, 256\]"),
+        ({"box_dim": (4, 8)}, "a multiple of 16 bytes"),
+        ({"swizzle": "64B"}, "at most the swizzle span 64 bytes"),
+        ({"swizzle": "16B"}, "swizzle='16B'"),
+        ({"element_strides": (1, 9)}, r"elementStrides=\(1, 9\)"),
+        ({"tensor_data_type": "int8"}, "tensorDataType='int8'"),
+        ({"tensor_data_type": "uint16", "oob_fill": "nan"}, "'none' for integer data types"),
+        ({"global_dim": (64,)}, r"globalDim=\(64,\); allowed: 2 integers"),
+    ],
+)
+def test_tensor_map_encode_checks_the_driver_rules(change, message):
+    q = np.zeros((8, 64), np.float16)
+    kwargs = dict(
+        tensor_data_type="float16",
+        tensor_rank=2,
+        global_address=q,
+        global_dim=(64, 8),
+        global_strides=(128,),
+        box_dim=(64, 8),
+        element_strides=(1, 1),
+        swizzle="128B",
+    )
+    kwargs.update(change)
+    with pytest.raises(EmulatorArgumentError, match=message):
+        encode_tensor_map_tiled(**kwargs)
+
+
+def test_tensor_map_parameter_needs_a_tensor_map(tma_kernel):
+    with pytest.raises(TypeError, match="needs a TensorMap"):
+        tma_kernel(grid=1, block=64, shared_mem=16392, args=[b"x" * 128, None, 1, 16, None, 0])
+
+
+# ---- mutations of the emulator that the probes above catch ---------------------------------------
+
+
+@pytest.fixture
+def mutated(tmp_path, monkeypatch):
+    """``mutated(header, old, new)``: later builds use the emulator's headers with one edit (and
+    an empty build cache)."""
+    import shutil
+
+    from kernelgen.emulator import kernel
+
+    monkeypatch.setenv("KG_EMULATOR_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "include"
+    shutil.copytree(kernel.INCLUDE_DIR, copy)
+    monkeypatch.setattr(kernel, "INCLUDE_DIR", copy)
+
+    def apply(name: str, old: str, new: str) -> None:
+        text = (copy / name).read_text()
+        assert old in text, old
+        (copy / name).write_text(text.replace(old, new))
+
+    return apply
+
+
+def test_mutation_accumulator_fragment_is_caught(mutated):
+    mutated(
+        "kg_wgmma.h", "4 * j + 2 * r + static_cast<int>(i)", "4 * j + r + 2 * static_cast<int>(i)"
+    )
+    kernel = build_kernel(probe_source(64), "probe_64", PROBE_PARAMS)
+    rng = np.random.default_rng(0)
+    a = rng.integers(-4, 5, (64, 16)).astype(np.float64)
+    b = rng.integers(-4, 5, (16, 64)).astype(np.float64)
+    assert not np.array_equal(run_probe(kernel, 64, a, b, 0, 0, 128), a @ b)
+
+
+def test_mutation_register_a_fragment_is_caught(mutated):
+    mutated("kg_wgmma.h", "[(row >= 8) + 2 * (k >= 8)]", "[2 * (row >= 8) + (k >= 8)]")
+    params = [
+        ("const uint16_t*", "a"),
+        ("const unsigned char*", "image"),
+        ("int", "image_bytes"),
+        ("const unsigned long long*", "descs"),
+        ("float*", "out"),
+        ("int", "mutation"),
+    ]
+    kernel = build_kernel(register_a_source(256), "rs_256", params)
+    rng = np.random.default_rng(3)
+    a = rng.integers(-4, 5, (64, 32)).astype(np.float64)
+    b = rng.integers(-4, 5, (32, 256)).astype(np.float64)
+    assert not np.array_equal(run_register_a(kernel, a, b), a @ b)
+
+
+def test_mutation_tma_fill_and_arrival_check_are_caught(mutated):
+    mutated("kg_tma.h", "std::memset(out, 0, esz);", "std::memset(out, 0x11, esz);")
+    mutated("kg_mbarrier.h", "if (count < 1 || count > b.pending) {", "if (count < 1) {")
+    tma = build_kernel(
+        TMA_SRC,
+        "tma_box",
+        [
+            ("const __grid_constant__ CUtensorMap", "tmap"),
+            ("const int*", "coords"),
+            ("int", "rank"),
+            ("int", "bytes"),
+            ("unsigned char*", "out"),
+            ("int", "mutation"),
+        ],
+    )
+    with pytest.raises(AssertionError):
+        test_tma_box_loads(tma, TMA_CASES[0])
+    mbar = build_kernel(
+        MBAR_SRC, "mbar", [("const unsigned char*", "src"), ("int*", "out"), ("int", "mode")]
+    )
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_mbarrier_misuse_traps(mbar, 2, "arrival")
+
+
+# ---- a warp-specialized pipeline ---------------------------------------------------------------
+
+PIPELINE_SRC = (
+    COMMON
+    + wgmma_ss(64)
+    + r"""
+__device__ uint64_t desc128(uint32_t addr) {  // K-major, 128B swizzle, 8-row groups 1024 apart
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+// D (64 x 64) = A (64 x 64 tiles) B over `tiles` k-tiles through a 2-stage ring: a producer
+// warpgroup (one elected thread issues the TMA) and a consumer warpgroup. mutation 1: the
+// consumer skips the full-barrier wait; 2: it releases a stage before its wgmma retired.
+extern "C" __global__ void pipeline(const __grid_constant__ CUtensorMap tmap_a,
+                                    const __grid_constant__ CUtensorMap tmap_b, int tiles,
+                                    float* out, int mutation) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = smem_u32(smem);
+  const uint32_t full = base + 65536, empty = full + 16;  // two barriers each
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(full + 8 * s));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 128;" :: "r"(empty + 8 * s));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    uint32_t elected = 0;
+    asm volatile("{ .reg .pred p; elect.sync _|p, %1; selp.b32 %0, 1, 0, p; }"
+                 : "=r"(elected) : "r"(0xffffffffu));
+    if (threadIdx.x / 32 == 0 && elected) {
+      for (int t = 0; t < tiles; ++t) {
+        const int s = t % 2;
+        if (t >= 2) wait_phase(empty + 8 * s, ((t / 2) - 1) & 1);  // stage freed
+        const uint32_t bar = full + 8 * s, a = base + 32768 * s, b = a + 16384;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 16384;" :: "r"(bar));
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3}], [%4];"
+                     :: "r"(a), "l"(&tmap_a), "r"(64 * t), "r"(0), "r"(bar) : "memory");
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3}], [%4];"
+                     :: "r"(b), "l"(&tmap_b), "r"(64 * t), "r"(0), "r"(bar) : "memory");
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  float d[32];
+  for (int r = 0; r < 32; ++r) d[r] = 0.f;
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % 2;
+    if (mutation != 1) wait_phase(full + 8 * s, (t / 2) & 1);
+    const uint32_t a = base + 32768 * s, b = a + 16384;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int k = 0; k < 4; ++k) {
+      wgmma_ss_64<0, 0, 1>(d, desc128(a + 32 * k), desc128(b + 32 * k), t > 0 || k > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    if (mutation != 2) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(empty + 8 * s) : "memory");
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int r = 0; r < 32; ++r) out[(threadIdx.x - 128) * 32 + r] = d[r];
+}
+"""
+)
+
+
+PIPELINE_PARAMS = [
+    ("const __grid_constant__ CUtensorMap", "tmap_a"),
+    ("const __grid_constant__ CUtensorMap", "tmap_b"),
+    ("int", "tiles"),
+    ("float*", "out"),
+    ("int", "mutation"),
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline_kernel():
+    return build_kernel(PIPELINE_SRC, "pipeline", PIPELINE_PARAMS)
+
+
+def run_pipeline(kernel, a, b, mutation=0, timeout=30):
+    tiles = a.shape[1] // 64
+    maps = [
+        encode_tensor_map_tiled(
+            "bfloat16",
+            2,
+            bf16_bits(x),
+            (64 * tiles, 64),
+            (128 * tiles,),
+            (64, 64),
+            (1, 1),
+            swizzle="128B",
+        )
+        for x in (a, b.T)
+    ]
+    out = np.zeros((128, 32), np.float32)
+    stats = kernel(
+        grid=1,
+        block=256,
+        shared_mem=65536 + 32,
+        args=[*maps, tiles, out, mutation],
+        timeout=timeout,
+    )
+    return decode(out, 64), stats
+
+
+def test_warp_specialized_pipeline(pipeline_kernel):
+    """A producer/consumer ring of 2 stages over 5 k-tiles (full and empty mbarriers, parities
+    wrapping): exactly A @ B; 8 KiB of TMA per operand tile, 4 wgmmas per tile."""
+    rng = np.random.default_rng(11)
+    a = rng.integers(-3, 4, (64, 320)).astype(np.float64)
+    b = rng.integers(-3, 4, (320, 64)).astype(np.float64)
+    got, stats = run_pipeline(pipeline_kernel, a, b)
+    np.testing.assert_array_equal(got, a @ b)
+    assert (stats.wgmma, stats.tma_bytes) == (20, 5 * 16384)
+
+
+def test_pipeline_missing_waits_fail(pipeline_kernel):
+    """A consumer that skips its full-barrier wait reads tiles before their TMA completed (a
+    hazard; or, when it runs ahead of the copy, garbage, which the copy then overwrites under the
+    wgmma: a hazard, or wrong numbers); one that frees a stage before its wgmma retired lets the
+    next TMA overwrite the operands in flight (a hazard)."""
+    rng = np.random.default_rng(12)
+    a = rng.integers(-3, 4, (64, 256)).astype(np.float64)
+    b = rng.integers(-3, 4, (256, 64)).astype(np.float64)
+    try:  # two tiles: the producer never waits for a stage (with more, a consumer running
+        # ahead completes empty-barrier phases early and the producer waits forever)
+        got, _ = run_pipeline(pipeline_kernel, a[:, :128], b[:128], mutation=1)
+    except HazardError as e:  # read after the copy, or the copy landed under the wgmma
+        assert "before its TMA write completed" in str(e) or "changed between its issue" in str(e)
+    else:
+        assert not np.array_equal(got, a[:, :128] @ b[:128])
+    with pytest.raises(HazardError, match="changed between its issue"):
+        run_pipeline(pipeline_kernel, a, b, mutation=2)
+
+
+def test_a_stuck_transaction_names_its_mbarrier():
+    """A producer that expects more bytes than its copies bring deadlocks the consumers; the
+    watchdog's report names the barrier and what it still waits for."""
+    src = PIPELINE_SRC.replace('_, [%0], 16384;"', '_, [%0], 16400;"')
+    kernel = build_kernel(src, "pipeline", PIPELINE_PARAMS)
+    a = np.ones((64, 64))
+    with pytest.raises(EmulatorLaunchError, match="0 of 1 arrivals and 16 transaction bytes"):
+        run_pipeline(kernel, a, a, timeout=5)

@@ -652,7 +652,9 @@ def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tup
     for ref in args[0][1]:
         op = stmt.operand(ref, "fr", True, "wgmma accumulator")
         if not op.readable:
-            raise stmt.error(f'wgmma accumulator {op.describe()} is read and written: use "+f"')
+            raise stmt.error(
+                f'wgmma accumulator {op.describe()} is read and written by wgmma: declare it "+f"'
+            )
         d.append(f"({op.expr})")
     rest = args[3:]
     scale_d = stmt.pred(rest[0], "wgmma scale-d")

@@ -254,6 +254,15 @@ struct MbarrierState {
   }
 };
 
+// One wgmma of a warpgroup as its first thread issued it (kg_wgmma.h): the other 127 threads'
+// wgmma with the same issue number must have the same shape and descriptors.
+struct WarpgroupIssue {
+  uint64_t number_plus_1 = 0;  // 0: none yet
+  uint64_t desc_a = 0, desc_b = 0, shape = 0;
+  uint32_t thread = 0;
+};
+constexpr uint32_t kWarpgroupIssueRing = 64;
+
 struct Launch {
   void (*thunk)(void**) = nullptr;
   void** args = nullptr;
@@ -287,13 +296,14 @@ struct Launch {
   int nranges = 0;
   std::atomic<uint64_t> arg_copies[kMaxArgRanges] = {};
   std::atomic<uint64_t> arg_bytes[kMaxArgRanges] = {};
-  // Hopper's asynchronous state (kg_mbarrier.h, kg_tma.h): one mbarrier per 8 bytes of dynamic
-  // shared memory (guarded by mbar_lock) and per 16-byte chunk the mbarrier phase of the last
-  // TMA write; reset before every block.
+  // Hopper's asynchronous state (kg_mbarrier.h, kg_tma.h, kg_wgmma.h): one mbarrier per 8
+  // bytes of dynamic shared memory (guarded by mbar_lock), per 16-byte chunk the mbarrier phase
+  // of the last TMA write, the recent wgmmas of each warpgroup; reset before every block.
   MbarrierState* mbarriers = nullptr;
   size_t n_mbarriers = 0;
   pthread_mutex_t mbar_lock = PTHREAD_MUTEX_INITIALIZER;
   std::atomic<uint64_t>* chunk_tma = nullptr;
+  WarpgroupIssue* warpgroup_issues = nullptr;  // kWarpgroupIssueRing per warpgroup (mbar_lock)
 };
 
 
@@ -494,6 +504,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   L.chunk_tma = new std::atomic<uint64_t>[L.chunks + 1];
   L.n_mbarriers = smem_bytes / 8;
   L.mbarriers = new MbarrierState[L.n_mbarriers + 1];
+  const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
+  L.warpgroup_issues = new WarpgroupIssue[n_issues];
   for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
 
   pthread_t* threads = new pthread_t[n];
@@ -524,6 +536,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
           L.chunk_tma[i].store(0, std::memory_order_relaxed);
         }
         for (size_t i = 0; i < L.n_mbarriers; ++i) L.mbarriers[i].reset();
+        for (size_t i = 0; i < n_issues; ++i) L.warpgroup_issues[i] = WarpgroupIssue{};
         L.cur_block = uint3{bx, by, bz};
         L.remaining.store(n, std::memory_order_relaxed);
         L.start_seq.fetch_add(1, std::memory_order_acq_rel);
@@ -546,10 +559,25 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
           }
         }
         if (timed_out) {
-          snprintf(msg, sizeof msg,
-                   "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads still "
-                   "running (deadlock at a barrier or shuffle, or an endless loop)",
-                   bx, by, bz, timeout_ms, r, n);
+          int used = snprintf(msg, sizeof msg,
+                              "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads "
+                              "still running (deadlock at a barrier, shuffle or mbarrier wait, "
+                              "or an endless loop)",
+                              bx, by, bz, timeout_ms, r, n);
+          // The first mbarrier with a phase under way, as a hint (read without the lock: the
+          // threads are stuck).
+          for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 400; ++i) {
+            const MbarrierState& b = L.mbarriers[i];
+            if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
+              continue;
+            }
+            snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                     "; the mbarrier at shared 0x%zx is in phase %u with %d of %u arrivals and "
+                     "%d transaction bytes pending",
+                     0x400 /* kSharedBase */ + 8 * i, b.phase.load(), b.pending, b.expected,
+                     b.tx);
+            break;
+          }
           rc = 3;
           fail(err, errlen, msg);
           break;
@@ -576,7 +604,9 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   }
 
   if (timed_out) {
-    // Threads are stuck: leave them (and everything they can touch) alive, detached.
+    // Threads are stuck: leave them (and everything they can touch) alive, detached. Those in
+    // an mbarrier wait see the flag and leave the kernel (no thread keeps polling).
+    L.trapped.store(1);
     for (uint32_t i = 0; i < started; ++i) pthread_detach(threads[i]);
     delete[] threads;
     pthread_mutex_unlock(&launch_mutex);
@@ -599,6 +629,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   delete[] L.chunk_writes;
   delete[] L.chunk_tma;
   delete[] L.mbarriers;
+  delete[] L.warpgroup_issues;
   delete[] L.warps;
   delete Lp;
   pthread_mutex_unlock(&launch_mutex);

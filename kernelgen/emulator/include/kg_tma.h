@@ -106,6 +106,10 @@ inline void cp_async_bulk_tensor(uint32_t dst, P tmap, uint32_t bar, C... coords
   }
   const uint32_t esz = m.elem_bytes;
   const uint32_t bytes = static_cast<uint32_t>(elements * esz);
+  if (m.elem_strides[0] != 1) {
+    trap_with("%s: element stride %u in the innermost dimension (the emulator models strides "
+              "of the outer dimensions only)", what, m.elem_strides[0]);
+  }
   const uint32_t span = tma_swizzle_span(m.swizzle);
   if (span != 0 && m.box[0] * esz != span) {
     trap_with("%s: a swizzled box row of %u bytes (the emulator models rows of exactly the "

@@ -77,11 +77,13 @@ struct WgmmaThreadState {
   std::unordered_map<uint32_t*, std::pair<uint64_t, float>> in_flight;
   bool fenced = false;
   uint64_t next_id = 0;
+  uint64_t issued = 0;  // wgmmas this thread issued in this block
   void clear() {
     current.clear();
     committed.clear();
     in_flight.clear();
     fenced = false;
+    issued = 0;
   }
 };
 inline thread_local WgmmaThreadState wgmma_state;
@@ -146,12 +148,48 @@ inline void wgmma_check_operands(int scale_a, int scale_b, int trans_a, int tran
   }
 }
 
+// The PTX ISA: all threads of the warpgroup execute the same wgmma, with the same descriptors.
+// The first thread to issue its warpgroup's wgmma number k records it; the others compare.
+inline void check_warpgroup_issue(const WgmmaOp& op, uint64_t number) {
+  const uint64_t shape = static_cast<uint64_t>(op.n) | static_cast<uint64_t>(op.rs) << 9 |
+                         static_cast<uint64_t>(op.f16) << 10 |
+                         static_cast<uint64_t>(op.trans_a) << 11 |
+                         static_cast<uint64_t>(op.trans_b) << 12 |
+                         static_cast<uint64_t>(op.scale_a + 1) << 13 |
+                         static_cast<uint64_t>(op.scale_b + 1) << 15 |
+                         static_cast<uint64_t>(op.scale_d) << 17;
+  const uint64_t desc_a = op.rs ? 0 : op.desc_a;
+  const uint32_t wg = tctx.linear / 128;
+  MbarrierLock lock;
+  WarpgroupIssue& e = tctx.launch->warpgroup_issues[wg * kWarpgroupIssueRing +
+                                                    number % kWarpgroupIssueRing];
+  if (e.number_plus_1 < number + 1) {
+    e = WarpgroupIssue{number + 1, desc_a, op.desc_b, shape, tctx.linear};
+  } else if (e.number_plus_1 == number + 1 &&
+             (e.desc_a != desc_a || e.desc_b != op.desc_b || e.shape != shape)) {
+    report_error("wgmma.mma_async #%llu of warpgroup %u differs between threads %u and %u "
+                 "(descriptors A 0x%llx / 0x%llx, B 0x%llx / 0x%llx, or shape, scale-d, "
+                 "scales, transposes): all threads of a warpgroup must issue the same wgmma",
+                 static_cast<unsigned long long>(number), wg, e.thread, tctx.linear,
+                 static_cast<unsigned long long>(e.desc_a),
+                 static_cast<unsigned long long>(desc_a),
+                 static_cast<unsigned long long>(e.desc_b),
+                 static_cast<unsigned long long>(op.desc_b));
+  }  // else: this thread lags the ring's length behind, the record is gone
+}
+
 inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
   WgmmaThreadState& s = wgmma_state;
+  if (tctx.linear / 128 * 128 + 128 > tctx.launch->nthreads) {
+    trap_with("wgmma.mma_async by thread %u: its warpgroup (threads %u..%u) is not complete in a "
+              "block of %u threads", tctx.linear, tctx.linear / 128 * 128,
+              tctx.linear / 128 * 128 + 127, tctx.launch->nthreads);
+  }
   if (!s.fenced) {
     report_hazard("wgmma.mma_async without a wgmma.fence since the thread's last "
                   "wgmma.wait_group (or the kernel start): its register accesses are unordered");
   }
+  check_warpgroup_issue(op, s.issued++);
   op.id = s.next_id++;
   const int nregs = op.n / 2;
   for (int r = 0; r < nregs; ++r) {
