@@ -26,7 +26,7 @@ ExpressionKind = Literal["score_mod", "mask_mod"]
 ValueType = Literal["int", "float", "bool"]  # int: 64-bit signed; float: fp32 on the GPU
 
 MAX_EXPRESSION_CHARS = 2000  # longer text is refused before it is parsed
-MAX_DEPTH = 32  # nesting of the expression tree
+MAX_DEPTH = 64  # nesting of the expression tree (a chain a + b + c ... nests once per term)
 MAX_NODES = 500  # operators, names and literals together
 MAX_RANK = 4  # dimensions of a declared input
 MAX_INPUTS = 16
@@ -448,14 +448,14 @@ class _Checker:
         name = func.id
         if node.keywords:
             raise self.fail(node, f"{self.token(node)}: {name}() takes no keyword arguments")
+        if any(isinstance(a, ast.Starred) for a in node.args):
+            raise self.refuse(node, "starred argument in")
         least, most = FUNCTIONS[name]
         if not least <= len(node.args) <= most:
             count = str(least) if least == most else f"{least} to {most}"
             raise self.fail(
                 node, f"{self.token(node)}: {name}() takes {count} arguments, not {len(node.args)}"
             )
-        if any(isinstance(a, ast.Starred) for a in node.args):
-            raise self.refuse(node, "starred argument in")
         if name == "where":
             condition = self.boolean(node.args[0], depth, "where()'s condition")
             then, other = (self.check(a, depth) for a in node.args[1:])
