@@ -196,6 +196,21 @@ def default_num_splits(
     return min(s for s, e in efficiency.items() if e >= 0.85 * best)
 
 
+def compile_functions(cupy: Any, name: str, source: str, symbols: list[str]) -> dict[str, Any]:
+    """The functions ``symbols`` of CUDA ``source`` (called ``name`` in errors), compiled for
+    the current device by CuPy (NVRTC); a CompileError keeps the rejected source."""
+    options = [*COMMON_OPTIONS]
+    with contextlib.suppress(ToolchainMissingError):  # else CuPy's own include directory
+        options.append(f"-I{cuda_include_dir()}")
+    try:
+        module = cupy.RawModule(code=source, options=tuple(options), backend="nvrtc")
+        return {symbol: module.get_function(symbol) for symbol in symbols}
+    except cupy.cuda.compiler.CompileException as exc:
+        from kernelgen.compile import save_failed_source
+
+        raise CompileError(name, str(exc), save_failed_source(name, source)) from None
+
+
 class RuntimeKernel:
     """A spec's kernels compiled for the current device, ready to launch."""
 
@@ -212,18 +227,7 @@ class RuntimeKernel:
 
     def _compile(self, cupy: Any, symbols: list[str]) -> dict[str, Any]:
         """The spec's functions, compiled from its rendered source by CuPy (NVRTC)."""
-        source = render(self.spec)
-        options = [*COMMON_OPTIONS]
-        with contextlib.suppress(ToolchainMissingError):  # else CuPy's own include directory
-            options.append(f"-I{cuda_include_dir()}")
-        try:
-            module = cupy.RawModule(code=source, options=tuple(options), backend="nvrtc")
-            return {symbol: module.get_function(symbol) for symbol in symbols}
-        except cupy.cuda.compiler.CompileException as exc:
-            from kernelgen.compile import save_failed_source
-
-            uri = self.spec.uri
-            raise CompileError(uri, str(exc), save_failed_source(uri, source)) from None
+        return compile_functions(cupy, self.spec.uri, render(self.spec), symbols)
 
     def _load(self, cupy: Any, cubin_path: str | Path, symbols: list[str]) -> dict[str, Any]:
         """The spec's functions from a cubin compiled offline for this device's arch; empty

@@ -189,3 +189,9 @@ def render(spec: KernelSpec) -> str:
         generator_version=__version__,
         template_hash=template_hash()[:16],
     )
+
+
+def render_template(template: str, **context: object) -> str:
+    """Render template file ``template`` of the templates folder with ``context`` (kernels other
+    than a spec's attention kernels, e.g. the block-mask builder)."""
+    return _environment().get_template(template).render(**context)
