@@ -221,20 +221,19 @@ def input_struct(inputs: tuple[ModInput, ...]) -> str:
         value_ctype = VALUE_CTYPE[spec.value_type]
         indices = [f"i{d}" for d in range(spec.rank)]
         shape, stride = _member(spec.name, "shape"), _member(spec.name, "stride")
-        outside = " || ".join(
-            f"{i} < 0 || {i} >= {STRUCT_ARG}.{shape}[{d}]" for d, i in enumerate(indices)
-        )
-        offset = " + ".join(f"{i} * {STRUCT_ARG}.{stride}[{d}]" for d, i in enumerate(indices))
         params = ", ".join(f"{INDEX_CTYPE} {i}" for i in indices)
+        offset = " + ".join(f"{i} * {STRUCT_ARG}.{stride}[{d}]" for d, i in enumerate(indices))
         element_at = f"{STRUCT_ARG}.{_member(spec.name, 'ptr')}[{offset}]"
         lines += [
             f"// {spec.signature}; an index outside the array reads {ZERO[spec.value_type]}",
-            f"__device__ __forceinline__ {value_ctype} {reader_name(spec.name)}("
-            f"const {STRUCT_NAME}& {STRUCT_ARG}, {params}) {{",
-            f"  if ({outside}) return {ZERO[spec.value_type]};",
-            f"  return {element.load.format(element_at)};",
-            "}",
+            f"__device__ __forceinline__ {value_ctype} {reader_name(spec.name)}(",
+            f"    const {STRUCT_NAME}& {STRUCT_ARG}, {params}) {{",
         ]
+        lines += [
+            f"  if ({i} < 0 || {i} >= {STRUCT_ARG}.{shape}[{d}]) return {ZERO[spec.value_type]};"
+            for d, i in enumerate(indices)
+        ]
+        lines += [f"  return {element.load.format(element_at)};", "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -258,8 +257,8 @@ def device_function(expression: Expression) -> str:
         [
             f"// {kind} {expression.hash}: {comment}",
             f"// inputs: {expression.signature or 'none'}",
-            f"__device__ __forceinline__ {RETURN_CTYPE[kind]} {FUNCTION_NAMES[kind]}("
-            f"{', '.join(params)}) {{",
+            f"__device__ __forceinline__ {RETURN_CTYPE[kind]} {FUNCTION_NAMES[kind]}(",
+            f"    {', '.join(params)}) {{",
             *[f"  (void){name};" for name in unused],
             f"  return {body};",
             "}",

@@ -562,3 +562,35 @@ def test_emitted_float_functions_and_every_input_dtype_equal_the_evaluator():
 
 def _bf16():
     return pytest.importorskip("ml_dtypes").bfloat16
+
+
+# ---- docs/expressions.md shows what the emitter writes ----
+
+DOC_EXAMPLES = [
+    ("mask_mod", "doc[b, q_idx] == doc[b, kv_idx]", [ModInput("doc", "int32", 2)]),
+    ("score_mod", "score + bias[h, q_idx - kv_idx + 1024]", [ModInput("bias", "float32", 2)]),
+    ("mask_mod", "(q_idx - kv_idx) // 64 == 0 and q_idx >= kv_idx", []),
+]
+DOC_TABLE = [
+    ("mask_mod", "kv_idx < prefix[b] or kv_idx <= q_idx", [ModInput("prefix", "int32", 1)]),
+    ("mask_mod", "anc[b, q_idx, kv_idx]", [ModInput("anc", "bool", 3)]),
+    ("mask_mod", "abs(q_idx - kv_idx) <= width[h]", [ModInput("width", "int32", 1)]),
+    ("score_mod", "30.0 * tanh(score / 30.0)", []),
+    ("mask_mod", "kv_idx <= q_idx + 1024", []),
+]
+
+
+def test_the_docs_show_the_emitted_functions_and_valid_examples():
+    from conftest import ROOT
+
+    from kernelgen.expression_cuda import device_function, input_struct
+    from kernelgen.expressions import parse_expression
+
+    text = (ROOT / "docs" / "expressions.md").read_text()
+    for kind, expression, inputs in DOC_EXAMPLES:
+        parsed = parse_expression(kind, expression, inputs)
+        assert device_function(parsed) in text + "\n"
+        if inputs and kind == "mask_mod":
+            assert input_struct(parsed.inputs) in text
+    for kind, expression, inputs in DOC_TABLE:
+        assert f"`{parse_expression(kind, expression, inputs).text}`" in text
