@@ -5,6 +5,7 @@ device functions against the evaluator."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import math
 import re
@@ -594,3 +595,145 @@ def test_the_docs_show_the_emitted_functions_and_valid_examples():
             assert input_struct(parsed.inputs) in text
     for kind, expression, inputs in DOC_TABLE:
         assert f"`{parse_expression(kind, expression, inputs).text}`" in text
+
+
+# ---- random expressions: the evaluator against Python, the emitted C++ against the evaluator ----
+
+
+class RandomExpressions:
+    """Random int-valued and boolean expressions over the index names (every construct of the
+    language but floats and inputs), small enough never to overflow int64."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def pick(self, options):
+        return options[self.rng.integers(len(options))]
+
+    def leaf(self) -> str:
+        if self.rng.random() < 0.4:
+            return str(int(self.rng.integers(-9, 10)))
+        name = self.pick(["b", "h", "q_idx", "kv_idx", "q_idx", "kv_idx"])
+        return f"{name} ** 2" if self.rng.random() < 0.1 else name
+
+    def number(self, depth: int) -> str:
+        if depth == 0 or self.rng.random() < 0.2:
+            return self.leaf()
+        x, y = self.number(depth - 1), self.number(depth - 1)
+        form = self.pick(
+            ["({x} + {y})", "({x} - {y})", "({x} * {y})", "({x} // {y})", "({x} % {y})",
+             "-({x})", "abs({x})", "min({x}, {y})", "max({x}, {y}, {z})",
+             "where({c}, {x}, {y})"]
+        )  # fmt: skip
+        return form.format(x=x, y=y, z=self.leaf(), c=self.boolean(depth - 1))
+
+    def boolean(self, depth: int) -> str:
+        x, y = self.number(max(depth - 1, 0)), self.number(max(depth - 1, 0))
+        if depth == 0 or self.rng.random() < 0.4:
+            op = self.pick(["<", "<=", ">", ">=", "==", "!="])
+            return f"({x} {op} {y})" if self.rng.random() < 0.8 else f"({x} < {y} <= {x} + 5)"
+        p, q = self.boolean(depth - 1), self.boolean(depth - 1)
+        return self.pick([f"({p} and {q})", f"({p} or {q})", f"(not {p})", f"({p} == {q})"])
+
+
+class Int(int):
+    """A Python int whose // and % follow the language's zero-divisor rule (0)."""
+
+    def __floordiv__(self, other):
+        return Int(0 if other == 0 else int(self) // int(other))
+
+    def __mod__(self, other):
+        return Int(0 if other == 0 else int(self) % int(other))
+
+
+def _int_method(name: str):
+    def method(self, *args):
+        return Int(getattr(int, name)(int(self), *(int(a) for a in args)))
+
+    return method
+
+
+for _name in ("__add__", "__sub__", "__mul__", "__neg__", "__abs__", "__pow__"):
+    setattr(Int, _name, _int_method(_name))
+
+
+class _IntLiterals(ast.NodeTransformer):
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        if type(node.value) is not int:
+            return node
+        return ast.Call(ast.Name("Int", ast.Load()), [node], [])
+
+
+def python_value(text: str, names: dict) -> object:
+    """Python's value of ``text`` with every int an :class:`Int`."""
+    tree = ast.fix_missing_locations(_IntLiterals().visit(ast.parse(text, mode="eval")))
+    scope = {**PY_FUNCTIONS, "Int": Int, **{k: Int(v) for k, v in names.items()}}
+    return eval(compile(tree, "<expression>", "eval"), {"__builtins__": {}}, scope)
+
+
+def test_random_expressions_evaluate_as_python_computes_them():
+    generate = RandomExpressions(seed=11)
+    for _ in range(40):
+        text = generate.number(3)
+        parsed = parse_score_mod(text)
+        assert parse_score_mod(parsed.text).hash == parsed.hash
+        values = evaluate_grid(parsed, 2, 2, 5, 6, score=0.0)
+        for index in np.ndindex(values.shape):
+            names = dict(zip(("b", "h", "q_idx", "kv_idx"), index, strict=True))
+            assert values[index] == python_value(text, names), (text, index)
+
+
+MANY_KERNEL = """{source}
+extern "C" __global__ void many_expressions(float* score_out, int* mask_out, int count,
+                                            int total, int heads, int seqlen_q, int seqlen_k) {{
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long kv_idx = i % seqlen_k, q_idx = i / seqlen_k % seqlen_q;
+  const long long h = i / (static_cast<long long>(seqlen_k) * seqlen_q) % heads;
+  const long long b = i / (static_cast<long long>(seqlen_k) * seqlen_q * heads);
+  KgModInputs mod_inputs;
+{calls}
+}}
+"""
+
+
+@pytest.mark.emulate
+def test_random_emitted_expressions_equal_the_evaluator():
+    """24 random score_mod / mask_mod pairs in one source (one g++ build), exact."""
+    from kernelgen.emulator import build_kernel
+    from kernelgen.expression_cuda import device_function
+
+    generate = RandomExpressions(seed=12)
+    pairs = [
+        (parse_score_mod(generate.number(3)), parse_mask_mod(generate.boolean(3)))
+        for _ in range(24)
+    ]
+    functions, calls = [], []
+    for n, (score, mask) in enumerate(pairs):
+        functions.append(device_function(score).replace("kg_score_mod(", f"kg_score_mod_{n}("))
+        functions.append(device_function(mask).replace("kg_mask_mod(", f"kg_mask_mod_{n}("))
+        calls.append(
+            f"  score_out[{n} * total + i] = kg_score_mod_{n}(0.0f, b, h, q_idx, kv_idx, "
+            f"mod_inputs);\n  mask_out[{n} * total + i] = kg_mask_mod_{n}(b, h, q_idx, kv_idx, "
+            "mod_inputs);"
+        )
+    source = MANY_KERNEL.format(
+        source=HELPERS + "struct KgModInputs {};\n" + "\n".join(functions), calls="\n".join(calls)
+    )
+    params = [("float*", "score_out"), ("int*", "mask_out")]
+    params += [("int", n) for n in ("count", "total", "heads", "seqlen_q", "seqlen_k")]
+    kernel = build_kernel(source, "many_expressions", params)
+    shape = (2, 2, 6, 7)
+    total = int(np.prod(shape))
+    score_out = np.full((len(pairs), *shape), np.nan, dtype=np.float32)
+    mask_out = np.full((len(pairs), *shape), -1, dtype=np.int32)
+    kernel(
+        grid=-(-total // 128),
+        block=128,
+        shared_mem=0,
+        args=[score_out, mask_out, len(pairs), total, *shape[1:]],
+    )
+    for n, (score, mask) in enumerate(pairs):
+        expected = evaluate_grid(score, *shape, score=0.0).astype(np.float32)
+        np.testing.assert_array_equal(score_out[n], expected, score.text)
+        np.testing.assert_array_equal(mask_out[n], evaluate_grid(mask, *shape), mask.text)
