@@ -16,6 +16,7 @@ import itertools
 import keyword
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -509,7 +510,9 @@ def parse_expression(
     if not text.strip():
         raise SpecError([f"{kind} is empty; write an expression, e.g. q_idx >= kv_idx"])
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        with warnings.catch_warnings():  # e.g. "1if": Python warns, then parses it
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
         raise SpecError([f"{kind}: not an expression: {exc.msg} (column {exc.offset})"]) from None
     except (ValueError, RecursionError, MemoryError) as exc:

@@ -12,6 +12,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernelgen.errors import InputError, InputTypeError, SpecError
 from kernelgen.expression_cuda import (
@@ -737,3 +739,28 @@ def test_random_emitted_expressions_equal_the_evaluator():
         expected = evaluate_grid(score, *shape, score=0.0).astype(np.float32)
         np.testing.assert_array_equal(score_out[n], expected, score.text)
         np.testing.assert_array_equal(mask_out[n], evaluate_grid(mask, *shape), mask.text)
+
+
+TOKENS = [
+    "score", "b", "h", "q_idx", "kv_idx", "bias", "doc", "x", "__global__", "where", "min",
+    "exp", "(", ")", "[", "]", ",", ".", ":", ";", "+", "-", "*", "/", "//", "%", "**", "2",
+    "0x1f", "1e9", "1.5", "1e400", "<", "<=", "==", "!=", "and", "or", "not", "if", "else",
+    "lambda", ":=", "'s'", "#", "\\\n", "\n", " ", "*/", "/*", "\\", "\"", "{", "}", "@", "~",
+]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(TOKENS), max_size=25), st.sampled_from(["score_mod", "mask_mod"]))
+def test_any_text_is_an_expression_or_a_spec_error(tokens, kind):
+    """Token soup: the checker either refuses it with a SpecError or accepts it, and then the
+    emitted source holds only the emitter's words and the canonical text parses back."""
+    from kernelgen.expressions import parse_expression
+
+    text = "".join(tokens)
+    try:
+        parsed = parse_expression(kind, text, INPUTS)
+    except SpecError as exc:
+        assert str(exc).startswith(kind) and "\n" not in str(exc)
+        return
+    assert code_words(expression_source(parsed), INPUTS) <= CXX_WORDS
+    assert parse_expression(kind, parsed.text, INPUTS).hash == parsed.hash
