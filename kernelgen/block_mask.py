@@ -24,15 +24,8 @@ import numpy as np
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.expression_cuda import expression_source, headers, input_params, input_struct_init
 from kernelgen.expression_eval import check_input_arrays, evaluate
-from kernelgen.expressions import (
-    INPUT_DTYPES,
-    MAX_RANK,
-    Expression,
-    ModInput,
-    declare_inputs,
-    parse_mask_mod,
-)
-from kernelgen.frameworks import Arrays, arrays_of, device_of, dtype_name, launch_arg
+from kernelgen.expressions import Expression, ModInput, inputs_from_arrays, parse_mask_mod
+from kernelgen.frameworks import Arrays, arrays_of, device_of, launch_arg
 from kernelgen.host import NumpyArrays, as_numpy, is_host_array
 from kernelgen.launch import MAX_GRID, compile_functions, import_cupy
 from kernelgen.render import Param, render_template, template_hash
@@ -97,6 +90,30 @@ class BlockMask:
             states[b, h, m, indices[b, h, m, slot]] = state
         return states
 
+    def check_fits(
+        self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int
+    ) -> None:
+        """Raise an InputError naming each difference when this mask cannot serve a call of
+        (batch, heads, seqlen_q, seqlen_k) with ``block_m`` x ``block_n`` tiles (a batch or
+        heads of 1 serves any)."""
+        problems = []
+        for name, own, call in (("batch", self.batch, batch), ("heads", self.heads, heads)):
+            if own not in (1, call):
+                problems.append(f"{name} {own} (the call has {call}; 1 broadcasts)")
+        for name, own, call in (
+            ("seqlen_q", self.seqlen_q, seqlen_q),
+            ("seqlen_k", self.seqlen_k, seqlen_k),
+            ("block_m", self.block_m, block_m),
+            ("block_n", self.block_n, block_n),
+        ):
+            if own != call:
+                problems.append(f"{name} {own} (the call has {call})")
+        if problems:
+            raise InputError(
+                f"block_mask does not fit the call: it was built for {'; '.join(problems)}; "
+                "build it with kernelgen.block_mask for the call's sizes and tile shape"
+            )
+
     def visited_tiles(self) -> int:
         """Key tiles an attention kernel loads over all (batch, head, query tile) rows."""
         return int(to_host(self.partial_counts).sum() + to_host(self.full_counts).sum())
@@ -136,31 +153,6 @@ def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
             f"the block-mask builder needs the grid (query tiles, heads, batch) = {grid}, over "
             f"CUDA's limit of {MAX_GRID}"
         )
-
-
-def _declared_inputs(mod_inputs: Mapping[str, Any] | None) -> tuple[ModInput, ...]:
-    """The ModInput of each array of ``mod_inputs`` (its dtype and rank)."""
-    if mod_inputs is None:
-        return ()
-    if not isinstance(mod_inputs, Mapping):
-        raise InputTypeError(
-            f"mod_inputs is {type(mod_inputs).__name__}; pass a dict of name -> array"
-        )
-    declared = []
-    for name, array in mod_inputs.items():
-        dtype = dtype_name(getattr(array, "dtype", type(array).__name__))
-        if dtype not in INPUT_DTYPES:
-            raise InputTypeError(
-                f"mod_inputs[{name!r}] has dtype {dtype}; allowed: {', '.join(INPUT_DTYPES)}"
-            )
-        rank = len(array.shape)
-        if not 1 <= rank <= MAX_RANK:
-            raise InputError(
-                f"mod_inputs[{name!r}] has shape {tuple(array.shape)}; allowed: 1 to {MAX_RANK} "
-                "dimensions"
-            )
-        declared.append(ModInput(name, dtype, rank))
-    return declare_inputs(declared)
 
 
 def _checked_mask_mod(mask_mod: str | Expression, declared: tuple[ModInput, ...]) -> Expression:
@@ -304,7 +296,7 @@ def block_mask(
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     _check_sizes(sizes, block_m, block_n)
     batch, heads, seqlen_q, seqlen_k = (int(v) for v in sizes.values())
-    expression = _checked_mask_mod(mask_mod, _declared_inputs(mod_inputs))
+    expression = _checked_mask_mod(mask_mod, inputs_from_arrays(mod_inputs))
     mod_inputs = dict(mod_inputs or {})
     library, device = _library(mod_inputs, like)
     q_tiles, key_tiles = tiles(seqlen_q, block_m), tiles(seqlen_k, block_n)
@@ -371,7 +363,7 @@ def block_mask_reference(
     out), one query tile at a time."""
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     _check_sizes(sizes, block_m, block_n)
-    expression = _checked_mask_mod(mask_mod, _declared_inputs(mod_inputs))
+    expression = _checked_mask_mod(mask_mod, inputs_from_arrays(mod_inputs))
     mod_inputs = dict(mod_inputs or {})
     arrays = check_input_arrays(expression.inputs, {k: to_host(v) for k, v in mod_inputs.items()})
     q_tiles, key_tiles = tiles(seqlen_q, block_m), tiles(seqlen_k, block_n)

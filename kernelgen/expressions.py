@@ -19,9 +19,9 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from kernelgen.errors import SpecError
+from kernelgen.errors import InputError, InputTypeError, SpecError
 
 ExpressionKind = Literal["score_mod", "mask_mod"]
 ValueType = Literal["int", "float", "bool"]  # int: 64-bit signed; float: fp32 on the GPU
@@ -542,14 +542,29 @@ def parse_mask_mod(text: str, inputs: Iterable[ModInput] | None = None) -> Expre
     return parse_expression("mask_mod", text, inputs)
 
 
-def inputs_from_arrays(arrays: Mapping[str, object]) -> tuple[ModInput, ...]:
-    """The ModInput of each named array (its dtype name and number of dimensions)."""
+def inputs_from_arrays(arrays: Mapping[str, Any] | None) -> tuple[ModInput, ...]:
+    """The declared inputs of a call's ``mod_inputs`` (name -> array): each array's dtype and
+    number of dimensions, in name order. Raises InputTypeError / InputError naming the array."""
+    if arrays is None:
+        return ()
+    if not isinstance(arrays, Mapping):
+        raise InputTypeError(f"mod_inputs is {type(arrays).__name__}; pass a dict of name -> array")
     declared = []
     for name, array in arrays.items():
-        dtype = str(getattr(getattr(array, "dtype", None), "name", getattr(array, "dtype", "")))
-        declared.append(
-            ModInput(name, dtype.removeprefix("torch."), len(getattr(array, "shape", ())))
-        )
+        dtype = getattr(array, "dtype", None)
+        dtype_name = str(getattr(dtype, "name", dtype)).removeprefix("torch.")
+        if dtype_name not in INPUT_DTYPES:
+            raise InputTypeError(
+                f"mod_inputs[{_cut(repr(name))}] has dtype {_cut(dtype_name)}; allowed: "
+                f"{', '.join(INPUT_DTYPES)}"
+            )
+        shape = tuple(array.shape)
+        if not 1 <= len(shape) <= MAX_RANK:
+            raise InputError(
+                f"mod_inputs[{_cut(repr(name))}] has shape {shape}; allowed: 1 to {MAX_RANK} "
+                "dimensions"
+            )
+        declared.append(ModInput(name, dtype_name, len(shape)))
     return declare_inputs(declared)
 
 

@@ -286,6 +286,18 @@ def test_bad_arguments_are_typed_errors_naming_them(kwargs, error, named):
         assert named in str(info.value)
 
 
+def test_a_mask_says_which_calls_it_fits():
+    mask = block_mask_reference("q_idx >= kv_idx", 1, 4, 40, 50, block_m=16, block_n=32)
+    mask.check_fits(8, 4, 40, 50, 16, 32)  # batch 1 broadcasts
+    with pytest.raises(InputError) as info:
+        mask.check_fits(8, 2, 40, 51, 16, 64)
+    message = str(info.value)
+    assert "heads 4 (the call has 2; 1 broadcasts)" in message
+    assert "seqlen_k 50 (the call has 51)" in message
+    assert "block_n 32 (the call has 64)" in message
+    assert "batch" not in message.split("built for")[1] and "seqlen_q" not in message
+
+
 def test_the_package_exports_the_block_mask_api():
     assert kernelgen.block_mask is block_mask
     assert kernelgen.BlockMask is BlockMask
