@@ -169,7 +169,7 @@ class ModInput:
                 f"mod input name {name!r} is reserved (Python keywords, kg_*, "
                 f"{', '.join(sorted(RESERVED_INPUT_NAMES))}); choose another name"
             )
-        if self.dtype not in INPUT_DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in INPUT_DTYPES:
             problems.append(
                 f"mod input {_cut(repr(name))}: dtype {_cut(repr(self.dtype))} is not allowed; "
                 f"use one of {', '.join(INPUT_DTYPES)}"
@@ -225,18 +225,33 @@ class Node:
     value: int | float | tuple[str, ...] | None = None
 
 
+_PARSER = object()  # parse_expression's mark on the trees it checked
+
+
 @dataclass(frozen=True)
 class Expression:
     """A checked ``score_mod`` or ``mask_mod``: its tree, canonical text, declared inputs and
-    hash. Build with :func:`parse_score_mod` / :func:`parse_mask_mod`."""
+    hash. Build with :func:`parse_score_mod` / :func:`parse_mask_mod`; a tree built by hand is
+    replaced by what its canonical text checks to (or refused), so that the emitter only ever
+    sees checked trees."""
 
     kind: ExpressionKind
     root: Node
     inputs: tuple[ModInput, ...]
     text: str = field(init=False)
+    origin: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "text", canonical_text(self.root))
+        try:
+            text = canonical_text(self.root)
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            raise SpecError([f"{self.kind}: not a checked expression tree"]) from None
+        if self.origin is not _PARSER:  # built by hand: keep only what its text checks to
+            checked = parse_expression(self.kind, text, self.inputs)
+            object.__setattr__(self, "root", checked.root)
+            object.__setattr__(self, "inputs", checked.inputs)
+            text = checked.text
+        object.__setattr__(self, "text", text)
 
     @property
     def signature(self) -> str:
@@ -529,7 +544,7 @@ def parse_expression(
         raise SpecError(["score_mod must be a number (the new score), not a boolean"])
     if root.type != expected:  # an int score_mod: the score is float
         root = Node("call", "float", op="float", args=(root,))
-    return Expression(kind, root, declared)
+    return Expression(kind, root, declared, origin=_PARSER)
 
 
 def parse_score_mod(text: str, inputs: Iterable[ModInput] | None = None) -> Expression:

@@ -764,3 +764,21 @@ def test_any_text_is_an_expression_or_a_spec_error(tokens, kind):
         return
     assert code_words(expression_source(parsed), INPUTS) <= CXX_WORDS
     assert parse_expression(kind, parsed.text, INPUTS).hash == parsed.hash
+
+
+def test_hand_built_trees_are_checked_again():
+    """The emitter trusts the tree; an Expression built around a forged tree keeps only what its
+    canonical text checks to."""
+    from kernelgen.expressions import Expression, Node
+
+    forged_read = Node("read", "int", op='doc); system("x', args=(Node("name", "int", op="b"),))
+    forged_name = Node("name", "int", op="__global__")
+    forged_kind = Node("asm", "bool")
+    for root in (forged_read, forged_name, forged_kind):
+        with pytest.raises(SpecError):
+            Expression("mask_mod", Node("compare", "bool", args=(root, root), value=("==",)), ())
+    typed_wrong = Node("const", "bool", value=1)  # an int claiming to be a boolean
+    with pytest.raises(SpecError, match="mask_mod must be boolean"):
+        Expression("mask_mod", typed_wrong, ())
+    rebuilt = Expression("mask_mod", parse_mask_mod("q_idx >= kv_idx").root, ())
+    assert rebuilt == parse_mask_mod("q_idx >= kv_idx")
