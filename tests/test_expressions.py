@@ -398,24 +398,32 @@ def code_words(source: str, inputs) -> set[str]:
     return words - derived - {"LL", "f"} - {w for w in words if re.fullmatch(r"e\d*", w)}
 
 
+# (text, accepted): accepted texts lose their comments and continuations; the rest is refused
 INJECTIONS = [
-    "q_idx >= kv_idx  # */ __global__ void evil() {} \n#define q_idx 0",
-    "q_idx >= kv_idx \\\n and kv_idx >= 0",
-    "(q_idx >= kv_idx  # \\\n)",
-    'q_idx >= kv_idx and doc[b, q_idx] == doc[b, kv_idx]  # "); system("rm',
-    "q_idx >= kv_idx\n# \u2028 */",
+    ("q_idx >= kv_idx  # */ __global__ void evil() {} \n#define q_idx 0", True),
+    ("q_idx >= kv_idx \\\n and kv_idx >= 0", True),
+    ("(q_idx >= kv_idx  # \\\n)", True),
+    ('q_idx >= kv_idx and doc[b, q_idx] == doc[b, kv_idx]  # "); system("rm', True),
+    ("q_idx >= kv_idx and '#define' == '#define'", False),
+    ("q_idx >= kv_idx and '*/ __global__' != ''", False),
+    ("q_idx >= kv_idx  # caf\u00e9 */", False),
+    ("q_idx >= kv_idx\n# \u2028 */", False),
+    ("__global__ == kv_idx", False),
+    ("q_idx >= kv_idx and __import__('os').system('x') == 0", False),
+    ("q_idx >= kv_idx and doc[b, q_idx].__class__ == 1", False),
 ]
 
 
-@pytest.mark.parametrize("text", INJECTIONS)
-def test_nothing_of_the_user_text_reaches_cuda_but_checked_tokens(text):
-    try:
-        parsed = parse_mask_mod(text, INPUTS)
-    except SpecError:
-        return  # refused before anything is emitted
+@pytest.mark.parametrize(("text", "accepted"), INJECTIONS)
+def test_nothing_of_the_user_text_reaches_cuda_but_checked_tokens(text, accepted):
+    if not accepted:
+        with pytest.raises(SpecError):
+            parse_mask_mod(text, INPUTS)
+        return
+    parsed = parse_mask_mod(text, INPUTS)
     source = expression_source(parsed)
     assert code_words(source, INPUTS) <= CXX_WORDS
-    for bad in ("evil", "__global__", "system", "\\", "*/", "/*", '"', "\u2028", "#define q"):
+    for bad in ("evil", "__global__", "system", "\\", "*/", "/*", '"', "#define q"):
         assert bad not in source
     # the comment above the function holds the canonical text only
     assert f"// mask_mod {parsed.hash}: {parsed.text}\n" in source
