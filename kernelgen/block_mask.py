@@ -35,6 +35,7 @@ from kernelgen.version import __version__
 TEMPLATE = "block_mask.cu.j2"
 THREADS = 128  # threads of a builder block, which evaluates one query tile against every key tile
 NO_TILE = -1  # list entries past a count
+INT32_MAX = 2**31 - 1  # sizes reach the builder as int
 OUTPUTS = ("partial_counts", "partial_indices", "full_counts", "full_indices")
 
 
@@ -140,8 +141,10 @@ def to_host(array: Any) -> np.ndarray:
 def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
     for name, value in sizes.items():
         integer = type(value) is int or isinstance(value, np.integer)
-        if not integer or value < 1:
-            raise InputError(f"{name}={value!r} is not allowed; use an integer of at least 1")
+        if not integer or not 1 <= value <= INT32_MAX:
+            raise InputError(
+                f"{name}={value!r} is not allowed; use an integer from 1 to {INT32_MAX}"
+            )
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if type(value) is not int or value not in TILE_SIZES:
             raise InputError(
@@ -186,11 +189,10 @@ def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
     device = device_of(arrays[0])
     for name, array in named:
         if is_host_array(array) != library.host or device_of(array) != device:
+            label = "like" if name == "like" else f"mod_inputs[{name!r}]"
             raise InputTypeError(
-                f"mod_inputs[{name!r}] is on device {device_of(array)}; every array of the "
-                f"call must be on device {device} (-1: the host)"
-                if name != "like"
-                else f"like is on device {device_of(array)}; mod_inputs are on {device}"
+                f"{label} is on device {device_of(array)}; every array of the call must be on "
+                f"device {device} (-1: the host)"
             )
     return library, device
 

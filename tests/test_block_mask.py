@@ -256,6 +256,7 @@ def test_the_device_path_launches_the_builder_with_its_parameter_types(monkeypat
     ("kwargs", "error", "named"),
     [
         ({"batch": 0}, InputError, "batch=0"),
+        ({"seqlen_k": 2**31}, InputError, "seqlen_k=2147483648 is not allowed; use an integer"),
         ({"heads": True}, InputError, "heads=True"),
         ({"seqlen_q": 1.5}, InputError, "seqlen_q=1.5"),
         ({"block_m": 24}, InputError, "block_m=24 is not allowed; use one of 16, 32, 64, 128"),
