@@ -351,3 +351,29 @@ def test_a_templates_folder_without_the_builder_is_a_setting_error(tmp_path, mon
         monkeypatch.undo()
         for cached in (render.template_dir, render.template_hash, render._environment):
             cached.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("library", ["cupy", "torch"])
+def test_the_builder_on_a_gpu_equals_the_numpy_builder(library):
+    """GPU tier: the same lists from CuPy arrays and CUDA torch tensors (torch's stream)."""
+    docs = four_documents(3, 300, seed=8)
+    if library == "cupy":
+        cupy = pytest.importorskip("cupy")
+        device_docs = cupy.asarray(docs)
+    else:
+        torch = pytest.importorskip("torch")
+        device_docs = torch.from_numpy(docs).cuda()
+    text = "doc[b, q_idx] == doc[b, kv_idx] and kv_idx <= q_idx"
+    for bm, bn in ((64, 64), (128, 32)):
+        built = block_mask(
+            text, 3, 1, 300, 300, block_m=bm, block_n=bn, mod_inputs={"doc": device_docs}
+        )
+        reference = block_mask_reference(
+            text, 3, 1, 300, 300, block_m=bm, block_n=bn, mod_inputs={"doc": docs}
+        )
+        assert type(built.full_counts).__module__.split(".")[0] == library
+        for name in LISTS:
+            np.testing.assert_array_equal(
+                block_mask_module.to_host(getattr(built, name)), getattr(reference, name)
+            )
