@@ -159,10 +159,15 @@ class ModInput:
     def __post_init__(self) -> None:
         problems = []
         name = self.name
-        if not isinstance(name, str) or not _NAME_RE.match(name) or len(name) > MAX_NAME_CHARS:
+        if (
+            not isinstance(name, str)
+            or not _NAME_RE.match(name)
+            or len(name) > MAX_NAME_CHARS
+            or "__" in name  # reserved in C++ identifiers
+        ):
             problems.append(
                 f"mod input name {_cut(repr(name))} is not allowed; use an ASCII identifier of at "
-                f"most {MAX_NAME_CHARS} characters starting with a letter"
+                f"most {MAX_NAME_CHARS} characters starting with a letter, without '__'"
             )
         elif keyword.iskeyword(name) or name in RESERVED_INPUT_NAMES or name.startswith("kg_"):
             problems.append(

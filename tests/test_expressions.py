@@ -159,6 +159,7 @@ def test_limits_on_size_nesting_and_characters():
     [
         ("__global__", "float32", 1, "'__global__' is not allowed"),
         ("_bias", "float32", 1, "starting with a letter"),
+        ("my__bias", "float32", 1, "without '__'"),
         ("a-b", "float32", 1, "ASCII identifier"),
         ("caf\u00e9", "float32", 1, "ASCII identifier"),
         ("x" * 33, "float32", 1, "at most 32"),
