@@ -144,10 +144,40 @@ def _literal(node: Node) -> str:
     return text + "f"
 
 
-def _convert(code: str, source: str, target: str) -> str:
-    if source == target:
+_CALL_FORM = re.compile(r"[A-Za-z_][A-Za-z_0-9<>]*\(")
+
+
+def _bare(code: str) -> str:
+    """``code`` without parentheses around all of it (where it stands alone: an argument)."""
+    if not (code.startswith("(") and code.endswith(")")):
         return code
-    return CONVERT_CXX[source, target].format(code)
+    depth = 0
+    for position, char in enumerate(code):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and position < len(code) - 1:
+            return code  # the first parenthesis closes before the end: "(a) + (b)"
+    return code[1:-1]
+
+
+def _fill(pattern: str, *operands: str) -> str:
+    """A table spelling with its operands; a function call's arguments lose their outer
+    parentheses (each stands alone between commas)."""
+    if _CALL_FORM.match(pattern):
+        operands = tuple(_bare(o) for o in operands)
+    return pattern.format(*operands)
+
+
+EXACT_FLOAT_INT = 2**24  # ints up to this magnitude are exact in fp32
+
+
+def _convert(node: Node, code: str, target: str) -> str:
+    """``code`` (the value of ``node``) as ``target``; an int literal exact in fp32 becomes a
+    float literal."""
+    if node.type == target:
+        return code
+    if node.kind == "const" and abs(node.value) <= EXACT_FLOAT_INT:  # type: ignore[arg-type]
+        return _literal(Node("const", "float", value=float(node.value)))  # type: ignore[arg-type]
+    return _fill(CONVERT_CXX[node.type, target], code)
 
 
 class _Emitter:
@@ -159,9 +189,10 @@ class _Emitter:
             return NAME_CXX[node.op]
         args = [self.code(a) for a in node.args]
         if kind == "read":
-            return f"{reader_name(node.op)}({', '.join([STRUCT_ARG, *args])})"
+            indices = [_bare(a) for a in args]
+            return f"{reader_name(node.op)}({', '.join([STRUCT_ARG, *indices])})"
         if kind in UNARY_CXX:
-            return UNARY_CXX[kind].format(args[0])
+            return _fill(UNARY_CXX[kind], args[0])
         if kind == "logic":
             return "(" + LOGIC_CXX[node.op].join(args) + ")"
         if kind == "compare":
@@ -170,29 +201,29 @@ class _Emitter:
                 x, y = node.args[i], node.args[i + 1]
                 common = "float" if "float" in (x.type, y.type) else x.type
                 left, right = (
-                    _convert(args[i], x.type, common),
-                    _convert(args[i + 1], y.type, common),
+                    _convert(x, args[i], common),
+                    _convert(y, args[i + 1], common),
                 )
                 tests.append(f"({left} {COMPARE_CXX[op]} {right})")
             return tests[0] if len(tests) == 1 else "(" + " && ".join(tests) + ")"
         if kind == "binary":
             operand_type = node.type
-            left = _convert(args[0], node.args[0].type, operand_type)
+            left = _convert(node.args[0], args[0], operand_type)
             if node.op == "**":
-                return BINARY_CXX["**", operand_type].format(left)
-            right = _convert(args[1], node.args[1].type, operand_type)
-            return BINARY_CXX[node.op, operand_type].format(left, right)
+                return _fill(BINARY_CXX["**", operand_type], left)
+            right = _convert(node.args[1], args[1], operand_type)
+            return _fill(BINARY_CXX[node.op, operand_type], left, right)
         if node.op == "where":
-            then = _convert(args[1], node.args[1].type, node.type)
-            other = _convert(args[2], node.args[2].type, node.type)
-            return CALL_CXX["where", node.type].format(args[0], then, other)
-        converted = [_convert(a, n.type, node.type) for a, n in zip(args, node.args, strict=True)]
+            then = _convert(node.args[1], args[1], node.type)
+            other = _convert(node.args[2], args[2], node.type)
+            return _fill(CALL_CXX["where", node.type], args[0], then, other)
+        converted = [_convert(n, a, node.type) for a, n in zip(args, node.args, strict=True)]
         if node.op in ("min", "max"):
             result = converted[0]
             for arg in converted[1:]:
-                result = CALL_CXX[node.op, node.type].format(result, arg)
+                result = _fill(CALL_CXX[node.op, node.type], result, arg)
             return result
-        return CALL_CXX[node.op, node.type].format(converted[0])
+        return _fill(CALL_CXX[node.op, node.type], converted[0])
 
 
 def headers(inputs: tuple[ModInput, ...]) -> list[str]:
@@ -252,7 +283,7 @@ def device_function(expression: Expression) -> str:
     unused = [n for n in names if not expression.uses(n)]
     if not any(node.kind == "read" for node in walk(expression.root)):
         unused.append(STRUCT_ARG)
-    body = _Emitter().code(expression.root)
+    body = _bare(_Emitter().code(expression.root))
     return "\n".join(
         [
             f"// {kind} {expression.hash}: {comment}",

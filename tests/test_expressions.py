@@ -791,3 +791,14 @@ def test_hand_built_trees_are_checked_again():
         Expression("mask_mod", typed_wrong, ())
     rebuilt = Expression("mask_mod", parse_mask_mod("q_idx >= kv_idx").root, ())
     assert rebuilt == parse_mask_mod("q_idx >= kv_idx")
+
+
+def test_only_parentheses_around_a_whole_argument_are_dropped():
+    from kernelgen.expression_cuda import _bare
+
+    assert _bare("(a + b)") == "a + b"
+    assert _bare("((a) + (b))") == "(a) + (b)"
+    assert _bare("(a) + (b)") == "(a) + (b)"
+    assert _bare("f(a)") == "f(a)"
+    parsed = parse_score_mod("exp((score - 1) * (score + 1)) / (q_idx - (kv_idx - 1))")
+    assert "expf((score - 1.0f) * (score + 1.0f)) / " in expression_source(parsed)
