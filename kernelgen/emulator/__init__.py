@@ -2,7 +2,8 @@
 
 The kernel's CUDA source is preprocessed and compiled as C++20 by ``g++`` against a small shim
 (``include/kg_emulator.h``) that supplies the CUDA subset it uses; inline PTX (ldmatrix,
-mma.sync m16n8k16, cp.async) becomes calls into ``include/kg_ptx.h``. Then it is loaded with
+mma.sync m16n8k16, cp.async; Hopper's wgmma, mbarrier and TMA) becomes calls into
+``include/kg_ptx.h``. Then it is loaded with
 :mod:`ctypes` and launched over NumPy arrays::
 
     from kernelgen.emulator import build_kernel
@@ -27,6 +28,7 @@ from kernelgen.emulator.kernel import (
     build_kernel,
     include_dir,
 )
+from kernelgen.emulator.tensor_map import TensorMap, encode_tensor_map_tiled
 from kernelgen.emulator.transform import PTX_FORMS, transform_source
 from kernelgen.errors import (
     EmulatorArgumentError,
@@ -54,7 +56,9 @@ __all__ = [
     "EmulatorUnavailableError",
     "HazardError",
     "LaunchStats",
+    "TensorMap",
     "build_kernel",
+    "encode_tensor_map_tiled",
     "include_dir",
     "transform_source",
 ]

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.emulator.tensor_map import TENSOR_MAP_BYTES, TensorMap
 from kernelgen.emulator.transform import transform_preprocessed
 from kernelgen.errors import (
     EmulatorArgumentError,
@@ -52,7 +53,7 @@ MAX_DYNAMIC_SMEM = 227 * 1024
 MAX_POINTER_ARGS = 64  # kMaxArgRanges in kg_emulator.h
 DEFAULT_FILL_BYTE = 0xFF
 DEFAULT_TIMEOUT_S = 120.0
-_CODEGEN_VERSION = "3"
+_CODEGEN_VERSION = "4"
 GXX_INSTALL_HINT = (
     "install it with your system's package manager (Debian/Ubuntu: apt-get install g++; "
     "Fedora/RHEL: dnf install gcc-c++; conda: conda install -c conda-forge gxx) or point "
@@ -124,6 +125,12 @@ _POINTEE_DTYPES: dict[str, tuple[str, ...] | None] = {
 }
 
 _TYPE_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9\s\*]*$")
+# A tensor map passed by value (`const __grid_constant__ CUtensorMap name`): its argument is a
+# kernelgen.emulator.TensorMap.
+_TENSOR_MAP_TYPE_RE = re.compile(
+    r"(?:(?:const|__grid_constant__)\s+)*(?:CUtensorMap|CUtensorMap_st)"
+)
+_TENSOR_MAP_PARAM = ctypes.c_ubyte * TENSOR_MAP_BYTES
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
 
 
@@ -148,6 +155,8 @@ def _parse_param(c_type: str, name: str) -> _Param:
     if not isinstance(name, str) or not _IDENT_RE.match(name):
         raise EmulatorSourceError(f"bad parameter name {name!r}")
     t = _normalize_type(c_type)
+    if _TENSOR_MAP_TYPE_RE.fullmatch(t):
+        return _Param("CUtensorMap", name, False, _TENSOR_MAP_PARAM, None)
     if t.endswith("*"):
         if t.count("*") > 1:
             raise EmulatorSourceError(
@@ -261,6 +270,8 @@ class LaunchStats:
     ldmatrix_wavefronts: int = 0  # shared-memory wavefronts they took
     ldmatrix_ideal: int = 0  # wavefronts without bank conflicts (one per 8x8 matrix)
     cp_async_global_bytes: int = 0  # global bytes of the cp.async copies issued (src-size)
+    wgmma: int = 0  # wgmma.mma_async instructions, one per warpgroup
+    tma_bytes: int = 0  # shared-memory bytes TMA and bulk copies wrote (whole boxes)
     first_conflict: str = ""  # the first ldmatrix that took extra wavefronts, or ""
     # Per pointer argument (by parameter name) whose array held the source address: cp.async
     # copies issued (zero-fill copies included) and their global bytes (src-size).
@@ -276,13 +287,15 @@ class LaunchStats:
             self.ldmatrix_wavefronts + other.ldmatrix_wavefronts,
             self.ldmatrix_ideal + other.ldmatrix_ideal,
             self.cp_async_global_bytes + other.cp_async_global_bytes,
+            self.wgmma + other.wgmma,
+            self.tma_bytes + other.tma_bytes,
             self.first_conflict or other.first_conflict,
             add(self.cp_async_copies_by_arg, other.cp_async_copies_by_arg),
             add(self.cp_async_bytes_by_arg, other.cp_async_bytes_by_arg),
         )
 
 
-_NUM_STATS = 4  # the counters kg_emulator.h fills (kNumStats): the first four fields
+_NUM_STATS = 6  # the counters kg_emulator.h fills (kNumStats): the first six fields
 _LAUNCH_ERRORS = {2: HazardError, 3: EmulatorTimeoutError}
 
 
@@ -326,7 +339,14 @@ class EmulatedKernel:
     def __repr__(self) -> str:
         return f"EmulatedKernel({self.kernel_name!r}, {self.so_path})"
 
-    def _convert(self, p: _Param, value: Any) -> ctypes._SimpleCData:
+    def _convert(self, p: _Param, value: Any) -> Any:
+        if p.scalar is _TENSOR_MAP_PARAM:
+            if not isinstance(value, TensorMap):
+                raise EmulatorArgumentTypeError(
+                    f"{self.kernel_name}: argument {p.name!r} (CUtensorMap) needs a TensorMap "
+                    f"from kernelgen.emulator.encode_tensor_map_tiled, got {type(value).__name__}"
+                )
+            return _TENSOR_MAP_PARAM.from_buffer_copy(value.blob)
         if p.is_pointer:
             if value is None:
                 return ctypes.c_void_p(None)

@@ -12,7 +12,7 @@ Line counts are kept everywhere so that compiler diagnostics point at the source
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kernelgen.errors import EmulatorSourceError
@@ -247,6 +247,8 @@ class _AsmStatement:
     operands: list[_AsmOperand]
     names: dict[str, int]
     line: int
+    # PTX registers declared in a `{ .reg ... }` block: name -> "pred" or "b32"
+    locals: dict[str, str] = field(default_factory=dict)
 
     def error(self, what: str) -> _AsmError:
         return _AsmError(f"inline PTX at line {self.line}: {what}")
@@ -283,6 +285,60 @@ class _AsmStatement:
 
     def read_global(self, ref: int, role: str) -> str:
         return f"{_PTX_NS}global_ptr({self.operand(ref, 'l', False, role).expr})"
+
+    def u32(self, arg: tuple, role: str) -> str:
+        """A 32-bit source: an immediate, a "r" (or constant "n") operand or a local .b32."""
+        if arg[0] == "imm":
+            return str(arg[1])
+        if arg[0] == "reg":
+            op = self.operand(arg[1], "rni", False, role)
+            return f"({op.expr})" if op.kind in "ni" else f"{_PTX_NS}b32({op.expr})"
+        if arg[0] == "local" and self.locals[arg[1]] == "b32":
+            return _local_name(arg[1])
+        raise self.error(f"{role} must be a 32-bit register or an immediate")
+
+    def u64(self, arg: tuple, role: str) -> str:
+        """A 64-bit source: a "l" operand or an immediate."""
+        if arg[0] == "imm":
+            return f"{arg[1]}ull"
+        if arg[0] == "reg":
+            return f"static_cast<uint64_t>({self.operand(arg[1], 'l', False, role).expr})"
+        raise self.error(f'{role} must be a 64-bit ("l") operand')
+
+    def out32(self, arg: tuple, role: str) -> str:
+        """A 32-bit destination: a "=r" operand, a local .b32 or the sink `_`."""
+        if arg[0] == "reg":
+            return self.write_b32(arg[1], role)
+        if arg[0] == "local" and self.locals[arg[1]] == "b32":
+            return _local_name(arg[1])
+        if arg[0] == "sink":
+            return _SINK32
+        raise self.error(f"{role} must be a 32-bit register or _")
+
+    def out64(self, arg: tuple, role: str) -> str | None:
+        """A 64-bit destination: a "=l" operand, or None for the sink `_`."""
+        if arg[0] == "sink":
+            return None
+        if arg[0] == "reg":
+            return f"({self.operand(arg[1], 'l', True, role).expr})"
+        raise self.error(f'{role} must be a 64-bit ("=l") operand or _')
+
+    def pred(self, arg: tuple, role: str, write: bool = False) -> str:
+        """A predicate: a local .pred (or, read only, the immediate 0 or 1)."""
+        if arg[0] == "local" and self.locals[arg[1]] == "pred":
+            return _local_name(arg[1])
+        if not write and arg[0] == "imm" and arg[1] in (0, 1):
+            return "true" if arg[1] else "false"
+        raise self.error(
+            f"{role} must be a predicate declared in the asm block (`.reg .pred p;`)"
+            + ("" if write else " or the immediate 0 or 1")
+        )
+
+    def shared_addr(self, arg: tuple, role: str) -> str:
+        """A `[%N]` / `[%N+off]` shared-memory address held in a "r" operand."""
+        if arg[0] != "addr":
+            raise self.error(f"{role} must be a [register] address")
+        return _offset(self.read_b32(arg[1], role), arg[2])
 
     def immediate(self, arg: tuple, role: str) -> str:
         if arg[0] == "imm":
@@ -359,11 +415,63 @@ def _resolve_operand_refs(stmt: _AsmStatement) -> str:
     return re.sub(r"%%|%(?P<num>\d+)|%\[(?P<name>\w+)\]|%.?", ref, stmt.template)
 
 
-def _ptx_instructions(stmt: _AsmStatement) -> list[str]:
-    """Single-spaced instructions of the template (comments and the ``;`` removed)."""
+_SINK32 = "kg_sink32"
+_REG_DECL_RE = re.compile(r"\.reg\s+\.(pred|b32|u32|s32)\s+(.+)")
+_LOCAL_RE = re.compile(r"%?[A-Za-z_][A-Za-z_0-9]*")
+
+
+def _local_name(name: str) -> str:
+    return "kg_ptx_" + name.replace("%", "pct_")
+
+
+def _ptx_instructions(stmt: _AsmStatement) -> list[tuple[str, str]]:
+    """(guard, instruction) pairs of the template: single-spaced, comments, ``;`` and the braces
+    of a ``{ ... }`` block removed, ``.reg`` declarations moved into ``stmt.locals``; the guard
+    is ``""``, ``"p"`` or ``"!p"`` for ``@p`` / ``@!p``."""
     text = re.sub(r"//[^\n]*", " ", _resolve_operand_refs(stmt))
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
-    return [" ".join(part.split()) for part in text.split(";") if part.strip()]
+    parts: list[str] = []
+    current: list[str] = []
+    vector_depth = block_depth = 0
+    for ch in text:
+        at_start = not "".join(current).strip()
+        if ch == "{" and vector_depth == 0 and at_start:
+            block_depth += 1
+        elif ch == "}" and vector_depth == 0:
+            if block_depth == 0 or not at_start:
+                raise stmt.error("unbalanced braces in the asm block (a missing `;`?)")
+            block_depth -= 1
+        elif ch == "{":
+            vector_depth += 1
+            current.append(ch)
+        elif ch == "}":
+            vector_depth -= 1
+            current.append(ch)
+        elif ch == ";" and vector_depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if block_depth or vector_depth or "".join(current).strip():
+        raise stmt.error("unbalanced braces or a missing `;` in the asm text")
+    out: list[tuple[str, str]] = []
+    for part in parts:
+        instr = " ".join(part.split())
+        if not instr:
+            continue
+        if m := _REG_DECL_RE.fullmatch(instr):
+            for name in (n.strip() for n in m.group(2).split(",")):
+                if not _LOCAL_RE.fullmatch(name) or name in stmt.locals:
+                    raise stmt.error(f"bad register declaration {instr!r}")
+                stmt.locals[name] = "pred" if m.group(1) == "pred" else "b32"
+            continue
+        guard = ""
+        if m := re.fullmatch(r"@(!?)\s*(%?\w+)\s+(.*)", instr):
+            if stmt.locals.get(m.group(2)) != "pred":
+                raise stmt.error(f"guard @{m.group(1)}{m.group(2)} is not a declared predicate")
+            guard, instr = m.group(1) + m.group(2), m.group(3)
+        out.append((guard, instr))
+    return out
 
 
 def _ptx_args(stmt: _AsmStatement, text: str, instr: str) -> list[tuple]:
@@ -374,7 +482,24 @@ def _ptx_args(stmt: _AsmStatement, text: str, instr: str) -> list[tuple]:
         return args
     for s, e in _split_top(text, 0, len(text), ","):
         a = text[s:e].strip()
-        if m := re.fullmatch(r"\{\s*(\$\d+(?:\s*,\s*\$\d+)*)\s*\}", a):
+        if "|" in a and a.count("|") == 1:
+            first, second = a.split("|")
+            args.append(("pair", *_ptx_args(stmt, first, instr), *_ptx_args(stmt, second, instr)))
+        elif a == "_":
+            args.append(("sink",))
+        elif a in stmt.locals:
+            args.append(("local", a))
+        elif m := re.fullmatch(r"\[\s*\$(\d+)\s*,\s*\{\s*(\$\d+(?:\s*,\s*\$\d+)*)\s*\}\s*\]", a):
+            args.append(("tmap", int(m.group(1)), [int(x) for x in re.findall(r"\d+", m.group(2))]))
+        elif re.fullmatch(r"-\d+", a):
+            args.append(("imm", int(a)))
+        elif re.fullmatch(r"%\w+", a):
+            shown = re.sub(r"\$(\d+)", r"%\1", instr)
+            raise stmt.error(
+                f"unsupported instruction {shown!r}: {a} is not a register declared in the asm "
+                "block (special registers are not modelled)"
+            )
+        elif m := re.fullmatch(r"\{\s*(\$\d+(?:\s*,\s*\$\d+)*)\s*\}", a):
             args.append(("vec", [int(x) for x in re.findall(r"\d+", m.group(1))]))
         elif m := re.fullmatch(r"\[\s*\$(\d+)\s*(?:\+\s*(\d+|0x[0-9a-fA-F]+)\s*)?\]", a):
             args.append(("addr", int(m.group(1)), int(m.group(2) or "0", 0)))
@@ -491,7 +616,230 @@ def _ptx_wait_all(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[
     return f"{_PTX_NS}cp_async_wait_all()"
 
 
+# ---- Hopper (sm_90a): wgmma, mbarrier, TMA and helpers (include/kg_wgmma.h, kg_mbarrier.h,
+# kg_tma.h); the forms are listed in docs/emulator.md.
+
+
+def _kinds(args: list[tuple]) -> str:
+    return " ".join(a[0] + (str(len(a[1])) if a[0] == "vec" else "") for a in args)
+
+
+def _shape_error(stmt: _AsmStatement, instr: str, args: list[tuple], want: str) -> _AsmError:
+    return stmt.error(f"{instr!r}: expected operands {want!r}, got {_kinds(args)!r}")
+
+
+def _checked_immediate(stmt: _AsmStatement, arg: tuple, role: str, allowed: tuple[int, ...]) -> str:
+    if arg[0] == "imm" and arg[1] not in allowed:
+        raise stmt.error(f"{role} is {arg[1]}; allowed: {', '.join(map(str, allowed))}")
+    return stmt.immediate(arg, role)
+
+
+def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    n, a_type, b_type = int(m.group(1)), m.group(2), m.group(3)
+    if n % 8 or not 8 <= n <= 256:
+        raise stmt.error(f"{instr.split(' ')[0]!r}: N={n} is not a multiple of 8 in [8, 256]")
+    if a_type != b_type:
+        raise stmt.error(f"{instr!r}: A and B must have the same type")
+    register_a = len(args) > 1 and args[1][0] == "vec"
+    want = (
+        f"vec{n // 2} vec4 reg pred imm imm imm"
+        if register_a
+        else f"vec{n // 2} reg reg pred imm imm imm imm"
+    )
+    if len(args) != len(want.split()) or args[0][0] != "vec" or len(args[0][1]) != n // 2:
+        raise _shape_error(stmt, instr, args, want)
+    d = []
+    for ref in args[0][1]:
+        op = stmt.operand(ref, "fr", True, "wgmma accumulator")
+        if not op.readable:
+            raise stmt.error(
+                f'wgmma accumulator {op.describe()} is read and written by wgmma: declare it "+f"'
+            )
+        d.append(f"({op.expr})")
+    rest = args[3:]
+    scale_d = stmt.pred(rest[0], "wgmma scale-d")
+    scales = [_checked_immediate(stmt, a, "wgmma imm-scale", (1, -1)) for a in rest[1:3]]
+    trans = [_checked_immediate(stmt, a, "wgmma imm-trans", (0, 1)) for a in rest[3:]]
+    elem = f"{_PTX_NS}Elem::{a_type}"
+    if register_a:
+        if len(args[1][1]) != 4:
+            raise _shape_error(stmt, instr, args, want)
+        a = [f"({stmt.operand(r, 'r', False, 'wgmma A').expr})" for r in args[1][1]]
+        b = stmt.u64(args[2], "wgmma b-desc")
+        call_args = [*a, b, scale_d, *scales, *trans, *d]
+        return f"{_PTX_NS}wgmma_rs<{elem}, {n}>({', '.join(call_args)})"
+    descs = [stmt.u64(args[1], "wgmma a-desc"), stmt.u64(args[2], "wgmma b-desc")]
+    call_args = [*descs, scale_d, *scales, *trans, *d]
+    return f"{_PTX_NS}wgmma_ss<{elem}, {n}>({', '.join(call_args)})"
+
+
+def _no_operands(call: str) -> Any:
+    def emit(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+        _expect(stmt, instr, args, "")
+        return f"{_PTX_NS}{call}()"
+
+    return emit
+
+
+def _ptx_wgmma_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "val")
+    return f"{_PTX_NS}wgmma_wait_group({stmt.immediate(args[0], 'wgmma.wait_group count')})"
+
+
+def _ptx_mbarrier_init(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "addr val")
+    addr = stmt.shared_addr(args[0], "mbarrier address")
+    return f"{_PTX_NS}mbarrier_init({addr}, {stmt.u32(args[1], 'mbarrier.init count')})"
+
+
+def _ptx_mbarrier_arrive(
+    stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
+) -> str:
+    expect_tx = m.group(1) is not None
+    counted = len(args) == 3
+    if len(args) not in ((3,) if expect_tx else (2, 3)) or args[1][0] != "addr":
+        want = "state addr tx" if expect_tx else "state addr [count]"
+        raise _shape_error(stmt, instr, args, want)
+    addr = stmt.shared_addr(args[1], "mbarrier address")
+    if expect_tx:
+        call = f"{_PTX_NS}mbarrier_arrive_expect_tx({addr}, {stmt.u32(args[2], 'tx-count')})"
+    elif counted:
+        call = f"{_PTX_NS}mbarrier_arrive({addr}, {stmt.u32(args[2], 'arrive count')})"
+    else:
+        call = f"{_PTX_NS}mbarrier_arrive({addr})"
+    state = stmt.out64(args[0], "mbarrier state")
+    return call if state is None else f"{_PTX_NS}set_b64({state}, {call})"
+
+
+def _ptx_mbarrier_expect_tx(
+    stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
+) -> str:
+    _expect(stmt, instr, args, "addr val")
+    addr = stmt.shared_addr(args[0], "mbarrier address")
+    return f"{_PTX_NS}mbarrier_expect_tx({addr}, {stmt.u32(args[1], 'tx-count')})"
+
+
+def _ptx_mbarrier_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    by_parity = m.group(2) is not None
+    if len(args) != 3 or args[1][0] != "addr":
+        raise _shape_error(stmt, instr, args, "pred addr " + ("parity" if by_parity else "state"))
+    done = stmt.pred(args[0], "mbarrier wait result", write=True)
+    addr = stmt.shared_addr(args[1], "mbarrier address")
+    phase = stmt.u32(args[2], "phase parity") if by_parity else stmt.u64(args[2], "state")
+    fn = "mbarrier_try_wait" if m.group(1) == "try_wait" else "mbarrier_test_wait"
+    return f"({done} = {_PTX_NS}{fn}({addr}, {str(by_parity).lower()}, {phase}))"
+
+
+def _ptx_bulk_tensor(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    rank = int(m.group(1))
+    kinds = [a[0] for a in args]
+    if kinds != ["addr", "tmap", "addr"] or len(args[1][2]) != rank or args[1][0] != "tmap":
+        raise _shape_error(stmt, instr, args, f"addr [tmap, vec{rank}] addr")
+    dst = stmt.shared_addr(args[0], "TMA destination")
+    tmap = stmt.read_global(args[1][1], "tensor map")
+    coords = [stmt.u32(("reg", r), "TMA coordinate") for r in args[1][2]]
+    bar = stmt.shared_addr(args[2], "mbarrier address")
+    return f"{_PTX_NS}cp_async_bulk_tensor<{rank}>({dst}, {tmap}, {bar}, {', '.join(coords)})"
+
+
+def _ptx_bulk(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "addr addr val addr")
+    dst = stmt.shared_addr(args[0], "cp.async.bulk destination")
+    src = stmt.read_global(args[1][1], "cp.async.bulk source")
+    if args[1][2]:
+        src = f"({src} + {args[1][2]})"
+    size = stmt.u32(args[2], "cp.async.bulk size")
+    bar = stmt.shared_addr(args[3], "mbarrier address")
+    return f"{_PTX_NS}cp_async_bulk({dst}, {src}, {size}, {bar})"
+
+
+def _ptx_elect(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if len(args) != 2 or args[0][0] != "pair":
+        raise _shape_error(stmt, instr, args, "R|P membermask")
+    elected = stmt.out32(args[0][1], "elect.sync lane")
+    is_elected = stmt.pred(args[0][2], "elect.sync predicate", write=True)
+    mask = stmt.u32(args[1], "elect.sync membermask")
+    return f"{_PTX_NS}elect_sync({mask}, {elected}, {is_elected})"
+
+
+def _ptx_setmaxnreg(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "val")
+    if args[0][0] == "imm" and (args[0][1] % 8 or not 24 <= args[0][1] <= 256):
+        raise stmt.error(f"{instr!r}: the register count must be a multiple of 8 in [24, 256]")
+    return f"{_PTX_NS}setmaxnreg<{stmt.immediate(args[0], 'setmaxnreg count')}>()"
+
+
+def _ptx_prefetch_tensormap(
+    stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
+) -> str:
+    _expect(stmt, instr, args, "addr")
+    return f"{_PTX_NS}prefetch_tensormap({stmt.read_global(args[0][1], 'tensor map')})"
+
+
+def _ptx_setp(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if len(args) != 3:
+        raise _shape_error(stmt, instr, args, "pred a b")
+    p = stmt.pred(args[0], "setp destination", write=True)
+    a, b = stmt.u32(args[1], "setp operand"), stmt.u32(args[2], "setp operand")
+    cast = "int32_t" if m.group(2) == "s32" else "uint32_t"
+    op = "==" if m.group(1) == "eq" else "!="
+    return f"({p} = static_cast<{cast}>({a}) {op} static_cast<{cast}>({b}))"
+
+
+def _ptx_selp(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if len(args) != 4:
+        raise _shape_error(stmt, instr, args, "d a b pred")
+    d = stmt.out32(args[0], "selp destination")
+    a, b = stmt.u32(args[1], "selp operand"), stmt.u32(args[2], "selp operand")
+    p = stmt.pred(args[3], "selp predicate")
+    return f"{_PTX_NS}set_b32({d}, {p} ? static_cast<uint32_t>({a}) : static_cast<uint32_t>({b}))"
+
+
+def _ptx_mov(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if len(args) != 2:
+        raise _shape_error(stmt, instr, args, "d a")
+    d = stmt.out32(args[0], "mov destination")
+    return f"{_PTX_NS}set_b32({d}, static_cast<uint32_t>({stmt.u32(args[1], 'mov source')}))"
+
+
 _SHARED = r"\.shared(?:::cta)?"
+_MBAR_SCOPE = r"(?:\.cta|\.cluster)?"
+HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
+    (r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(f16|bf16)\.(f16|bf16)", _ptx_wgmma),
+    (r"wgmma\.fence\.sync\.aligned", _no_operands("wgmma_fence")),
+    (r"wgmma\.commit_group\.sync\.aligned", _no_operands("wgmma_commit_group")),
+    (r"wgmma\.wait_group\.sync\.aligned", _ptx_wgmma_wait),
+    (rf"mbarrier\.init{_SHARED}\.b64", _ptx_mbarrier_init),
+    (
+        rf"mbarrier\.arrive(\.expect_tx)?(?:\.release)?{_MBAR_SCOPE}{_SHARED}\.b64",
+        _ptx_mbarrier_arrive,
+    ),
+    (rf"mbarrier\.expect_tx(?:\.relaxed)?{_MBAR_SCOPE}{_SHARED}\.b64", _ptx_mbarrier_expect_tx),
+    (
+        rf"mbarrier\.(try_wait|test_wait)(\.parity)?(?:\.acquire)?{_MBAR_SCOPE}{_SHARED}\.b64",
+        _ptx_mbarrier_wait,
+    ),
+    (
+        r"cp\.async\.bulk\.tensor\.([1-5])d\.shared::(?:cluster|cta)\.global(?:\.tile)?"
+        r"\.mbarrier::complete_tx::bytes",
+        _ptx_bulk_tensor,
+    ),
+    (
+        r"cp\.async\.bulk\.shared::(?:cluster|cta)\.global\.mbarrier::complete_tx::bytes",
+        _ptx_bulk,
+    ),
+    (
+        r"fence\.proxy\.async(?:\.shared::(?:cta|cluster)|\.global)?",
+        _no_operands("fence_proxy_async"),
+    ),
+    (r"fence\.mbarrier_init\.release\.cluster", _no_operands("fence_proxy_async")),
+    (r"elect\.sync", _ptx_elect),
+    (r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", _ptx_setmaxnreg),
+    (r"prefetch\.tensormap", _ptx_prefetch_tensormap),
+    (r"setp\.(eq|ne)\.(b32|u32|s32)", _ptx_setp),
+    (r"selp\.(?:b32|u32|s32)", _ptx_selp),
+    (r"mov\.(?:b32|u32|s32)", _ptx_mov),
+)
 # The supported instruction forms (opcode with its modifiers -> emitter). Anything else is an
 # error at transform time, never silently dropped.
 PTX_FORMS: tuple[tuple[str, Any], ...] = (
@@ -501,6 +849,7 @@ PTX_FORMS: tuple[tuple[str, Any], ...] = (
     (r"cp\.async\.commit_group", _ptx_commit),
     (r"cp\.async\.wait_group", _ptx_wait_group),
     (r"cp\.async\.wait_all", _ptx_wait_all),
+    *HOPPER_FORMS,
 )
 _PTX_FORMS_RE = tuple((re.compile(pattern), emit) for pattern, emit in PTX_FORMS)
 
@@ -513,15 +862,31 @@ def _ptx_call(stmt: _AsmStatement, instr: str) -> str:
     shown = re.sub(r"\$(\d+)", r"%\1", instr)
     raise stmt.error(
         f"unsupported instruction {shown!r}: the CPU emulator models only ldmatrix .m8n8 .b16, "
-        "mma.sync .m16n8k16 (f16/bf16 -> f32) and cp.async (docs/emulator.md)"
+        "mma.sync .m16n8k16 (f16/bf16 -> f32), cp.async and the Hopper forms of "
+        "docs/emulator.md (wgmma, mbarrier, TMA)"
     )
 
 
 def _asm_replacement(stmt: _AsmStatement) -> str:
-    calls = [_ptx_call(stmt, instr) for instr in _ptx_instructions(stmt)]
+    instructions = _ptx_instructions(stmt)
+    calls = [(guard, _ptx_call(stmt, instr)) for guard, instr in instructions]
     if not calls:  # asm volatile("" ::: "memory")
         return f"{_PTX_NS}compiler_barrier()"
-    return calls[0] if len(calls) == 1 else f"({', '.join(calls)})"
+    if not stmt.locals:
+        plain = [call for _, call in calls]
+        return plain[0] if len(plain) == 1 else f"({', '.join(plain)})"
+    # A PTX block: its registers become locals of a lambda run in place.
+    decls = [
+        f"{'bool' if kind == 'pred' else 'uint32_t'} {_local_name(name)} = 0;"
+        for name, kind in stmt.locals.items()
+    ]
+    decls.append(f"uint32_t {_SINK32} = 0; (void){_SINK32};")
+    body = [
+        (f"if ({'!' if g.startswith('!') else ''}{_local_name(g.lstrip('!'))}) " if g else "")
+        + f"{call};"
+        for g, call in calls
+    ]
+    return "[&]() { " + " ".join(decls + body) + " }()"
 
 
 def _rewrite_asm(source: str) -> str:

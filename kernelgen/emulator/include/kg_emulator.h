@@ -40,6 +40,7 @@
 #define __constant__
 #define __managed__
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __align__(n) __attribute__((aligned(n)))
 // Blocks run one at a time, so a block's static shared memory can be ordinary static storage.
 // (`extern __shared__` dynamic shared memory is rewritten by the Python side before compiling.)
@@ -98,6 +99,13 @@ inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) { return
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
   return uint4{x, y, z, w};
 }
+
+// The driver's opaque tensor map type (128 bytes, 64-byte aligned); the emulator's TMA reads
+// the maps kernelgen.emulator.encode_tensor_map_tiled encodes (kg_tma.h).
+typedef struct alignas(64) CUtensorMap_st {
+  unsigned long long opaque[16];
+} CUtensorMap;
+static_assert(sizeof(CUtensorMap) == 128 && alignof(CUtensorMap) == 64);
 
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
@@ -222,11 +230,38 @@ enum LaunchStat : int {
   kLdmatrixWavefronts,     // shared-memory wavefronts they took
   kLdmatrixIdeal,          // wavefronts without bank conflicts: one per 8x8 matrix
   kCpAsyncGlobalBytes,     // global bytes of the cp.async copies issued (src-size, not zero-fill)
+  kWgmma,                  // wgmma.mma_async instructions (warpgroup-level)
+  kTmaBytes,               // shared-memory bytes written by TMA / bulk copies (whole boxes)
   kNumStats
 };
 // cp.async copies and their global bytes (src-size) are also counted per pointer argument whose
 // array holds the source address (the launch passes the arrays' byte ranges).
 constexpr int kMaxArgRanges = 64;
+
+// An mbarrier object (kg_mbarrier.h). `phase` (the phases completed) is read without the lock
+// and is the futex word waiters sleep on; the rest is guarded by Launch::mbar_lock.
+struct MbarrierState {
+  std::atomic<uint32_t> phase{0};
+  uint32_t initialized = 0, expected = 0;
+  int32_t pending = 0, tx = 0;
+  // Observations of completed phases: (phases completed, earliest epoch a thread saw it).
+  uint32_t seen_phase[4] = {}, seen_epoch[4] = {};
+  void reset() {
+    phase.store(0, std::memory_order_relaxed);
+    initialized = expected = 0;
+    pending = tx = 0;
+    for (int i = 0; i < 4; ++i) seen_phase[i] = seen_epoch[i] = 0;
+  }
+};
+
+// One wgmma of a warpgroup as its first thread issued it (kg_wgmma.h): the other 127 threads'
+// wgmma with the same issue number must have the same shape and descriptors.
+struct WarpgroupIssue {
+  uint64_t number_plus_1 = 0;  // 0: none yet
+  uint64_t desc_a = 0, desc_b = 0, shape = 0;
+  uint32_t thread = 0;
+};
+constexpr uint32_t kWarpgroupIssueRing = 64;
 
 struct Launch {
   void (*thunk)(void**) = nullptr;
@@ -261,6 +296,14 @@ struct Launch {
   int nranges = 0;
   std::atomic<uint64_t> arg_copies[kMaxArgRanges] = {};
   std::atomic<uint64_t> arg_bytes[kMaxArgRanges] = {};
+  // Hopper's asynchronous state (kg_mbarrier.h, kg_tma.h, kg_wgmma.h): one mbarrier per 8
+  // bytes of dynamic shared memory (guarded by mbar_lock), per 16-byte chunk the mbarrier phase
+  // of the last TMA write, the recent wgmmas of each warpgroup; reset before every block.
+  MbarrierState* mbarriers = nullptr;
+  size_t n_mbarriers = 0;
+  pthread_mutex_t mbar_lock = PTHREAD_MUTEX_INITIALIZER;
+  std::atomic<uint64_t>* chunk_tma = nullptr;
+  WarpgroupIssue* warpgroup_issues = nullptr;  // kWarpgroupIssueRing per warpgroup (mbar_lock)
 };
 
 
@@ -340,6 +383,11 @@ inline T warp_exchange(T v, uint32_t src_lane) {
   return r;
 }
 
+// Per-thread state of the asynchronous Hopper instructions (kg_wgmma.h, kg_mbarrier.h):
+// cleared when a thread starts a block, checked when it leaves the kernel.
+inline void async_thread_begin();
+inline void async_thread_end();
+
 struct WorkerArg {
   Launch* launch;
   uint32_t linear;
@@ -368,8 +416,10 @@ inline void* worker_main(void* p) {
     for (uint64_t& v : tctx.stats) v = 0;
     for (int i = 0; i < L.nranges; ++i) tctx.arg_copies[i] = tctx.arg_bytes[i] = 0;
     async_copies.clear();
+    async_thread_begin();
     try {
       L.thunk(L.args);
+      async_thread_end();
     } catch (const Trap& trap) {
       if (L.trapped.exchange(1) == 0) {
         L.trap_thread = threadIdx;
@@ -451,6 +501,11 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   L.chunks = (smem_bytes + 15) / 16;
   L.chunk_reads = new std::atomic<uint64_t>[L.chunks + 1];
   L.chunk_writes = new std::atomic<uint64_t>[L.chunks + 1];
+  L.chunk_tma = new std::atomic<uint64_t>[L.chunks + 1];
+  L.n_mbarriers = smem_bytes / 8;
+  L.mbarriers = new MbarrierState[L.n_mbarriers + 1];
+  const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
+  L.warpgroup_issues = new WarpgroupIssue[n_issues];
   for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
 
   pthread_t* threads = new pthread_t[n];
@@ -478,7 +533,10 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
         for (size_t i = 0; i < L.chunks; ++i) {
           L.chunk_reads[i].store(0, std::memory_order_relaxed);
           L.chunk_writes[i].store(0, std::memory_order_relaxed);
+          L.chunk_tma[i].store(0, std::memory_order_relaxed);
         }
+        for (size_t i = 0; i < L.n_mbarriers; ++i) L.mbarriers[i].reset();
+        for (size_t i = 0; i < n_issues; ++i) L.warpgroup_issues[i] = WarpgroupIssue{};
         L.cur_block = uint3{bx, by, bz};
         L.remaining.store(n, std::memory_order_relaxed);
         L.start_seq.fetch_add(1, std::memory_order_acq_rel);
@@ -501,10 +559,25 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
           }
         }
         if (timed_out) {
-          snprintf(msg, sizeof msg,
-                   "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads still "
-                   "running (deadlock at a barrier or shuffle, or an endless loop)",
-                   bx, by, bz, timeout_ms, r, n);
+          int used = snprintf(msg, sizeof msg,
+                              "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads "
+                              "still running (deadlock at a barrier, shuffle or mbarrier wait, "
+                              "or an endless loop)",
+                              bx, by, bz, timeout_ms, r, n);
+          // The first mbarrier with a phase under way, as a hint (read without the lock: the
+          // threads are stuck).
+          for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 400; ++i) {
+            const MbarrierState& b = L.mbarriers[i];
+            if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
+              continue;
+            }
+            snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                     "; the mbarrier at shared 0x%zx is in phase %u with %d of %u arrivals and "
+                     "%d transaction bytes pending",
+                     0x400 /* kSharedBase */ + 8 * i, b.phase.load(), b.pending, b.expected,
+                     b.tx);
+            break;
+          }
           rc = 3;
           fail(err, errlen, msg);
           break;
@@ -531,7 +604,9 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   }
 
   if (timed_out) {
-    // Threads are stuck: leave them (and everything they can touch) alive, detached.
+    // Threads are stuck: leave them (and everything they can touch) alive, detached. Those in
+    // an mbarrier wait see the flag and leave the kernel (no thread keeps polling).
+    L.trapped.store(1);
     for (uint32_t i = 0; i < started; ++i) pthread_detach(threads[i]);
     delete[] threads;
     pthread_mutex_unlock(&launch_mutex);
@@ -552,6 +627,9 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   std::free(buf);
   delete[] L.chunk_reads;
   delete[] L.chunk_writes;
+  delete[] L.chunk_tma;
+  delete[] L.mbarriers;
+  delete[] L.warpgroup_issues;
   delete[] L.warps;
   delete Lp;
   pthread_mutex_unlock(&launch_mutex);

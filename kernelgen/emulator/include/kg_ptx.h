@@ -9,6 +9,8 @@
 //   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -> ptx::mma_m16n8k16<Elem>
 //   cp.async.{ca,cg}.shared.global [dst], [src], size{, src-size}  -> ptx::cp_async<Size, Cg>
 //   cp.async.commit_group / .wait_group N / .wait_all                -> ptx::cp_async_*
+//   Hopper: wgmma.* (kg_wgmma.h), mbarrier.* (kg_mbarrier.h), cp.async.bulk{.tensor} (kg_tma.h),
+//   fence.proxy.async, elect.sync, setmaxnreg (below); the forms: docs/emulator.md
 //
 // Shared-memory addresses (what __cvta_generic_to_shared returns and ldmatrix/cp.async take)
 // are byte offsets into the launch's dynamic shared memory plus kSharedBase. Errors (addresses
@@ -225,6 +227,8 @@ inline void note_ldmatrix_banks(const uint64_t* rows) {
 
 }  // namespace kg_emu
 
+#include "kg_mbarrier.h"
+
 inline size_t __cvta_generic_to_shared(const void* p) { return kg_emu::shared_address_of(p); }
 inline void* __cvta_shared_to_generic(size_t addr) {
   return kg_emu::shared_bytes(static_cast<uint32_t>(addr), 0, 1, "__cvta_shared_to_generic");
@@ -248,6 +252,12 @@ template <class R>
 inline void set_b32(R& r, uint32_t v) {
   static_assert(sizeof(R) == 4 && std::is_trivially_copyable_v<R>, "\"=r\" operand type");
   std::memcpy(&r, &v, 4);
+}
+// A "=l" destination: any 64-bit object that receives the bits.
+template <class R>
+inline void set_b64(R& r, uint64_t v) {
+  static_assert(sizeof(R) == 8 && std::is_trivially_copyable_v<R>, "\"=l\" operand type");
+  std::memcpy(&r, &v, 8);
 }
 // An f32 operand given as "r": the 32-bit value holds the float's bits (as in a PTX .b32/.f32
 // register), e.g. CUTLASS-style accumulators in uint32_t arrays.
@@ -302,7 +312,10 @@ inline void ldmatrix(uint32_t addr, R&... regs) {
   for (int i = 0; i < 8 * N; ++i) {
     rows[i] = shared_bytes(static_cast<uint32_t>(slots[i]), 16, 16, "ldmatrix row", i);
   }
-  if (c.lane < 8 * N) note_shared_read(rows[c.lane]);  // each row once, by the lane naming it
+  if (c.lane < 8 * N) {  // each row once, by the lane naming it
+    note_shared_read(rows[c.lane]);
+    check_tma_read(chunk_of(rows[c.lane]));
+  }
   if (c.lane == 0) note_ldmatrix_banks<N>(slots);
   const uint32_t l = c.lane;
   uint32_t out[N];
@@ -451,6 +464,29 @@ inline void cp_async_wait_all() {
 // An empty asm statement (`asm volatile("" ::: "memory")`) is a compiler-level fence.
 inline void compiler_barrier() { std::atomic_signal_fence(std::memory_order_seq_cst); }
 
+// fence.proxy.async / fence.mbarrier_init: ordering only (the emulator has one memory proxy).
+inline void fence_proxy_async() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+// elect.sync R|P, membermask: the lowest lane of the mask is elected (every lane of the warp
+// runs it: the emulator has no divergence model).
+template <class R>
+inline void elect_sync(uint32_t membermask, R& elected, bool& is_elected) {
+  if (membermask == 0) trap_with("elect.sync: empty membermask");
+  const uint32_t leader = static_cast<uint32_t>(__builtin_ctz(membermask));
+  set_b32(elected, leader);
+  is_elected = tctx.lane == leader;
+}
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32 N: register reallocation has no effect on the CPU.
+template <long long N>
+inline void setmaxnreg() {
+  static_assert(N >= 24 && N <= 256 && N % 8 == 0,
+                "setmaxnreg: the register count is a multiple of 8 in [24, 256]");
+}
+
 }  // namespace kg_emu::ptx
+
+#include "kg_tma.h"
+#include "kg_wgmma.h"
 
 #endif  // KG_PTX_H

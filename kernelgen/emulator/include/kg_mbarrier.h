@@ -1,0 +1,223 @@
+// kg_mbarrier.h -- mbarrier objects of the CPU emulator (PTX ISA "Parallel Synchronization and
+// Communication Instructions: mbarrier"), and the check that a read of bytes a TMA wrote comes
+// after the reader saw the mbarrier phase of that write complete. Included by kg_ptx.h.
+//
+// State (kg_emulator.h's MbarrierState, one per 8 bytes of dynamic shared memory; the 8 bytes
+// themselves are not touched): expected arrivals per phase, pending arrivals, transaction count,
+// completed phases. A phase completes when pending arrivals and the transaction count are both
+// 0; the pending count then resets to the expected count. Misuse traps.
+#ifndef KG_MBARRIER_H
+#define KG_MBARRIER_H
+
+#include <utility>
+#include <vector>
+
+namespace kg_emu {
+
+constexpr int32_t kMbarrierMaxCount = (1 << 20) - 1;  // arrivals and |transaction count|
+
+struct MbarrierLock {
+  MbarrierLock() { pthread_mutex_lock(&tctx.launch->mbar_lock); }
+  ~MbarrierLock() { pthread_mutex_unlock(&tctx.launch->mbar_lock); }
+  MbarrierLock(const MbarrierLock&) = delete;
+  MbarrierLock& operator=(const MbarrierLock&) = delete;
+};
+
+inline uint32_t mbarrier_slot(uint32_t addr, const char* what) {
+  const unsigned char* p = shared_bytes(addr, 8, 8, what);
+  return static_cast<uint32_t>((p - tctx.launch->smem) / 8);
+}
+inline uint32_t mbarrier_address(uint32_t slot) { return kSharedBase + 8 * slot; }
+
+// The barrier at `addr`, which must have been initialized in this block (lock held).
+inline MbarrierState& mbarrier_initialized(uint32_t addr, const char* what) {
+  MbarrierState& b = tctx.launch->mbarriers[mbarrier_slot(addr, what)];
+  if (!b.initialized) {
+    trap_with("%s: the mbarrier at shared 0x%x was not initialized (mbarrier.init) in this block",
+              what, addr);
+  }
+  return b;
+}
+
+// Completes the current phase when nothing is pending (lock held).
+inline void mbarrier_maybe_complete(MbarrierState& b) {
+  if (b.pending != 0 || b.tx != 0) return;
+  b.pending = static_cast<int32_t>(b.expected);
+  b.phase.fetch_add(1);
+  futex_wake_all(b.phase);
+}
+
+inline void mbarrier_add_tx(MbarrierState& b, int64_t delta, uint32_t addr, const char* what) {
+  const int64_t tx = static_cast<int64_t>(b.tx) + delta;
+  if (tx > kMbarrierMaxCount || tx < -kMbarrierMaxCount) {
+    trap_with("%s: the transaction count of the mbarrier at shared 0x%x would be %lld, outside "
+              "[-(2^20-1), 2^20-1] (more bytes completed than expected, or expected twice?)",
+              what, addr, static_cast<long long>(tx));
+  }
+  b.tx = static_cast<int32_t>(tx);
+}
+
+// Phases of barrier `slot` this thread saw complete (try_wait / test_wait returned true).
+struct SeenPhase {
+  uint32_t slot, completed;
+};
+inline thread_local std::vector<SeenPhase> mbarrier_seen;
+
+// This thread saw `completed` phases of `b` done: remember it, for itself and (with its epoch)
+// for the threads that pass a later __syncthreads.
+inline void mbarrier_observe(MbarrierState& b, uint32_t slot, uint32_t completed) {
+  bool found = false;
+  for (SeenPhase& s : mbarrier_seen) {
+    if (s.slot == slot) {
+      s.completed = completed > s.completed ? completed : s.completed;
+      found = true;
+    }
+  }
+  if (!found) mbarrier_seen.push_back(SeenPhase{slot, completed});
+  MbarrierLock lock;
+  const uint32_t i = completed % 4;
+  if (b.seen_phase[i] != completed || b.seen_epoch[i] > tctx.epoch) {
+    b.seen_phase[i] = completed;
+    b.seen_epoch[i] = tctx.epoch;
+  }
+}
+
+inline void mbarrier_init(uint32_t addr, long long count) {
+  const uint32_t slot = mbarrier_slot(addr, "mbarrier.init");
+  if (count < 1 || count > kMbarrierMaxCount) {
+    trap_with("mbarrier.init: count %lld outside [1, 2^20-1]", count);
+  }
+  MbarrierLock lock;
+  MbarrierState& b = tctx.launch->mbarriers[slot];
+  b.reset();
+  b.initialized = 1;
+  b.expected = static_cast<uint32_t>(count);
+  b.pending = static_cast<int32_t>(count);
+}
+
+// The returned state is the number of the phase the arrival counted towards.
+inline uint64_t mbarrier_arrive_tx(uint32_t addr, long long count, long long tx,
+                                   const char* what) {
+  MbarrierLock lock;
+  MbarrierState& b = mbarrier_initialized(addr, what);
+  if (tx < 0 || tx > kMbarrierMaxCount) trap_with("%s: tx-count %lld outside [0, 2^20-1]", what, tx);
+  if (count < 1 || count > b.pending) {
+    trap_with("%s: %lld arrival(s) on the mbarrier at shared 0x%x, whose current phase expects "
+              "%d more (of %u): more arrivals than its init count",
+              what, count, addr, b.pending, b.expected);
+  }
+  mbarrier_add_tx(b, tx, addr, what);
+  const uint64_t state = b.phase.load();
+  b.pending -= static_cast<int32_t>(count);
+  mbarrier_maybe_complete(b);
+  return state;
+}
+
+inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1) {
+  return mbarrier_arrive_tx(addr, count, 0, "mbarrier.arrive");
+}
+inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx) {
+  return mbarrier_arrive_tx(addr, 1, tx, "mbarrier.arrive.expect_tx");
+}
+
+inline void mbarrier_expect_tx(uint32_t addr, long long tx) {
+  MbarrierLock lock;
+  MbarrierState& b = mbarrier_initialized(addr, "mbarrier.expect_tx");
+  if (tx < 0 || tx > kMbarrierMaxCount) {
+    trap_with("mbarrier.expect_tx: tx-count %lld outside [0, 2^20-1]", tx);
+  }
+  mbarrier_add_tx(b, tx, addr, "mbarrier.expect_tx");
+}
+
+// A TMA or bulk copy of `bytes` bytes completed on the barrier (lock held by the caller).
+inline void mbarrier_complete_tx(MbarrierState& b, uint32_t addr, uint32_t bytes) {
+  mbarrier_add_tx(b, -static_cast<int64_t>(bytes), addr, "complete_tx");
+  mbarrier_maybe_complete(b);
+}
+
+// Whether the phase a wait names has completed: by parity (the phase whose parity is `parity`
+// is the current one or the one before it) or by the state an arrive returned.
+inline bool mbarrier_done(uint32_t completed, bool by_parity, uint64_t operand) {
+  return by_parity ? (completed & 1u) != (operand & 1u) : completed > operand;
+}
+
+// try_wait suspends the thread until the phase completes (on the GPU it may also give up after a
+// time limit; here it always returns true); test_wait does not wait.
+inline bool mbarrier_wait(uint32_t addr, bool by_parity, uint64_t operand, bool blocking,
+                          const char* what) {
+  uint32_t slot;
+  MbarrierState* b;
+  {
+    MbarrierLock lock;
+    b = &mbarrier_initialized(addr, what);
+    slot = mbarrier_slot(addr, what);
+  }
+  for (;;) {
+    const uint32_t completed = b->phase.load();
+    if (mbarrier_done(completed, by_parity, operand)) {
+      mbarrier_observe(*b, slot, completed);
+      return true;
+    }
+    if (!blocking) {
+      sched_yield();  // a spinning test_wait loop lets the other threads run
+      return false;
+    }
+    if (tctx.launch->trapped.load() != 0) throw Trap{};  // the launch failed elsewhere
+    struct timespec ts = {0, 20 * 1000 * 1000};
+    futex_wait(b->phase, completed, &ts);
+  }
+}
+
+// ---- reads of TMA destinations ----------------------------------------------------------------
+// Each 16-byte chunk a TMA or bulk copy writes records (mbarrier slot + 1) << 32 | the number of
+// the phase its bytes complete on. A read of the chunk (ldmatrix, wgmma) is ordered after the
+// write when the reader saw that phase complete, or some thread saw it before a __syncthreads
+// the reader has passed since. The copy itself happens at issue, so without this check a kernel
+// that forgets its wait would read the right bytes by luck.
+inline void check_tma_read(size_t chunk) {
+  const Launch& L = *tctx.launch;
+  const uint64_t stamp = L.chunk_tma[chunk].load();
+  if (stamp == 0) return;
+  const uint32_t slot = static_cast<uint32_t>(stamp >> 32) - 1u;
+  const uint32_t phase = static_cast<uint32_t>(stamp);
+  for (const SeenPhase& s : mbarrier_seen) {
+    if (s.slot == slot && s.completed > phase) return;
+  }
+  MbarrierState& b = L.mbarriers[slot];
+  {
+    MbarrierLock lock;
+    for (int i = 0; i < 4; ++i) {
+      if (b.seen_phase[i] > phase && b.seen_epoch[i] < tctx.epoch) return;
+    }
+  }
+  const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
+  report_hazard("shared 0x%x is read before its TMA write completed for this thread: wait on the "
+                "mbarrier at shared 0x%x for phase %u (parity %u) first",
+                addr, mbarrier_address(slot), phase, phase & 1u);
+}
+
+}  // namespace kg_emu
+
+namespace kg_emu::ptx {
+
+inline void mbarrier_init(uint32_t addr, long long count) { ::kg_emu::mbarrier_init(addr, count); }
+inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1) {
+  return ::kg_emu::mbarrier_arrive(addr, count);
+}
+inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx) {
+  return ::kg_emu::mbarrier_arrive_expect_tx(addr, tx);
+}
+inline void mbarrier_expect_tx(uint32_t addr, long long tx) {
+  ::kg_emu::mbarrier_expect_tx(addr, tx);
+}
+// Parity: the operand is the phase parity; otherwise the state an arrive returned.
+inline bool mbarrier_try_wait(uint32_t addr, bool by_parity, uint64_t operand) {
+  return mbarrier_wait(addr, by_parity, operand, true, "mbarrier.try_wait");
+}
+inline bool mbarrier_test_wait(uint32_t addr, bool by_parity, uint64_t operand) {
+  return mbarrier_wait(addr, by_parity, operand, false, "mbarrier.test_wait");
+}
+
+}  // namespace kg_emu::ptx
+
+#endif  // KG_MBARRIER_H

@@ -1,0 +1,365 @@
+// kg_wgmma.h -- warpgroup matrix multiply-accumulate of the CPU emulator (PTX ISA "Asynchronous
+// Warpgroup Level Matrix Multiply-Accumulate Instructions"): wgmma.mma_async m64nNk16 with f32
+// accumulators and f16/bf16 inputs, A from a shared-memory descriptor or from registers, B from a
+// descriptor; wgmma.fence, wgmma.commit_group, wgmma.wait_group. Included by kg_ptx.h.
+//
+// A warpgroup is 4 consecutive warps (threads 128i..128i+127). Warp w of it owns rows 16w..16w+15
+// of D (64xN); with g = lane / 4 and q = lane % 4, register d[4j + i] holds
+//   D[16w + g + 8 (i / 2)][8j + 2q + i % 2]        (j = 0..N/8-1, i = 0..3)
+// and the register-A fragment is mma.sync m16n8k16's A fragment of the warp's 16 rows.
+//
+// Asynchrony: the product is computed at issue (from the operands as they are then) and held
+// back; the accumulator registers get a NaN poison until the wgmma.wait_group that retires the
+// group writes the results. At retire the operands are read again and must be the same bits
+// (else the operand shared memory changed while the wgmma was in flight), the accumulators must still
+// hold the poison (else a thread wrote them) and register-A variables their values at issue.
+#ifndef KG_WGMMA_H
+#define KG_WGMMA_H
+
+#include <deque>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace kg_emu::ptx {
+
+constexpr uint32_t kWgmmaPoison = 0x7FC0DEADu;  // a quiet NaN
+
+// The fields of a shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format").
+struct MatrixDescriptor {
+  uint32_t start, leading, stride, base_offset, span;  // bytes; span: swizzle bytes (0: none)
+  static MatrixDescriptor of(uint64_t d) {
+    static constexpr uint32_t kSpan[4] = {0, 128, 64, 32};  // bits 62-63: none, 128B, 64B, 32B
+    return MatrixDescriptor{static_cast<uint32_t>(d & 0x3FFF) << 4,
+                            static_cast<uint32_t>((d >> 16) & 0x3FFF) << 4,
+                            static_cast<uint32_t>((d >> 32) & 0x3FFF) << 4,
+                            static_cast<uint32_t>((d >> 49) & 0x7), kSpan[d >> 62]};
+  }
+};
+
+// Shared address of 16-bit element (mn, k) of an operand (A: mn = row m; B: mn = column n) under
+// the PTX ISA's canonical layouts, T = 8 elements (16 bytes), W = the swizzle span in bytes:
+//   K-major  none: ((8,m),(T,2k)):((1T,SBO),(1,LBO))     swizzled: ((8,m),(T,2k)):((W/2,SBO),(1,T))
+//   MN-major none: ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO))  swizzled: ((T,W/16,m),(8,k)):((1,T,LBO),(W/2,SBO))
+// (strides in elements, SBO/LBO in bytes), then the swizzle of the address (kg_tma.h).
+inline uint32_t operand_address(const MatrixDescriptor& d, bool mn_major, uint32_t mn, uint32_t k) {
+  uint32_t off;
+  if (!mn_major) {
+    off = d.span == 0 ? (mn % 8) * 16 + (mn / 8) * d.stride + (k % 8) * 2 + (k / 8) * d.leading
+                      : (mn % 8) * d.span + (mn / 8) * d.stride + k * 2;
+  } else if (d.span == 0) {
+    off = (mn % 8) * 2 + (mn / 8) * d.stride + (k % 8) * 16 + (k / 8) * d.leading;
+  } else {
+    const uint32_t per_row = d.span / 2;  // elements of a swizzle-atom row
+    off = (mn % per_row) * 2 + (mn / per_row) * d.leading + (k % 8) * d.span + (k / 8) * d.stride;
+  }
+  return swizzle_address(d.start + off, d.span, d.base_offset);
+}
+
+struct WgmmaOp {
+  uint64_t id;
+  int n;                   // N
+  bool f16, rs, scale_d;   // element type f16 (else bf16), A from registers, accumulate
+  int scale_a, scale_b, trans_a, trans_b;
+  uint64_t desc_a, desc_b;
+  double a[2][16];         // rows g and g + 8 of A (register A), scale applied at compute
+  float c[128], result[128];
+  uint64_t read_hash;      // of the shared-memory bits the thread read at issue
+  uint32_t* d[128];        // the accumulator variables
+  std::vector<std::pair<const uint32_t*, uint32_t>> a_vars;  // register-A variables, values
+};
+
+struct WgmmaThreadState {
+  std::vector<WgmmaOp> current;                 // issued since the last commit_group
+  std::deque<std::vector<WgmmaOp>> committed;   // oldest first
+  // Accumulator variables of wgmmas in flight: the latest wgmma writing each, and its result
+  // (the C input of a wgmma chained on the same accumulator).
+  std::unordered_map<uint32_t*, std::pair<uint64_t, float>> in_flight;
+  bool fenced = false;
+  uint64_t next_id = 0;
+  uint64_t issued = 0;  // wgmmas this thread issued in this block
+  void clear() {
+    current.clear();
+    committed.clear();
+    in_flight.clear();
+    fenced = false;
+    issued = 0;
+  }
+};
+inline thread_local WgmmaThreadState wgmma_state;
+
+inline double wgmma_elem(bool f16, uint16_t bits) {
+  return f16 ? static_cast<double>(half_bits_to_float(bits))
+             : static_cast<double>(bf16_bits_to_float(bits));
+}
+
+// The thread's D elements of `op`; `check_reads`: the race checks of the shared reads (at issue).
+// Returns a hash (FNV-1a) of the shared-memory bits it read, in order.
+inline uint64_t wgmma_compute(const WgmmaOp& op, float* out, bool check_reads) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  const uint32_t lane = tctx.lane, w = (tctx.linear / 32) % 4;
+  const uint32_t g = lane / 4, q = lane % 4;
+  const MatrixDescriptor da = MatrixDescriptor::of(op.desc_a), db = MatrixDescriptor::of(op.desc_b);
+  size_t last_chunk = SIZE_MAX;
+  auto load = [&](uint32_t addr, const char* what) {
+    const unsigned char* p = shared_bytes(addr, 2, 2, what);
+    if (check_reads && chunk_of(p) != last_chunk) {
+      last_chunk = chunk_of(p);
+      check_tma_read(last_chunk);
+      note_shared_read(p);
+    }
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    hash = (hash ^ bits) * 0x100000001b3ull;
+    return wgmma_elem(op.f16, bits);
+  };
+  double a[2][16];
+  for (int r = 0; r < 2; ++r) {
+    for (uint32_t k = 0; k < 16; ++k) {
+      a[r][k] = op.rs ? op.a[r][k]
+                      : load(operand_address(da, op.trans_a, 16 * w + g + 8 * r, k), "wgmma A");
+      a[r][k] *= op.scale_a;
+    }
+  }
+  for (int j = 0; j < op.n / 8; ++j) {
+    for (uint32_t i = 0; i < 2; ++i) {
+      const uint32_t col = 8 * j + 2 * q + i;
+      double b[16];
+      for (uint32_t k = 0; k < 16; ++k) {
+        b[k] = op.scale_b * load(operand_address(db, op.trans_b, col, k), "wgmma B");
+      }
+      for (int r = 0; r < 2; ++r) {
+        double s = 0.0;
+        for (int k = 0; k < 16; ++k) s += a[r][k] * b[k];
+        const int reg = 4 * j + 2 * r + static_cast<int>(i);
+        out[reg] = static_cast<float>(s + (op.scale_d ? static_cast<double>(op.c[reg]) : 0.0));
+      }
+    }
+  }
+  return hash;
+}
+
+inline void wgmma_check_operands(int scale_a, int scale_b, int trans_a, int trans_b) {
+  if ((scale_a != 1 && scale_a != -1) || (scale_b != 1 && scale_b != -1)) {
+    trap_with("wgmma.mma_async: imm-scale-a/b are %d/%d; allowed 1 or -1", scale_a, scale_b);
+  }
+  if ((trans_a != 0 && trans_a != 1) || (trans_b != 0 && trans_b != 1)) {
+    trap_with("wgmma.mma_async: imm-trans-a/b are %d/%d; allowed 0 or 1", trans_a, trans_b);
+  }
+}
+
+// The PTX ISA: all threads of the warpgroup execute the same wgmma, with the same descriptors.
+// The first thread to issue its warpgroup's wgmma number k records it; the others compare.
+inline void check_warpgroup_issue(const WgmmaOp& op, uint64_t number) {
+  const uint64_t shape = static_cast<uint64_t>(op.n) | static_cast<uint64_t>(op.rs) << 9 |
+                         static_cast<uint64_t>(op.f16) << 10 |
+                         static_cast<uint64_t>(op.trans_a) << 11 |
+                         static_cast<uint64_t>(op.trans_b) << 12 |
+                         static_cast<uint64_t>(op.scale_a + 1) << 13 |
+                         static_cast<uint64_t>(op.scale_b + 1) << 15 |
+                         static_cast<uint64_t>(op.scale_d) << 17;
+  const uint64_t desc_a = op.rs ? 0 : op.desc_a;
+  const uint32_t wg = tctx.linear / 128;
+  MbarrierLock lock;
+  WarpgroupIssue& e = tctx.launch->warpgroup_issues[wg * kWarpgroupIssueRing +
+                                                    number % kWarpgroupIssueRing];
+  if (e.number_plus_1 < number + 1) {
+    e = WarpgroupIssue{number + 1, desc_a, op.desc_b, shape, tctx.linear};
+  } else if (e.number_plus_1 == number + 1 &&
+             (e.desc_a != desc_a || e.desc_b != op.desc_b || e.shape != shape)) {
+    report_error("wgmma.mma_async #%llu of warpgroup %u differs between threads %u and %u "
+                 "(descriptors A 0x%llx / 0x%llx, B 0x%llx / 0x%llx, or shape, scale-d, "
+                 "scales, transposes): all threads of a warpgroup must issue the same wgmma",
+                 static_cast<unsigned long long>(number), wg, e.thread, tctx.linear,
+                 static_cast<unsigned long long>(e.desc_a),
+                 static_cast<unsigned long long>(desc_a),
+                 static_cast<unsigned long long>(e.desc_b),
+                 static_cast<unsigned long long>(op.desc_b));
+  }  // else: this thread lags the ring's length behind, the record is gone
+}
+
+inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
+  WgmmaThreadState& s = wgmma_state;
+  if (tctx.linear / 128 * 128 + 128 > tctx.launch->nthreads) {
+    trap_with("wgmma.mma_async by thread %u: its warpgroup (threads %u..%u) is not complete in a "
+              "block of %u threads", tctx.linear, tctx.linear / 128 * 128,
+              tctx.linear / 128 * 128 + 127, tctx.launch->nthreads);
+  }
+  if (!s.fenced) {
+    report_hazard("wgmma.mma_async without a wgmma.fence since the thread's last "
+                  "wgmma.wait_group (or the kernel start): its register accesses are unordered");
+  }
+  check_warpgroup_issue(op, s.issued++);
+  op.id = s.next_id++;
+  const int nregs = op.n / 2;
+  for (int r = 0; r < nregs; ++r) {
+    op.d[r] = regs[r];
+    auto it = s.in_flight.find(regs[r]);
+    if (it != s.in_flight.end()) {  // chained on an accumulator in flight
+      if (*regs[r] != kWgmmaPoison) {
+        report_hazard("accumulator d%d of a wgmma in flight was written before the "
+                      "wgmma.wait_group that retires it", r);
+      }
+      op.c[r] = it->second.second;
+    } else {
+      std::memcpy(&op.c[r], regs[r], 4);
+    }
+  }
+  op.read_hash = wgmma_compute(op, op.result, true);
+  for (int r = 0; r < nregs; ++r) {
+    *regs[r] = kWgmmaPoison;
+    s.in_flight[regs[r]] = {op.id, op.result[r]};
+  }
+  if (tctx.linear % 128 == 0) tctx.stats[kWgmma] += 1;
+  s.current.push_back(std::move(op));
+}
+
+inline void wgmma_retire(WgmmaOp& op) {
+  WgmmaThreadState& s = wgmma_state;
+  float again[128];
+  const int nregs = op.n / 2;
+  if (wgmma_compute(op, again, false) != op.read_hash) {
+    const MatrixDescriptor da = MatrixDescriptor::of(op.desc_a);
+    const MatrixDescriptor db = MatrixDescriptor::of(op.desc_b);
+    report_hazard("shared memory a wgmma reads (A at 0x%x%s, B at 0x%x) changed between its issue "
+                  "and the wgmma.wait_group that retires it", da.start,
+                  op.rs ? " unused: A in registers" : "", db.start);
+  }
+  for (const auto& [var, value] : op.a_vars) {
+    if (*var != value) {
+      report_hazard("a register-A operand of a wgmma in flight was overwritten before the "
+                    "wgmma.wait_group that retires it");
+    }
+  }
+  for (int r = 0; r < nregs; ++r) {
+    if (*op.d[r] != kWgmmaPoison) {
+      report_hazard("accumulator d%d of a wgmma in flight was written before the "
+                    "wgmma.wait_group that retires it", r);
+    }
+    auto it = s.in_flight.find(op.d[r]);
+    if (it != s.in_flight.end() && it->second.first == op.id) {
+      std::memcpy(op.d[r], &op.result[r], 4);
+      s.in_flight.erase(it);
+    }
+  }
+}
+
+template <class D>
+inline uint32_t* accumulator_ptr(D& d) {
+  static_assert(sizeof(D) == 4 && std::is_trivially_copyable_v<D>, "wgmma f32 accumulator type");
+  return reinterpret_cast<uint32_t*>(&d);
+}
+
+inline void wgmma_init(WgmmaOp& op, bool f16, int n, bool scale_d, int scale_a, int scale_b,
+                       int trans_a, int trans_b, uint64_t desc_a, uint64_t desc_b, bool rs) {
+  wgmma_check_operands(scale_a, scale_b, trans_a, trans_b);
+  op.n = n;
+  op.f16 = f16;
+  op.rs = rs;
+  op.scale_d = scale_d;
+  op.scale_a = scale_a;
+  op.scale_b = scale_b;
+  op.trans_a = trans_a;
+  op.trans_b = trans_b;
+  op.desc_a = desc_a;
+  op.desc_b = desc_b;
+}
+
+// wgmma.mma_async.sync.aligned.m64n<N>k16.f32.<E>.<E> {d...}, a-desc, b-desc, scale-d,
+//   imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b
+template <Elem E, int N, class... D>
+inline void wgmma_ss(uint64_t desc_a, uint64_t desc_b, bool scale_d, int scale_a, int scale_b,
+                     int trans_a, int trans_b, D&... d) {
+  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N a multiple of 8 up to 256");
+  static_assert(sizeof...(D) == N / 2, "wgmma m64nNk16 f32: N/2 accumulator registers");
+  WgmmaOp op;
+  wgmma_init(op, E == Elem::f16, N, scale_d, scale_a, scale_b, trans_a, trans_b, desc_a, desc_b,
+             false);
+  uint32_t* regs[] = {accumulator_ptr(d)...};
+  wgmma_issue(op, regs);
+}
+
+template <class V>
+inline uint32_t register_a(V&& v, WgmmaOp& op) {
+  const uint32_t bits = b32(v);
+  if constexpr (std::is_lvalue_reference_v<V> && sizeof(std::remove_reference_t<V>) == 4) {
+    op.a_vars.emplace_back(reinterpret_cast<const uint32_t*>(&v), bits);
+  }
+  return bits;
+}
+
+// wgmma.mma_async.sync.aligned.m64n<N>k16.f32.<E>.<E> {d...}, {a0, a1, a2, a3}, b-desc, scale-d,
+//   imm-scale-a, imm-scale-b, imm-trans-b
+template <Elem E, int N, class A0, class A1, class A2, class A3, class... D>
+inline void wgmma_rs(A0&& a0, A1&& a1, A2&& a2, A3&& a3, uint64_t desc_b, bool scale_d,
+                     int scale_a, int scale_b, int trans_b, D&... d) {
+  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N a multiple of 8 up to 256");
+  static_assert(sizeof...(D) == N / 2, "wgmma m64nNk16 f32: N/2 accumulator registers");
+  WgmmaOp op;
+  wgmma_init(op, E == Elem::f16, N, scale_d, scale_a, scale_b, 0, trans_b, 0, desc_b, true);
+  const uint32_t mine[4] = {register_a(static_cast<A0&&>(a0), op),
+                            register_a(static_cast<A1&&>(a1), op),
+                            register_a(static_cast<A2&&>(a2), op),
+                            register_a(static_cast<A3&&>(a3), op)};
+  // The warp's 16 rows of A come from its own lanes: exchange like mma.sync.
+  ThreadCtx& c = tctx;
+  Warp& w = *c.warp;
+  uint32_t(*frags)[6] = w.frags[c.parity];
+  c.parity ^= 1u;
+  std::memcpy(frags[c.lane], mine, sizeof mine);
+  w.bar.arrive_and_wait();
+  const uint32_t g = c.lane / 4;
+  for (uint32_t r = 0; r < 2; ++r) {
+    const uint32_t row = g + 8 * r;
+    for (uint32_t k = 0; k < 16; ++k) {
+      const uint32_t reg = frags[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+      op.a[r][k] = elem_to_double<E>(reg, k & 1);
+    }
+  }
+  uint32_t* regs[] = {accumulator_ptr(d)...};
+  wgmma_issue(op, regs);
+}
+
+inline void wgmma_fence() {
+  wgmma_state.fenced = true;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+inline void wgmma_commit_group() {
+  WgmmaThreadState& s = wgmma_state;
+  s.committed.push_back(std::move(s.current));
+  s.current.clear();
+}
+
+inline void wgmma_wait_group(long long n) {
+  if (n < 0) trap_with("wgmma.wait_group %lld: negative count", n);
+  WgmmaThreadState& s = wgmma_state;
+  while (static_cast<long long>(s.committed.size()) > n) {
+    for (WgmmaOp& op : s.committed.front()) wgmma_retire(op);
+    s.committed.pop_front();
+  }
+  s.fenced = false;
+}
+
+}  // namespace kg_emu::ptx
+
+namespace kg_emu {
+
+inline void async_thread_begin() {
+  ptx::wgmma_state.clear();
+  mbarrier_seen.clear();
+}
+
+inline void async_thread_end() {
+  ptx::WgmmaThreadState& s = ptx::wgmma_state;
+  size_t pending = s.current.size();
+  for (const auto& group : s.committed) pending += group.size();
+  if (pending != 0) {
+    report_hazard("the thread leaves the kernel with %zu wgmma.mma_async not retired by a "
+                  "wgmma.wait_group (their results never reach the accumulators)", pending);
+  }
+}
+
+}  // namespace kg_emu
+
+#endif  // KG_WGMMA_H
