@@ -5,6 +5,7 @@ specs) -> tune -> attention().
 """
 
 from kernelgen.api import attention
+from kernelgen.block_mask import BlockMask, block_mask
 from kernelgen.errors import (
     CompileError,
     InputError,
@@ -14,6 +15,7 @@ from kernelgen.errors import (
     SpecError,
     ToolchainMissingError,
 )
+from kernelgen.expressions import Expression, ModInput, parse_mask_mod, parse_score_mod
 from kernelgen.kvcache import attention_with_kvcache
 from kernelgen.policy import default_spec
 from kernelgen.render import render
@@ -23,11 +25,14 @@ from kernelgen.varlen import attention_varlen
 from kernelgen.version import __version__
 
 __all__ = [
+    "BlockMask",
     "CompileError",
+    "Expression",
     "InputError",
     "InputTypeError",
     "KernelSpec",
     "KernelgenError",
+    "ModInput",
     "SettingError",
     "SpecError",
     "ToolchainMissingError",
@@ -37,8 +42,11 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "autotune",
+    "block_mask",
     "default_spec",
     "load_spec",
+    "parse_mask_mod",
+    "parse_score_mod",
     "render",
     "warmup",
 ]

@@ -98,6 +98,10 @@ class CupyArrays:
         return import_cupy().float32
 
     @staticmethod
+    def int32() -> Any:
+        return import_cupy().int32
+
+    @staticmethod
     def from_host(values: np.ndarray) -> Any:
         """Host values (host ``seqlens_k``) uploaded to the current device, current stream."""
         return import_cupy().asarray(values)
@@ -142,6 +146,10 @@ class TorchArrays:
     @staticmethod
     def float32() -> Any:
         return _torch().float32
+
+    @staticmethod
+    def int32() -> Any:
+        return _torch().int32
 
     # on torch's stream, which the call's scope makes CuPy's current
     from_host = staticmethod(CupyArrays.from_host)

@@ -155,6 +155,10 @@ class NumpyArrays(_HostArrays):
     def float32() -> Any:
         return np.dtype(np.float32)
 
+    @staticmethod
+    def int32() -> Any:
+        return np.dtype(np.int32)
+
 
 class TorchCpuArrays(_HostArrays):
     """Calls whose q is a CPU torch tensor: CPU torch outputs over NumPy memory."""
@@ -183,6 +187,10 @@ class TorchCpuArrays(_HostArrays):
     @staticmethod
     def float32() -> Any:
         return sys.modules["torch"].float32
+
+    @staticmethod
+    def int32() -> Any:
+        return sys.modules["torch"].int32
 
 
 HostArrays = type[NumpyArrays] | type[TorchCpuArrays]

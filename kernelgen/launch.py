@@ -204,6 +204,21 @@ def default_num_splits(
     return min(s for s, e in efficiency.items() if e >= 0.85 * best)
 
 
+def compile_functions(cupy: Any, name: str, source: str, symbols: list[str]) -> dict[str, Any]:
+    """The functions ``symbols`` of CUDA ``source`` (called ``name`` in errors), compiled for
+    the current device by CuPy (NVRTC); a CompileError keeps the rejected source."""
+    options = [*COMMON_OPTIONS]
+    with contextlib.suppress(ToolchainMissingError):  # else CuPy's own include directory
+        options.append(f"-I{cuda_include_dir()}")
+    try:
+        module = cupy.RawModule(code=source, options=tuple(options), backend="nvrtc")
+        return {symbol: module.get_function(symbol) for symbol in symbols}
+    except cupy.cuda.compiler.CompileException as exc:
+        from kernelgen.compile import save_failed_source
+
+        raise CompileError(name, str(exc), save_failed_source(name, source)) from None
+
+
 class RuntimeKernel:
     """A spec's kernels compiled for the current device, ready to launch."""
 
@@ -226,17 +241,7 @@ class RuntimeKernel:
         source = render(self.spec)
         if self.spec.mma == "wgmma":
             return self._compile_arch_specific(cupy, source, symbols)
-        options = [*COMMON_OPTIONS]
-        with contextlib.suppress(ToolchainMissingError):  # else CuPy's own include directory
-            options.append(f"-I{cuda_include_dir()}")
-        try:
-            module = cupy.RawModule(code=source, options=tuple(options), backend="nvrtc")
-            return {symbol: module.get_function(symbol) for symbol in symbols}
-        except cupy.cuda.compiler.CompileException as exc:
-            from kernelgen.compile import save_failed_source
-
-            uri = self.spec.uri
-            raise CompileError(uri, str(exc), save_failed_source(uri, source)) from None
+        return compile_functions(cupy, self.spec.uri, source, symbols)
 
     def _compile_arch_specific(self, cupy: Any, source: str, symbols: list[str]) -> dict[str, Any]:
         """wgmma specs target sm_90a, which CuPy's own compile (it picks sm_90) cannot: the cubin

@@ -218,3 +218,16 @@ def render(spec: KernelSpec) -> str:
         generator_version=__version__,
         template_hash=template_hash()[:16],
     )
+
+
+def render_template(template: str, **context: object) -> str:
+    """Render template file ``template`` of the templates folder with ``context`` (kernels other
+    than a spec's attention kernels, e.g. the block-mask builder)."""
+    try:
+        loaded = _environment().get_template(template)
+    except jinja2.TemplateNotFound:
+        raise SettingError(
+            f"the templates folder {template_dir()} has no {template}; point "
+            f"{TEMPLATE_DIR_ENV} at a copy of this kernelgen's templates/ or unset it"
+        ) from None
+    return loaded.render(**context)

@@ -1,0 +1,400 @@
+"""Block masks: which key tiles a ``mask_mod`` makes visible to each query tile.
+
+For every (batch entry, head, query tile of ``block_m`` rows) a block mask lists the key tiles
+of ``block_n`` keys where ``mask_mod`` is true for some but not all (query, key) pairs
+(*partial*: the kernel evaluates the mask per element there) and those where it is true for
+all pairs (*full*: no per-element mask). Tiles in neither list are never loaded. Pairs outside
+[0, seqlen_q) x [0, seqlen_k) do not count, so the last tile of each axis may be cut short.
+
+:func:`block_mask` builds it with a generated kernel (templates/block_mask.cu.j2) on the GPU, or
+in the CPU emulator for host arrays, evaluating ``mask_mod`` at every pair, and returns it for
+reuse across calls and layers; :func:`block_mask_reference` is the NumPy builder (float64
+evaluator) the tests hold it against. See docs/expressions.md.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernelgen.errors import InputError, InputTypeError
+from kernelgen.expression_cuda import expression_source, headers, input_params, input_struct_init
+from kernelgen.expression_eval import check_input_arrays, evaluate
+from kernelgen.expressions import Expression, ModInput, inputs_from_arrays, parse_mask_mod
+from kernelgen.frameworks import Arrays, arrays_of, device_of, launch_arg
+from kernelgen.host import NumpyArrays, as_numpy, is_host_array
+from kernelgen.launch import MAX_GRID, compile_functions, import_cupy
+from kernelgen.render import Param, render_template, template_hash
+from kernelgen.spec import TILE_SIZES
+from kernelgen.version import __version__
+
+TEMPLATE = "block_mask.cu.j2"
+THREADS = 128  # threads of a builder block, which evaluates one query tile against every key tile
+NO_TILE = -1  # list entries past a count
+INT32_MAX = 2**31 - 1  # sizes reach the builder as int
+OUTPUTS = ("partial_counts", "partial_indices", "full_counts", "full_indices")
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """The block mask of ``mask_mod`` for ``block_m`` x ``block_n`` tiles of a (batch, heads,
+    seqlen_q, seqlen_k) problem. Arrays are int32 in the library that built it:
+
+    - ``partial_counts`` (batch, heads, q_tiles): key tiles partly visible to each query tile;
+      ``partial_indices`` (batch, heads, q_tiles, key_tiles): those tiles in ascending order,
+      then -1.
+    - ``full_counts``, ``full_indices``: the same for the fully visible key tiles.
+
+    A batch (heads) of 1 holds for every batch entry (head): mask_mod was evaluated at b = 0
+    (h = 0)."""
+
+    mask_mod: Expression
+    seqlen_q: int
+    seqlen_k: int
+    block_m: int
+    block_n: int
+    partial_counts: Any
+    partial_indices: Any
+    full_counts: Any
+    full_indices: Any
+
+    @property
+    def batch(self) -> int:
+        return int(self.partial_counts.shape[0])
+
+    @property
+    def heads(self) -> int:
+        return int(self.partial_counts.shape[1])
+
+    @property
+    def q_tiles(self) -> int:
+        return tiles(self.seqlen_q, self.block_m)
+
+    @property
+    def key_tiles(self) -> int:
+        return tiles(self.seqlen_k, self.block_n)
+
+    def tile_states(self) -> np.ndarray:
+        """int8 (batch, heads, q_tiles, key_tiles) on the host: 0 hidden, 1 partial, 2 full."""
+        states = np.zeros((self.batch, self.heads, self.q_tiles, self.key_tiles), dtype=np.int8)
+        for indices, counts, state in (
+            (self.partial_indices, self.partial_counts, 1),
+            (self.full_indices, self.full_counts, 2),
+        ):
+            indices, counts = to_host(indices), to_host(counts)
+            listed = np.arange(self.key_tiles) < counts[..., None]
+            b, h, m, slot = np.nonzero(listed)
+            states[b, h, m, indices[b, h, m, slot]] = state
+        return states
+
+    def check_fits(
+        self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int
+    ) -> None:
+        """Raise an InputError naming each difference when this mask cannot serve a call of
+        (batch, heads, seqlen_q, seqlen_k) with ``block_m`` x ``block_n`` tiles (a batch or
+        heads of 1 serves any)."""
+        problems = []
+        for name, own, call in (("batch", self.batch, batch), ("heads", self.heads, heads)):
+            if own not in (1, call):
+                problems.append(f"{name} {own} (the call has {call}; 1 broadcasts)")
+        for name, own, call in (
+            ("seqlen_q", self.seqlen_q, seqlen_q),
+            ("seqlen_k", self.seqlen_k, seqlen_k),
+            ("block_m", self.block_m, block_m),
+            ("block_n", self.block_n, block_n),
+        ):
+            if own != call:
+                problems.append(f"{name} {own} (the call has {call})")
+        if problems:
+            raise InputError(
+                f"block_mask does not fit the call: it was built for {'; '.join(problems)}; "
+                "build it with kernelgen.block_mask for the call's sizes and tile shape"
+            )
+
+    def visited_tiles(self) -> int:
+        """Key tiles an attention kernel loads over all (batch, head, query tile) rows."""
+        return int(to_host(self.partial_counts).sum() + to_host(self.full_counts).sum())
+
+
+def tiles(length: int, tile: int) -> int:
+    return -(-length // tile)
+
+
+def to_host(array: Any) -> np.ndarray:
+    """A NumPy copy or view of a NumPy, CuPy or torch array."""
+    if isinstance(array, np.ndarray):
+        return array
+    if type(array).__module__.split(".")[0] == "torch":
+        return array.detach().cpu().numpy()
+    return array.get()
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
+    for name, value in sizes.items():
+        integer = type(value) is int or isinstance(value, np.integer)
+        if not integer or not 1 <= value <= INT32_MAX:
+            raise InputError(
+                f"{name}={value!r} is not allowed; use an integer from 1 to {INT32_MAX}"
+            )
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if type(value) is not int or value not in TILE_SIZES:
+            raise InputError(
+                f"{name}={value!r} is not allowed; use one of {', '.join(map(str, TILE_SIZES))}"
+            )
+    grid = (tiles(int(sizes["seqlen_q"]), block_m), int(sizes["heads"]), int(sizes["batch"]))
+    if any(size > limit for size, limit in zip(grid, MAX_GRID, strict=True)):
+        raise InputError(
+            f"the block-mask builder needs the grid (query tiles, heads, batch) = {grid}, over "
+            f"CUDA's limit of {MAX_GRID}"
+        )
+
+
+def _checked_mask_mod(mask_mod: str | Expression, declared: tuple[ModInput, ...]) -> Expression:
+    if isinstance(mask_mod, Expression):
+        if mask_mod.kind != "mask_mod":
+            raise InputError(f"mask_mod is a checked {mask_mod.kind}; pass a mask_mod")
+        if mask_mod.inputs != declared:
+            signature = ",".join(i.signature for i in declared) or "none"
+            raise InputError(
+                f"mask_mod was checked against inputs {mask_mod.signature or 'none'}; "
+                f"mod_inputs are {signature}"
+            )
+        return mask_mod
+    return parse_mask_mod(mask_mod, declared)
+
+
+def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
+    """The library and device of the call: its inputs' (all alike), else ``like``'s, else
+    NumPy's (the CPU emulator)."""
+    named = [*mod_inputs.items(), *([("like", like)] if like is not None else [])]
+    for name, array in named:
+        if not _is_array(array):
+            label = "like" if name == "like" else f"mod_inputs[{name!r}]"
+            raise InputTypeError(
+                f"{label} is {type(array).__name__}; pass a NumPy, CuPy or torch array"
+            )
+    arrays = [array for _, array in named]
+    if not arrays:
+        return NumpyArrays, -1
+    library = arrays_of(arrays[0])
+    device = device_of(arrays[0])
+    for name, array in named:
+        if is_host_array(array) != library.host or device_of(array) != device:
+            label = "like" if name == "like" else f"mod_inputs[{name!r}]"
+            raise InputTypeError(
+                f"{label} is on device {device_of(array)}; every array of the call must be on "
+                f"device {device} (-1: the host)"
+            )
+    return library, device
+
+
+def _is_array(value: Any) -> bool:
+    """A host array, a torch tensor or a device array CuPy can view."""
+    module = type(value).__module__.split(".")[0]
+    return (
+        is_host_array(value)
+        or module in ("torch", "cupy")
+        or hasattr(value, "__cuda_array_interface__")
+        or hasattr(value, "__dlpack__")
+    )
+
+
+def _element_strides(array: Any) -> tuple[int, ...]:
+    if type(array).__module__.split(".")[0] == "torch":
+        return tuple(array.stride())
+    return tuple(s // array.dtype.itemsize for s in array.strides)
+
+
+# --------------------------------------------------------------------------------------------
+# The generated builder
+# --------------------------------------------------------------------------------------------
+
+
+def kernel_name(mask_mod: Expression, block_m: int, block_n: int) -> str:
+    """The builder's symbol: the mask_mod's hash (text and inputs) and the tile shape."""
+    return f"kg_block_mask_{mask_mod.hash}_m{block_m}_n{block_n}"
+
+
+def builder_params(mask_mod: Expression) -> tuple[Param, ...]:
+    """The builder kernel's parameters: the four outputs, the sizes, then the mod inputs."""
+    params = [Param(name, "int*") for name in OUTPUTS]
+    params += [Param(name, "int") for name in ("seqlen_q", "seqlen_k", "num_key_tiles")]
+    params += [Param(name, ctype) for ctype, name in input_params(mask_mod.inputs)]
+    return tuple(params)
+
+
+def builder_source(mask_mod: Expression, block_m: int, block_n: int) -> str:
+    """CUDA source of the block-mask builder of ``mask_mod`` for ``block_m`` x ``block_n``."""
+    return render_template(
+        TEMPLATE,
+        name=kernel_name(mask_mod, block_m, block_n),
+        params=builder_params(mask_mod),
+        headers=headers(mask_mod.inputs),
+        expressions=expression_source(mask_mod),
+        init=input_struct_init(mask_mod.inputs),
+        block_m=block_m,
+        block_n=block_n,
+        threads=THREADS,
+        generator_version=__version__,
+        template_hash=template_hash()[:16],
+    )
+
+
+_FUNCTIONS: dict[tuple[str, str, int], Any] = {}  # (symbol, templates, device) -> function
+_FUNCTIONS_LOCK = threading.Lock()
+
+
+def _builder_function(mask_mod: Expression, block_m: int, block_n: int, device: int) -> Any:
+    """The compiled builder, once per process and device (device -1: the emulator's build)."""
+    name = kernel_name(mask_mod, block_m, block_n)
+    key = (name, template_hash(), device)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        with _FUNCTIONS_LOCK:
+            function = _FUNCTIONS.get(key)
+            if function is None:
+                source = builder_source(mask_mod, block_m, block_n)
+                if device < 0:
+                    from kernelgen.emulator import build_kernel
+
+                    params = [(p.ctype, p.name) for p in builder_params(mask_mod)]
+                    function = build_kernel(source, name, params)
+                else:
+                    function = compile_functions(import_cupy(), name, source, [name])[name]
+                _FUNCTIONS[key] = function
+    return function
+
+
+def block_mask(
+    mask_mod: str | Expression,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    block_m: int,
+    block_n: int,
+    mod_inputs: Mapping[str, Any] | None = None,
+    like: Any = None,
+) -> BlockMask:
+    """The block mask of ``mask_mod`` (a string, or a checked mask_mod) over a (batch, heads,
+    seqlen_q, seqlen_k) problem in ``block_m`` x ``block_n`` tiles, built by a generated kernel.
+
+    ``mod_inputs`` maps the names mask_mod reads to arrays (their dtype and rank declare
+    them). The arrays' library and device are the call's, as q's are for ``attention()``; with
+    no inputs, ``like``'s (e.g. pass q), else NumPy's. On host arrays the builder runs in the
+    CPU emulator. ``batch`` or ``heads`` of 1: the mask is evaluated at b = 0 (h = 0) and holds
+    for every batch entry (head). mask_mod's indices are absolute: q_idx in [0, seqlen_q),
+    kv_idx in [0, seqlen_k)."""
+    sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    _check_sizes(sizes, block_m, block_n)
+    batch, heads, seqlen_q, seqlen_k = (int(v) for v in sizes.values())
+    expression = _checked_mask_mod(mask_mod, inputs_from_arrays(mod_inputs))
+    mod_inputs = dict(mod_inputs or {})
+    library, device = _library(mod_inputs, like)
+    q_tiles, key_tiles = tiles(seqlen_q, block_m), tiles(seqlen_k, block_n)
+    grid = (q_tiles, heads, batch)
+    function = _builder_function(expression, block_m, block_n, device)
+    shapes = {
+        "partial_counts": (batch, heads, q_tiles),
+        "partial_indices": (batch, heads, q_tiles, key_tiles),
+        "full_counts": (batch, heads, q_tiles),
+        "full_indices": (batch, heads, q_tiles, key_tiles),
+    }
+    if library.host:
+        outputs = {
+            name: library.empty(shape, library.int32(), device) for name, shape in shapes.items()
+        }
+        args: list[Any] = [as_numpy(outputs[name]) for name in OUTPUTS]
+        args += [seqlen_q, seqlen_k, key_tiles]
+        for spec in expression.inputs:
+            array = mod_inputs[spec.name]
+            args += [as_numpy(array), *array.shape, *_element_strides(array)]
+        function(grid=grid, block=THREADS, shared_mem=0, args=args)
+    else:
+        with library.scope(device):
+            outputs = {
+                name: library.empty(shape, library.int32(), device)
+                for name, shape in shapes.items()
+            }
+            args = [launch_arg(library, outputs[name]) for name in OUTPUTS]
+            args += [np.int32(seqlen_q), np.int32(seqlen_k), np.int32(key_tiles)]
+            for spec in expression.inputs:
+                array = mod_inputs[spec.name]
+                args.append(launch_arg(library, array))
+                args += [np.int64(n) for n in (*array.shape, *_element_strides(array))]
+            function(grid, (THREADS, 1, 1), tuple(args))
+    return BlockMask(expression, seqlen_q, seqlen_k, block_m, block_n, **outputs)
+
+
+# --------------------------------------------------------------------------------------------
+# The NumPy builder
+# --------------------------------------------------------------------------------------------
+
+
+def _listed(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, indices) of the true entries of ``flags`` along its last axis: ascending,
+    padded with NO_TILE."""
+    counts = flags.sum(axis=-1).astype(np.int32)
+    order = np.argsort(~flags, axis=-1, kind="stable").astype(np.int32)
+    slots = np.arange(flags.shape[-1])
+    return counts, np.where(slots < counts[..., None], order, np.int32(NO_TILE))
+
+
+def block_mask_reference(
+    mask_mod: str | Expression,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    block_m: int,
+    block_n: int,
+    mod_inputs: Mapping[str, Any] | None = None,
+) -> BlockMask:
+    """:func:`block_mask` computed by NumPy from the float64 evaluator (host arrays in and
+    out), one query tile at a time."""
+    sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    _check_sizes(sizes, block_m, block_n)
+    expression = _checked_mask_mod(mask_mod, inputs_from_arrays(mod_inputs))
+    mod_inputs = dict(mod_inputs or {})
+    arrays = check_input_arrays(expression.inputs, {k: to_host(v) for k, v in mod_inputs.items()})
+    q_tiles, key_tiles = tiles(seqlen_q, block_m), tiles(seqlen_k, block_n)
+    visible = np.zeros((batch, heads, q_tiles, key_tiles), dtype=np.int64)
+    b = np.arange(batch).reshape(-1, 1, 1, 1)
+    h = np.arange(heads).reshape(1, -1, 1, 1)
+    kv = np.arange(seqlen_k).reshape(1, 1, 1, -1)
+    key_tile_of = np.arange(seqlen_k) // block_n
+    for m in range(q_tiles):
+        rows = np.arange(m * block_m, min((m + 1) * block_m, seqlen_q)).reshape(1, 1, -1, 1)
+        mask = evaluate(expression, b=b, h=h, q_idx=rows, kv_idx=kv, inputs=arrays)
+        mask = np.broadcast_to(mask, (batch, heads, rows.size, seqlen_k)).sum(axis=2)
+        np.add.at(visible[:, :, m, :], (slice(None), slice(None), key_tile_of), mask)
+    rows_in = np.minimum(block_m, seqlen_q - np.arange(q_tiles) * block_m)
+    keys_in = np.minimum(block_n, seqlen_k - np.arange(key_tiles) * block_n)
+    pairs = rows_in[:, None] * keys_in[None, :]  # (q_tiles, key_tiles) pairs inside the problem
+    partial_counts, partial_indices = _listed((visible > 0) & (visible < pairs))
+    full_counts, full_indices = _listed(visible == pairs)
+    return BlockMask(
+        expression,
+        int(seqlen_q),
+        int(seqlen_k),
+        block_m,
+        block_n,
+        partial_counts,
+        partial_indices,
+        full_counts,
+        full_indices,
+    )
+
+
+__all__ = ["BlockMask", "block_mask", "block_mask_reference", "builder_source"]

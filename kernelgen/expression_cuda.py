@@ -1,0 +1,340 @@
+"""CUDA C++ of checked expressions (:mod:`kernelgen.expressions`): ``__device__`` functions, the
+struct of extra inputs they read and the kernel parameters that fill it.
+
+Every spelling is a table entry below; the user's text reaches the output only as the tree's
+validated names (index names, ``score``, declared input names inside fixed prefixes and
+suffixes) and re-spelled numbers. The ABI (docs/expressions.md):
+
+- ``struct KgModInputs`` holds, per declared input in name order, ``const T* <name>_ptr``,
+  ``long long <name>_shape[rank]`` and ``long long <name>_stride[rank]`` (elements; 0
+  broadcasts).
+- A kernel receives them flattened as parameters (:func:`input_params`: ``mod_<name>``,
+  ``mod_<name>_shape_<d>``, ``mod_<name>_stride_<d>``) and builds the struct with
+  :func:`input_struct_init`; the expression functions take it by const reference.
+- ``float kg_score_mod(float score, long long b, long long h, long long q_idx, long long kv_idx,
+  const KgModInputs& in)`` and ``bool kg_mask_mod(long long b, ..., const KgModInputs& in)``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kernelgen.errors import SpecError
+from kernelgen.expressions import Expression, ModInput, Node, canonical_text, walk
+
+STRUCT_NAME = "KgModInputs"
+STRUCT_ARG = "in"
+FUNCTION_NAMES = {"score_mod": "kg_score_mod", "mask_mod": "kg_mask_mod"}
+RETURN_CTYPE = {"score_mod": "float", "mask_mod": "bool"}
+INDEX_PARAMS = ("b", "h", "q_idx", "kv_idx")
+SCORE_NAME = "score"
+# The language's names -> the device function's parameters (the same words, from this table).
+NAME_CXX = {name: name for name in (SCORE_NAME, *INDEX_PARAMS)}
+# Value types -> C++ types: ints are 64-bit, floats fp32 (the kernels' accumulation type).
+VALUE_CTYPE = {"int": "long long", "float": "float", "bool": "bool"}
+ZERO = {"int": "0LL", "float": "0.0f", "bool": "false"}
+INDEX_CTYPE = "long long"
+
+
+@dataclass(frozen=True)
+class InputElement:
+    """How one input dtype is stored and read."""
+
+    ctype: str  # element type behind the pointer
+    load: str  # the element at {0} as its value type
+    header: str | None = None
+
+
+INPUT_ELEMENT: dict[str, InputElement] = {
+    "float32": InputElement("float", "{0}"),
+    "float16": InputElement("__half", "__half2float({0})", "cuda_fp16.h"),
+    "bfloat16": InputElement("__nv_bfloat16", "__bfloat162float({0})", "cuda_bf16.h"),
+    "int32": InputElement("int", "static_cast<long long>({0})"),
+    "int64": InputElement("long long", "{0}"),
+    "bool": InputElement("bool", "{0}"),
+}
+# (operator, arithmetic type) -> spelling of the operation on operands {0}, {1}.
+BINARY_CXX: dict[tuple[str, str], str] = {
+    ("+", "int"): "({0} + {1})",
+    ("+", "float"): "({0} + {1})",
+    ("-", "int"): "({0} - {1})",
+    ("-", "float"): "({0} - {1})",
+    ("*", "int"): "({0} * {1})",
+    ("*", "float"): "({0} * {1})",
+    ("/", "float"): "({0} / {1})",
+    ("//", "int"): "kg_floordiv_i64({0}, {1})",
+    ("//", "float"): "kg_floordiv_f32({0}, {1})",
+    ("%", "int"): "kg_mod_i64({0}, {1})",
+    ("%", "float"): "kg_mod_f32({0}, {1})",
+    ("**", "int"): "kg_square_i64({0})",
+    ("**", "float"): "kg_square_f32({0})",
+}
+COMPARE_CXX = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
+LOGIC_CXX = {"and": " && ", "or": " || "}
+UNARY_CXX = {"neg": "(-{0})", "not": "(!{0})"}
+# (function, result type) -> spelling; min/max fold left over more than two arguments.
+CALL_CXX: dict[tuple[str, str], str] = {
+    ("min", "int"): "kg_min_i64({0}, {1})",
+    ("min", "float"): "kg_min_f32({0}, {1})",
+    ("max", "int"): "kg_max_i64({0}, {1})",
+    ("max", "float"): "kg_max_f32({0}, {1})",
+    ("abs", "int"): "kg_abs_i64({0})",
+    ("abs", "float"): "fabsf({0})",
+    ("exp", "float"): "expf({0})",
+    ("log", "float"): "logf({0})",
+    ("tanh", "float"): "tanhf({0})",
+    ("sqrt", "float"): "sqrtf({0})",
+    ("float", "float"): "{0}",
+    ("where", "int"): "({0} ? {1} : {2})",
+    ("where", "float"): "({0} ? {1} : {2})",
+    ("where", "bool"): "({0} ? {1} : {2})",
+}
+CONVERT_CXX = {("int", "float"): "static_cast<float>({0})"}
+# The helpers the tables name, written once per source (fixed text, nothing of the user's).
+# Ints: Python's floor division and modulo (the remainder takes the divisor's sign), not C's
+# truncation; a zero divisor gives 0; b == -1 negates with wraparound (no overflow trap).
+# Floats: x // y = floor(x / y), x % y = x - y * floor(x / y). min/max: Python's (the first
+# argument unless a later one is strictly smaller / greater).
+HELPERS = r"""#ifndef KG_EXPRESSION_HELPERS
+#define KG_EXPRESSION_HELPERS
+__device__ __forceinline__ long long kg_floordiv_i64(long long x, long long y) {
+  if (y == 0) return 0;
+  if (y == -1) return static_cast<long long>(0ULL - static_cast<unsigned long long>(x));
+  const long long q = x / y;  // truncated toward zero
+  return (q * y != x && ((x < 0) != (y < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long kg_mod_i64(long long x, long long y) {
+  if (y == 0 || y == -1) return 0;
+  const long long r = x % y;  // the sign of x
+  return (r != 0 && ((r < 0) != (y < 0))) ? r + y : r;
+}
+__device__ __forceinline__ float kg_floordiv_f32(float x, float y) { return floorf(x / y); }
+__device__ __forceinline__ float kg_mod_f32(float x, float y) { return x - y * floorf(x / y); }
+__device__ __forceinline__ long long kg_square_i64(long long x) { return x * x; }
+__device__ __forceinline__ float kg_square_f32(float x) { return x * x; }
+__device__ __forceinline__ long long kg_min_i64(long long x, long long y) { return y < x ? y : x; }
+__device__ __forceinline__ float kg_min_f32(float x, float y) { return y < x ? y : x; }
+__device__ __forceinline__ long long kg_max_i64(long long x, long long y) { return y > x ? y : x; }
+__device__ __forceinline__ float kg_max_f32(float x, float y) { return y > x ? y : x; }
+__device__ __forceinline__ long long kg_abs_i64(long long x) { return x < 0 ? -x : x; }
+#endif  // KG_EXPRESSION_HELPERS
+"""
+# What the canonical text in a comment may hold (it is built from the checked tree; checked
+# again here so that nothing can end the comment or continue it onto the next line).
+_COMMENT_SAFE = re.compile(r"[A-Za-z0-9_ .,+\-*/%<>=!()\[\]]*\Z")
+
+
+def _member(name: str, part: str) -> str:
+    """A struct member of input ``name``: ``<name>_ptr``, ``<name>_shape``, ``<name>_stride``
+    (no C++ keyword ends so; distinct names give distinct members)."""
+    return f"{name}_{part}"
+
+
+def reader_name(name: str) -> str:
+    return f"kg_read_{name}"
+
+
+def _literal(node: Node) -> str:
+    if node.type == "int":
+        return f"{node.value}LL"
+    text = repr(float(node.value))  # type: ignore[arg-type]
+    if not re.fullmatch(r"[0-9]+(\.[0-9]*)?(e[+-]?[0-9]+)?", text):
+        raise SpecError([f"float literal {text} has no C++ spelling"])  # unreachable: checked
+    return text + "f"
+
+
+_CALL_FORM = re.compile(r"[A-Za-z_][A-Za-z_0-9<>]*\(")
+
+
+def _bare(code: str) -> str:
+    """``code`` without parentheses around all of it (where it stands alone: an argument)."""
+    if not (code.startswith("(") and code.endswith(")")):
+        return code
+    depth = 0
+    for position, char in enumerate(code):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and position < len(code) - 1:
+            return code  # the first parenthesis closes before the end: "(a) + (b)"
+    return code[1:-1]
+
+
+def _fill(pattern: str, *operands: str) -> str:
+    """A table spelling with its operands; a function call's arguments lose their outer
+    parentheses (each stands alone between commas)."""
+    if _CALL_FORM.match(pattern):
+        operands = tuple(_bare(o) for o in operands)
+    return pattern.format(*operands)
+
+
+EXACT_FLOAT_INT = 2**24  # ints up to this magnitude are exact in fp32
+
+
+def _convert(node: Node, code: str, target: str) -> str:
+    """``code`` (the value of ``node``) as ``target``; an int literal exact in fp32 becomes a
+    float literal."""
+    if node.type == target:
+        return code
+    if node.kind == "const" and abs(node.value) <= EXACT_FLOAT_INT:  # type: ignore[arg-type]
+        return _literal(Node("const", "float", value=float(node.value)))  # type: ignore[arg-type]
+    return _fill(CONVERT_CXX[node.type, target], code)
+
+
+class _Emitter:
+    def code(self, node: Node) -> str:
+        kind = node.kind
+        if kind == "const":
+            return _literal(node)
+        if kind == "name":
+            return NAME_CXX[node.op]
+        args = [self.code(a) for a in node.args]
+        if kind == "read":
+            indices = [_bare(a) for a in args]
+            return f"{reader_name(node.op)}({', '.join([STRUCT_ARG, *indices])})"
+        if kind in UNARY_CXX:
+            return _fill(UNARY_CXX[kind], args[0])
+        if kind == "logic":
+            return "(" + LOGIC_CXX[node.op].join(args) + ")"
+        if kind == "compare":
+            tests = []
+            for i, op in enumerate(node.value):  # type: ignore[arg-type]
+                x, y = node.args[i], node.args[i + 1]
+                common = "float" if "float" in (x.type, y.type) else x.type
+                left, right = (
+                    _convert(x, args[i], common),
+                    _convert(y, args[i + 1], common),
+                )
+                tests.append(f"({left} {COMPARE_CXX[op]} {right})")
+            return tests[0] if len(tests) == 1 else "(" + " && ".join(tests) + ")"
+        if kind == "binary":
+            operand_type = node.type
+            left = _convert(node.args[0], args[0], operand_type)
+            if node.op == "**":
+                return _fill(BINARY_CXX["**", operand_type], left)
+            right = _convert(node.args[1], args[1], operand_type)
+            return _fill(BINARY_CXX[node.op, operand_type], left, right)
+        if node.op == "where":
+            then = _convert(node.args[1], args[1], node.type)
+            other = _convert(node.args[2], args[2], node.type)
+            return _fill(CALL_CXX["where", node.type], args[0], then, other)
+        converted = [_convert(n, a, node.type) for a, n in zip(args, node.args, strict=True)]
+        if node.op in ("min", "max"):
+            result = converted[0]
+            for arg in converted[1:]:
+                result = _fill(CALL_CXX[node.op, node.type], result, arg)
+            return result
+        return _fill(CALL_CXX[node.op, node.type], converted[0])
+
+
+def headers(inputs: tuple[ModInput, ...]) -> list[str]:
+    """The CUDA headers the inputs' element types need."""
+    found = {INPUT_ELEMENT[i.dtype].header for i in inputs}
+    return sorted(h for h in found if h)
+
+
+def input_struct(inputs: tuple[ModInput, ...]) -> str:
+    """The struct of extra inputs and one bounds-checked reader per input."""
+    lines = [
+        "// Extra inputs of score_mod / mask_mod, in name order: element pointer, shape and",
+        "// strides in elements (a stride of 0 broadcasts).",
+        f"struct {STRUCT_NAME} {{",
+    ]
+    for spec in inputs:
+        element = INPUT_ELEMENT[spec.dtype]
+        lines += [
+            f"  const {element.ctype}* {_member(spec.name, 'ptr')};  // {spec.signature}",
+            f"  {INDEX_CTYPE} {_member(spec.name, 'shape')}[{spec.rank}];",
+            f"  {INDEX_CTYPE} {_member(spec.name, 'stride')}[{spec.rank}];",
+        ]
+    lines.append("};")
+    for spec in inputs:
+        element = INPUT_ELEMENT[spec.dtype]
+        value_ctype = VALUE_CTYPE[spec.value_type]
+        indices = [f"i{d}" for d in range(spec.rank)]
+        shape, stride = _member(spec.name, "shape"), _member(spec.name, "stride")
+        params = ", ".join(f"{INDEX_CTYPE} {i}" for i in indices)
+        offset = " + ".join(f"{i} * {STRUCT_ARG}.{stride}[{d}]" for d, i in enumerate(indices))
+        element_at = f"{STRUCT_ARG}.{_member(spec.name, 'ptr')}[{offset}]"
+        lines += [
+            f"// {spec.signature}; an index outside the array reads {ZERO[spec.value_type]}",
+            f"__device__ __forceinline__ {value_ctype} {reader_name(spec.name)}(",
+            f"    const {STRUCT_NAME}& {STRUCT_ARG}, {params}) {{",
+        ]
+        lines += [
+            f"  if ({i} < 0 || {i} >= {STRUCT_ARG}.{shape}[{d}]) return {ZERO[spec.value_type]};"
+            for d, i in enumerate(indices)
+        ]
+        lines += [f"  return {element.load.format(element_at)};", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def device_function(expression: Expression) -> str:
+    """``expression`` as a ``__device__ __forceinline__`` function under a comment holding its
+    canonical text (docs/expressions.md for the signatures)."""
+    kind = expression.kind
+    comment = canonical_text(expression.root)
+    if not _COMMENT_SAFE.match(comment):  # unreachable: the printer writes only these
+        raise SpecError([f"{kind}: canonical text {comment[:80]!r} cannot go into a comment"])
+    params = [f"{INDEX_CTYPE} {name}" for name in INDEX_PARAMS]
+    if kind == "score_mod":
+        params.insert(0, "float score")
+    params.append(f"const {STRUCT_NAME}& {STRUCT_ARG}")
+    names = (SCORE_NAME, *INDEX_PARAMS) if kind == "score_mod" else INDEX_PARAMS
+    unused = [n for n in names if not expression.uses(n)]
+    if not any(node.kind == "read" for node in walk(expression.root)):
+        unused.append(STRUCT_ARG)
+    body = _bare(_Emitter().code(expression.root))
+    return "\n".join(
+        [
+            f"// {kind} {expression.hash}: {comment}",
+            f"// inputs: {expression.signature or 'none'}",
+            f"__device__ __forceinline__ {RETURN_CTYPE[kind]} {FUNCTION_NAMES[kind]}(",
+            f"    {', '.join(params)}) {{",
+            *[f"  (void){name};" for name in unused],
+            f"  return {body};",
+            "}",
+            "",
+        ]
+    )
+
+
+def expression_source(*expressions: Expression | None) -> str:
+    """The helpers, the input struct and readers, and each expression's function: what a kernel
+    source includes before its kernels. Every expression must declare the same inputs."""
+    given = [e for e in expressions if e is not None]
+    inputs = given[0].inputs if given else ()
+    if any(e.inputs != inputs for e in given):
+        raise SpecError(["score_mod and mask_mod must be checked against the same mod inputs"])
+    if len({e.kind for e in given}) != len(given):
+        raise SpecError(["at most one score_mod and one mask_mod per kernel"])
+    parts = [HELPERS, input_struct(inputs)]
+    parts += [device_function(e) for e in given]
+    return "\n".join(parts)
+
+
+def input_params(inputs: tuple[ModInput, ...]) -> list[tuple[str, str]]:
+    """(C++ type, name) of the kernel parameters that carry the inputs, in order: for each
+    input its pointer, then its shape, then its strides (elements)."""
+    params = []
+    for spec in inputs:
+        params.append((f"const {INPUT_ELEMENT[spec.dtype].ctype}*", f"mod_{spec.name}"))
+        params += [(INDEX_CTYPE, f"mod_{spec.name}_shape_{d}") for d in range(spec.rank)]
+        params += [(INDEX_CTYPE, f"mod_{spec.name}_stride_{d}") for d in range(spec.rank)]
+    return params
+
+
+def input_struct_init(inputs: tuple[ModInput, ...], variable: str = "mod_inputs") -> str:
+    """C++ statements declaring ``variable`` and filling it from :func:`input_params`."""
+    lines = [f"{STRUCT_NAME} {variable};"]
+    for spec in inputs:
+        lines.append(f"{variable}.{_member(spec.name, 'ptr')} = mod_{spec.name};")
+        for d in range(spec.rank):
+            lines.append(
+                f"{variable}.{_member(spec.name, 'shape')}[{d}] = mod_{spec.name}_shape_{d};"
+            )
+            lines.append(
+                f"{variable}.{_member(spec.name, 'stride')}[{d}] = mod_{spec.name}_stride_{d};"
+            )
+    if not inputs:
+        lines.append(f"(void){variable};")
+    return "\n".join(lines)
