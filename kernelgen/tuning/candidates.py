@@ -177,17 +177,31 @@ def _label(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
+def pages_per_sequence(problem: ProblemDesc) -> int:
+    """Pages one sequence of a paged problem spans (its keys rounded up to whole pages)."""
+    return math.ceil(problem.seqlen_k / problem.page_size)
+
+
 def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
-    """The kernel-level problem of ``problem`` with contiguous (B, H, S, D) tensors."""
+    """The kernel-level problem of ``problem`` with contiguous (B, H, S, D) tensors, or for a
+    paged problem a pool of (pages, page_size, Hkv, D) pages, ``pages_per_sequence`` per
+    sequence (the launch passes seqlens_k = Sk for the last page's padding)."""
     p, d = problem, problem.head_dim
     q_strides = (p.num_heads * p.seqlen_q * d, p.seqlen_q * d, d)
     kv_strides = (p.num_kv_heads * p.seqlen_k * d, p.seqlen_k * d, d)
+    paging = {}
+    seqlen_k = p.seqlen_k
+    if p.page_size:
+        pages = pages_per_sequence(p)
+        kv_strides = (p.page_size * p.num_kv_heads * d, d, p.num_kv_heads * d)
+        seqlen_k = pages * p.page_size
+        paging = {"page_size": p.page_size, "block_table_stride": pages}
     return Problem(
         batch=p.batch,
         num_heads=p.num_heads,
         num_kv_heads=p.num_kv_heads,
         seqlen_q=p.seqlen_q,
-        seqlen_k=p.seqlen_k,
+        seqlen_k=seqlen_k,
         head_dim=d,
         q_strides=q_strides,
         k_strides=kv_strides,
@@ -195,6 +209,7 @@ def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
         out_strides=q_strides,
         mask_strides=(0, 0, p.seqlen_k, 1) if p.mask else (0, 0, 0, 0),
         num_splits=num_splits,
+        **paging,
     )
 
 
@@ -232,6 +247,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
         "dtype": problem.dtype,
         "head_dim": problem.head_dim,
         "causal": problem.causal,
+        "paged_kv": problem.page_size > 0,
         "archs": [arch],
     }
     for fields in candidate_fields(problem):
