@@ -68,6 +68,10 @@ CASES = [
     pytest.param(
         "float16", 16, 2, 3, 3, [40, 40, 33], 16, True, 2, ((0, 1, 2), (0, 2, 2)), id="shared"
     ),
+    # chunked prefill (24 queries x 4 heads per K/V head: not a decode step): no split-KV, no
+    # GQA packing, a lookup per tile (16-key pages under 32-key tiles: per row; fp32: simt)
+    pytest.param("float16", 8, 2, 24, 24, [0, 30, 5], 64, True, None, (), id="fp16-prefill-p64"),
+    pytest.param("float32", 8, 2, 24, 24, [17, 0, 9], 16, True, None, (), id="fp32-prefill-p16"),
 ]
 
 
@@ -287,3 +291,38 @@ def test_validate_checks_metadata_with_the_arrays_library():
         validate_on_device(np.array([33, 1], np.int32), 0, 32, layout, table)
     with pytest.raises(InputError, match=r"cache_seqlens\[1\] is -2"):
         validate_on_device(np.array([0, -2], np.int32), 0, 32, None, None)
+
+
+def test_paged_decode_loop_with_torch_cpu_metadata():
+    """Two decode steps on CPU torch tensors (bf16, MQA), cache_seqlens and block_table as
+    int32 torch tensors, the caller advancing the lengths: each step equals attention over
+    every token so far; the pages hold them where the table says."""
+    torch = pytest.importorskip("torch")
+    lengths = [15, 0, 31]
+    first = kvcache_data(3, 1, 1, 48, 8, 1, "bfloat16", seed=21)
+    second = kvcache_data(3, 1, 1, 48, 8, 1, "bfloat16", seed=22)
+    k_pool, table, k_logical = paged_cache(first[1], 16, seed=21)
+    v_pool, _, v_logical = paged_cache(first[2], 16, seed=21)
+    k_pool, v_pool = (torch.from_numpy(x).to(torch.bfloat16) for x in (k_pool, v_pool))
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    news_k, news_v = [], []
+    for step, (q, _, _, k_new, v_new) in enumerate((first, second)):
+        out = kernelgen.attention_with_kvcache(
+            torch.from_numpy(q).to(torch.bfloat16),
+            k_pool,
+            v_pool,
+            seqlens,
+            block_table=torch.from_numpy(table),
+            k_new=torch.from_numpy(k_new).to(torch.bfloat16),
+            v_new=torch.from_numpy(v_new).to(torch.bfloat16),
+            causal=True,
+        )
+        news_k.append(k_new)
+        news_v.append(v_new)
+        k_all, v_all = np.concatenate(news_k, axis=1), np.concatenate(news_v, axis=1)
+        ref = kvcache_reference(q, k_logical, v_logical, k_all, v_all, lengths, True)
+        check_kvcache(out.float().numpy(), None, *ref, "bfloat16")
+        seqlens += 1
+        for b, length in enumerate(lengths):
+            page, row = divmod(length + step, 16)
+            assert torch.equal(k_pool[table[b, page], row].float(), torch.from_numpy(k_new[b, 0]))
