@@ -140,6 +140,8 @@ class _Ops:
         """Flat index of the first True of ``mask``, or -1 (one read back to the host)."""
         if self.library == "torch":
             flat = mask.reshape(-1).to(self.xp.int32)
+            if flat.numel() == 0:
+                return -1
             found = self.xp.stack([flat.max(), flat.argmax().to(self.xp.int32)])
             any_true, index = (int(x) for x in found.cpu().tolist())
         else:

@@ -6,6 +6,8 @@ write."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from attention_cases import (
@@ -279,18 +281,33 @@ def test_specs_must_match_the_cache_layout():
         kernelgen.attention_with_kvcache(q, k_cache, v_cache, [1, 2], spec=paged)
 
 
-def test_validate_checks_metadata_with_the_arrays_library():
-    """validate=True's device checks, run here by NumPy (the same code runs CuPy and torch
-    arrays on their device): lengths and used block-table entries, messages as on the host."""
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_validate_checks_metadata_with_the_arrays_library(library):
+    """validate=True's device checks, run here by NumPy and by torch on CPU tensors (the same
+    code runs CuPy and CUDA torch arrays on their device): lengths and the block-table entries
+    they use, messages as on the host; host lengths with a device table work too."""
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        convert = torch.from_numpy
+    else:
+        convert = np.asarray
     layout = PagedLayout(5, 16, 2, None, np.zeros((2, 2), np.int32), 2)
-    table = np.array([[4, -1], [0, 5]], np.int32)
-    validate_on_device(np.array([16, 3], np.int32), 0, 32, layout, table)  # unused entries
+    table = convert(np.array([[4, -1], [0, 5]], np.int32))
+
+    def lengths(*values):
+        return convert(np.array(values, np.int32))
+
+    validate_on_device(lengths(16, 3), 0, 32, layout, table)  # unused entries: anything
+    validate_on_device(np.array([16, 3]), 0, 32, layout, table)  # host lengths
     with pytest.raises(InputError, match=r"block_table\[1, 1\] is 5; entry b=1 reads 17 keys"):
-        validate_on_device(np.array([16, 17], np.int32), 0, 32, layout, table)
+        validate_on_device(lengths(16, 17), 0, 32, layout, table)
+    with pytest.raises(InputError, match=r"block_table\[0, 0\] is 4; entry b=0 reads 1 keys"):
+        validate_on_device(lengths(0, 3), 1, 32, replace(layout, num_pages=4), table)
     with pytest.raises(InputError, match=r"cache_seqlens\[0\] is 33 .* 2 pages per sequence"):
-        validate_on_device(np.array([33, 1], np.int32), 0, 32, layout, table)
+        validate_on_device(lengths(33, 1), 0, 32, layout, table)
     with pytest.raises(InputError, match=r"cache_seqlens\[1\] is -2"):
-        validate_on_device(np.array([0, -2], np.int32), 0, 32, None, None)
+        validate_on_device(lengths(0, -2), 0, 32, None, None)
+    validate_on_device(lengths(), 0, 32, None, None)  # an empty batch
 
 
 def test_paged_decode_loop_with_torch_cpu_metadata():
