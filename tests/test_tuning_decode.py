@@ -299,12 +299,16 @@ def test_paged_decode_has_its_own_key_and_paged_candidates():
     assert "page" not in make_key(contiguous, DEVICE, SOFTWARE).id
     assert make_key(paged16, DEVICE, SOFTWARE).id.split("-")[0].endswith("_page16")
     assert "page_size" not in make_key(contiguous, DEVICE, SOFTWARE).as_dict()["problem"]
-    specs, _ = valid_candidates(paged16, "sm_90")
+    specs, _ = valid_candidates(paged64, "sm_90")
     plain, _ = valid_candidates(contiguous, "sm_90")
     assert specs and all(s.paged_kv for s in specs)
     assert [s.model_copy(update={"paged_kv": False}) for s in specs] == [
         s for s in plain if s.loop_order == "v2"
     ]
+    # 16-key pages: also 16-key tiles, which lie in one page (one block-table load per tile)
+    small, _ = valid_candidates(paged16, "sm_90")
+    extra = {s.model_copy(update={"paged_kv": False}) for s in small} - set(plain)
+    assert extra and {s.block_n for s in extra} == {16}
     assert autotune_module.heuristic_spec(paged16, DEVICE).paged_kv
 
 
