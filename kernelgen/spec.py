@@ -138,6 +138,12 @@ class KernelSpec(BaseModel):
         "thread block writes its chunk's output and LSE in fp32, and a generated combine kernel "
         "folds them with the attention monoid (loop_order v2 only).",
     )
+    paged_kv: bool = Field(
+        False,
+        description="K and V live in a paged cache (num_pages, page_size, Hkv, D): key j of "
+        "batch entry b is row j % page_size of page block_table[b, j / page_size]; page_size and "
+        "the block table are launch arguments (loop_order v2 only).",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -172,7 +178,7 @@ class KernelSpec(BaseModel):
             )
         return value
 
-    @field_validator("causal", "pack_gqa", "split_kv", mode="before")
+    @field_validator("causal", "pack_gqa", "split_kv", "paged_kv", mode="before")
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         """Boolean fields take true or false only (not 1, 0 or the string 'yes')."""
@@ -269,6 +275,11 @@ class KernelSpec(BaseModel):
             problems.append(
                 f"split_kv=true is not allowed with loop_order={self.loop_order!r}; use v2 (a "
                 "block per query tile and key chunk)"
+            )
+        if self.paged_kv and self.loop_order != "v2":
+            problems.append(
+                f"paged_kv=true is not allowed with loop_order={self.loop_order!r}; use v2 (a "
+                "block per query tile looks up each key tile's page)"
             )
         return problems
 
@@ -395,6 +406,8 @@ class KernelSpec(BaseModel):
             parts.append("gqa")
         if self.split_kv:
             parts.append("split")
+        if self.paged_kv:
+            parts.append("paged")
         return "_".join(parts)
 
     @property
