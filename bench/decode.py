@@ -189,6 +189,50 @@ def decode_impl(env: Any, peer: str, spec: Any, num_splits: int | None) -> Any:
     return Impl(peer, call, spec_uri=uri, poison=lambda: poisoned_kernelgen_outputs(env))
 
 
+def paged_sets(env: Any, sets: list, page_size: int, seed: int) -> dict[int, tuple]:
+    """For each (q, k, v) set, by ``id(k)``: K and V copied into pools of pages
+    (pages, page_size, Hkv, D) in shuffled order, the int32 block table (B, pages per
+    sequence) and the device lengths (all Sk): what ``attention_with_kvcache`` reads."""
+    torch = env.torch
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    paged = {}
+    for _, k, v in sets:
+        batch, kv_heads, seqlen_k, head_dim = k.shape
+        per_seq = -(-seqlen_k // page_size)
+        order = torch.randperm(batch * per_seq, generator=generator).to(k.device)
+        pools = []
+        for t in (k, v):
+            padded = torch.zeros(
+                (batch, per_seq * page_size, kv_heads, head_dim), device=t.device, dtype=t.dtype
+            )
+            padded[:, :seqlen_k] = t.transpose(1, 2)
+            pool = torch.empty_like(padded).view(batch * per_seq, page_size, kv_heads, head_dim)
+            pool[order] = padded.view(batch * per_seq, page_size, kv_heads, head_dim)
+            pools.append(pool)
+        table = order.view(batch, per_seq).to(torch.int32)
+        lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=k.device)
+        paged[id(k)] = (*pools, table, lengths)
+    return paged
+
+
+def paged_impl(env: Any, peer: str, spec: Any, paged: dict[int, tuple]) -> Any:
+    """``kernelgen.attention_with_kvcache`` over the paged copy of a set's K and V (q in
+    "bshd" as a view; out returned as a (B, H, Sq, D) view for the check)."""
+    from bench.gpu import Impl, poisoned_kernelgen_outputs
+
+    kg = env.kernelgen
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        k_pool, v_pool, table, lengths = paged[id(k)]
+        with env.stream():
+            out = kg.attention_with_kvcache(
+                q.transpose(1, 2), k_pool, v_pool, lengths, block_table=table, spec=spec
+            )
+        return out.transpose(1, 2)
+
+    return Impl(peer, call, spec_uri=spec.uri, poison=lambda: poisoned_kernelgen_outputs(env))
+
+
 def problem_desc(shape: DecodeShape) -> Any:
     """The autotuner's description of ``shape`` (``kernelgen.tuning.ProblemDesc``)."""
     from kernelgen.tuning import ProblemDesc
@@ -272,6 +316,8 @@ class DecodeRunner(Harness):
             build: Build = self.build_tuned
         elif peer == dr.NOSPLIT_PEER:
             build = self.builder(peer, decode=False)
+        elif (page_size := dr.page_size_of(peer)) is not None:
+            build = self.paged_builder(peer, page_size)
         else:  # kg-decode, or kg-split-<n> of the sweep
             build = self.builder(peer, decode=True, num_splits=dr.split_count(peer))
         return self.kernelgen_row(shape, peer, build, sets, ref)
@@ -312,6 +358,21 @@ class DecodeRunner(Harness):
             facts = {**self.launch_facts(spec, shape, splits)}
             facts["compile_s"] = round(self.compile_s[spec.uri], 3)
             return decode_impl(self.env, peer, spec, num_splits), facts
+
+        return build
+
+    def paged_builder(self, peer: str, page_size: int) -> Build:
+        """A Build for kg-decode's spec with ``paged_kv`` over paged copies of the sets."""
+
+        def build(shape: DecodeShape, sets: list) -> tuple[Any, dict[str, Any]]:
+            spec = self.kg_spec(shape, decode=True).model_copy(update={"paged_kv": True})
+            spec = type(spec).model_validate(spec.model_dump())  # a validated spec
+            self.compiled(spec)
+            splits = self.heuristic_splits(spec, shape)
+            facts = {**self.launch_facts(spec, shape, splits), "page_size": page_size}
+            facts["compile_s"] = round(self.compile_s[spec.uri], 3)
+            pages = paged_sets(self.env, sets, page_size, seed=self.args.seed)
+            return paged_impl(self.env, peer, spec, pages), facts
 
         return build
 

@@ -23,6 +23,8 @@ NOSPLIT_PEER = "kg-nosplit"
 ALL = "all"
 SPLIT_PREFIX = "kg-split-"
 SPLIT_SWEEP: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+PAGED_PREFIX = "kg-paged-"
+PAGE_SIZES: tuple[int, ...] = (16, 256)  # a lookup per key row / one per key tile
 
 DECODE_PEERS: tuple[Peer, ...] = (
     Peer(
@@ -43,11 +45,22 @@ DECODE_PEERS: tuple[Peer, ...] = (
         "kernelgen tensor-core prefill default_spec: no split-KV, no GQA packing",
         "kernelgen",
     ),
+    *(
+        Peer(
+            f"{PAGED_PREFIX}{size}",
+            f"kg-p{size}",
+            f"kernelgen attention_with_kvcache on a paged copy of the cache (pages of {size} keys "
+            "in shuffled order, device lengths and block table): kg-decode's tiling with paged_kv",
+            "kernelgen",
+        )
+        for size in PAGE_SIZES
+    ),
     *(p for p in PEERS if p.family == "torch"),
 )
 DECODE_PEER_NAMES: tuple[str, ...] = tuple(p.name for p in DECODE_PEERS)
 DECODE_PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in DECODE_PEERS}
 KERNELGEN_DECODE_PEERS = (DECODE_PEER, TUNED_PEER)
+PAGED_PEERS: tuple[str, ...] = tuple(f"{PAGED_PREFIX}{size}" for size in PAGE_SIZES)
 
 LEGEND = (
     "Median ms, with the achieved bandwidth (bytes model above) as a percentage of the measured "
@@ -55,7 +68,7 @@ LEGEND = (
     "the benchmark's policy (memory budget); WRONG e: failed the correctness check with relative "
     "error e, not timed; ERR: raised an error (reasons below and in the JSON). dec/nosplit and "
     "dec/torch: kg-decode's speedup over kg-nosplit and over the fastest torch backend; "
-    "tuned/torch: the same for kg-decode-tuned."
+    "tuned/torch: the same for kg-decode-tuned; pN/dec: kg-paged-N's bandwidth over kg-decode's."
 )
 
 
@@ -68,6 +81,12 @@ def split_count(peer: str) -> int | None:
     """The ``num_splits`` of a sweep peer (``kg-split-8``: 8), else None."""
     digits = peer.removeprefix(SPLIT_PREFIX)
     return int(digits) if peer.startswith(SPLIT_PREFIX) and digits.isdigit() else None
+
+
+def page_size_of(peer: str) -> int | None:
+    """The page size of a paged peer (``kg-paged-16``: 16), else None."""
+    digits = peer.removeprefix(PAGED_PREFIX)
+    return int(digits) if peer.startswith(PAGED_PREFIX) and digits.isdigit() else None
 
 
 def _peer_index(peer: str) -> tuple[int, int]:
@@ -98,7 +117,8 @@ def group_by_shape(rows: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str, 
 # ---- comparisons ----------------------------------------------------------------------------
 def add_comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Set ``speedup_vs_nosplit`` and ``speedup_vs_best_torch`` (with ``best_torch_peer``) on
-    every timed row whose comparison peer was timed on the same shape; returns the rows.
+    every timed row whose comparison peer was timed on the same shape, and on the paged rows
+    ``paged_vs_contiguous`` (their bandwidth over kg-decode's); returns the rows.
     (bench.report.ratio divides TFLOP/s: one shape's peers do the same FLOPs, so it is the
     inverse ratio of their median times.)"""
     rows = list(rows)
@@ -111,6 +131,8 @@ def add_comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             row["speedup_vs_nosplit"] = report.ratio(row, nosplit)
             row["speedup_vs_best_torch"] = report.ratio(row, torch)
             row["best_torch_peer"] = torch["peer"] if torch else None
+            if page_size_of(row["peer"]) is not None:
+                row["paged_vs_contiguous"] = report.ratio(row, peers.get(DECODE_PEER))
     return rows
 
 
@@ -148,6 +170,7 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
     speedups. A shape-wide row (peer ``all``) fills every peer's cell."""
     rows = add_comparisons(rows)
     ratios_header = ["dec/nosplit", "dec/torch", "tuned/torch"]
+    ratios_header += [f"p{size}/dec" for size in PAGE_SIZES]
     header = [*SHAPE_HEADER, *(p.short for p in DECODE_PEERS), *ratios_header]
     lines = []
     for _, peers in group_by_shape(rows):
@@ -159,9 +182,10 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
             _ratio_cell(decode, "speedup_vs_nosplit"),
             _ratio_cell(decode, "speedup_vs_best_torch"),
             _ratio_cell(tuned, "speedup_vs_best_torch"),
+            *(_ratio_cell(peers.get(name), "paged_vs_contiguous") for name in PAGED_PEERS),
         ]
         lines.append([*_shape_cells(first), *cells, *ratios])
-    align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(DECODE_PEERS) + 3)
+    align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(DECODE_PEERS) + len(ratios_header))
     return report.md_table(header, lines, align)
 
 
@@ -183,7 +207,7 @@ def kernelgen_table(rows: Iterable[dict[str, Any]]) -> str:
     """Per shape and kernelgen decode peer: the spec it ran, its split count, its scratch."""
     lines = []
     for key, peers in group_by_shape(rows):
-        for name in (*KERNELGEN_DECODE_PEERS, NOSPLIT_PEER):
+        for name in (*KERNELGEN_DECODE_PEERS, NOSPLIT_PEER, *PAGED_PEERS):
             row = peers.get(name)
             if row is None or row["status"] != OK:
                 continue
@@ -272,6 +296,18 @@ TARGETS: tuple[Target, ...] = (
 )
 
 
+# Paged peers are held to their own target: kg-decode's bandwidth with the same tiling.
+PAGED_TARGET = Target(
+    "paged",
+    ">= 0.95x kg-decode's bandwidth with the cache in shuffled pages (same tiling, paged_kv)",
+    lambda r: True,
+    lambda row, peers: report.ratio(row, peers.get(DECODE_PEER)),
+    0.95,
+    strict=False,
+    percent=False,
+)
+
+
 @dataclass(frozen=True)
 class TargetResult:
     target: str
@@ -317,13 +353,15 @@ def evaluate(target: Target, peer: str, groups: list[tuple[str, dict[str, dict]]
 def evaluate_targets(
     rows: Iterable[dict[str, Any]], peers: Iterable[str] = KERNELGEN_DECODE_PEERS
 ) -> list[TargetResult]:
-    """Every target (:data:`TARGETS`) for every kernelgen decode peer, from the rows alone."""
+    """Every target (:data:`TARGETS`) for every kernelgen decode peer, and
+    :data:`PAGED_TARGET` for the paged peers, from the rows alone."""
     groups = group_by_shape(rows)
-    return [evaluate(t, p, groups) for t in TARGETS for p in peers]
+    results = [evaluate(t, p, groups) for t in TARGETS for p in peers]
+    return results + [evaluate(PAGED_TARGET, p, groups) for p in PAGED_PEERS]
 
 
 def target_lines(results: Iterable[TargetResult]) -> list[str]:
-    texts = {t.name: t.text for t in TARGETS}
+    texts = {t.name: t.text for t in (*TARGETS, PAGED_TARGET)}
     return [f"- {r.status}: {r.peer}, {texts[r.target]} ({r.detail})" for r in results]
 
 

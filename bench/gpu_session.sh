@@ -3,19 +3,20 @@
 # Logs and result files go under $OUT (default ./gpu-out), also bundled into $OUT/session.tgz; a
 # short summary is printed last.
 #
-#   bench/gpu_session.sh [tests] [decode] [prefill] [tuning] [sanitize] [versions]
+#   bench/gpu_session.sh [tests] [decode] [prefill] [serving] [tuning] [sanitize] [versions]
 #
 # (default: all but versions). `versions` times the template folders bench/versions.sh exported
 # (bench/.versions/*, carried to the device) and the working tree, one process each, on bf16
 # d128 4k against torch's flash backend. Each stage has its own time limit (seconds,
-# environment): TESTS_S=480 DECODE_S=240 PREFILL_S=240 TUNING_S=240 SANITIZE_S=120 VERSION_S=120
+# environment): TESTS_S=480 DECODE_S=240 PREFILL_S=240 SERVING_S=180 TUNING_S=240 SANITIZE_S=120
+# VERSION_S=120
 # (per version), so a subset fits one 10-minute device command. Expects
 # kernelgen and its dependencies importable (e.g. PYTHONPATH=$PWD plus a pydantic wheel).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/results"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill tuning sanitize)
+[ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill serving tuning sanitize)
 summary=()
 
 note() { summary+=("$(printf '%-9s %s' "$1" "$2")"); }
@@ -48,6 +49,10 @@ for stage in "${stages[@]}"; do
         run_stage prefill "${PREFILL_S:-240}" bench-prefill.log \
             python3 -m bench.attention --quick --out "$OUT/results"
         ;;
+    serving)
+        run_stage serving "${SERVING_S:-180}" bench-serving.log \
+            python3 -m bench.serving --quick --out "$OUT/results"
+        ;;
     tuning)
         run_stage tuning "${TUNING_S:-240}" bench-tuning.log \
             python3 -m bench.tuning --quick --out "$OUT/results"
@@ -73,7 +78,7 @@ for stage in "${stages[@]}"; do
         done
         ;;
     *)
-        echo "gpu_session: unknown stage $stage (tests, decode, prefill, tuning, sanitize," \
+        echo "gpu_session: unknown stage $stage (tests, decode, prefill, serving, tuning, sanitize," \
             "versions)" >&2
         exit 2
         ;;

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -29,7 +29,7 @@ from kernelgen.frameworks import (
     pointer_of,
     refuse_during_capture,
 )
-from kernelgen.host import EMULATED_CAPABILITY, emulated_kernel
+from kernelgen.host import EMULATED_CAPABILITY, emulated_kernel, is_host_array
 from kernelgen.launch import (
     MAX_SPLITS,
     PreparedLaunch,
@@ -321,6 +321,17 @@ def _device_name(index: int) -> str:
     return "the CPU" if index < 0 else f"CUDA device {index}"
 
 
+@dataclass(frozen=True)
+class Paging:
+    """A paged KV cache's launch inputs (the call's k and v describe the cache as (B, Hkv,
+    pages per sequence x page_size, D) with the page stride as batch stride): keys per page
+    and the checked int32 block table (B, pages per sequence), NumPy or of q's library."""
+
+    page_size: int
+    block_table: Any
+    table_stride: int  # elements between the block table's rows
+
+
 def checked_plan(
     call: CheckedCall,
     causal: bool,
@@ -330,14 +341,22 @@ def checked_plan(
     layout: str,
     arrays: Arrays,
     device: int,
+    paging: Paging | None = None,
 ) -> tuple[CallPlan, dict[str, Any], list[Any]]:
     """The plan of a checked call (spec, split count, prepared launch), its kernel arguments by
     parameter name, and the temporaries they point into (the caller keeps them alive until
     launched: torch arguments are raw pointers); runs with the call's device and stream
-    current."""
+    current. ``paging``: k and v are a paged cache (a paged-KV spec; a host block table is
+    uploaded here)."""
     batch = call.q.shape[0]
     max_keys = call.k.shape[2]
     seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, max_keys, arrays)
+    page_size = paging.page_size if paging is not None else 0
+    if spec is not None and spec.paged_kv != bool(paging):
+        raise InputError(
+            f"spec {spec.uri} has paged_kv={spec.paged_kv} but the call needs "
+            f"paged_kv={bool(paging)} ({'a' if paging else 'no'} block_table)"
+        )
     misaligned = [
         why
         for t in (call.q, call.k, call.v)
@@ -351,6 +370,7 @@ def checked_plan(
             split=num_splits is not None,
             library=arrays.name,
             host=arrays.host,
+            page_size=page_size,
         )
         num_splits = num_splits or tuned_splits
     elif spec.mma != "simt" and misaligned:
@@ -365,6 +385,13 @@ def checked_plan(
     if seqlens is not None:
         tensors["seqlens_k"] = launch_arg(arrays, seqlens)
         temporaries.append(seqlens)
+    if paging is not None:
+        table = paging.block_table
+        if is_host_sequence(table) and not arrays.host:
+            refuse_during_capture("block_table", table, "an int32 device array of q's library")
+            table = arrays.from_host(np.ascontiguousarray(table, np.int32))
+            temporaries.append(table)
+        tensors["block_table"] = launch_arg(arrays, table)
     if call.mask is not None:
         mask_array, strides = float32_broadcast(call.mask.source, mask_shape(call))
         tensors["mask"] = launch_arg(arrays, mask_array)
@@ -372,6 +399,10 @@ def checked_plan(
         mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
         call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
     problem, out_shape = plan(call, layout)
+    if paging is not None:
+        problem = replace(
+            problem, page_size=paging.page_size, block_table_stride=paging.table_stride
+        )
     launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
     out_dtype = arrays.dtype_of(call.q.source)
     call_plan = CallPlan(
@@ -500,13 +531,16 @@ def _untuned_or_tuned_launch(
     split: bool,
     library: str = "cupy",
     host: bool = False,
+    page_size: int = 0,
 ) -> tuple[KernelSpec, int | None]:
     """The spec (and split count, None: heuristic) for a call without a spec: the autotuner's
     choice (memo, disk, or a fresh tuning; see docs/autotuning.md), or a heuristic default where
     tuning does not apply (inputs the tensor-core kernels cannot read, GPUs before sm_80) or
     where the caller fixed ``num_splits`` (``split``: then the default split-KV spec), and on the
     CPU backend (``host``: no GPU to time; the portable spec, every arch's). Tuning for a torch
-    call (``library``) leaves no free blocks in CuPy's memory pool."""
+    call (``library``) leaves no free blocks in CuPy's memory pool. ``page_size`` (keys per
+    page of a paged KV cache; 0: contiguous K/V) picks paged-KV specs and is part of the
+    tuning key."""
     capability, arch = (EMULATED_CAPABILITY, None) if host else device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
@@ -519,6 +553,7 @@ def _untuned_or_tuned_launch(
             tensor_cores=tensor_cores,
             decode_rows=decode_rows(seqlen_q, heads // call.k.shape[1]),
             split_kv=True if split else None,
+            paged_kv=page_size > 0,
         )
         return spec, None
     from kernelgen.tuning import ProblemDesc, select_launch
@@ -534,6 +569,7 @@ def _untuned_or_tuned_launch(
         head_dim,
         causal=causal,
         mask=call.mask is not None,
+        page_size=page_size,
     )
     tuner = gpu_tuner(free_pool=True) if library == "torch" else None
     launch = select_launch(problem, tuner=tuner)
@@ -562,35 +598,57 @@ def is_host_sequence(x: Any) -> bool:
 
 def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int, arrays: Arrays = CupyArrays) -> Any:
     """seqlens_k as a contiguous int32 array of shape (batch,) for ``arrays``' kernels (host
-    sequences are checked and uploaded to the current device, on the current stream; refused
+    values are checked and uploaded to the current device, on the current stream; refused
     while that stream captures a CUDA graph, which would replay the values of the capture)."""
-    if is_host_sequence(seqlens_k):
-        host = np.asarray(seqlens_k)
-        if host.ndim != 1 or host.shape[0] != batch:
+    host = host_lengths(seqlens_k, "seqlens_k", batch)
+    if host is None:
+        return seqlens_k
+    bad = host[(host < 0) | (host > max_keys)]
+    if bad.size:
+        raise InputError(
+            f"seqlens_k holds {int(bad[0])}; allowed 0 to {max_keys} (the keys k and v hold)"
+        )
+    if not arrays.host:
+        refuse_during_capture("seqlens_k", seqlens_k, "an int32 device array of q's library")
+    return arrays.from_host(host.astype(np.int32))
+
+
+def host_lengths(values: Any, name: str, batch: int) -> np.ndarray | None:
+    """One length per batch entry (``seqlens_k``, ``cache_seqlens``; ``name`` in errors), shape
+    (batch,): host values (an int for every entry, a list or tuple, a NumPy array of integers, a
+    CPU torch tensor) as int64, or None for a device array, checked (int32, contiguous) but not
+    read."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        return np.full((batch,), int(values), np.int64)
+    if is_host_sequence(values) or is_host_array(values):
+        host = host_values(values)
+        if host.size and host.dtype.kind not in "iu":
+            raise InputTypeError(f"{name} has dtype {host.dtype}; expected integers")
+        if host.shape != (batch,):
             raise InputError(
-                f"seqlens_k has shape {host.shape}; expected ({batch},), one key length per "
-                "batch entry"
+                f"{name} has shape {host.shape}; expected ({batch},), one length per batch entry"
             )
-        if host.dtype.kind not in "iu":
-            raise InputTypeError(f"seqlens_k has dtype {host.dtype}; expected integers")
-        bad = host[(host < 0) | (host > max_keys)]
-        if bad.size:
-            raise InputError(
-                f"seqlens_k holds {int(bad[0])}; allowed 0 to {max_keys} (the keys k and v hold)"
-            )
-        if not arrays.host:
-            refuse_during_capture("seqlens_k", seqlens_k, "an int32 device array of q's library")
-        return arrays.from_host(host.astype(np.int32))
-    info = describe(seqlens_k, "seqlens_k")
+        return host.astype(np.int64)
+    info = describe(values, name)
     if info.shape != (batch,):
         raise InputError(
-            f"seqlens_k has shape {info.shape}; expected ({batch},), one key length per batch entry"
+            f"{name} has shape {info.shape}; expected ({batch},), one length per batch entry"
         )
     if info.dtype != "int32":
-        raise InputTypeError(f"seqlens_k has dtype {info.dtype}; expected int32")
+        raise InputTypeError(f"{name} has dtype {info.dtype}; expected int32")
     if info.strides != (1,):
-        raise InputError(f"seqlens_k has stride {info.strides[0]}; expected a contiguous array")
-    return info.source
+        raise InputError(f"{name} has stride {info.strides[0]}; expected a contiguous array")
+    return None
+
+
+def host_values(values: Any) -> np.ndarray:
+    """A host sequence, NumPy array or torch tensor (any device: read back) as a NumPy array."""
+    library = module_of(values)
+    if library == "torch":
+        return values.detach().cpu().numpy()
+    if library == "cupy":
+        return values.get()
+    return np.asarray(values)
 
 
 def mask_shape(call: CheckedCall) -> tuple[int, int, int, int]:

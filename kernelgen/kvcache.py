@@ -13,20 +13,35 @@ leaves the cache untouched.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from kernelgen.api import (
+    Paging,
+    TensorInfo,
     check_inputs,
     check_num_splits,
     checked_plan,
     common_device,
     describe,
+    host_lengths,
+    host_values,
 )
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.frameworks import arrays_of, device_of, module_of, refuse_during_capture
+from kernelgen.frameworks import arrays_of, module_of, refuse_during_capture
+from kernelgen.host import is_host_array
+from kernelgen.kvcache_checks import (
+    PAGE_SIZE_MULTIPLE,
+    PagedLayout,
+    check_lengths,
+    check_pages,
+    check_table_info,
+    paged_slots,
+    validate_on_device,
+)
 from kernelgen.spec import KernelSpec
 
 __all__ = ["attention_with_kvcache"]
@@ -40,6 +55,7 @@ def attention_with_kvcache(
     v_cache: Any,
     cache_seqlens: Any,
     *,
+    block_table: Any = None,
     k_new: Any = None,
     v_new: Any = None,
     causal: bool = False,
@@ -47,33 +63,45 @@ def attention_with_kvcache(
     return_lse: bool = False,
     spec: KernelSpec | None = None,
     num_splits: int | None = None,
+    validate: bool = False,
 ) -> Any:
-    """Attention of q over a contiguous KV cache, after appending ``k_new``/``v_new`` in place.
+    """Attention of q over a KV cache, after appending ``k_new``/``v_new`` in place.
 
-    q is (B, Sq, H, D); ``k_cache``/``v_cache`` (B, S_max, Hkv, D) with H % Hkv == 0, all in
-    "bshd" layout. ``cache_seqlens`` gives each batch entry's valid keys: an int (every entry),
-    a list of ints, or an int32 (B,) array (NumPy, or q's library on q's device).
+    q is (B, Sq, H, D) with H % Hkv == 0, "bshd" layout. The cache, per tensor, is contiguous
+    (B, S_max, Hkv, D) without ``block_table``, or paged (num_pages, page_size, Hkv, D) with
+    ``block_table``, int32 (B, pages per sequence): key j of entry b is row j % page_size of
+    page ``block_table[b, j // page_size]`` (page_size a multiple of 16; pages in any order,
+    shared between entries too; entries past a sequence's pages are never read). The cache
+    holds S_max = pages per sequence x page_size keys per entry then. ``cache_seqlens`` gives
+    each batch entry's valid keys: an int (every entry), a list of ints, or an int32 (B,) array
+    (NumPy, or q's library on q's device); ``block_table`` likewise (host or q's library).
 
     With ``k_new`` and ``v_new`` (B, S_new, Hkv, D, the cache's dtype), row s of entry b is
-    written to ``cache[b, cache_seqlens[b] + s]`` before attending, so q sees
+    written to key ``cache_seqlens[b] + s`` of the entry before attending, so q sees
     ``cache_seqlens[b] + S_new`` keys; every ``cache_seqlens[b] + S_new`` must be at most
-    S_max. Device ``cache_seqlens`` are then read back to the host (one synchronisation;
-    refused while a CUDA graph is being captured) and checked like host ones. Without
-    ``k_new``, q sees ``cache_seqlens[b]`` keys and device lengths are not read (the kernels
-    clamp them to [0, S_max]). The call does not advance ``cache_seqlens``: the caller adds
-    S_new for the next step (as with flash-attn).
+    S_max, and no two entries may write one paged row. Device ``cache_seqlens`` and
+    ``block_table`` are then read back to the host (one synchronisation; refused while a CUDA
+    graph is being captured) and checked like host ones. Without ``k_new``, q sees
+    ``cache_seqlens[b]`` keys and device metadata is not read (the kernels clamp lengths to
+    [0, S_max] and trust the block table) unless ``validate=True``: that checks device lengths
+    and the block-table entries they use on the device, with the arrays' library (one
+    synchronisation), before any launch. The call does not advance ``cache_seqlens``: the
+    caller adds S_new for the next step (as with flash-attn).
 
     ``causal`` is bottom-right aligned to each entry's updated length: query i of Sq sees key j
     iff ``j <= i + cache_seqlens[b] + S_new - Sq`` (with Sq == S_new, each new token sees the
     cache and the new tokens up to itself). ``scale``, ``spec``, ``num_splits`` and
-    ``return_lse`` as in ``attention()``. Returns out (B, Sq, H, D) in q's dtype and library,
-    and with ``return_lse`` the fp32 LSE of shape (B, H, Sq). Every check runs before the cache
-    is written: a call that raises leaves it unchanged.
+    ``return_lse`` as in ``attention()`` (a paged cache needs a ``paged_kv`` spec). Returns out
+    (B, Sq, H, D) in q's dtype and library, and with ``return_lse`` the fp32 LSE of shape
+    (B, H, Sq). Every check runs before the cache is written: a call that raises leaves it
+    unchanged.
     """
     infos = [describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
+    paged = block_table is not None
     for t in infos:
         if len(t.shape) != 4:
-            shape = "(B, Sq, H, D)" if t.name == "q" else "(B, S_max, Hkv, D)"
+            shape = "(num_pages, page_size, Hkv, D)" if paged else "(B, S_max, Hkv, D)"
+            shape = "(B, Sq, H, D)" if t.name == "q" else shape
             raise InputError(
                 f"{t.name} has rank {len(t.shape)} (shape {t.shape}); expected rank 4, {shape}"
             )
@@ -82,15 +110,25 @@ def attention_with_kvcache(
         raise InputError(
             f"k_cache has shape {k_info.shape} but v_cache has {v_info.shape}; they must match"
         )
-    if k_info.shape[0] != q_info.shape[0]:
-        raise InputError(f"k_cache has batch {k_info.shape[0]} but q has batch {q_info.shape[0]}")
-    call = check_inputs(*infos, None, layout="bshd", scale=scale, spec=spec, causal=bool(causal))
+    if k_info.strides != v_info.strides and paged:
+        raise InputError(
+            f"k_cache has strides {k_info.strides} but v_cache has {v_info.strides}; a paged "
+            "cache's two tensors must share their layout"
+        )
+    batch = q_info.shape[0]
+    layout = _paged_layout(k_info, block_table, batch) if paged else None
+    if layout is None and k_info.shape[0] != batch:
+        raise InputError(f"k_cache has batch {k_info.shape[0]} but q has batch {batch}")
+    kernel_infos = [q_info] + [_as_batched(t, layout) for t in (k_info, v_info)]
+    call = check_inputs(
+        *kernel_infos, None, layout="bshd", scale=scale, spec=spec, causal=bool(causal)
+    )
     # the kernels' parameter names (errors above named the caches)
     call = replace(call, k=replace(call.k, name="k"), v=replace(call.v, name="v"))
     num_splits = check_num_splits(num_splits, spec)
-    batch, max_keys = k_info.shape[:2]
+    max_keys = call.k.shape[2]  # S_max: keys each entry can hold
     appending = k_new is not None or v_new is not None
-    new_len = _check_new(k_new, v_new, k_info) if appending else 0
+    new_len = _check_new(k_new, v_new, kernel_infos[1]) if appending else 0
     if appending:
         libraries = {n: module_of(x) for n, x in _named(q, k_cache, v_cache, k_new, v_new)}
         if (
@@ -109,7 +147,8 @@ def attention_with_kvcache(
                     f"{name} is a leaf tensor that requires grad; the call writes k_new/v_new "
                     "into it in place (pass a cache without requires_grad)"
                 )
-    host_lengths = _host_lengths(cache_seqlens, batch, q)
+    lengths = _lengths(cache_seqlens, batch, q)
+    table = layout.host_table if layout is not None else None
     device = common_device(
         {
             "q": q,
@@ -117,27 +156,55 @@ def attention_with_kvcache(
             "v_cache": v_cache,
             "k_new": k_new,
             "v_new": v_new,
-            "cache_seqlens": None if host_lengths is not None else cache_seqlens,
+            "cache_seqlens": None if lengths is not None else cache_seqlens,
+            "block_table": None if not paged or table is not None else block_table,
         }
     )
     arrays = arrays_of(q)
     with arrays.scope(device):
-        if appending and host_lengths is None:  # device lengths: read back once
-            refuse_during_capture(
-                "cache_seqlens", cache_seqlens, "host lengths (a list or NumPy int32 array)"
+        if appending:  # the write positions come from the metadata: read device values once
+            for name, values, host in (
+                ("cache_seqlens", cache_seqlens, lengths),
+                ("block_table", block_table, table),
+            ):
+                if host is None and values is not None:
+                    refuse_during_capture(name, values, "host values (lists or NumPy arrays)")
+            if lengths is None:
+                lengths = host_values(cache_seqlens).astype(np.int64)
+            if paged and table is None:
+                table = host_values(block_table).astype(np.int64)
+        elif validate and (lengths is None or (paged and table is None)):
+            validate_on_device(
+                cache_seqlens if lengths is None else lengths,
+                0,
+                max_keys,
+                layout,
+                block_table if table is None else table,
             )
-            host_lengths = _as_host(cache_seqlens)
-        if host_lengths is not None:
-            _check_lengths(host_lengths, new_len, max_keys)
-            seqlens_k: Any = (host_lengths + new_len).astype(np.int32)
+        if lengths is not None:
+            check_lengths(lengths, new_len, max_keys, layout.page_size if layout else 0)
+            seqlens_k: Any = (lengths + new_len).astype(np.int32)
         else:
             seqlens_k = cache_seqlens
+        slots = None
+        if layout is not None:
+            if lengths is not None and table is not None:
+                check_pages(table, lengths + new_len, layout)
+                if appending and new_len:
+                    slots = paged_slots(table, lengths, new_len, layout.page_size)
+            paging = Paging(layout.page_size, layout.kernel_table, layout.row_stride)
+        else:
+            paging = None
         call_plan, tensors, temporaries = checked_plan(
-            call, bool(causal), seqlens_k, spec, num_splits, "bshd", arrays, device
+            call, bool(causal), seqlens_k, spec, num_splits, "bshd", arrays, device, paging
         )
         if appending and new_len:
-            _append(k_cache, k_new, host_lengths, new_len)
-            _append(v_cache, v_new, host_lengths, new_len)
+            if layout is None:
+                _append(k_cache, k_new, lengths, new_len)
+                _append(v_cache, v_new, lengths, new_len)
+            else:
+                _append_paged(k_cache, k_new, *slots)
+                _append_paged(v_cache, v_new, *slots)
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
         del temporaries  # each library frees in stream order: safe once queued
     return (out, lse) if return_lse else out
@@ -176,68 +243,66 @@ def _check_new(k_new: Any, v_new: Any, cache: Any) -> int:
     return int(infos[0].shape[1])
 
 
-def _host_lengths(values: Any, batch: int, q: Any) -> np.ndarray | None:
-    """``cache_seqlens`` as host int64 lengths (shape and type checked), or None for an int32
-    device array of q's library (checked here, read later only if needed)."""
-    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
-        return np.full((batch,), int(values), np.int64)
-    if isinstance(values, (list, tuple)):
-        host = np.asarray(values)
-        if host.size and host.dtype.kind not in "iu":
-            raise InputTypeError(f"cache_seqlens holds {host.dtype} values; expected integers")
-        host = host.astype(np.int64)
-        if host.shape != (batch,):
-            raise InputError(
-                f"cache_seqlens has shape {host.shape}; expected ({batch},), one length per "
-                "batch entry"
-            )
-        return host
+def _lengths(values: Any, batch: int, q: Any) -> np.ndarray | None:
+    """``cache_seqlens`` as host int64 lengths, or None for an int32 device array of q's
+    library (checked here, read later only if needed)."""
     library = module_of(values)
-    if library not in _LIBRARIES:
+    if not isinstance(values, (int, np.integer, list, tuple)) and library not in _LIBRARIES:
         raise InputTypeError(
             f"cache_seqlens has type {type(values).__name__}; expected an int, a list of ints "
             "or an int32 NumPy, CuPy or torch array"
         )
-    info = describe(values, "cache_seqlens")
-    if info.dtype != "int32":
-        raise InputTypeError(f"cache_seqlens has dtype {info.dtype}; expected int32")
-    if info.shape != (batch,):
-        raise InputError(
-            f"cache_seqlens has shape {info.shape}; expected ({batch},), one length per batch entry"
-        )
-    if device_of(values) < 0:
-        return _as_host(values)
-    if library != module_of(q):
+    lengths = host_lengths(values, "cache_seqlens", batch)
+    if lengths is None and library != module_of(q):
         raise InputTypeError(
             f"cache_seqlens is a {library} array but q is a {module_of(q)} one; pass it in q's "
             "library or on the host"
         )
-    if info.strides != (1,):
-        raise InputError(f"cache_seqlens has stride {info.strides[0]}; expected a contiguous array")
-    return None
+    return lengths
 
 
-def _as_host(values: Any) -> np.ndarray:
-    library = module_of(values)
-    if library == "torch":
-        values = values.detach().cpu().numpy()
-    elif library == "cupy":
-        values = values.get()
-    return np.asarray(values).astype(np.int64)
-
-
-def _check_lengths(lengths: np.ndarray, new_len: int, max_keys: int) -> None:
-    """0 <= cache_seqlens[b] and cache_seqlens[b] + S_new <= S_max, naming the first bad b."""
-    bad = np.flatnonzero((lengths < 0) | (lengths + new_len > max_keys))
-    if bad.size:
-        b = int(bad[0])
-        length = int(lengths[b])
-        if length < 0:
-            raise InputError(f"cache_seqlens[{b}] is {length}; lengths are 0 or more")
+def _paged_layout(cache: TensorInfo, block_table: Any, batch: int) -> PagedLayout:
+    """The paged cache's geometry from k_cache (num_pages, page_size, Hkv, D) and the checked
+    block table (host values copied, device ones described)."""
+    num_pages, page_size = cache.shape[:2]
+    if page_size % PAGE_SIZE_MULTIPLE or page_size == 0:
         raise InputError(
-            f"cache_seqlens[{b}] is {length} and S_new is {new_len}: {length + new_len} keys do "
-            f"not fit the cache's S_max = {max_keys} rows"
+            f"k_cache has page_size {page_size} (shape {cache.shape}, (num_pages, page_size, "
+            f"Hkv, D)); page_size must be a positive multiple of {PAGE_SIZE_MULTIPLE}"
         )
+    if isinstance(block_table, (list, tuple)) or is_host_array(block_table):
+        host = host_values(block_table)
+        if isinstance(block_table, (list, tuple)):  # Python ints: converted, range-checked
+            if host.size and host.dtype.kind not in "iu":
+                raise InputTypeError(f"block_table holds {host.dtype} values; expected integers")
+            host = host.astype(np.int64)
+            check_table_info(describe(host.astype(np.int32), "block_table"), batch)
+        else:
+            check_table_info(describe(np.ascontiguousarray(host), "block_table"), batch)
+        kernel_table = np.ascontiguousarray(host, np.int32)
+        return PagedLayout(
+            num_pages, page_size, host.shape[1], host.astype(np.int64), kernel_table, host.shape[1]
+        )
+    library = module_of(block_table)
+    if library not in _LIBRARIES:
+        raise InputTypeError(
+            f"block_table has type {type(block_table).__name__}; expected a list of lists or an "
+            "int32 NumPy, CuPy or torch array"
+        )
+    info = describe(block_table, "block_table")
+    check_table_info(info, batch)
+    return PagedLayout(num_pages, page_size, info.shape[1], None, block_table, info.strides[0])
+
+
+def _as_batched(cache: TensorInfo, layout: PagedLayout | None) -> TensorInfo:
+    """The cache as the kernels address it, (B, S_max, Hkv, D): itself when contiguous; a paged
+    one as (B, pages per sequence x page_size, Hkv, D) with the page stride as batch stride
+    (the kernels find each key's page in the block table)."""
+    if layout is None:
+        return cache
+    batch = layout.kernel_table.shape[0]
+    shape = (batch, layout.capacity, *cache.shape[2:])
+    return TensorInfo(cache.name, shape, cache.strides, cache.dtype, cache.source)
 
 
 def _append(cache: Any, new: Any, lengths: np.ndarray, new_len: int) -> None:
@@ -249,3 +314,19 @@ def _append(cache: Any, new: Any, lengths: np.ndarray, new_len: int) -> None:
         return
     for b, start in enumerate(lengths.tolist()):
         cache[b, start : start + new_len] = new[b]
+
+
+def _append_paged(cache: Any, new: Any, pages: np.ndarray, rows: np.ndarray) -> None:
+    """cache[pages[i], rows[i]] = row i of new (B, S_new, Hkv, D) in (b, s) order: one scatter
+    in the arrays' own library and stream (the slots are distinct: paged_slots)."""
+    flat = new.reshape(-1, *new.shape[2:])
+    library = module_of(cache)
+    if library == "torch":
+        torch = sys.modules["torch"]
+        index: tuple[Any, Any] = tuple(torch.from_numpy(x).to(cache.device) for x in (pages, rows))
+    elif library == "cupy":
+        cupy = sys.modules["cupy"]
+        index = (cupy.asarray(pages), cupy.asarray(rows))
+    else:
+        index = (pages, rows)
+    cache[index] = flat

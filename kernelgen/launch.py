@@ -73,6 +73,10 @@ class Problem:
     out_strides: tuple[int, int, int]
     mask_strides: tuple[int, int, int, int] = (0, 0, 0, 0)
     num_splits: int = 1  # key chunks of a split-KV spec (1 for the others)
+    # Paged-KV specs: keys per page and the block table's row stride (k/v_strides[0] is then
+    # the stride between pages, seqlen_k the pages per sequence times page_size).
+    page_size: int = 0
+    block_table_stride: int = 0
 
     @property
     def group(self) -> int:
@@ -443,6 +447,8 @@ def kernel_arguments(
         "seqlen_q": problem.seqlen_q,
         "max_seqlen_k": problem.seqlen_k,
         "num_splits": problem.num_splits,
+        "page_size": problem.page_size,
+        "block_table_stride_b": problem.block_table_stride,
         "scale_log2": scale * math.log2(math.e),
     }
     for tensor, axes, strides in (

@@ -60,6 +60,7 @@ def default_spec(
     tensor_cores: bool = True,
     decode_rows: int | None = None,
     split_kv: bool | None = None,
+    paged_kv: bool = False,
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
@@ -73,6 +74,7 @@ def default_spec(
     shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that fit (decode
     shapes: 16-row tiles and split-KV as well). ``dtype`` takes the short names too (bf16,
     fp16, f16, half, fp32, f32, float); any other raises InputError naming the allowed ones.
+    ``paged_kv``: K and V in a paged cache (the same tiling, paged addressing).
     """
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
@@ -97,6 +99,7 @@ def default_spec(
             smem_layout=default_smem_layout(head_dim),
             pack_gqa=decode,
             split_kv=split,
+            paged_kv=paged_kv,
             archs=archs,
         )
     block_m = 16 if decode else 64 if head_dim <= 128 else 32
@@ -111,6 +114,7 @@ def default_spec(
                 num_warps=4,
                 causal=causal,
                 split_kv=split,
+                paged_kv=paged_kv,
                 archs=archs,
             )
         except ValueError:

@@ -97,7 +97,9 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     """The main kernel's parameter list (the contract between render and launch).
 
     A split-KV kernel writes fp32 partials (o_partial, lse_partial) instead of out and lse;
-    ``seqlens_k`` (per-sequence key lengths, or null) clamps ``seqlen_k`` for each batch entry."""
+    ``seqlens_k`` (per-sequence key lengths, or null) clamps ``seqlen_k`` for each batch entry.
+    A paged-KV kernel also takes ``block_table`` (B, pages per sequence), its row stride and
+    ``page_size``; its k/v batch stride is then the stride between pages."""
     elem = CXX_ELEMENT[spec.dtype].name
     if spec.mma == "wgmma":  # q, k and v reach the kernel as TMA tensor maps
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
@@ -112,12 +114,18 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     else:
         params += [Param("out", f"{elem}*"), Param("lse", "float*")]
     params += [Param("mask", "const float*"), Param("seqlens_k", "const int*")]
+    if spec.paged_kv:
+        params.append(Param("block_table", "const int*"))
     if spec.loop_order == "v1":
         params.append(Param("workspace", "float*"))
     names = ["batch", "num_heads", "num_kv_heads", "seqlen_q", "max_seqlen_k"]
-    params += [Param(name, "int") for name in names + (["num_splits"] if spec.split_kv else [])]
+    names += ["num_splits"] if spec.split_kv else []
+    names += ["page_size"] if spec.paged_kv else []
+    params += [Param(name, "int") for name in names]
     if spec.mma != "wgmma":  # the tensor maps hold the strides of q, k and v
         params += _strides("q", "bhs") + _strides("k", "bhs") + _strides("v", "bhs")
+    if spec.paged_kv:
+        params += _strides("block_table", "b")
     if not spec.split_kv:
         params += _strides("out", "bhs")
     params += _strides("mask", "bhqk")

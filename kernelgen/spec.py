@@ -155,6 +155,12 @@ class KernelSpec(BaseModel):
         "thread block writes its chunk's output and LSE in fp32, and a generated combine kernel "
         "folds them with the attention monoid (loop_order v2 only).",
     )
+    paged_kv: bool = Field(
+        False,
+        description="K and V live in a paged cache (num_pages, page_size, Hkv, D): key j of "
+        "batch entry b is row j % page_size of page block_table[b, j / page_size]; page_size and "
+        "the block table are launch arguments (loop_order v2 only).",
+    )
     overlap: bool = Field(
         False,
         description="wgmma only: overlap each key tile's softmax with the next tile's Q K^T "
@@ -200,7 +206,7 @@ class KernelSpec(BaseModel):
             )
         return value
 
-    @field_validator("causal", "pack_gqa", "split_kv", "overlap", mode="before")
+    @field_validator("causal", "pack_gqa", "split_kv", "paged_kv", "overlap", mode="before")
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         """Boolean fields take true or false only (not 1, 0 or the string 'yes')."""
@@ -316,6 +322,11 @@ class KernelSpec(BaseModel):
                 f"split_kv=true is not allowed with loop_order={self.loop_order!r}; use v2 (a "
                 "block per query tile and key chunk)"
             )
+        if self.paged_kv and self.loop_order != "v2":
+            problems.append(
+                f"paged_kv=true is not allowed with loop_order={self.loop_order!r}; use v2 (a "
+                "block per query tile looks up each key tile's page)"
+            )
         return problems
 
     def _mma_problems(self) -> list[str]:
@@ -402,7 +413,12 @@ class KernelSpec(BaseModel):
                 f"smem_layout={self.smem_layout!r}, smem_pad={self.smem_pad} are not allowed "
                 "with mma='wgmma'; its tiles are always 128-byte swizzled (leave both out)"
             )
-        for field, value in (("pack_gqa", self.pack_gqa), ("split_kv", self.split_kv)):
+        refused = (
+            ("pack_gqa", self.pack_gqa),
+            ("split_kv", self.split_kv),
+            ("paged_kv", self.paged_kv),
+        )
+        for field, value in refused:
             if value:
                 problems.append(f"{field}=true is not allowed with mma='wgmma' (not built yet)")
         return problems
@@ -525,6 +541,8 @@ class KernelSpec(BaseModel):
             parts.append("gqa")
         if self.split_kv:
             parts.append("split")
+        if self.paged_kv:
+            parts.append("paged")
         return "_".join(parts)
 
     def compile_arch(self, device_arch: str) -> str:

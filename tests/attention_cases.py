@@ -217,3 +217,41 @@ def check_kvcache(out, lse, ref_out, ref_lse, dtype):
     assert np.array_equal(np.isneginf(lse), empty), "lse is -inf exactly where no key is seen"
     if (~empty).any():
         assert np.max(np.abs(lse[~empty] - ref_lse[~empty])) <= LSE_TOLERANCE
+
+
+# ---- a paged KV cache (attention_with_kvcache with block_table) ----
+
+
+SPARE_PAGE_VALUE = 4096.0  # exact in every dtype; far from any softmax-weighted value
+
+
+def paged_cache(cache, page_size, seed, shared=(), spare=3):
+    """A contiguous cache (B, S_max, Hkv, D) (S_max a multiple of page_size) scattered into a
+    pool of pages (num_pages, page_size, Hkv, D) in shuffled order, with ``spare`` pages no
+    entry uses (filled with SPARE_PAGE_VALUE: reading one shows). ``shared``: (b_from, b_to,
+    pages) triples, entry b_to's first pages are b_from's (prefix sharing: its logical cache
+    changes to match). Returns (pool, block_table int32 (B, S_max / page_size), the logical
+    cache the table describes)."""
+    rng = np.random.default_rng(seed)
+    batch, max_keys = cache.shape[:2]
+    per_seq = max_keys // page_size
+    logical = cache.copy()
+    owner = np.arange(batch * per_seq).reshape(batch, per_seq)  # logical page of each slot
+    for b_from, b_to, pages in shared:
+        owner[b_to, :pages] = owner[b_from, :pages]
+        logical[b_to, : pages * page_size] = logical[b_from, : pages * page_size]
+    used = np.unique(owner)
+    order = rng.permutation(used.size + spare)  # pool page of each used logical page
+    pool = np.full((used.size + spare, page_size, *cache.shape[2:]), SPARE_PAGE_VALUE, cache.dtype)
+    where = dict(zip(used.tolist(), order[: used.size].tolist(), strict=True))
+    table = np.vectorize(where.__getitem__)(owner).astype(np.int32)
+    for b in range(batch):
+        for j in range(per_seq):
+            pool[table[b, j]] = logical[b, j * page_size : (j + 1) * page_size]
+    return pool, table, logical
+
+
+def gather_pages(pool, table):
+    """The logical caches (B, pages x page_size, Hkv, D) a block table describes."""
+    batch, per_seq = table.shape
+    return pool[table].reshape(batch, per_seq * pool.shape[1], *pool.shape[2:])

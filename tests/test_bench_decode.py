@@ -200,20 +200,22 @@ def test_markdown_table_cells():
     lines = dr.markdown_table(rows).splitlines()
     assert len(lines) == 2 + 3
     assert _cells(lines[0]) == [
-        "dtype", "B", "H/Hkv", "Sq", "Sk", "kg-decode", "kg-tuned", "kg-nosplit",
-        "flash", "cudnn", "effic", "dec/nosplit", "dec/torch", "tuned/torch",
+        "dtype", "B", "H/Hkv", "Sq", "Sk", "kg-decode", "kg-tuned", "kg-nosplit", "kg-p16",
+        "kg-p256", "flash", "cudnn", "effic", "dec/nosplit", "dec/torch", "tuned/torch",
+        "p16/dec", "p256/dec",
     ]  # fmt: skip
     first = _cells(lines[2])
     assert first == [
-        "bf16", "1", "32/8", "1", "32768", "0.05 (89%)", "0.06 (75%)", "0.4 (11%)",
-        "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x",
+        "bf16", "1", "32/8", "1", "32768", "0.05 (89%)", "0.06 (75%)", "0.4 (11%)", "-", "-",
+        "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-",
     ]  # fmt: skip
     second = _cells(lines[3])
     assert second[4:] == [
-        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "0.2 (22%)", "-", "-", "-", "2.00x", "-"
+        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "0.2 (22%)", "-", "-", "-",
+        "2.00x", "-", "-", "-",
     ]  # fmt: skip
     assert _cells(lines[4])[:5] == ["fp16", "64", "32/32", "1", "131072"]
-    assert _cells(lines[4])[5:11] == ["skip"] * 6
+    assert _cells(lines[4])[5:13] == ["skip"] * 8
 
 
 def test_sweep_table_and_peer_order():
@@ -236,7 +238,8 @@ def _targets(rows: list[dict]) -> dict[tuple[str, str], dr.TargetResult]:
 
 def test_targets_pass_miss_and_not_measured():
     results = _targets(synthetic_rows())
-    assert len(results) == 4 * 2
+    assert len(results) == 4 * 2 + 2  # and the paged target for each paged peer
+    assert results[("paged", "kg-paged-16")].status == dr.NOT_MEASURED
     one_chunk = results[("vs-one-chunk", "kg-decode")]  # no --sweep-splits rows
     assert one_chunk.status == dr.NOT_MEASURED and "0 of 1" in one_chunk.detail
     bw = results[("bandwidth", "kg-decode")]  # B=1, Sk=32k at 89.5%
@@ -540,3 +543,29 @@ def test_one_chunk_target_reads_the_sweeps_first_count():
     assert result.status == dr.MISS and "4.00x" in result.detail  # 0.2 / 0.05 < 5
     rows[1] = ok(a, dr.split_peer(1), 0.3)
     assert _targets(rows)[("vs-one-chunk", "kg-decode")].status == dr.PASS  # 6.00x
+
+
+def test_paged_peers_are_compared_with_kg_decode():
+    """pN/dec: a paged peer's bandwidth over kg-decode's on the same shape; the paged target
+    is 0.95x on every shape where both ran."""
+    a, b = shape(seqlen_k=32768), shape(batch=8, seqlen_k=4096)
+    rows = [
+        ok(a, "kg-decode", 0.050),
+        ok(a, "kg-paged-16", 0.052),
+        ok(a, "kg-paged-256", 0.050),
+        ok(b, "kg-decode", 0.100),
+        ok(b, "kg-paged-16", 0.125),
+        report.make_row(b, "kg-paged-256", report.WRONG, rel_err=0.5, reason="rel. error 0.5"),
+    ]
+    by = {(r["shape"], r["peer"]): r for r in dr.add_comparisons(rows)}
+    assert by[(a.key, "kg-paged-16")]["paged_vs_contiguous"] == pytest.approx(0.05 / 0.052)
+    assert by[(b.key, "kg-paged-16")]["paged_vs_contiguous"] == pytest.approx(0.8)
+    assert "paged_vs_contiguous" not in by[(a.key, "kg-decode")]
+    line = _cells(dr.markdown_table(rows).splitlines()[2])
+    assert line[-2:] == ["0.96x", "1.00x"]
+    results = _targets(rows)
+    assert results[("paged", "kg-paged-16")].status == dr.MISS  # 0.80x on the B=8 shape
+    assert "worst 0.80x" in results[("paged", "kg-paged-16")].detail
+    assert results[("paged", "kg-paged-256")].status == dr.MISS  # wrong on B=8
+    assert "failed on" in results[("paged", "kg-paged-256")].detail
+    assert dr.page_size_of("kg-paged-256") == 256 and dr.page_size_of("kg-decode") is None

@@ -40,6 +40,7 @@ def run_emulated(
     stats: dict | None = None,
     want_lse: bool = True,
     source: str | None = None,
+    page_size: int | None = None,
 ):
     """out and lse of the spec's launches on ``data`` through
     :func:`kernelgen.emulator.attention.emulate_attention` (and, into ``keep``, every array;
@@ -59,6 +60,7 @@ def run_emulated(
         seqlens_k=seqlens_k,
         want_lse=want_lse,
         source=source,
+        page_size=page_size,
     )
     if stats is not None:
         stats.update(run.stats)
@@ -87,6 +89,22 @@ def test_a_null_lse_is_not_written(path):
     out, lse = run_emulated(spec, case, data, want_lse=False)
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
+
+
+PAGED_SPECS = [s for s in map(load_spec, POINTER_SPEC_PATHS) if s.paged_kv]
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=str)
+@pytest.mark.parametrize("spec", PAGED_SPECS, ids=lambda s: s.uri)
+def test_paged_specs_at_every_kind_of_page_size(spec, case, page_size):
+    """Pages smaller than the key tile and not dividing it (a lookup per page each thread's
+    rows enter), equal to it and a multiple of it (one lookup per tile), in reverse order
+    after a NaN spare page; split-KV chunks start inside pages."""
+    seed = zlib.crc32(f"{spec.uri} {case} {page_size}".encode())
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
+    out, lse = run_emulated(spec, case, data, page_size=page_size)
+    assert_matches(out, lse, data, spec.dtype)
 
 
 def test_nan_inputs_propagate_only_to_their_rows():

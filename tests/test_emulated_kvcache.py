@@ -128,15 +128,18 @@ BAD = [
     ),
     pytest.param(
         InputTypeError,
-        "cache_seqlens has dtype int64",
-        {"cache_seqlens": np.array([1, 2])},
-        id="int64",
+        "cache_seqlens has dtype float64; expected integers",
+        {"cache_seqlens": np.array([1.0, 2.0])},
+        id="float-array",
     ),
     pytest.param(
         InputError, r"cache_seqlens has shape \(3,\)", {"cache_seqlens": [1, 2, 3]}, id="shape"
     ),
     pytest.param(
-        InputTypeError, "cache_seqlens holds float", {"cache_seqlens": [1.0, 2.0]}, id="floats"
+        InputTypeError,
+        "cache_seqlens has dtype float64",
+        {"cache_seqlens": [1.0, 2.0]},
+        id="floats",
     ),
     pytest.param(InputError, "k_new is given but v_new is not", {"v_new": None}, id="k-only"),
     pytest.param(

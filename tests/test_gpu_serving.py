@@ -1,6 +1,7 @@
 """GPU tier: the serving entry points on real hardware (skipped without a CUDA device):
 ``attention_varlen`` with offsets on the device and ``attention_with_kvcache`` appending into a
-device cache, in CuPy and (where torch has CUDA) torch, against float64 references."""
+device cache (contiguous or paged), in CuPy and (where torch has CUDA) torch, against float64
+references."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from attention_cases import (
     appended_cache,
     check_kvcache,
     check_varlen,
+    gather_pages,
     kvcache_data,
     kvcache_reference,
     packed_varlen,
+    paged_cache,
     varlen_reference,
 )
 
@@ -105,3 +108,61 @@ def test_kvcache_append_then_attend_on_gpu(
     # the caches hold the new rows at lengths[b]:, and nothing else changed
     np.testing.assert_array_equal(to_host(k_cache), appended_cache(data[1], data[3], lengths))
     np.testing.assert_array_equal(to_host(v_cache), appended_cache(data[2], data[4], lengths))
+
+
+def table_on_device(table: np.ndarray, library: str):
+    return offsets_on_device(table, library)  # int32, same route as the offsets
+
+
+@pytest.mark.parametrize("library", ["cupy", "torch"])
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "new_len", "lengths", "page_size", "splits"),
+    [
+        ("bfloat16", 32, 8, 1, [0, 900, 4000, 1], 16, None),  # a lookup per key row
+        ("float16", 16, 1, 4, [7, 2000, 31], 64, 5),  # a lookup per 64-key tile
+        ("float16", 8, 8, 1, [255, 256, 1000], 256, None),
+    ],
+)
+def test_paged_kvcache_append_then_attend_on_gpu(
+    library, dtype, heads, kv_heads, new_len, lengths, page_size, splits
+):
+    """Device pages (shuffled, spare pages untouched), device block table and lengths: the
+    append reads the metadata back once, validate=True checks it on the device."""
+    max_keys = -(-(max(lengths) + new_len) // page_size) * page_size
+    data = kvcache_data(len(lengths), new_len, new_len, max_keys, heads, kv_heads, dtype, 9, 128)
+    k_pool, table, k_logical = paged_cache(data[1], page_size, seed=9)
+    v_pool, _, v_logical = paged_cache(data[2], page_size, seed=9)
+    q, k_new, v_new = (to_device(x, dtype, library) for x in (data[0], data[3], data[4]))
+    k_device, v_device = (to_device(x, dtype, library) for x in (k_pool, v_pool))
+    device_table = table_on_device(table, library)
+    device_lengths = offsets_on_device(np.asarray(lengths, np.int32), library)
+    out, lse = kernelgen.attention_with_kvcache(
+        q,
+        k_device,
+        v_device,
+        device_lengths,
+        block_table=device_table,
+        k_new=k_new,
+        v_new=v_new,
+        causal=True,
+        num_splits=splits,
+        return_lse=True,
+    )
+    want = kvcache_reference(data[0], k_logical, v_logical, data[3], data[4], lengths, True)
+    check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, dtype)
+    for pool, logical, new in ((k_device, k_logical, data[3]), (v_device, v_logical, data[4])):
+        np.testing.assert_array_equal(
+            gather_pages(to_host(pool), table), appended_cache(logical, new, lengths)
+        )
+    # attending again to the updated lengths, the metadata validated on the device
+    totals = offsets_on_device(np.asarray(lengths, np.int32) + new_len, library)
+    again = kernelgen.attention_with_kvcache(
+        q, k_device, v_device, totals, block_table=device_table, validate=True
+    )
+    assert np.isfinite(to_host(again)).all()
+    bad = table.copy()
+    bad[0, 0] = k_pool.shape[0]  # past the last page
+    with pytest.raises(kernelgen.InputError, match=r"block_table\[0, 0\]"):
+        kernelgen.attention_with_kvcache(
+            q, k_device, v_device, totals, block_table=table_on_device(bad, library), validate=True
+        )

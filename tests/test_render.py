@@ -39,6 +39,20 @@ def test_parameter_list_matches_the_contract():
         assert "const __nv_bfloat16* __restrict__ q" in signature
 
 
+@pytest.mark.parametrize("mma", ["simt", "mma_sync"])
+def test_paged_kernels_take_the_block_table_and_contiguous_ones_do_not(mma):
+    fields = {**BASE, "loop_order": "v2", "paged_kv": True}
+    if mma == "mma_sync":
+        fields.update(mma="mma_sync", dtype="float16", block_m=64)
+    paged = spec_from_dict(fields)
+    contiguous = spec_from_dict({**fields, "paged_kv": False})
+    extra = [p for p in kernel_params(paged) if p not in kernel_params(contiguous)]
+    assert [(p.name, p.ctype) for p in extra] == [
+        ("block_table", "const int*"), ("page_size", "int"), ("block_table_stride_b", "long long")
+    ]  # fmt: skip
+    assert "block_table" in render(paged) and "block_table" not in render(contiguous)
+
+
 @pytest.mark.parametrize(
     ("dtype", "ctype", "header"),
     [

@@ -164,6 +164,19 @@ def test_split_kv_and_packed_gqa_names():
     assert causal.uri.endswith("_causal_split")
 
 
+def test_paged_kv_names_and_refusals():
+    """paged_kv: part of the name and the schema; v2 only (both mma paths)."""
+    tc = spec_from_dict({**TC, "block_m": 16, "num_warps": 1, "split_kv": True, "paged_kv": True})
+    assert tc.uri == "fa_fwd_v2_tc_f16_d64_m16_n64_w1_s2_pad_split_paged"
+    assert spec_from_dict({**BASE, "loop_order": "v2", "paged_kv": True}).uri.endswith("_paged")
+    assert "paged_kv" in spec_json_schema()["properties"]
+    assert spec_from_dict(TC).paged_kv is False
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({**BASE, "loop_order": "v1", "paged_kv": True})
+    problems = info.value.problems
+    assert any("paged_kv=true is not allowed with loop_order='v1'" in p for p in problems)
+
+
 def test_tensor_core_geometry():
     spec = spec_from_dict({**TC, "head_dim": 40, "block_n": 32})
     assert spec.head_dim_padded == 48
@@ -405,7 +418,7 @@ def test_integer_fields_refuse_booleans_and_floats(field, value):
     assert any(p.startswith(f"{field}={value!r} is not allowed; use an integer") for p in problems)
 
 
-@pytest.mark.parametrize("field", ["causal", "pack_gqa", "split_kv"])
+@pytest.mark.parametrize("field", ["causal", "pack_gqa", "split_kv", "paged_kv"])
 @pytest.mark.parametrize("value", [1, 0, "yes"])
 def test_boolean_fields_refuse_other_values(field, value):
     problems = problems_of(**{field: value})

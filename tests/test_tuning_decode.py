@@ -12,6 +12,7 @@ from test_api_inputs import check
 from test_tuning_fakes import DEVICE, FAST, SOFTWARE, FakeBench, fake_compile, problem
 
 from kernelgen import api
+from kernelgen.errors import InputError
 from kernelgen.launch import MAX_SPLITS
 from kernelgen.tuning import (
     DeviceInfo,
@@ -29,6 +30,7 @@ from kernelgen.tuning.candidates import (
     decode_rows,
     grid_blocks,
     heuristic_splits,
+    launch_problem,
     split_counts,
     valid_candidates,
 )
@@ -254,6 +256,7 @@ def fake_gpu(monkeypatch):
         def tuner(prob, key):
             problems.append(prob)
             uri = "fa_fwd_v2_tc_f16_d64_m16_n32_w1_s3_swz_gqa_split"
+            uri += "_paged" if prob.page_size else ""
             target = next(c for c in prune(prob, device, fake_compile())[0] if c.spec.uri == uri)
             return tuned(prob, favour(uri, target.num_splits))[0]
 
@@ -284,3 +287,61 @@ def test_misaligned_inputs_fall_back_to_cuda_cores_untuned(fake_gpu):
     call = check(q=(1, 8, 1, 64), k=(1, 2, 4096, 64))
     spec, splits = api._untuned_or_tuned_launch(call, False, aligned=False, split=False)
     assert spec.mma == "simt" and splits is None and fake_gpu == []
+
+
+# ---- paged KV caches --------------------------------------------------------------------
+def test_paged_decode_has_its_own_key_and_paged_candidates():
+    """Paged vs contiguous and the page size are part of the key (contiguous keys unchanged:
+    no page field), and a paged problem's candidates are the decode grid with paged_kv."""
+    contiguous, paged16, paged64 = decode(), decode(page_size=16), decode(page_size=64)
+    ids = {make_key(p, DEVICE, SOFTWARE).id for p in (contiguous, paged16, paged64)}
+    assert len(ids) == 3
+    assert "page" not in make_key(contiguous, DEVICE, SOFTWARE).id
+    assert make_key(paged16, DEVICE, SOFTWARE).id.split("-")[0].endswith("_page16")
+    assert "page_size" not in make_key(contiguous, DEVICE, SOFTWARE).as_dict()["problem"]
+    specs, _ = valid_candidates(paged64, "sm_90")
+    plain, _ = valid_candidates(contiguous, "sm_90")
+    assert specs and all(s.paged_kv for s in specs)
+    assert [s.model_copy(update={"paged_kv": False}) for s in specs] == [
+        s for s in plain if s.loop_order == "v2"
+    ]
+    # 16-key pages: also 16-key tiles, which lie in one page (one block-table load per tile)
+    small, _ = valid_candidates(paged16, "sm_90")
+    extra = {s.model_copy(update={"paged_kv": False}) for s in small} - set(plain)
+    assert extra and {s.block_n for s in extra} == {16}
+    assert autotune_module.heuristic_spec(paged16, DEVICE).paged_kv
+
+
+def test_a_paged_launch_problem_addresses_a_pool_of_pages():
+    p = decode(batch=3, seqlen_k=100, page_size=32)
+    launch = launch_problem(p)
+    kv_bytes_per_row = p.num_kv_heads * p.head_dim
+    assert launch.k_strides == (32 * kv_bytes_per_row, p.head_dim, kv_bytes_per_row)
+    assert (launch.seqlen_k, launch.page_size, launch.block_table_stride) == (128, 32, 4)
+
+
+@pytest.mark.parametrize("page_size", [-16, 8, 40])
+def test_bad_page_sizes_are_refused(page_size):
+    with pytest.raises(InputError, match=f"page_size={page_size} is not allowed"):
+        decode(page_size=page_size)
+
+
+def test_a_paged_decode_tunes_and_records_its_winner():
+    p = decode(page_size=64)
+    target = next(c for c in prune(p, DEVICE, fake_compile())[0] if c.spec.split_kv)
+    record, _ = tuned(p, favour(target.spec.uri, target.num_splits))
+    assert record.winner["paged_kv"] is True
+    assert record.winner_launch == {"num_splits": target.num_splits}
+
+
+def test_a_paged_call_tunes_its_page_size(fake_gpu):
+    call = check(q=(1, 8, 1, 64), k=(1, 2, 4096, 64))
+    spec, splits = api._untuned_or_tuned_launch(
+        call, False, aligned=True, split=False, page_size=32
+    )
+    assert spec.uri == "fa_fwd_v2_tc_f16_d64_m16_n32_w1_s3_swz_gqa_split_paged"
+    assert splits is not None and splits > 1
+    (prob,) = fake_gpu
+    assert prob.page_size == 32
+    api._untuned_or_tuned_launch(call, False, aligned=True, split=False, page_size=0)
+    assert [p.page_size for p in fake_gpu] == [32, 0]  # its own record, not the paged one

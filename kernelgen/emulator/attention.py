@@ -19,7 +19,15 @@ from kernelgen.emulator.launches import from_device_dtype, run_launches, to_devi
 from kernelgen.launch import Problem
 from kernelgen.spec import KernelSpec
 
-__all__ = ["EmulatedAttention", "emulate_attention"]
+__all__ = ["DEFAULT_PAGE_SIZE", "EmulatedAttention", "emulate_attention"]
+
+# Keys per page when a paged-KV spec is emulated without a page size: smaller than every key
+# tile but 16, so the kernels look each row's page up (pass block_n or a multiple of it for
+# the one-lookup-per-tile path).
+DEFAULT_PAGE_SIZE = 16
+# What the spare page (page 0, which no block-table entry names) holds: NaN in the element
+# type, so a read of a wrong page poisons the output.
+_NAN_BITS = {"float16": np.float16(np.nan), "bfloat16": np.uint16(0x7FC0), "float32": np.nan}
 
 
 @dataclass
@@ -53,11 +61,17 @@ def emulate_attention(
     want_lse: bool = True,
     source: str | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    page_size: int | None = None,
 ) -> EmulatedAttention:
     """Run ``spec``'s kernels on q (B, H, Sq, D), k and v (B, Hkv, Sk, D) given as floats in
     (B, H, S, D) order (rounded to the spec's dtype), stored in memory in ``layout``. ``out`` and
     ``lse`` start as NaN. Without ``want_lse`` the kernels get a null lse (as attention() passes
-    when the lse is not asked for). Split-KV specs default to 3 key chunks."""
+    when the lse is not asked for). Split-KV specs default to 3 key chunks.
+
+    A ``paged_kv`` spec gets k and v as a pool of pages of ``page_size`` keys (default
+    :data:`DEFAULT_PAGE_SIZE`) in reverse order after a NaN spare page, with its block table,
+    and ``seqlens_k`` (default Sk for every entry) hides the last page's padding; a mask is
+    padded with zeros to the pages' keys."""
     if num_splits is None:
         num_splits = 3 if spec.split_kv else 1
     dtype = spec.dtype
@@ -67,16 +81,33 @@ def emulate_attention(
             x = np.ascontiguousarray(np.asarray(x).transpose(0, 2, 1, 3))
         arrays[name] = to_device_dtype(x, dtype)
     infos = [_info(n, arrays[n], dtype) for n in ("q", "k", "v")]
+    keys = k.shape[2]
+    if spec.paged_kv:
+        page_size = page_size or DEFAULT_PAGE_SIZE
+        for i, name in ((1, "k"), (2, "v")):
+            arrays[name], arrays["block_table"], infos[i] = _paged(
+                arrays[name], name, dtype, layout, page_size
+            )
+        if seqlens_k is None:
+            seqlens_k = np.full(q.shape[0], keys, np.int32)
     mask_info = None
     if mask is not None:
-        full = (*q.shape[:3], k.shape[2])
+        full = (*q.shape[:3], keys)
         arrays["mask"] = np.broadcast_to(np.asarray(mask, dtype=np.float32), full)
+        if spec.paged_kv:  # the kernels see the pages' keys: zeros past Sk (never read)
+            width = infos[1].shape[2 if layout == "bhsd" else 1] - keys
+            arrays["mask"] = np.pad(arrays["mask"], ((0, 0), (0, 0), (0, 0), (0, width)))
         mask_info = _info("mask", arrays["mask"], "float32")
     call = check_inputs(
         *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=spec.causal
     )
     problem, out_shape = plan(call, layout)
     problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
+    if spec.paged_kv:
+        pages_per_seq = arrays["block_table"].shape[1]
+        problem = Problem(
+            **{**problem.__dict__, "page_size": page_size, "block_table_stride": pages_per_seq}
+        )
     if seqlens_k is not None:
         arrays["seqlens_k"] = np.asarray(seqlens_k, dtype=np.int32)
     bf16 = dtype == "bfloat16"
@@ -89,3 +120,27 @@ def emulate_attention(
     if layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
     return EmulatedAttention(out, arrays.get("lse"), stats, arrays, problem)
+
+
+def _paged(
+    x: np.ndarray, name: str, dtype: str, layout: str, page_size: int
+) -> tuple[np.ndarray, np.ndarray, TensorInfo]:
+    """K or V (device dtype, stored in ``layout``) as a pool of pages (1 + B * P, page_size, Hkv,
+    D): page 0 a NaN spare, entry b's logical page j at 1 + B * P - 1 - (b * P + j) (reverse
+    order). Returns the pool, the int32 block table (B, P) and the pool's info as the kernels
+    address it, (B, P * page_size keys) in ``layout`` with the page stride as batch stride."""
+    rows = x if layout == "bshd" else x.transpose(0, 2, 1, 3)  # (B, Sk, Hkv, D)
+    batch, keys, kv_heads, head_dim = rows.shape
+    per_seq = -(-keys // page_size)
+    padded = np.zeros((batch, per_seq * page_size, kv_heads, head_dim), x.dtype)
+    padded[:, :keys] = rows
+    order = np.arange(batch * per_seq)[::-1] + 1
+    pool = np.full((1 + batch * per_seq, page_size, kv_heads, head_dim), _NAN_BITS[dtype], x.dtype)
+    pool[order] = padded.reshape(batch * per_seq, page_size, kv_heads, head_dim)
+    table = order.reshape(batch, per_seq).astype(np.int32)
+    page, row = page_size * kv_heads * head_dim, kv_heads * head_dim
+    if layout == "bshd":
+        shape, strides = (batch, per_seq * page_size, kv_heads, head_dim), (page, row, head_dim, 1)
+    else:
+        shape, strides = (batch, kv_heads, per_seq * page_size, head_dim), (page, head_dim, row, 1)
+    return pool, table, TensorInfo(name, shape, strides, dtype, pool)

@@ -77,6 +77,9 @@ COMPILE_THREADS = min(16, os.cpu_count() or 1)
 # fewest whose 16-row tiles hold the packed rows, and half that.
 DECODE_BLOCK_N = (32, 64, 128)
 DECODE_STAGES = (2, 3)
+# A paged cache whose page size is no multiple of 32 (16, 48, ...) also tries 16-key tiles: a
+# tile that lies in one page costs one block-table load (docs/design-decisions.md).
+PAGED_SMALL_BLOCK_N = 16
 SIMT_FALLBACKS: tuple[dict[str, Any], ...] = (
     {"loop_order": "v2", "block_m": 64, "block_n": 32, "num_warps": 4},
     {"loop_order": "v2", "block_m": 32, "block_n": 32, "num_warps": 4},
@@ -142,6 +145,14 @@ def decode_rows(problem: ProblemDesc) -> int | None:
     return policy.decode_rows(problem.seqlen_q, problem.gqa_ratio)
 
 
+def block_n_choices(grid: tuple[int, ...], problem: ProblemDesc) -> tuple[int, ...]:
+    """A tensor-core grid's key tiles, plus :data:`PAGED_SMALL_BLOCK_N` for a paged problem
+    whose pages no tile of the grid divides."""
+    if problem.page_size and all(problem.page_size % n for n in grid):
+        return (PAGED_SMALL_BLOCK_N, *grid)
+    return grid
+
+
 def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     """The split-KV decode grid, and the same tiles without split-KV (one chunk per row tile).
 
@@ -158,7 +169,7 @@ def decode_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     layout = default_smem_layout(problem.head_dim)
     for warps in dict.fromkeys((fewest, max(1, fewest // 2))):
         for block_n, stages, split in itertools.product(
-            DECODE_BLOCK_N, DECODE_STAGES, (True, False)
+            block_n_choices(DECODE_BLOCK_N, problem), DECODE_STAGES, (True, False)
         ):
             if not split and stages != DECODE_STAGES[0]:
                 continue  # without splits only a baseline per tile, not a grid
@@ -179,7 +190,7 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
         return
     if problem.dtype in ("float16", "bfloat16"):
         for (warps, rows), block_n, stages, layout in itertools.product(
-            TC_WARP_TILINGS, TC_BLOCK_N, TC_STAGES, TC_LAYOUTS
+            TC_WARP_TILINGS, block_n_choices(TC_BLOCK_N, problem), TC_STAGES, TC_LAYOUTS
         ):
             yield tc_fields(warps, block_n, stages, layout, rows_per_warp=rows)
         yield from SIMT_FALLBACKS
@@ -218,17 +229,31 @@ def _label(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
+def pages_per_sequence(problem: ProblemDesc) -> int:
+    """Pages one sequence of a paged problem spans (its keys rounded up to whole pages)."""
+    return math.ceil(problem.seqlen_k / problem.page_size)
+
+
 def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
-    """The kernel-level problem of ``problem`` with contiguous (B, H, S, D) tensors."""
+    """The kernel-level problem of ``problem`` with contiguous (B, H, S, D) tensors, or for a
+    paged problem a pool of (pages, page_size, Hkv, D) pages, ``pages_per_sequence`` per
+    sequence (the launch passes seqlens_k = Sk for the last page's padding)."""
     p, d = problem, problem.head_dim
     q_strides = (p.num_heads * p.seqlen_q * d, p.seqlen_q * d, d)
     kv_strides = (p.num_kv_heads * p.seqlen_k * d, p.seqlen_k * d, d)
+    paging = {}
+    seqlen_k = p.seqlen_k
+    if p.page_size:
+        pages = pages_per_sequence(p)
+        kv_strides = (p.page_size * p.num_kv_heads * d, d, p.num_kv_heads * d)
+        seqlen_k = pages * p.page_size
+        paging = {"page_size": p.page_size, "block_table_stride": pages}
     return Problem(
         batch=p.batch,
         num_heads=p.num_heads,
         num_kv_heads=p.num_kv_heads,
         seqlen_q=p.seqlen_q,
-        seqlen_k=p.seqlen_k,
+        seqlen_k=seqlen_k,
         head_dim=d,
         q_strides=q_strides,
         k_strides=kv_strides,
@@ -236,6 +261,7 @@ def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
         out_strides=q_strides,
         mask_strides=(0, 0, p.seqlen_k, 1) if p.mask else (0, 0, 0, 0),
         num_splits=num_splits,
+        **paging,
     )
 
 
@@ -273,6 +299,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
         "dtype": problem.dtype,
         "head_dim": problem.head_dim,
         "causal": problem.causal,
+        "paged_kv": problem.page_size > 0,
         "archs": [arch],
     }
     for fields in itertools.chain(wgmma_fields(problem, arch), candidate_fields(problem)):

@@ -145,7 +145,7 @@ class CupyBench:
     def __init__(self, problem: ProblemDesc, device: DeviceInfo, seed: int = 0) -> None:
         import numpy as np
 
-        from kernelgen.tuning.candidates import launch_problem
+        from kernelgen.tuning.candidates import launch_problem, pages_per_sequence
 
         cupy = self.cupy = require_device()
         p = self.problem = problem
@@ -154,6 +154,13 @@ class CupyBench:
         dtype = element_dtype(p.dtype)
         q_shape = (p.batch, p.num_heads, p.seqlen_q, p.head_dim)
         kv_shape = (p.batch, p.num_kv_heads, p.seqlen_k, p.head_dim)
+        paged: dict[str, Any] = {}
+        if p.page_size:  # a pool of pages, each sequence's in shuffled order
+            pages = pages_per_sequence(p)
+            kv_shape = (p.batch * pages, p.page_size, p.num_kv_heads, p.head_dim)
+            order = np.random.default_rng(seed).permutation(p.batch * pages)
+            paged["block_table"] = cupy.asarray(order.reshape(p.batch, pages).astype(np.int32))
+            paged["seqlens_k"] = cupy.full((p.batch,), p.seqlen_k, cupy.int32)
         elem = np.dtype(dtype).itemsize
         set_bytes = elem * (2 * math.prod(q_shape) + 2 * math.prod(kv_shape))
         count = max(2, min(16, math.ceil(2 * max(device.l2_bytes, 1) / set_bytes)))
@@ -168,6 +175,7 @@ class CupyBench:
                 "v": tensor(kv_shape),
                 "out": cupy.empty(q_shape, dtype),
                 "lse": cupy.empty(q_shape[:3], cupy.float32),
+                **paged,
             }
             for _ in range(count)
         ]
@@ -233,7 +241,7 @@ class CupyBench:
             for h in range(p.num_heads):
                 kv = h // p.gqa_ratio
                 q = as_float32(cp, s["q"][b, h])
-                scores = self.scale * q @ as_float32(cp, s["k"][b, kv]).T
+                scores = self.scale * q @ as_float32(cp, self._rows(s, "k", b, kv)).T
                 if p.mask:
                     scores = scores + s["mask"]
                 if p.causal:
@@ -242,8 +250,17 @@ class CupyBench:
                 weights = cp.exp(scores - cp.where(cp.isfinite(peak), peak, 0))
                 total = weights.sum(axis=1, keepdims=True)
                 probs = weights / cp.where(total > 0, total, 1)
-                out[b, h] = probs @ as_float32(cp, s["v"][b, kv])
+                out[b, h] = probs @ as_float32(cp, self._rows(s, "v", b, kv))
         return out
+
+    def _rows(self, s: dict[str, Any], name: str, b: int, kv_head: int) -> Any:
+        """The (Sk, D) keys or values of sequence b, K/V head kv_head (gathered from its pages
+        in a paged problem)."""
+        p = self.problem
+        if not p.page_size:
+            return s[name][b, kv_head]
+        pages = s[name][s["block_table"][b]]  # (pages, page_size, Hkv, D)
+        return pages.reshape(-1, p.num_kv_heads, p.head_dim)[: p.seqlen_k, kv_head]
 
     def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
         cp = self.cupy

@@ -31,7 +31,8 @@ def canonical_digest(data: object) -> str:
 
 @dataclass(frozen=True)
 class ProblemDesc:
-    """One attention call's shape: q (B, H, Sq, D), k and v (B, Hkv, Sk, D)."""
+    """One attention call's shape: q (B, H, Sq, D), k and v (B, Hkv, Sk, D); ``page_size``:
+    k and v in a paged cache of pages of that many keys (Sk per sequence), 0: contiguous."""
 
     dtype: str
     batch: int
@@ -42,6 +43,7 @@ class ProblemDesc:
     head_dim: int
     causal: bool = False
     mask: bool = False
+    page_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -52,6 +54,11 @@ class ProblemDesc:
         if self.num_heads % self.num_kv_heads:
             raise InputError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.page_size < 0 or self.page_size % 16:  # as attention_with_kvcache refuses it
+            raise InputError(
+                f"page_size={self.page_size} is not allowed; use 0 (contiguous K/V) or a "
+                "multiple of 16"
             )
         if self.head_dim % 8 or self.head_dim > MAX_HEAD_DIM:  # as attention() refuses it
             raise InputError(
@@ -93,6 +100,7 @@ class ProblemDesc:
             seqlen_q=pow2_bucket(self.seqlen_q),
             seqlen_k=pow2_bucket(self.seqlen_k),
             batch_heads=pow2_bucket(self.batch_heads),
+            page_size=self.page_size,
         )
 
 
@@ -108,6 +116,7 @@ class ProblemBucket:
     seqlen_q: int
     seqlen_k: int
     batch_heads: int
+    page_size: int = 0  # exact: paged K/V and its page size are layouts, not sizes to round
 
     @property
     def label(self) -> str:
@@ -121,6 +130,7 @@ class ProblemBucket:
                 f"q{self.seqlen_q}",
                 f"k{self.seqlen_k}",
                 f"bh{self.batch_heads}",
+                *([f"page{self.page_size}"] if self.page_size else []),
             ]
         )
 
@@ -191,8 +201,11 @@ class TuningKey:
     software: SoftwareInfo
 
     def as_dict(self) -> dict[str, dict[str, object]]:
+        problem = asdict(self.problem)
+        if not self.problem.page_size:  # contiguous K/V: the keys (and ids) from before paging
+            del problem["page_size"]
         return {
-            "problem": asdict(self.problem),
+            "problem": problem,
             "device": self.device.key_dict(),
             "software": asdict(self.software),
         }
