@@ -65,6 +65,12 @@ class Problem:
     out_strides: tuple[int, int, int]
     mask_strides: tuple[int, int, int, int] = (0, 0, 0, 0)
     num_splits: int = 1  # key chunks of a split-KV spec (1 for the others)
+    # Run-time values of the built-in variants (docs/variants.md), used by specs that have them:
+    # the window's (left, right) with -1 unbounded, the soft cap (0: none), and the batch stride
+    # of the ALiBi slopes (0 for slopes of shape (H,)).
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_stride_b: int = 0
 
     @property
     def group(self) -> int:
@@ -388,6 +394,10 @@ def kernel_arguments(
         "max_seqlen_k": problem.seqlen_k,
         "num_splits": problem.num_splits,
         "scale_log2": scale * math.log2(math.e),
+        "window_left": problem.window[0],
+        "window_right": problem.window[1],
+        "softcap": problem.softcap,
+        "alibi_stride_b": problem.alibi_stride_b,
     }
     for tensor, axes, strides in (
         ("q", "bhs", problem.q_strides),

@@ -42,7 +42,9 @@ WARP_MEMORY_BYTES = 512  # bytes one warp-wide LDSM.x4 or LDGSTS.128 moves throu
 # interior variant writes instead: no key hidden and no mask (scores stay raw), and a full K/V
 # tile to copy (no bounds test). interior_source() checks each appears exactly once.
 INTERIOR = {
-    "exact = tile >= first_exact || mask != nullptr;": "exact = false;",
+    "exact = tile >= first_exact || (WINDOW && tile < interior_begin) || mask != nullptr;": (
+        "exact = false;"
+    ),
     "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
 }
 # Instruction classes shown per unit: the tensor and memory instructions, the softmax's float

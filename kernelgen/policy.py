@@ -60,6 +60,7 @@ def default_spec(
     tensor_cores: bool = True,
     decode_rows: int | None = None,
     split_kv: bool | None = None,
+    variants: tuple[str, ...] = (),
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
@@ -73,12 +74,14 @@ def default_spec(
     shapes only). Otherwise the CUDA-core v2 kernel with the largest tiles that fit (decode
     shapes: 16-row tiles and split-KV as well). ``dtype`` takes the short names too (bf16,
     fp16, f16, half, fp32, f32, float); any other raises InputError naming the allowed ones.
+    ``variants``: the built-in variants (spec flags, e.g. ``("window", "sinks")``) to compile in.
     """
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     decode = decode_rows is not None
     split = decode if split_kv is None else bool(split_kv)
     causal = bool(causal)
+    flags = {name: True for name in variants}
     if tensor_cores and dtype in ("float16", "bfloat16"):
         warps = 4
         block_m, block_n = default_tiling(head_dim, archs)
@@ -98,6 +101,7 @@ def default_spec(
             pack_gqa=decode,
             split_kv=split,
             archs=archs,
+            **flags,
         )
     block_m = 16 if decode else 64 if head_dim <= 128 else 32
     for block_n in (32, 16):
@@ -112,6 +116,7 @@ def default_spec(
                 causal=causal,
                 split_kv=split,
                 archs=archs,
+                **flags,
             )
         except ValueError:
             continue

@@ -53,11 +53,16 @@ def emulate_attention(
     want_lse: bool = True,
     source: str | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
 ) -> EmulatedAttention:
     """Run ``spec``'s kernels on q (B, H, Sq, D), k and v (B, Hkv, Sk, D) given as floats in
     (B, H, S, D) order (rounded to the spec's dtype), stored in memory in ``layout``. ``out`` and
     ``lse`` start as NaN. Without ``want_lse`` the kernels get a null lse (as attention() passes
-    when the lse is not asked for). Split-KV specs default to 3 key chunks."""
+    when the lse is not asked for). Split-KV specs default to 3 key chunks. The variants
+    (docs/variants.md) are attention()'s; the spec must have their flags."""
     if num_splits is None:
         num_splits = 3 if spec.split_kv else 1
     dtype = spec.dtype
@@ -72,8 +77,21 @@ def emulate_attention(
         full = (*q.shape[:3], k.shape[2])
         arrays["mask"] = np.broadcast_to(np.asarray(mask, dtype=np.float32), full)
         mask_info = _info("mask", arrays["mask"], "float32")
+    variant_infos = {}
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            arrays[name] = np.ascontiguousarray(x, dtype=np.float32)
+            variant_infos[name] = _info(name, arrays[name], "float32")
     call = check_inputs(
-        *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=spec.causal
+        *infos,
+        mask_info,
+        layout=layout,
+        scale=scale,
+        spec=spec,
+        causal=spec.causal,
+        window_size=window_size,
+        softcap=softcap,
+        **variant_infos,
     )
     problem, out_shape = plan(call, layout)
     problem = Problem(**{**problem.__dict__, "num_splits": num_splits})

@@ -70,6 +70,7 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
         problem.causal,
         device.target_arch,
         decode_rows=decode_rows(problem),
+        variants=problem.variants,
     )
 
 

@@ -233,6 +233,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
         "head_dim": problem.head_dim,
         "causal": problem.causal,
         "archs": [arch],
+        **{name: True for name in problem.variants},
     }
     for fields in candidate_fields(problem):
         try:

@@ -42,6 +42,7 @@ class ProblemDesc:
     head_dim: int
     causal: bool = False
     mask: bool = False
+    variants: tuple[str, ...] = ()  # the built-in variants' spec flags (docs/variants.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -93,6 +94,7 @@ class ProblemDesc:
             seqlen_q=pow2_bucket(self.seqlen_q),
             seqlen_k=pow2_bucket(self.seqlen_k),
             batch_heads=pow2_bucket(self.batch_heads),
+            variants=tuple(self.variants),
         )
 
 
@@ -108,11 +110,13 @@ class ProblemBucket:
     seqlen_q: int
     seqlen_k: int
     batch_heads: int
+    variants: tuple[str, ...] = ()  # kernels with other variants are other candidates
 
     @property
     def label(self) -> str:
         return "_".join(
             [
+                *self.variants,
                 _DTYPE_SHORT[self.dtype],
                 f"d{self.head_dim}",
                 "causal" if self.causal else "full",
