@@ -68,7 +68,27 @@ class CaseData:
     ref_lse: np.ndarray
 
 
-def make_case(case: Case, dtype: str, head_dim: int, causal: bool, seed: int) -> CaseData:
+def example_variants(
+    flags: tuple[str, ...], batch: int, heads: int, seed: int, window: tuple[int, int] = (9, 3)
+) -> dict:
+    """attention() arguments for the built-in variants ``flags`` (a spec's ``variants``): a
+    window of ``window`` (left, right), a cap that bends the scores (1.5 at unit-variance
+    scores), per-(batch, head) ALiBi slopes and per-head sinks, fp32 as attention() wants."""
+    rng = np.random.default_rng(seed + 1)
+    values = {
+        "window": ("window_size", window),
+        "softcap": ("softcap", 1.5),
+        "alibi": ("alibi_slopes", rng.uniform(0.05, 0.5, (batch, heads)).astype(np.float32)),
+        "sinks": ("sinks", (2 * rng.standard_normal(heads)).astype(np.float32)),
+    }
+    return dict(values[name] for name in flags)
+
+
+def make_case(
+    case: Case, dtype: str, head_dim: int, causal: bool, seed: int, variants: dict | None = None
+) -> CaseData:
+    """Random inputs for ``case`` and the float64 reference; ``variants``: attention()'s variant
+    arguments (window_size, softcap, alibi_slopes, sinks), given to the reference as well."""
     rng = np.random.default_rng(seed)
     q = round_to(rng.standard_normal((case.batch, case.heads, case.seqlen_q, head_dim)), dtype)
     kv_shape = (case.batch, case.kv_heads, case.seqlen_k, head_dim)
@@ -83,7 +103,9 @@ def make_case(case: Case, dtype: str, head_dim: int, causal: bool, seed: int) ->
     elif case.mask == "full":
         shape = (case.batch, case.heads, case.seqlen_q, case.seqlen_k)
         mask = (2 * rng.standard_normal(shape)).astype(np.float32)
-    ref_out, ref_lse = naive_attention(q, k, v, causal=causal, scale=case.scale, mask=mask)
+    ref_out, ref_lse = naive_attention(
+        q, k, v, causal=causal, scale=case.scale, mask=mask, **(variants or {})
+    )
     return CaseData(q, k, v, mask, ref_out, ref_lse)
 
 
