@@ -195,8 +195,14 @@ class TuningKey:
     software: SoftwareInfo
 
     def as_dict(self) -> dict[str, dict[str, object]]:
+        """JSON-able; a problem without variants keeps the key it had before variants existed."""
+        problem: dict[str, object] = asdict(self.problem)
+        if self.problem.variants:
+            problem["variants"] = list(self.problem.variants)
+        else:
+            del problem["variants"]
         return {
-            "problem": asdict(self.problem),
+            "problem": problem,
             "device": self.device.key_dict(),
             "software": asdict(self.software),
         }
@@ -213,8 +219,10 @@ class TuningKey:
 
     @classmethod
     def from_dict(cls, data: dict) -> TuningKey:
+        problem = dict(data["problem"])
+        problem["variants"] = tuple(problem.get("variants", ()))
         return cls(
-            ProblemBucket(**data["problem"]),
+            ProblemBucket(**problem),
             DeviceInfo(**data["device"]),
             SoftwareInfo(**data["software"]),
         )
