@@ -149,13 +149,15 @@ def check_variants(
 
 
 def check_spec_variants(spec: KernelSpec, variants: CallVariants) -> None:
-    """A user-given spec must be compiled with exactly the call's variants."""
+    """A user-given spec must be compiled with the call's variants; a window kernel also serves
+    calls without a window (it runs with (-1, -1), unbounded), the others need their values."""
     wanted = variants.flags
-    if spec.variants != wanted:
-        have = ", ".join(spec.variants) or "none"
-        need = ", ".join(wanted) or "none"
-        raise InputError(
-            f"spec {spec.uri} is compiled with variants [{have}] but the call needs [{need}]; "
-            f"set {', '.join(f'{name}: true' for name in wanted) or 'no variant flags'} in the "
-            "spec (and false for the others)"
-        )
+    if spec.variants == wanted or (spec.window and spec.variants == ("window", *wanted)):
+        return
+    have = ", ".join(spec.variants) or "none"
+    need = ", ".join(wanted) or "none"
+    raise InputError(
+        f"spec {spec.uri} is compiled with variants [{have}] but the call needs [{need}]; set "
+        f"{', '.join(f'{name}: true' for name in wanted) or 'no variant flags'} in the spec "
+        "(and false for the others)"
+    )

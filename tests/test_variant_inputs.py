@@ -123,10 +123,16 @@ def test_a_given_spec_must_have_the_calls_variants():
     plain = default_spec("float16", 64, False, "sm_90")
     with pytest.raises(InputError, match=r"compiled with variants \[none\] but the call needs"):
         check(spec=plain, softcap=30.0)
-    windowed = default_spec("float16", 64, False, "sm_90", variants=("window",))
-    with pytest.raises(InputError, match=r"\[window\] but the call needs \[none\]"):
-        check(spec=windowed)
-    assert check(spec=windowed, window_size=(8, 8)).variants.flags == ("window",)
+    windowed = default_spec("float16", 64, False, "sm_90", variants=("window", "sinks"))
+    with pytest.raises(InputError, match=r"\[window, sinks\] but the call needs \[window\]"):
+        check(spec=windowed, window_size=(8, 8))
+    sinks = fp32((HEADS,), name="sinks")
+    assert check(spec=windowed, window_size=(8, 8), sinks=sinks).variants.flags == (
+        "window",
+        "sinks",
+    )
+    # a window kernel serves calls without a window too (unbounded on both sides)
+    assert check(spec=windowed, sinks=sinks).variants.window is None
 
 
 def test_spec_flags_name_the_kernel_and_add_its_parameters():
