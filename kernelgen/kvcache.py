@@ -47,6 +47,10 @@ def attention_with_kvcache(
     return_lse: bool = False,
     spec: KernelSpec | None = None,
     num_splits: int | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of q over a contiguous KV cache, after appending ``k_new``/``v_new`` in place.
 
@@ -68,7 +72,9 @@ def attention_with_kvcache(
     cache and the new tokens up to itself). ``scale``, ``spec``, ``num_splits`` and
     ``return_lse`` as in ``attention()``. Returns out (B, Sq, H, D) in q's dtype and library,
     and with ``return_lse`` the fp32 LSE of shape (B, H, Sq). Every check runs before the cache
-    is written: a call that raises leaves it unchanged.
+    is written: a call that raises leaves it unchanged. The variants (``window_size``,
+    ``softcap``, ``alibi_slopes``, ``sinks``; docs/variants.md) as in ``attention()``, aligned
+    like ``causal`` to each entry's updated length.
     """
     infos = [describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
     for t in infos:
@@ -84,7 +90,18 @@ def attention_with_kvcache(
         )
     if k_info.shape[0] != q_info.shape[0]:
         raise InputError(f"k_cache has batch {k_info.shape[0]} but q has batch {q_info.shape[0]}")
-    call = check_inputs(*infos, None, layout="bshd", scale=scale, spec=spec, causal=bool(causal))
+    variant_arrays = {"alibi_slopes": alibi_slopes, "sinks": sinks}
+    call = check_inputs(
+        *infos,
+        None,
+        layout="bshd",
+        scale=scale,
+        spec=spec,
+        causal=bool(causal),
+        window_size=window_size,
+        softcap=softcap,
+        **{n: describe(x, n) for n, x in variant_arrays.items() if x is not None},
+    )
     # the kernels' parameter names (errors above named the caches)
     call = replace(call, k=replace(call.k, name="k"), v=replace(call.v, name="v"))
     num_splits = check_num_splits(num_splits, spec)
@@ -118,6 +135,7 @@ def attention_with_kvcache(
             "k_new": k_new,
             "v_new": v_new,
             "cache_seqlens": None if host_lengths is not None else cache_seqlens,
+            **variant_arrays,
         }
     )
     arrays = arrays_of(q)

@@ -389,7 +389,8 @@ def naive_attention(
     if p.variants.sinks is not None:  # the sink: one more score, with value 0
         sink = np.broadcast_to(p.variants.sinks[None, :, None, None], (*s.shape[:-1], 1))
         s = np.concatenate([s, sink], axis=-1)
-        p = dataclasses.replace(p, v=np.concatenate([p.v, np.zeros_like(p.v[:, :, :1])], axis=2))
+        sink_value = np.zeros((*p.v.shape[:2], 1, p.v.shape[3]))
+        p = dataclasses.replace(p, v=np.concatenate([p.v, sink_value], axis=2))
     m = s.max(axis=-1) if s.shape[-1] > 0 else np.full(s.shape[:-1], -np.inf)
     m_safe = np.where(np.isneginf(m), 0.0, m)
     e = np.exp(s - m_safe[..., None])

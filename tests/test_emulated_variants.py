@@ -12,9 +12,21 @@ import zlib
 
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, example_variants, make_case
+from attention_cases import (
+    Case,
+    assert_matches,
+    check_kvcache,
+    check_varlen,
+    example_variants,
+    kvcache_data,
+    kvcache_reference,
+    make_case,
+    packed_varlen,
+    varlen_reference,
+)
 from test_emulated_kernels import run_emulated
 
+import kernelgen
 from kernelgen.launch import launch_geometry
 from kernelgen.spec import KernelSpec
 
@@ -183,3 +195,54 @@ def test_window_equal_to_causal_matches_the_causal_kernel():
     np.testing.assert_array_equal(data.ref_out, causal.ref_out)
     out, lse = run_emulated(spec, case, data, variants=variants)
     assert_matches(out, lse, dataclasses.replace(causal), spec.dtype)
+
+
+# ---- the serving entry points on the CPU backend (NumPy in, the emulator runs the kernels) ----
+
+
+@pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning")
+@pytest.mark.usefixtures("cpu_backend_only")
+def test_varlen_with_variants():
+    """Per sequence, each its own offset Sk - Sq; (B, H) slopes one row per sequence; a
+    sequence with queries but no keys gives out 0 and lse = its sink."""
+    lengths_q, lengths_k = [3, 0, 2, 5, 5, 1], [9, 4, 0, 5, 5, 30]
+    q, k, v, cu_q, cu_k = packed_varlen(lengths_q, lengths_k, 4, 2, "float16", seed=4)
+    variants = example_variants(ALL, len(lengths_q), 4, seed=4, window=(6, 1))
+    out, lse = kernelgen.attention_varlen(
+        *(x.astype(np.float16) for x in (q, k, v)),
+        cu_q,
+        cu_k,
+        5,
+        30,
+        causal=True,
+        return_lse=True,
+        **variants,
+    )
+    ref_out, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, True, **variants)
+    check_varlen(out, lse, ref_out, ref_lse, "float16")
+    no_keys = slice(3, 5)  # the third sequence's queries
+    np.testing.assert_allclose(lse[:, no_keys], np.repeat(variants["sinks"][:, None], 2, 1))
+
+
+@pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning")
+@pytest.mark.usefixtures("cpu_backend_only")
+@pytest.mark.parametrize("splits", [None, 3])
+def test_kvcache_decode_with_variants(splits):
+    """A decode step appending one token per entry, aligned to each entry's updated length."""
+    lengths = [0, 17, 38]
+    data = kvcache_data(3, 1, 1, 40, 8, 2, "float16", seed=6)
+    q, k_cache, v_cache, k_new, v_new = (x.astype(np.float16) for x in data)
+    variants = example_variants(ALL, 3, 8, seed=6, window=(11, -1))
+    out, lse = kernelgen.attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        np.array(lengths, np.int32),
+        k_new=k_new,
+        v_new=v_new,
+        causal=True,
+        num_splits=splits,
+        return_lse=True,
+        **variants,
+    )
+    check_kvcache(out, lse, *kvcache_reference(*data, lengths, True, **variants), "float16")

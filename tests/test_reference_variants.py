@@ -180,6 +180,10 @@ def test_sinks_join_the_denominator_only():
         out, plain_out * np.exp(np.where(seen, plain_lse, 0) - total)[..., None], atol=1e-12
     )
     assert (out[~seen] == 0).all()
+    # no keys at all: out 0, lse = sink, in every model
+    for model in (naive_attention, online_softmax_attention):
+        out, lse = model(q, k[:, :, :0], v[:, :, :0], sinks=sinks)
+        assert (out == 0).all() and (lse == sinks[None, :, None]).all()
 
 
 def test_split_partials_with_a_window_and_sinks_combine_to_the_whole():
