@@ -130,6 +130,28 @@ def test_more_than_65535_heads_in_a_batch(stem):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "flags", [("window",), ("softcap",), ("alibi",), ("sinks",), ("window", "alibi", "sinks")]
+)
+def test_variants_with_the_default_spec_on_gpu(dtype, flags, monkeypatch):
+    """attention() picks a spec with the call's variant flags (docs/variants.md); prefill and a
+    decode step (the packed split-KV kernel, whose combine adds the sinks)."""
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    for case in (Case(2, 8, 2, 300, 700, layout="bshd"), Case(3, 8, 2, 1, 900)):
+        seed = zlib.crc32(f"{dtype} {flags} {case}".encode())
+        variants = example_variants(flags, case.batch, case.heads, seed, window=(200, 5))
+        data = make_case(case, dtype, 64, True, seed, variants)
+        q, k, v = (device_array(getattr(data, n), dtype, case.layout) for n in "qkv")
+        out, lse = kernelgen.attention(
+            q, k, v, causal=True, layout=case.layout, return_lse=True, **device_variants(variants)
+        )
+        out = host_float32(out)
+        if case.layout == "bshd":
+            out = out.transpose(0, 2, 1, 3)
+        assert_matches(out, lse.get(), data, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_default_spec_on_gpu(dtype, head_dim, monkeypatch):
     import cupy
