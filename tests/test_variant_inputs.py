@@ -186,3 +186,25 @@ def test_default_and_tuned_specs_carry_the_flags():
     assert variant_key.as_dict()["problem"]["variants"] == ["softcap"]
     for key in (plain_key, variant_key):
         assert TuningKey.from_dict(json.loads(json.dumps(key.as_dict()))) == key
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("window: 1", "window=1 is not allowed; use true or false"),
+        ("sinks: 'yes'", "sinks='yes' is not allowed; use true or false"),
+        ("sink: true", "unknown field 'sink' (value True); allowed fields:"),
+    ],
+)
+def test_cli_refuses_bad_variant_fields_in_one_line(tmp_path, line, message):
+    from typer.testing import CliRunner
+
+    from kernelgen.cli import app
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        f"loop_order: v2\ndtype: float16\nhead_dim: 64\nblock_m: 64\nblock_n: 32\n{line}\n"
+    )
+    result = CliRunner().invoke(app, ["show", str(path)])
+    assert result.exit_code == 2
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
