@@ -202,8 +202,18 @@ def template_name(spec: KernelSpec) -> str:
     return ENTRY_TEMPLATE[spec.mma, spec.loop_order]
 
 
+VARIANT_PIECE = "variants.cuh.j2"  # the shared template piece of the attention variants
+
+
 def render(spec: KernelSpec) -> str:
-    """CUDA source of the spec's kernel, named by its URI."""
+    """CUDA source of the spec's kernel, named by its URI. A spec with variants needs templates
+    that have them (an older templates folder would silently leave them out)."""
+    if spec.variants and not (template_dir() / VARIANT_PIECE).is_file():
+        raise SettingError(
+            f"{spec.uri}: the templates in {template_dir()} predate the attention variants (no "
+            f"{VARIANT_PIECE}); use kernelgen's own templates for a spec with "
+            f"{', '.join(spec.variants)}"
+        )
     template = _environment().get_template(template_name(spec))
     return template.render(
         spec=spec,

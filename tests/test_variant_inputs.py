@@ -208,3 +208,21 @@ def test_cli_refuses_bad_variant_fields_in_one_line(tmp_path, line, message):
     result = CliRunner().invoke(app, ["show", str(path)])
     assert result.exit_code == 2
     assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_templates_without_variants_refuse_a_variant_spec(tmp_path, monkeypatch):
+    """An older templates folder (e.g. one a benchmark swaps in) would drop the variants
+    silently: rendering a variant spec from it is an error naming the reason."""
+    import importlib
+    import shutil
+
+    from kernelgen.errors import SettingError
+
+    render_module = importlib.import_module("kernelgen.render")  # the package exports render()
+    old = tmp_path / "templates"
+    shutil.copytree(render_module.template_dir(), old)
+    (old / render_module.VARIANT_PIECE).unlink()
+    monkeypatch.setattr(render_module, "template_dir", lambda: old)
+    spec = default_spec("float16", 64, True, "sm_90", variants=("window",))
+    with pytest.raises(SettingError, match="predate the attention variants"):
+        render(spec)
