@@ -52,6 +52,8 @@ COMBOS = [
     (("sinks",), Case(1, 2, 1, 40, 25, mask="broadcast"), True, None),  # rows with only a sink
     (ALL, Case(2, 2, 1, 33, 66, layout="bshd", mask="full"), False, (20, 0)),
     (ALL, Case(1, 2, 1, 29, 47, scale=-0.3), True, (-1, 2)),  # a negative scale
+    # left = 17: the last row that sees a 16-key tile starts a 32-row tile (v1's row range)
+    (("window", "sinks"), Case(1, 1, 1, 70, 70), True, (17, -1)),
 ]
 
 
