@@ -209,11 +209,11 @@ def check_inputs(
     if spec is not None:
         if not isinstance(spec, KernelSpec):
             raise InputTypeError(f"spec has type {type(spec).__name__}; expected a KernelSpec")
-        for field, wanted in (("dtype", q.dtype), ("head_dim", head_dim), ("causal", causal)):
-            if getattr(spec, field) != wanted:
+        for name, wanted in (("dtype", q.dtype), ("head_dim", head_dim), ("causal", causal)):
+            if getattr(spec, name) != wanted:
                 raise InputError(
-                    f"spec {spec.uri} has {field}={getattr(spec, field)!r} but the call needs "
-                    f"{field}={wanted!r}"
+                    f"spec {spec.uri} has {name}={getattr(spec, name)!r} but the call needs "
+                    f"{name}={wanted!r}"
                 )
         check_spec_variants(spec, variants)
         if spec.mma == "mma_sync":
