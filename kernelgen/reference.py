@@ -175,7 +175,7 @@ class _Problem:
     mask: np.ndarray | None  # read-only broadcast view of shape (B, H, Sq, Sk)
     scale: float
     causal: bool
-    variants: Variants = None  # type: ignore[assignment]  # set by _prepare
+    variants: Variants = dataclasses.field(default_factory=lambda: Variants())  # checked
 
     @property
     def sq(self) -> int:
