@@ -169,6 +169,18 @@ def scratch_layout(
     return tuple(offsets), total
 
 
+def window_keys(spec: KernelSpec, problem: Problem) -> int:
+    """Keys one query tile of ``problem.seqlen_q`` rows can see: all ``seqlen_k``, or with a
+    window bounded on both sides (causal bounds the right) about left + Sq + right of them, the
+    keys split-KV's chunks cut."""
+    left, right = problem.window
+    if spec.causal:
+        right = 0
+    if not spec.window or left < 0 or right < 0:
+        return problem.seqlen_k
+    return max(1, min(problem.seqlen_k, left + problem.seqlen_q + right))
+
+
 def default_num_splits(
     spec: KernelSpec,
     problem: Problem,
@@ -190,7 +202,7 @@ def default_num_splits(
     slots = sm_count * per_sm
     if blocks >= 0.8 * slots:
         return 1
-    key_tiles = math.ceil(problem.seqlen_k / spec.block_n)
+    key_tiles = math.ceil(window_keys(spec, problem) / spec.block_n)
     efficiency = {}
     for splits in range(1, min(MAX_SPLITS, key_tiles) + 1):
         # a count that leaves the chunk size unchanged only adds empty chunks

@@ -226,3 +226,19 @@ def test_templates_without_variants_refuse_a_variant_spec(tmp_path, monkeypatch)
     spec = default_spec("float16", 64, True, "sm_90", variants=("window",))
     with pytest.raises(SettingError, match="predate the attention variants"):
         render(spec)
+
+
+def test_split_counts_follow_the_windows_keys_not_the_cache():
+    """A decode step with a 1024-key window over a 32768-key cache: the heuristic's chunks cut
+    the window's 16 key tiles (more would only add empty chunks)."""
+    import dataclasses
+
+    from kernelgen.launch import Problem, default_num_splits, window_keys
+
+    spec = default_spec("float16", 128, True, "sm_90", decode_rows=4, variants=("window",))
+    plain = Problem(4, 32, 8, 1, 32768, 128, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0))
+    windowed = dataclasses.replace(plain, window=(1023, 0))
+    assert window_keys(spec, plain) == 32768 and window_keys(spec, windowed) == 1024
+    assert default_num_splits(spec, windowed, 132) <= 1024 // spec.block_n
+    unbounded_right = dataclasses.replace(plain, window=(1023, -1))
+    assert window_keys(spec.model_copy(update={"causal": False}), unbounded_right) == 32768
