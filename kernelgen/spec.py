@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
 from kernelgen.errors import InputError, SpecError
@@ -81,6 +89,13 @@ def default_smem_layout(head_dim: int) -> SmemLayout:
     return "swizzled" if swizzle_fits(head_dim) else "padded"
 
 
+# The built-in attention variants a spec may be compiled with (docs/variants.md): the spec flag
+# -> its tag in the kernel name. Their values (window bounds, cap, slopes, sinks) are run-time
+# arguments, so one kernel serves every window size and cap.
+VARIANT_FLAGS = ("window", "softcap", "alibi", "sinks")
+VARIANT_TAGS = {"window": "win", "softcap": "cap", "alibi": "alibi", "sinks": "sink"}
+
+
 def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
     if value not in allowed:
         raise ValueError(
@@ -144,6 +159,26 @@ class KernelSpec(BaseModel):
         "batch entry b is row j % page_size of page block_table[b, j / page_size]; page_size and "
         "the block table are launch arguments (loop_order v2 only).",
     )
+    window: bool = Field(
+        False,
+        description="Sliding-window attention: query i sees keys i + offset - left .. i + offset "
+        "+ right (offset = seqlen_k - seqlen_q; left and right are run-time arguments, -1 "
+        "unbounded); key tiles outside a query tile's window are never visited.",
+    )
+    softcap: bool = Field(
+        False,
+        description="Score soft-capping s <- c * tanh(s / c), the cap c a run-time argument.",
+    )
+    alibi: bool = Field(
+        False,
+        description="ALiBi: s <- s - slope * |i + offset - j|, slopes per head (or per batch and "
+        "head) a run-time fp32 array.",
+    )
+    sinks: bool = Field(
+        False,
+        description="Attention sinks: a per-head fp32 logit (run-time array) that joins each "
+        "row's softmax denominator and its lse.",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -164,6 +199,16 @@ class KernelSpec(BaseModel):
             data["smem_pad"] = MMA_PAD_WORDS.get(layout, 0) if tensor_cores else 1
         return data
 
+    @model_serializer(mode="wrap")
+    def _drop_unused_variants(self, handler: Any) -> dict[str, Any]:
+        """Variant flags that are off are left out of dumps (YAML, JSON, cache identities), so a
+        spec without variants keeps the identity it had before variants existed."""
+        data = handler(self)
+        for name in VARIANT_FLAGS:
+            if data.get(name) is False:
+                del data[name]
+        return data
+
     # ---- field checks -------------------------------------------------------------------
     @field_validator(
         "head_dim", "block_m", "block_n", "num_warps", "stages", "smem_pad", mode="before"
@@ -178,7 +223,17 @@ class KernelSpec(BaseModel):
             )
         return value
 
-    @field_validator("causal", "pack_gqa", "split_kv", "paged_kv", mode="before")
+    @field_validator(
+        "causal",
+        "pack_gqa",
+        "split_kv",
+        "paged_kv",
+        "window",
+        "softcap",
+        "alibi",
+        "sinks",
+        mode="before",
+    )
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         """Boolean fields take true or false only (not 1, 0 or the string 'yes')."""
@@ -408,7 +463,13 @@ class KernelSpec(BaseModel):
             parts.append("split")
         if self.paged_kv:
             parts.append("paged")
+        parts += [VARIANT_TAGS[name] for name in VARIANT_FLAGS if getattr(self, name)]
         return "_".join(parts)
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The built-in variants the kernel is compiled with, in :data:`VARIANT_FLAGS` order."""
+        return tuple(name for name in VARIANT_FLAGS if getattr(self, name))
 
     @property
     def combine_uri(self) -> str:
