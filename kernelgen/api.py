@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -40,6 +40,7 @@ from kernelgen.launch import (
 )
 from kernelgen.policy import decode_rows, default_spec
 from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec
+from kernelgen.variant_inputs import CallVariants, check_spec_variants, check_variants
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -129,6 +130,7 @@ class CheckedCall:
     mask: TensorInfo | None
     dtype: str
     scale: float
+    variants: CallVariants = field(default_factory=CallVariants)
 
 
 def check_inputs(
@@ -141,8 +143,12 @@ def check_inputs(
     scale: float | None,
     spec: KernelSpec | None,
     causal: bool,
+    window_size: Any = None,
+    softcap: Any = None,
+    alibi_slopes: TensorInfo | None = None,
+    sinks: TensorInfo | None = None,
 ) -> CheckedCall:
-    """All argument checks of attention(), on metadata only."""
+    """All argument checks of attention(), on metadata only (the variants: docs/variants.md)."""
     if layout not in ("bhsd", "bshd"):
         raise InputError(f"layout={layout!r} is not allowed; use 'bhsd' or 'bshd'")
     for t in (q, k, v):
@@ -191,21 +197,31 @@ def check_inputs(
         scale = 1.0 / math.sqrt(head_dim)
     elif not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise InputError(f"scale={scale!r} is not allowed; use a finite number or None")
+    variants = check_variants(
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        causal=causal,
+        batch=batch,
+        heads=heads,
+    )
     if spec is not None:
         if not isinstance(spec, KernelSpec):
             raise InputTypeError(f"spec has type {type(spec).__name__}; expected a KernelSpec")
-        for field, wanted in (("dtype", q.dtype), ("head_dim", head_dim), ("causal", causal)):
-            if getattr(spec, field) != wanted:
+        for name, wanted in (("dtype", q.dtype), ("head_dim", head_dim), ("causal", causal)):
+            if getattr(spec, name) != wanted:
                 raise InputError(
-                    f"spec {spec.uri} has {field}={getattr(spec, field)!r} but the call needs "
-                    f"{field}={wanted!r}"
+                    f"spec {spec.uri} has {name}={getattr(spec, name)!r} but the call needs "
+                    f"{name}={wanted!r}"
                 )
+        check_spec_variants(spec, variants)
         if spec.mma != "simt":  # tensor-core specs copy 16-byte chunks (cp.async or TMA)
             for t in (q, k, v):
                 problem = _misaligned_strides(t)
                 if problem:
                     raise InputError(f"{problem}; spec {spec.uri} copies 16-byte chunks")
-    return CheckedCall(q, k, v, mask, q.dtype, float(scale))
+    return CheckedCall(q, k, v, mask, q.dtype, float(scale), variants)
 
 
 CHUNK_BYTES = 16  # the tensor-core kernels move rows in 16-byte chunks (cp.async)
@@ -256,6 +272,10 @@ def attention(
     layout: Layout = "bhsd",
     seqlens_k: Any = None,
     num_splits: int | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
 
@@ -269,20 +289,41 @@ def attention(
     on torch's current stream (see docs/design-decisions.md). NumPy arrays and CPU torch tensors
     take this same path with the kernels run by the CPU emulator (kernelgen.host; slow, for
     correctness; it warns once), and give NumPy arrays / CPU torch tensors.
+
+    The built-in variants (docs/variants.md), compiled into the kernel: ``window_size=(left,
+    right)`` (query i sees keys i + Sk - Sq - left .. i + Sk - Sq + right, -1 unbounded; with
+    ``causal`` right is narrowed to 0), ``softcap`` (s <- c tanh(s / c), c > 0),
+    ``alibi_slopes`` (float32 (H,) or (B, H): s <- s - slope |i + Sk - Sq - j|) and ``sinks``
+    (float32 (H,): a logit per head in each row's softmax denominator and lse).
     """
-    plan_key = _call_plan_key(q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits)
+    options = (window_size, softcap)
+    arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
+    plan_key = _call_plan_key(
+        q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits, options, arrays_in
+    )
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
-        inputs = {"q": q, "k": k, "v": v, "seqlens_k": seqlens_k}
+        inputs = {"q": q, "k": k, "v": v, "seqlens_k": seqlens_k, **arrays_in}
         out, lse = known.run(inputs, return_lse)
         return (out, lse) if return_lse else out
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_info = describe(mask, "mask") if mask is not None else None
+    variant_infos = {n: describe(x, n) for n, x in arrays_in.items() if x is not None}
     call = check_inputs(
-        *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=bool(causal)
+        *infos,
+        mask_info,
+        layout=layout,
+        scale=scale,
+        spec=spec,
+        causal=bool(causal),
+        window_size=window_size,
+        softcap=softcap,
+        **variant_infos,
     )
     num_splits = check_num_splits(num_splits, spec)
     arrays = arrays_of(q)
-    device = common_device({"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k})
+    device = common_device(
+        {"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k, **arrays_in}
+    )
     with arrays.scope(device):
         # temporaries: what the kernels read that the call made (a converted mask, uploaded
         # lengths), held until the launches are queued on the stream they were made on
@@ -375,6 +416,7 @@ def checked_plan(
         num_splits = num_splits or tuned_splits
     elif spec.mma != "simt" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
+    check_spec_variants(spec, call.variants)
     if arrays.host:  # the CPU backend: the same launches, run by the emulator
         kernel = emulated_kernel(spec)
     else:
@@ -397,7 +439,10 @@ def checked_plan(
         tensors["mask"] = launch_arg(arrays, mask_array)
         temporaries.append(mask_array)
         mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
-        call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale)
+        call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale, call.variants)
+    for info in (call.variants.alibi, call.variants.sinks):
+        if info is not None:
+            tensors[info.name] = launch_arg(arrays, info.source)
     problem, out_shape = plan(call, layout)
     if paging is not None:
         problem = replace(
@@ -431,7 +476,7 @@ class CallPlan:
         call's stream); returns (out, lse or None)."""
         arrays = self.arrays
         lengths = inputs.pop("seqlens_k")
-        tensors = {name: arrays.launch_arg(x) for name, x in inputs.items()}
+        tensors = {name: arrays.launch_arg(x) for name, x in inputs.items() if x is not None}
         with arrays.scope(self.device):
             if is_host_sequence(lengths):
                 lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k, arrays)
@@ -479,12 +524,15 @@ def _call_plan_key(
     spec: Any,
     layout: Any,
     num_splits: Any,
+    options: tuple[Any, ...] = (),
+    variant_arrays: dict[str, Any] | None = None,
 ) -> tuple[Any, ...] | None:
     """Everything a call's launches depend on but its data: shapes, strides, dtypes and 16-byte
     alignment of q, k, v, the options, the device, the autotune mode and the tuner memo's
     generation (a new winner or a cleared memo makes every plan stale). None where calls always
     take the checked path: q, k, v not all CuPy arrays or all torch tensors (of one type), a
-    mask, seqlens_k neither of q's type nor a host sequence, unhashable options."""
+    mask, seqlens_k neither of q's type nor a host sequence, variant arrays (ALiBi slopes,
+    sinks) not of q's type, unhashable options. ``options``: the variants' scalars."""
     if mask is not None or not type(q) is type(k) is type(v):
         return None
     module = module_of(q)
@@ -502,12 +550,18 @@ def _call_plan_key(
         lengths = ("host",)  # every call checks and uploads its own values (CallPlan.run)
     else:
         return None
+    variant_signatures = []
+    for x in (variant_arrays or {}).values():
+        if x is not None and type(x) is not type(q):
+            return None
+        variant_signatures.append(None if x is None else arrays.signature(x))
     from kernelgen.tuning.autotune import memo_generation
 
     key = (
         *arrays.signature(q), *arrays.signature(k), *arrays.signature(v),
         lengths, bool(causal), scale, spec, layout, num_splits,
         arrays.device_of(q), os.environ.get("KERNELGEN_AUTOTUNE"), memo_generation(),
+        options, *variant_signatures,
     )  # fmt: skip
     try:
         hash(key)
@@ -554,6 +608,7 @@ def _untuned_or_tuned_launch(
             decode_rows=decode_rows(seqlen_q, heads // call.k.shape[1]),
             split_kv=True if split else None,
             paged_kv=page_size > 0,
+            variants=call.variants.flags,
         )
         return spec, None
     from kernelgen.tuning import ProblemDesc, select_launch
@@ -570,6 +625,7 @@ def _untuned_or_tuned_launch(
         causal=causal,
         mask=call.mask is not None,
         page_size=page_size,
+        variants=call.variants.flags,
     )
     tuner = gpu_tuner(free_pool=True) if library == "torch" else None
     launch = select_launch(problem, tuner=tuner)
@@ -680,6 +736,9 @@ def plan(call: CheckedCall, layout: str) -> tuple[Problem, tuple[int, ...]]:
         v_strides=call.v.strides[:3],
         out_strides=out_strides,
         mask_strides=call.mask.strides if call.mask is not None else (0, 0, 0, 0),
+        window=call.variants.window or (-1, -1),
+        softcap=call.variants.softcap or 0.0,
+        alibi_stride_b=call.variants.alibi_stride_b,
     )
     return problem, out_shape
 

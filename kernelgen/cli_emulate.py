@@ -5,7 +5,8 @@ Fresh random inputs (rounded to the spec's dtype), the spec's launch plan throug
 float64 reference with its tolerance, hazards, ldmatrix wavefronts against the conflict-free
 ideal, cp.async global bytes against reading q, k and v once, and the key tiles visited.
 Exit 1 on an error over tolerance, a NaN, a hazard or a failed launch; bad input prints one line
-and exits 2.
+and exits 2. A spec with variants (docs/variants.md) runs with ``--window``/``--softcap`` or
+example values.
 """
 
 from __future__ import annotations
@@ -71,10 +72,50 @@ def _random_inputs(spec: KernelSpec, shape: tuple[int, ...], seed: int):
     return draw(b, h, sq), draw(b, hkv, sk), draw(b, hkv, sk)
 
 
-def _error_rows(spec: KernelSpec, run, q, k, v) -> list[Row]:
+def parse_window(text: str) -> tuple[int, int]:
+    """``LEFT,RIGHT`` -> two integers >= -1 (-1: unbounded)."""
+    parts = text.replace(" ", "").split(",")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"--window {text!r}: expected LEFT,RIGHT, two integers >= -1 (-1: unbounded)"
+        ) from None
+    if min(left, right) < -1:
+        raise ValueError(f"--window {text!r}: LEFT and RIGHT must be >= -1 (-1: unbounded)")
+    return left, right
+
+
+def variant_values(
+    spec: KernelSpec, shape: tuple[int, ...], window: str | None, softcap: float | None
+) -> dict:
+    """attention()'s variant arguments for the spec's flags (docs/variants.md): ``--window`` and
+    ``--softcap`` where given, else a window of SK/4 keys to the left and none to the right and
+    a cap of 5; ALiBi's geometric slopes 2^(-8 (h + 1) / H); sinks 1, 1.5, 2, ... per head."""
+    heads, seqlen_k = shape[1], shape[4]
+    if window is not None and not spec.window:
+        raise ValueError(f"--window needs a spec with window: true; {spec.uri} has none")
+    if softcap is not None and not spec.softcap:
+        raise ValueError(f"--softcap needs a spec with softcap: true; {spec.uri} has none")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"--softcap {softcap}: use a finite number > 0")
+    values: dict = {}
+    if spec.window:
+        values["window_size"] = parse_window(window) if window else (seqlen_k // 4, 0)
+    if spec.softcap:
+        values["softcap"] = 5.0 if softcap is None else softcap
+    if spec.alibi:
+        exponents = -8.0 * (np.arange(heads, dtype=np.float32) + 1) / heads
+        values["alibi_slopes"] = (2.0**exponents).astype(np.float32)
+    if spec.sinks:
+        values["sinks"] = (1.0 + 0.5 * np.arange(heads)).astype(np.float32)
+    return values
+
+
+def _error_rows(spec: KernelSpec, run, q, k, v, variants: dict) -> list[Row]:
     from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
-    ref_out, ref_lse = naive_attention(q, k, v, causal=spec.causal)
+    ref_out, ref_lse = naive_attention(q, k, v, causal=spec.causal, **variants)
     tol = OUT_TOLERANCE[spec.dtype]
     nan = bool(np.isnan(run.out).any() or np.isnan(run.lse).any())
     error = relative_error(run.out, ref_out)
@@ -193,6 +234,13 @@ def emulate(
         typer.Option("--causal/--no-causal", help="Override the spec's causal mask."),
     ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+    window: Annotated[
+        str | None,
+        typer.Option("--window", help="LEFT,RIGHT of a window spec (default SK/4,0)."),
+    ] = None,
+    softcap: Annotated[
+        float | None, typer.Option("--softcap", help="The cap of a softcap spec (default 5).")
+    ] = None,
 ) -> None:
     """Run SPEC's kernels on the CPU emulator on random inputs; print the error against float64
     with its tolerance, hazards, ldmatrix wavefronts, global bytes read and key tiles visited.
@@ -205,6 +253,7 @@ def emulate(
         loaded = load_spec(spec)
         if causal is not None and causal != loaded.causal:
             loaded = KernelSpec(**{**loaded.model_dump(), "causal": causal})
+        variants = variant_values(loaded, dims, window, softcap)
     except SpecError as exc:
         raise fail(str(exc).splitlines()) from None
     except ValueError as exc:
@@ -228,6 +277,7 @@ def emulate(
                 k,
                 v,
                 on_step=lambda done, total: progress.update(task, completed=done, total=total),
+                **variants,
             )
         except HazardError as exc:
             run = None
@@ -243,7 +293,7 @@ def emulate(
         out_console.print(_table(loaded, dims, rows))
         raise fail([f"hazard: {hazard}"], 1)
     rows = [
-        *_error_rows(loaded, run, q, k, v),
+        *_error_rows(loaded, run, q, k, v, variants),
         Row("hazards (race check)", "0", "0", True),
         *_memory_rows(loaded, run, dims),
     ]

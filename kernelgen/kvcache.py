@@ -64,6 +64,10 @@ def attention_with_kvcache(
     spec: KernelSpec | None = None,
     num_splits: int | None = None,
     validate: bool = False,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of q over a KV cache, after appending ``k_new``/``v_new`` in place.
 
@@ -94,7 +98,9 @@ def attention_with_kvcache(
     ``return_lse`` as in ``attention()`` (a paged cache needs a ``paged_kv`` spec). Returns out
     (B, Sq, H, D) in q's dtype and library, and with ``return_lse`` the fp32 LSE of shape
     (B, H, Sq). Every check runs before the cache is written: a call that raises leaves it
-    unchanged.
+    unchanged. The variants (``window_size``, ``softcap``, ``alibi_slopes``, ``sinks``;
+    docs/variants.md) as in ``attention()``, aligned like ``causal`` to each entry's updated
+    length.
     """
     infos = [describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
     paged = block_table is not None
@@ -120,8 +126,17 @@ def attention_with_kvcache(
     if layout is None and k_info.shape[0] != batch:
         raise InputError(f"k_cache has batch {k_info.shape[0]} but q has batch {batch}")
     kernel_infos = [q_info] + [_as_batched(t, layout) for t in (k_info, v_info)]
+    variant_arrays = {"alibi_slopes": alibi_slopes, "sinks": sinks}
     call = check_inputs(
-        *kernel_infos, None, layout="bshd", scale=scale, spec=spec, causal=bool(causal)
+        *kernel_infos,
+        None,
+        layout="bshd",
+        scale=scale,
+        spec=spec,
+        causal=bool(causal),
+        window_size=window_size,
+        softcap=softcap,
+        **{n: describe(x, n) for n, x in variant_arrays.items() if x is not None},
     )
     # the kernels' parameter names (errors above named the caches)
     call = replace(call, k=replace(call.k, name="k"), v=replace(call.v, name="v"))
@@ -158,6 +173,7 @@ def attention_with_kvcache(
             "v_new": v_new,
             "cache_seqlens": None if lengths is not None else cache_seqlens,
             "block_table": None if not paged or table is not None else block_table,
+            **variant_arrays,
         }
     )
     arrays = arrays_of(q)

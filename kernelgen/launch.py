@@ -77,6 +77,12 @@ class Problem:
     # the stride between pages, seqlen_k the pages per sequence times page_size).
     page_size: int = 0
     block_table_stride: int = 0
+    # Run-time values of the built-in variants (docs/variants.md), used by specs that have them:
+    # the window's (left, right) with -1 unbounded, the soft cap (0: none), and the batch stride
+    # of the ALiBi slopes (0 for slopes of shape (H,)).
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_stride_b: int = 0
 
     @property
     def group(self) -> int:
@@ -175,6 +181,18 @@ def scratch_layout(
     return tuple(offsets), total
 
 
+def window_keys(spec: KernelSpec, problem: Problem) -> int:
+    """Keys one query tile of ``problem.seqlen_q`` rows can see: all ``seqlen_k``, or with a
+    window bounded on both sides (causal bounds the right) about left + Sq + right of them, the
+    keys split-KV's chunks cut."""
+    left, right = problem.window
+    if spec.causal:
+        right = 0
+    if not spec.window or left < 0 or right < 0:
+        return problem.seqlen_k
+    return max(1, min(problem.seqlen_k, left + problem.seqlen_q + right))
+
+
 def default_num_splits(
     spec: KernelSpec,
     problem: Problem,
@@ -196,7 +214,7 @@ def default_num_splits(
     slots = sm_count * per_sm
     if blocks >= 0.8 * slots:
         return 1
-    key_tiles = math.ceil(problem.seqlen_k / spec.block_n)
+    key_tiles = math.ceil(window_keys(spec, problem) / spec.block_n)
     efficiency = {}
     for splits in range(1, min(MAX_SPLITS, key_tiles) + 1):
         # a count that leaves the chunk size unchanged only adds empty chunks
@@ -450,6 +468,10 @@ def kernel_arguments(
         "page_size": problem.page_size,
         "block_table_stride_b": problem.block_table_stride,
         "scale_log2": scale * math.log2(math.e),
+        "window_left": problem.window[0],
+        "window_right": problem.window[1],
+        "softcap": problem.softcap,
+        "alibi_stride_b": problem.alibi_stride_b,
     }
     for tensor, axes, strides in (
         ("q", "bhs", problem.q_strides),

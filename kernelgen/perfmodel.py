@@ -43,7 +43,9 @@ WARP_MEMORY_BYTES = 512  # bytes one warp-wide LDSM.x4 or LDGSTS.128 moves throu
 # tile to copy (no bounds test). interior_source() checks each appears exactly once.
 INTERIOR = {
     "mma_sync": {
-        "exact = tile >= first_exact || mask != nullptr;": "exact = false;",
+        "exact = tile >= first_exact || (WINDOW && tile < interior_begin) || mask != nullptr;": (
+            "exact = false;"
+        ),
         "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
     },
     # TMA copies have no bounds test (the copy engine zero-fills); only the scores' path differs
@@ -336,8 +338,8 @@ def analytic_figures(spec: KernelSpec) -> UnitFigures:
     MUFU and shared-memory bytes; ``instructions`` counts only those (the rest needs the SASS).
     A warp's key tile reads Q (rows_per_warp / 16 x k-steps LDSM.x4, Q is re-read every tile), K
     and V (block_n / 16 x k-steps each) and issues 2 x m-tiles x n8-tiles x k-steps HMMA; the
-    block copies the K and V tiles once (16-byte LDGSTS); one exp2 per score and one per row and
-    tile for the rescale factor."""
+    block copies the K and V tiles once (16-byte LDGSTS); one exp2 per score (and with softcap
+    one tanh per score) and one per row and tile for the rescale factor."""
     if spec.mma == "wgmma":
         return _wgmma_analytic_figures(spec)
     rows, keys = spec.rows_per_warp, spec.block_n
@@ -347,7 +349,8 @@ def analytic_figures(spec: KernelSpec) -> UnitFigures:
     hmma = 2 * (rows // 16) * (keys // 8) * k_steps * per_unit
     copy_bytes = 2 * keys * spec.head_dim_padded * spec.elem_bytes  # K and V tile, per block
     ldgsts = copy_bytes / WARP_MEMORY_BYTES * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
-    mufu = (rows * keys / 32 + 2 * rows // 16) * per_unit
+    per_score = 2 if spec.softcap else 1  # exp2, and the cap's tanh
+    mufu = (per_score * rows * keys / 32 + 2 * rows // 16) * per_unit
     by_class = {"HMMA": hmma, "LDSM": ldsm, "LDGSTS": ldgsts, "MUFU": mufu}
     memory = (ldsm + ldgsts) * WARP_MEMORY_BYTES
     return UnitFigures(sum(by_class.values()), by_class, memory)

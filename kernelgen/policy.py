@@ -61,6 +61,7 @@ def default_spec(
     decode_rows: int | None = None,
     split_kv: bool | None = None,
     paged_kv: bool = False,
+    variants: tuple[str, ...] = (),
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
@@ -75,12 +76,14 @@ def default_spec(
     shapes: 16-row tiles and split-KV as well). ``dtype`` takes the short names too (bf16,
     fp16, f16, half, fp32, f32, float); any other raises InputError naming the allowed ones.
     ``paged_kv``: K and V in a paged cache (the same tiling, paged addressing).
+    ``variants``: the built-in variants (spec flags, e.g. ``("window", "sinks")``) to compile in.
     """
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     decode = decode_rows is not None
     split = decode if split_kv is None else bool(split_kv)
     causal = bool(causal)
+    flags = {name: True for name in variants}
     if tensor_cores and dtype in ("float16", "bfloat16"):
         warps = 4
         block_m, block_n = default_tiling(head_dim, archs)
@@ -101,6 +104,7 @@ def default_spec(
             split_kv=split,
             paged_kv=paged_kv,
             archs=archs,
+            **flags,
         )
     block_m = 16 if decode else 64 if head_dim <= 128 else 32
     for block_n in (32, 16):
@@ -116,6 +120,7 @@ def default_spec(
                 split_kv=split,
                 paged_kv=paged_kv,
                 archs=archs,
+                **flags,
             )
         except ValueError:
             continue

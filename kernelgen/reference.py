@@ -9,6 +9,22 @@ aligned, as in FlashAttention 2.1+). ``mask`` is an optional additive float arra
 broadcasts to (B, H, Sq, Sk); ``-inf`` entries hide keys. A row that sees no key gives
 ``out = 0`` and ``lse = -inf``, never NaN.
 
+The built-in variants (docs/variants.md) are keyword arguments of every model, with
+``offset = Sk - Sq`` and ``s_ij = scale * q_i . k_j``:
+
+* ``window_size=(left, right)``: key ``j`` is visible to query ``i`` iff
+  ``i + offset - left <= j <= i + offset + right``; ``-1`` leaves that side unbounded.
+  ``causal=True`` further limits ``right`` to 0 (causal alone is the window ``(-1, 0)``).
+* ``softcap=c``: ``s <- c * tanh(s / c)``, first.
+* ``alibi_slopes`` of shape (H,) or (B, H): ``s <- s - slope * |i + offset - j|``.
+* ``sinks`` of shape (H,): a logit per head that joins the softmax denominator only; the lse
+  includes it, and a row that sees no key gives ``out = 0`` and ``lse = sink``.
+
+Scores are transformed in the order softcap, ``score_mod``, ALiBi, additive ``mask``, and then
+hidden by the window/causal rule and ``mask_mod``. ``score_mod(score, b, h, q_idx, kv_idx)``
+and ``mask_mod(b, h, q_idx, kv_idx)`` are the hooks of user expressions: NumPy callables over
+broadcastable index arrays, returning the new scores and the visible keys (bool).
+
 The models:
 
 * :func:`naive_attention` - the direct formula over the full score matrix.
@@ -26,9 +42,10 @@ a set of keys with scores ``x_j`` and values ``v_j`` is ``m = max x_j``,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +53,7 @@ import numpy as np
 
 __all__ = [
     "SoftmaxState",
+    "Variants",
     "combine",
     "combine_partials",
     "finalize",
@@ -157,6 +175,7 @@ class _Problem:
     mask: np.ndarray | None  # read-only broadcast view of shape (B, H, Sq, Sk)
     scale: float
     causal: bool
+    variants: Variants = dataclasses.field(default_factory=lambda: Variants())  # checked
 
     @property
     def sq(self) -> int:
@@ -175,21 +194,108 @@ class _Problem:
         # einsum (not matmul/BLAS) so that every score is bitwise the same whatever the tiling:
         # the models then differ only in how they combine the softmax.
         s = np.einsum("bhid,bhjd->bhij", self.q[:, :, i0:i1], self.k[:, :, j0:j1]) * self.scale
+        var = self.variants
+        b = np.arange(self.q.shape[0])[:, None, None, None]
+        h = np.arange(self.q.shape[1])[None, :, None, None]
+        rows = np.arange(i0, i1)[None, None, :, None]
+        cols = np.arange(j0, j1)[None, None, None, :]
+        diagonal = rows + (self.sk - self.sq)  # the key query i is aligned with
+        if var.softcap is not None:
+            s = var.softcap * np.tanh(s / var.softcap)
+        if var.score_mod is not None:  # user expressions are inserted here
+            s = np.asarray(var.score_mod(s, b, h, rows, cols), dtype=np.float64)
+        if var.alibi_slopes is not None:
+            s = s - var.alibi_slopes[:, :, None, None] * np.abs(diagonal - cols)
         if self.mask is not None:
             s = s + self.mask[:, :, i0:i1, j0:j1]
+        left, right = self.window
+        visible = np.ones(s.shape[2:], dtype=bool)
+        if left >= 0:
+            visible = visible & (cols >= diagonal - left)[0, 0]
+        if right >= 0:
+            visible = visible & (cols <= diagonal + right)[0, 0]
+        if var.mask_mod is not None:  # user expressions are inserted here
+            visible = visible & np.asarray(var.mask_mod(b, h, rows, cols), dtype=bool)
+        return np.where(visible, s, -np.inf)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """The effective (left, right) window, causal included (-1: unbounded)."""
+        left, right = self.variants.window_size
         if self.causal:
-            rows = np.arange(i0, i1)[:, None]
-            cols = np.arange(j0, j1)[None, :]
-            s = np.where(cols <= rows + (self.sk - self.sq), s, -np.inf)
-        return s
+            right = 0 if right < 0 else min(right, 0)
+        return left, right
+
+    def key_range(self, i0: int, i1: int) -> tuple[int, int]:
+        """Keys ``[j0, j1)`` that some query row of ``[i0, i1)`` may see under the window."""
+        left, right = self.window
+        offset = self.sk - self.sq
+        j0 = 0 if left < 0 else max(0, i0 + offset - left)
+        j1 = self.sk if right < 0 else min(self.sk, i1 - 1 + offset + right + 1)
+        return j0, max(j0, j1)
+
+    def initial_state(self, rows: int) -> SoftmaxState:
+        """The state a row starts from: the identity, or with sinks the sink's own state
+        ``(0, 1, sink_h)`` (a key of score sink_h and value 0)."""
+        b, h = self.q.shape[:2]
+        state = identity_state((b, h, rows), self.head_dim)
+        if self.variants.sinks is None:
+            return state
+        sink = np.broadcast_to(self.variants.sinks[None, :, None], (b, h, rows))
+        return SoftmaxState(state.o, np.ones((b, h, rows)), np.array(sink, dtype=np.float64))
 
     def values(self, j0: int, j1: int) -> np.ndarray:
         """Values of keys ``[j0, j1)`` as (B, H, 1, n, D), shared by every query row."""
         return self.v[:, :, None, j0:j1]
 
-    def last_visible_key(self, row: int) -> int:
-        """The largest key index ``row`` may see under the causal rule (may be negative)."""
-        return row + (self.sk - self.sq)
+
+ScoreMod = Callable[..., np.ndarray]  # (score, b, h, q_idx, kv_idx) -> new score
+MaskMod = Callable[..., np.ndarray]  # (b, h, q_idx, kv_idx) -> bool, True where visible
+
+
+@dataclass(frozen=True)
+class Variants:
+    """The attention variants of one call (module docstring), validated; ``alibi_slopes`` is
+    (B, H) float64 after :func:`_prepare`, ``sinks`` (H,)."""
+
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float | None = None
+    alibi_slopes: np.ndarray | None = None
+    sinks: np.ndarray | None = None
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+
+
+def _check_variants(variants: Variants, batch: int, heads: int) -> Variants:
+    window = tuple(variants.window_size)
+    if len(window) != 2 or any(
+        isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < -1 for w in window
+    ):
+        raise ValueError(f"window_size: expected (left, right) integers >= -1, got {window!r}")
+    softcap = variants.softcap
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap: must be a finite number > 0, got {softcap!r}")
+    slopes = variants.alibi_slopes
+    if slopes is not None:
+        slopes = np.asarray(slopes, dtype=np.float64)
+        if slopes.shape not in ((heads,), (batch, heads)):
+            raise ValueError(
+                f"alibi_slopes: expected shape ({heads},) or ({batch}, {heads}), got {slopes.shape}"
+            )
+        slopes = np.broadcast_to(slopes, (batch, heads))
+    sinks = variants.sinks
+    if sinks is not None:
+        sinks = np.asarray(sinks, dtype=np.float64)
+        if sinks.shape != (heads,):
+            raise ValueError(f"sinks: expected shape ({heads},), got {sinks.shape}")
+    return Variants(
+        (int(window[0]), int(window[1])),
+        None if softcap is None else float(softcap),
+        slopes,
+        sinks,
+        variants.score_mod,
+        variants.mask_mod,
+    )
 
 
 def _prepare(
@@ -199,6 +305,7 @@ def _prepare(
     causal: bool,
     scale: float | None,
     mask: np.ndarray | None,
+    variants: Variants | None = None,
 ) -> _Problem:
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -241,7 +348,10 @@ def _prepare(
                 f"mask: shape {mask_arr.shape} does not broadcast to (B, H, Sq, Sk) = "
                 f"{(b, h, sq, sk)}"
             ) from None
-    return _Problem(q=q, k=k, v=v, mask=full_mask, scale=scale, causal=bool(causal))
+    checked = _check_variants(variants or Variants(), b, h)
+    return _Problem(
+        q=q, k=k, v=v, mask=full_mask, scale=scale, causal=bool(causal), variants=checked
+    )
 
 
 def _check_block(name: str, value: int) -> int:
@@ -264,6 +374,7 @@ def naive_attention(
     scale: float | None = None,
     mask: np.ndarray | None = None,
     seqlens_k: Sequence[int] | np.ndarray | None = None,
+    **variants: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Direct attention over the full (B, H, Sq, Sk) score matrix; returns ``(out, lse)``.
 
@@ -272,10 +383,15 @@ def naive_attention(
     [0, Sk]); causal alignment is then to that length.
     """
     if seqlens_k is not None:
-        return _per_sequence(q, k, v, seqlens_k, causal=causal, scale=scale, mask=mask)
-    p = _prepare(q, k, v, causal, scale, mask)
+        return _per_sequence(q, k, v, seqlens_k, causal=causal, scale=scale, mask=mask, **variants)
+    p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
     s = p.scores(0, p.sq, 0, p.sk)
-    m = s.max(axis=-1) if p.sk > 0 else np.full(s.shape[:-1], -np.inf)
+    if p.variants.sinks is not None:  # the sink: one more score, with value 0
+        sink = np.broadcast_to(p.variants.sinks[None, :, None, None], (*s.shape[:-1], 1))
+        s = np.concatenate([s, sink], axis=-1)
+        sink_value = np.zeros((*p.v.shape[:2], 1, p.v.shape[3]))
+        p = dataclasses.replace(p, v=np.concatenate([p.v, sink_value], axis=2))
+    m = s.max(axis=-1) if s.shape[-1] > 0 else np.full(s.shape[:-1], -np.inf)
     m_safe = np.where(np.isneginf(m), 0.0, m)
     e = np.exp(s - m_safe[..., None])
     denom = e.sum(axis=-1)
@@ -301,10 +417,15 @@ def _per_sequence(
     mask = kw.pop("mask")
     if mask is not None:
         mask = np.broadcast_to(mask, (batch, heads, seqlen_q, seqlen_k))
+    slopes = kw.pop("alibi_slopes", None)
+    if slopes is not None:
+        slopes = np.broadcast_to(np.asarray(slopes, dtype=np.float64), (batch, heads))
     outs, lses = [], []
     for b, length in enumerate(seqlens_k):
         keys = min(max(int(length), 0), seqlen_k)
         mask_b = None if mask is None else mask[b : b + 1, :, :, :keys]
+        if slopes is not None:
+            kw["alibi_slopes"] = slopes[b : b + 1]
         out, lse = naive_attention(
             q[b : b + 1], k[b : b + 1, :, :keys], v[b : b + 1, :, :keys], mask=mask_b, **kw
         )
@@ -321,15 +442,15 @@ def online_softmax_attention(
     causal: bool = False,
     scale: float | None = None,
     mask: np.ndarray | None = None,
+    **variants: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Online softmax: every query row folds in the keys one at a time.
 
     ``m_j = max(m_{j-1}, x_j)``, ``l_j = l_{j-1} e^{m_{j-1} - m_j} + e^{x_j - m_j}``,
     ``o_j = o_{j-1} e^{m_{j-1} - m_j} + e^{x_j - m_j} v_j``; vectorized over (B, H, Sq).
     """
-    p = _prepare(q, k, v, causal, scale, mask)
-    b, h = p.q.shape[:2]
-    state = identity_state((b, h, p.sq), p.head_dim)
+    p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
+    state = p.initial_state(p.sq)
     for j in range(p.sk):
         x = p.scores(0, p.sq, j, j + 1)  # (B, H, Sq, 1)
         state = combine(state, tile_state(x, p.values(j, j + 1)))
@@ -346,25 +467,26 @@ def tiled_v1(
     causal: bool = False,
     scale: float | None = None,
     mask: np.ndarray | None = None,
+    **variants: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FlashAttention-1 loop order: K/V tiles of ``block_n`` outside, Q tiles of ``block_m`` inside.
 
     The running ``(o, l, m)`` of every query row lives in global arrays between outer steps:
     each (Q tile, K tile) pair reads it, combines it with the tile's state and writes it back.
-    Causal pairs that are entirely invisible are skipped.
+    Pairs that the window (causal included) hides entirely are skipped.
     """
     block_m = _check_block("block_m", block_m)
     block_n = _check_block("block_n", block_n)
-    p = _prepare(q, k, v, causal, scale, mask)
-    b, h = p.q.shape[:2]
-    init = identity_state((b, h, p.sq), p.head_dim)
+    p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
+    init = p.initial_state(p.sq)
     o_glob, l_glob, m_glob = init.o, init.l, init.m
     for j0 in range(0, p.sk, block_n):
         j1 = min(j0 + block_n, p.sk)
         v_tile = p.values(j0, j1)
         for i0 in range(0, p.sq, block_m):
             i1 = min(i0 + block_m, p.sq)
-            if p.causal and j0 > p.last_visible_key(i1 - 1):
+            keys = p.key_range(i0, i1)
+            if j1 <= keys[0] or j0 >= keys[1]:
                 continue  # no row of this Q tile sees any key of this K tile
             prev = SoftmaxState(o_glob[:, :, i0:i1], l_glob[:, :, i0:i1], m_glob[:, :, i0:i1])
             new = combine(prev, tile_state(p.scores(i0, i1, j0, j1), v_tile))
@@ -384,23 +506,24 @@ def tiled_v2(
     causal: bool = False,
     scale: float | None = None,
     mask: np.ndarray | None = None,
+    **variants: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FlashAttention-2 loop order: Q tiles of ``block_m`` outside, K/V tiles of ``block_n`` inside.
 
-    The state stays with its Q tile and is finalized once per Q tile. With ``causal`` the inner
-    loop stops after the last K tile that any row of the Q tile can see.
+    The state stays with its Q tile and is finalized once per Q tile. The inner loop visits only
+    the K tiles that some row of the Q tile can see under the window (causal included).
     """
     block_m = _check_block("block_m", block_m)
     block_n = _check_block("block_n", block_n)
-    p = _prepare(q, k, v, causal, scale, mask)
+    p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
     b, h = p.q.shape[:2]
     out = np.zeros_like(p.q)
     lse = np.full((b, h, p.sq), -np.inf)
     for i0 in range(0, p.sq, block_m):
         i1 = min(i0 + block_m, p.sq)
-        j_end = min(p.sk, p.last_visible_key(i1 - 1) + 1) if p.causal else p.sk
-        state = identity_state((b, h, i1 - i0), p.head_dim)
-        for j0 in range(0, j_end, block_n):
+        j_begin, j_end = p.key_range(i0, i1)
+        state = p.initial_state(i1 - i0)
+        for j0 in range(j_begin // block_n * block_n, j_end, block_n):
             j1 = min(j0 + block_n, p.sk)
             state = combine(state, tile_state(p.scores(i0, i1, j0, j1), p.values(j0, j1)))
         out[:, :, i0:i1], lse[:, :, i0:i1] = finalize(state)
@@ -416,22 +539,22 @@ def split_kv(
     causal: bool = False,
     scale: float | None = None,
     mask: np.ndarray | None = None,
+    **variants: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Split-KV model: the key axis is cut into ``num_splits`` contiguous chunks.
 
     Chunk ``s`` holds keys ``[s * Sk // num_splits, (s + 1) * Sk // num_splits)`` (empty when
     there are more splits than keys). Each chunk's partial state is computed on its own, then
-    the partials are folded in order with :func:`combine`.
+    the partials are folded in order with :func:`combine`, starting from the sinks' state.
     """
     num_splits = _check_block("num_splits", num_splits)
-    p = _prepare(q, k, v, causal, scale, mask)
-    b, h = p.q.shape[:2]
+    p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
     bounds = [s * p.sk // num_splits for s in range(num_splits + 1)]
     partials = [
         tile_state(p.scores(0, p.sq, j0, j1), p.values(j0, j1))
         for j0, j1 in itertools.pairwise(bounds)
     ]
-    state = identity_state((b, h, p.sq), p.head_dim)
+    state = p.initial_state(p.sq)
     for part in partials:
         state = combine(state, part)
     return finalize(state)
@@ -447,34 +570,47 @@ def split_kv_partials(
     causal: bool = False,
     scale: float | None = None,
     mask: np.ndarray | None = None,
+    **variants: Any,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The split-KV kernels' partials: ``(out_c, lse_c)``, attention over chunk c's keys alone.
 
     Chunks are cut as the kernels cut them: the ceil(Sk / block_n) key tiles are dealt out
-    ceil(tiles / num_splits) per chunk, so trailing chunks may be empty ((0, -inf))."""
+    ceil(tiles / num_splits) per chunk, so trailing chunks may be empty ((0, -inf)). With a
+    window the tiles dealt out are those the window lets query rows [0, Sq) see (the kernels
+    cut per query tile: the same when Sq fits one tile, as in decoding). Sinks are not in the
+    partials: :func:`combine_partials` adds them."""
     num_splits = _check_block("num_splits", num_splits)
     block_n = _check_block("block_n", block_n)
-    p = _prepare(q, k, v, causal, scale, mask)
-    key_tiles = math.ceil(p.sk / block_n)
-    tiles_per_split = math.ceil(key_tiles / num_splits)
+    p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
+    first_tile = 0
+    end_tile = math.ceil(p.sk / block_n)
+    if p.variants.window_size != (-1, -1):
+        keys = p.key_range(0, p.sq)
+        first_tile, end_tile = keys[0] // block_n, math.ceil(keys[1] / block_n)
+    tiles_per_split = math.ceil(max(0, end_tile - first_tile) / num_splits)
     partials = []
     for split in range(num_splits):
-        j0 = min(p.sk, split * tiles_per_split * block_n)
-        j1 = min(p.sk, (split + 1) * tiles_per_split * block_n)
+        j0 = min(p.sk, (first_tile + split * tiles_per_split) * block_n)
+        j1 = min(p.sk, (first_tile + (split + 1) * tiles_per_split) * block_n)
         partials.append(finalize(tile_state(p.scores(0, p.sq, j0, j1), p.values(j0, j1))))
     return partials
 
 
 def combine_partials(
     partials: Sequence[tuple[np.ndarray, np.ndarray]],
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The combine kernel's fold: each partial ``(out_c, lse_c)`` is the state
     ``(out_c, 1, lse_c)`` (an empty one, ``lse_c = -inf``, weighs 0), folded with
-    :func:`combine`."""
+    :func:`combine`; with ``sinks`` (H,) (partials (B, H, Sq, D)) the fold starts from the
+    sink's state ``(0, 1, sink_h)`` instead of the identity."""
     if not partials:
         raise ValueError("partials: need at least one (out, lse) pair")
     out0, lse0 = (np.asarray(x, dtype=np.float64) for x in partials[0])
     state = identity_state(lse0.shape, out0.shape[-1])
+    if sinks is not None:
+        sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[None, :, None], lse0.shape)
+        state = SoftmaxState(state.o, np.ones(lse0.shape), np.array(sink))
     for out, lse in partials:
         lse = np.asarray(lse, dtype=np.float64)
         part = SoftmaxState(np.asarray(out, dtype=np.float64), np.ones_like(lse), lse)

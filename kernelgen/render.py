@@ -77,6 +77,19 @@ CXX_ELEMENT: dict[str, CxxElement] = {
 }
 
 
+# make_variant's arguments (templates/variants.cuh.j2): the kernel's parameters where the spec
+# has the variant, else the values that turn it off.
+VARIANT_ARGS: dict[str, tuple[str, str]] = {
+    "window": ("window_left, window_right", "-1, -1"),
+    "softcap": ("softcap", "0.f"),
+}
+
+
+def variant_args(spec: KernelSpec) -> str:
+    """The C++ argument list of make_variant for ``spec``."""
+    return ", ".join(on if getattr(spec, name) else off for name, (on, off) in VARIANT_ARGS.items())
+
+
 COMBINE_WARPS = 4  # warps of a split-KV combine block, which combines one (batch, head, query) row
 MAX_SPLITS = 128  # key chunks of a split-KV launch; the combine's lanes hold MAX_SPLITS / 32 each
 
@@ -130,7 +143,20 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
         params += _strides("out", "bhs")
     params += _strides("mask", "bhqk")
     params.append(Param("scale_log2", "float"))
+    for name in spec.variants:
+        if not (name == "sinks" and spec.split_kv):  # split-KV: the combine adds the sinks
+            params += VARIANT_PARAMS[name]
     return tuple(params)
+
+
+# The run-time values of each built-in variant (docs/variants.md), appended to the main kernel's
+# parameters when the spec has the variant: a kernel without variants keeps its parameter list.
+VARIANT_PARAMS: dict[str, tuple[Param, ...]] = {
+    "window": (Param("window_left", "int"), Param("window_right", "int")),
+    "softcap": (Param("softcap", "float"),),
+    "alibi": (Param("alibi_slopes", "const float*"), Param("alibi_stride_b", "long long")),
+    "sinks": (Param("sinks", "const float*"),),
+}
 
 
 def combine_params(spec: KernelSpec) -> tuple[Param, ...]:
@@ -143,7 +169,10 @@ def combine_params(spec: KernelSpec) -> tuple[Param, ...]:
         Param("lse", "float*"),
     ]
     params += [Param(name, "int") for name in ("batch", "num_heads", "seqlen_q", "num_splits")]
-    return tuple(params + _strides("out", "bhs"))
+    params += _strides("out", "bhs")
+    if spec.sinks:  # the combine adds each row's sink once, after the chunks
+        params.append(Param("sinks", "const float*"))
+    return tuple(params)
 
 
 def consumer_registers(spec: KernelSpec) -> int:
@@ -207,8 +236,18 @@ def template_name(spec: KernelSpec) -> str:
     return ENTRY_TEMPLATE[spec.mma, spec.loop_order]
 
 
+VARIANT_PIECE = "variants.cuh.j2"  # the shared template piece of the attention variants
+
+
 def render(spec: KernelSpec) -> str:
-    """CUDA source of the spec's kernel, named by its URI."""
+    """CUDA source of the spec's kernel, named by its URI. A spec with variants needs templates
+    that have them (an older templates folder would silently leave them out)."""
+    if spec.variants and not (template_dir() / VARIANT_PIECE).is_file():
+        raise SettingError(
+            f"{spec.uri}: the templates in {template_dir()} predate the attention variants (no "
+            f"{VARIANT_PIECE}); use kernelgen's own templates for a spec with "
+            f"{', '.join(spec.variants)}"
+        )
     template = _environment().get_template(template_name(spec))
     return template.render(
         spec=spec,
@@ -220,6 +259,7 @@ def render(spec: KernelSpec) -> str:
         params=kernel_params(spec),
         combine_params=combine_params(spec) if spec.split_kv else (),
         combine_uri=spec.combine_uri,
+        variant_args=variant_args(spec),
         combine_warps=COMBINE_WARPS,
         max_splits=MAX_SPLITS,
         spec_yaml=spec.to_yaml().rstrip("\n").splitlines(),

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
 from kernelgen.errors import InputError, SpecError
@@ -92,6 +100,13 @@ def default_smem_layout(head_dim: int) -> SmemLayout:
     return "swizzled" if swizzle_fits(head_dim) else "padded"
 
 
+# The built-in attention variants a spec may be compiled with (docs/variants.md): the spec flag
+# -> its tag in the kernel name. Their values (window bounds, cap, slopes, sinks) are run-time
+# arguments, so one kernel serves every window size and cap.
+VARIANT_FLAGS = ("window", "softcap", "alibi", "sinks")
+VARIANT_TAGS = {"window": "win", "softcap": "cap", "alibi": "alibi", "sinks": "sink"}
+
+
 def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
     if value not in allowed:
         raise ValueError(
@@ -161,6 +176,26 @@ class KernelSpec(BaseModel):
         "batch entry b is row j % page_size of page block_table[b, j / page_size]; page_size and "
         "the block table are launch arguments (loop_order v2 only).",
     )
+    window: bool = Field(
+        False,
+        description="Sliding-window attention: query i sees keys i + offset - left .. i + offset "
+        "+ right (offset = seqlen_k - seqlen_q; left and right are run-time arguments, -1 "
+        "unbounded); key tiles outside a query tile's window are never visited.",
+    )
+    softcap: bool = Field(
+        False,
+        description="Score soft-capping s <- c * tanh(s / c), the cap c a run-time argument.",
+    )
+    alibi: bool = Field(
+        False,
+        description="ALiBi: s <- s - slope * |i + offset - j|, slopes per head (or per batch and "
+        "head) a run-time fp32 array.",
+    )
+    sinks: bool = Field(
+        False,
+        description="Attention sinks: a per-head fp32 logit (run-time array) that joins each "
+        "row's softmax denominator and its lse.",
+    )
     overlap: bool = Field(
         False,
         description="wgmma only: overlap each key tile's softmax with the next tile's Q K^T "
@@ -192,6 +227,17 @@ class KernelSpec(BaseModel):
             data["smem_pad"] = MMA_PAD_WORDS.get(layout, 0) if tensor_cores else 1
         return data
 
+    @model_serializer(mode="wrap")
+    def _drop_unused_variants(self, handler: Any) -> dict[str, Any]:
+        """Variant flags that are off are left out of dumps (YAML, JSON, cache identities), so a
+        spec without variants keeps the identity it had before variants existed; so is wgmma's
+        overlap switch when off."""
+        data = handler(self)
+        for name in (*VARIANT_FLAGS, "overlap"):
+            if data.get(name) is False:
+                del data[name]
+        return data
+
     # ---- field checks -------------------------------------------------------------------
     @field_validator(
         "head_dim", "block_m", "block_n", "num_warps", "stages", "smem_pad", mode="before"
@@ -206,7 +252,18 @@ class KernelSpec(BaseModel):
             )
         return value
 
-    @field_validator("causal", "pack_gqa", "split_kv", "paged_kv", "overlap", mode="before")
+    @field_validator(
+        "causal",
+        "pack_gqa",
+        "split_kv",
+        "paged_kv",
+        "window",
+        "softcap",
+        "alibi",
+        "sinks",
+        "overlap",
+        mode="before",
+    )
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         """Boolean fields take true or false only (not 1, 0 or the string 'yes')."""
@@ -417,6 +474,7 @@ class KernelSpec(BaseModel):
             ("pack_gqa", self.pack_gqa),
             ("split_kv", self.split_kv),
             ("paged_kv", self.paged_kv),
+            *((name, getattr(self, name)) for name in VARIANT_FLAGS),
         )
         for field, value in refused:
             if value:
@@ -543,12 +601,18 @@ class KernelSpec(BaseModel):
             parts.append("split")
         if self.paged_kv:
             parts.append("paged")
+        parts += [VARIANT_TAGS[name] for name in VARIANT_FLAGS if getattr(self, name)]
         return "_".join(parts)
 
     def compile_arch(self, device_arch: str) -> str:
         """The target to compile for on a device of ``device_arch``: the arch-specific sm_90a
         for wgmma specs (which run on 9.0 devices only), else the device's own."""
         return WGMMA_ARCHS[0] if self.mma == "wgmma" else device_arch
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The built-in variants the kernel is compiled with, in :data:`VARIANT_FLAGS` order."""
+        return tuple(name for name in VARIANT_FLAGS if getattr(self, name))
 
     @property
     def combine_uri(self) -> str:

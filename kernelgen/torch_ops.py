@@ -38,6 +38,10 @@ def _attention_op(
     layout: str,
     seqlens_k: torch.Tensor | None,
     num_splits: int | None,
+    window: list[int] | None,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out in q's layout and dtype, and the fp32 log-sum-exp (B, H, Sq): :func:`kernelgen.attention`
     with ``return_lse=True`` (an operator's outputs are fixed)."""
@@ -52,6 +56,10 @@ def _attention_op(
         seqlens_k=seqlens_k,
         num_splits=num_splits,
         return_lse=True,
+        window_size=None if window is None else (window[0], window[1]),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
 
 
@@ -66,6 +74,10 @@ def _attention_fake(
     layout: str,
     seqlens_k: torch.Tensor | None,
     num_splits: int | None,
+    window: list[int] | None,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32)
@@ -84,10 +96,17 @@ def attention(
     layout: str = "bhsd",
     seqlens_k: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`kernelgen.attention` on torch tensors through ``torch.ops.kernelgen.attention``
-    (same arguments, but no ``spec``, and ``seqlens_k`` a tensor); traceable by torch.compile."""
+    (same arguments, but no ``spec``, and ``seqlens_k`` a tensor); traceable by torch.compile.
+    The variants (docs/variants.md) as in ``kernelgen.attention``."""
+    window = None if window_size is None else [int(side) for side in window_size]
     out, lse = torch.ops.kernelgen.attention(
-        q, k, v, mask, bool(causal), scale, layout, seqlens_k, num_splits
-    )
+        q, k, v, mask, bool(causal), scale, layout, seqlens_k, num_splits,
+        window, softcap, alibi_slopes, sinks,
+    )  # fmt: skip
     return (out, lse) if return_lse else out

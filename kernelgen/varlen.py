@@ -22,6 +22,7 @@ from kernelgen.api import TensorInfo, attention, check_inputs, describe
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.frameworks import arrays_of, device_of, module_of, refuse_during_capture
 from kernelgen.spec import KernelSpec
+from kernelgen.variant_inputs import check_variants
 
 __all__ = ["attention_varlen", "sequence_runs"]
 
@@ -40,6 +41,10 @@ def attention_varlen(
     return_lse: bool = False,
     spec: KernelSpec | None = None,
     num_splits: int | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention over packed sequences of different lengths (flash-attn's varlen semantics).
 
@@ -54,6 +59,8 @@ def attention_varlen(
     queries but no keys gives out 0 and lse -inf. ``spec``/``num_splits`` as in ``attention()``
     (a spec serves every run; its causal flag must match). Returns out (total_q, H, D) in q's
     dtype and library, and with ``return_lse`` the fp32 LSE of shape (H, total_q).
+    The variants (docs/variants.md) as in ``attention()``, per sequence (its own offset
+    Sk - Sq); ``alibi_slopes`` is (H,) or (B, H) with B the number of sequences.
     """
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     for t in infos:
@@ -74,7 +81,18 @@ def attention_varlen(
         )
         for t in infos
     ]
-    check_inputs(*as_batch, None, layout="bshd", scale=scale, spec=spec, causal=bool(causal))
+    sinks_info = None if sinks is None else describe(sinks, "sinks")
+    check_inputs(
+        *as_batch,
+        None,
+        layout="bshd",
+        scale=scale,
+        spec=None if alibi_slopes is not None else spec,  # its flags: checked per run below
+        causal=bool(causal),
+        window_size=window_size,
+        softcap=softcap,
+        sinks=sinks_info,
+    )
     total_q, heads, head_dim = infos[0].shape
     total_k = infos[1].shape[0]
     if infos[2].shape[0] != total_k:
@@ -97,6 +115,19 @@ def attention_varlen(
         )
     _check_max(max_seqlen_q, "max_seqlen_q", np.diff(starts_q), "cu_seqlens_q")
     _check_max(max_seqlen_k, "max_seqlen_k", np.diff(starts_k), "cu_seqlens_k")
+    per_sequence = False  # ALiBi slopes per sequence, (B, H)
+    if alibi_slopes is not None:  # (H,) or (B, H), B the sequences
+        slopes = describe(alibi_slopes, "alibi_slopes")
+        check_variants(
+            window_size=None,
+            softcap=None,
+            alibi_slopes=slopes,
+            sinks=None,
+            causal=False,
+            batch=starts_q.shape[0] - 1,
+            heads=heads,
+        )
+        per_sequence = len(slopes.shape) == 2
 
     arrays = arrays_of(q)
     with arrays.scope(device):
@@ -105,11 +136,14 @@ def attention_varlen(
     for first, count, len_q, len_k in sequence_runs(starts_q, starts_k):
         q0, k0 = int(starts_q[first]), int(starts_k[first])
         rows = slice(q0, q0 + count * len_q)
-        if len_k == 0:  # queries that see no key
+        if len_k == 0:  # queries that see no key (with sinks: lse = sink)
             out[rows] = 0
             if lse is not None:
-                lse[:, rows] = float("-inf")
+                lse[:, rows] = float("-inf") if sinks is None else sinks[:, None]
             continue
+        slopes_run = alibi_slopes
+        if alibi_slopes is not None and per_sequence:
+            slopes_run = alibi_slopes[first : first + count]
         keys = slice(k0, k0 + count * len_k)
         result = attention(
             q[rows].reshape(count, len_q, heads, head_dim),
@@ -121,6 +155,10 @@ def attention_varlen(
             num_splits=num_splits,
             return_lse=return_lse,
             layout="bshd",
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=slopes_run,
+            sinks=sinks,
         )
         run_out, run_lse = result if return_lse else (result, None)
         out[rows] = run_out.reshape(count * len_q, heads, head_dim)

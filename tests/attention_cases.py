@@ -68,7 +68,27 @@ class CaseData:
     ref_lse: np.ndarray
 
 
-def make_case(case: Case, dtype: str, head_dim: int, causal: bool, seed: int) -> CaseData:
+def example_variants(
+    flags: tuple[str, ...], batch: int, heads: int, seed: int, window: tuple[int, int] = (9, 3)
+) -> dict:
+    """attention() arguments for the built-in variants ``flags`` (a spec's ``variants``): a
+    window of ``window`` (left, right), a cap that bends the scores (1.5 at unit-variance
+    scores), per-(batch, head) ALiBi slopes and per-head sinks, fp32 as attention() wants."""
+    rng = np.random.default_rng(seed + 1)
+    values = {
+        "window": ("window_size", window),
+        "softcap": ("softcap", 1.5),
+        "alibi": ("alibi_slopes", rng.uniform(0.05, 0.5, (batch, heads)).astype(np.float32)),
+        "sinks": ("sinks", (2 * rng.standard_normal(heads)).astype(np.float32)),
+    }
+    return dict(values[name] for name in flags)
+
+
+def make_case(
+    case: Case, dtype: str, head_dim: int, causal: bool, seed: int, variants: dict | None = None
+) -> CaseData:
+    """Random inputs for ``case`` and the float64 reference; ``variants``: attention()'s variant
+    arguments (window_size, softcap, alibi_slopes, sinks), given to the reference as well."""
     rng = np.random.default_rng(seed)
     q = round_to(rng.standard_normal((case.batch, case.heads, case.seqlen_q, head_dim)), dtype)
     kv_shape = (case.batch, case.kv_heads, case.seqlen_k, head_dim)
@@ -83,7 +103,9 @@ def make_case(case: Case, dtype: str, head_dim: int, causal: bool, seed: int) ->
     elif case.mask == "full":
         shape = (case.batch, case.heads, case.seqlen_q, case.seqlen_k)
         mask = (2 * rng.standard_normal(shape)).astype(np.float32)
-    ref_out, ref_lse = naive_attention(q, k, v, causal=causal, scale=case.scale, mask=mask)
+    ref_out, ref_lse = naive_attention(
+        q, k, v, causal=causal, scale=case.scale, mask=mask, **(variants or {})
+    )
     return CaseData(q, k, v, mask, ref_out, ref_lse)
 
 
@@ -123,8 +145,17 @@ def packed_varlen(lengths_q, lengths_k, heads, kv_heads, dtype, seed, head_dim=3
     return q, k, v, varlen_offsets(lengths_q), varlen_offsets(lengths_k)
 
 
-def varlen_reference(q, k, v, cu_q, cu_k, causal):
-    """float64 out (total_q, H, D) and lse (H, total_q), one sequence at a time."""
+def _per_entry(variants: dict, b: int) -> dict:
+    """The variant arguments of batch entry (or sequence) b: (B, H) ALiBi slopes sliced."""
+    slopes = variants.get("alibi_slopes")
+    if slopes is None or np.ndim(slopes) == 1:
+        return variants
+    return {**variants, "alibi_slopes": slopes[b : b + 1]}
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, causal, **variants):
+    """float64 out (total_q, H, D) and lse (H, total_q), one sequence at a time; ``variants``:
+    attention()'s variant arguments ((B, H) ALiBi slopes: one row per sequence)."""
     out = np.zeros(q.shape)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     for b in range(len(cu_q) - 1):
@@ -136,6 +167,7 @@ def varlen_reference(q, k, v, cu_q, cu_k, causal):
             k[keys].transpose(1, 0, 2)[None],
             v[keys].transpose(1, 0, 2)[None],
             causal=causal,
+            **_per_entry(variants, b),
         )
         out[rows] = o[0].transpose(1, 0, 2)
         lse[:, rows] = s[0]
@@ -174,22 +206,22 @@ def kvcache_data(batch, seqlen_q, new_len, max_keys, heads, kv_heads, dtype, see
     return q, k_cache, v_cache, k_new, v_new
 
 
-def kvcache_reference(q, k_cache, v_cache, k_new, v_new, lengths, causal):
+def kvcache_reference(q, k_cache, v_cache, k_new, v_new, lengths, causal, **variants):
     """float64 out (B, Sq, H, D) and lse (B, H, Sq): entry b attends to its first lengths[b]
-    cached keys followed by its new ones (the concatenation, no cache involved)."""
+    cached keys followed by its new ones (the concatenation, no cache involved); ``variants``:
+    attention()'s variant arguments."""
     batch, seqlen_q, heads, _ = q.shape
     out = np.zeros(q.shape)
     lse = np.full((batch, heads, seqlen_q), -np.inf)
     for b, length in enumerate(lengths):
         keys = np.concatenate([k_cache[b, :length], k_new[b]])
         values = np.concatenate([v_cache[b, :length], v_new[b]])
-        if keys.shape[0] == 0:
-            continue
         o, s = naive_attention(
             q[b].transpose(1, 0, 2)[None],
             keys.transpose(1, 0, 2)[None],
             values.transpose(1, 0, 2)[None],
             causal=causal,
+            **_per_entry(variants, b),
         )
         out[b] = o[0].transpose(1, 0, 2)
         lse[b] = s[0]

@@ -186,3 +186,24 @@ def test_a_spec_the_device_cannot_run_is_an_input_error(
     with pytest.raises(InputError, match=message):
         kernelgen.attention(*qkv(head_dim=spec.head_dim), spec=spec)
     assert launches == []
+
+
+def test_variant_values_are_part_of_the_plan(recorded):
+    """A call with other variant values (or arrays of another shape) never reuses a plan made
+    for different ones; the same values reuse it with the new slope and sink arrays."""
+    launches, checks = recorded
+    slopes = fake_cupy.ndarray((4,), np.float32)
+    kernelgen.attention(*qkv(), causal=True, window_size=(8, 0), alibi_slopes=slopes)
+    kernelgen.attention(*qkv(), causal=True, window_size=(9, 0), alibi_slopes=slopes)
+    assert len(checks) == 2  # another window: the checked path
+    new_slopes = fake_cupy.ndarray((4,), np.float32)
+    kernelgen.attention(*qkv(), causal=True, window_size=(9, 0), alibi_slopes=new_slopes)
+    assert len(checks) == 2  # the same values: the plan, with the new slopes
+    assert pointer(new_slopes) in [pointer(a) for a in launches[-1][3]]
+    assert pointer(slopes) not in [pointer(a) for a in launches[-1][3]]
+    kernelgen.attention(
+        *qkv(), causal=True, window_size=(9, 0), alibi_slopes=fake_cupy.ndarray((2, 4), np.float32)
+    )
+    assert len(checks) == 3  # (B, H) slopes: another plan (a batch stride)
+    windows = [[int(x) for x in args[-4:-2]] for _, _, _, args, _ in launches]
+    assert windows == [[8, 0], [9, 0], [9, 0], [9, 0]]

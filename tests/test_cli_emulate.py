@@ -63,9 +63,30 @@ def test_a_cuda_core_spec_has_no_cp_async_facts():
     assert "no ldmatrix" in result.output
 
 
+WINDOW_SPEC = ROOT / "specs" / "v2_tc_bf16_d128_m64_n64_s2_swz_causal_window.yaml"
+
+
+def test_a_window_spec_reports_the_tiles_its_window_skips():
+    result = run(WINDOW_SPEC, "--shape", "1,1,1,256,256", "--window", "40,0")
+    assert result.exit_code == 0, result.output
+    # query tile t (rows 64t..64t+63) sees keys 64t-40 .. 64t+63: tiles t-1 and t (t = 0: one)
+    assert _value(result.output, "key tiles visited") == "7" and "of 16" in result.output
+
+
+def test_every_variant_with_example_values():
+    spec = ROOT / "specs" / "v2_f32_d64_window_softcap_alibi_sinks.yaml"
+    result = run(spec, "--shape", "1,2,1,33,70", "--softcap", "2")
+    assert result.exit_code == 0, result.output
+    assert float(_value(result.output, "out: relative Frobenius error")) <= 1e-4
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        ((WINDOW_SPEC, "--window", "4"), "--window '4': expected LEFT,RIGHT"),
+        ((WINDOW_SPEC, "--window", "-2,0"), "LEFT and RIGHT must be >= -1"),
+        ((TC_SPEC, "--window", "4,4"), "--window needs a spec with window: true"),
+        ((TC_SPEC, "--softcap", "2"), "--softcap needs a spec with softcap: true"),
         ((TC_SPEC, "--shape", "1,2,1,33"), "expected B,H,HKV,SQ,SK, five positive integers"),
         ((TC_SPEC, "--shape", "1,3,2,8,8"), "H=3 must be a multiple of HKV=2"),
         ((TC_SPEC, "--shape", "1,2,1,0,8"), "five positive integers"),

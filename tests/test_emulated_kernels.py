@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, make_case
+from attention_cases import Case, assert_matches, example_variants, make_case
 from conftest import HEAD_DIM_SWEEP, POINTER_SPEC_PATHS
 
 from kernelgen.emulator.attention import emulate_attention
@@ -41,11 +41,13 @@ def run_emulated(
     want_lse: bool = True,
     source: str | None = None,
     page_size: int | None = None,
+    variants: dict | None = None,
 ):
     """out and lse of the spec's launches on ``data`` through
     :func:`kernelgen.emulator.attention.emulate_attention` (and, into ``keep``, every array;
     into ``stats``, each kernel's LaunchStats by symbol); ``source`` replaces the rendered CUDA.
-    Without ``want_lse`` the kernels get a null lse and lse is None.
+    Without ``want_lse`` the kernels get a null lse and lse is None. ``variants``: the variant
+    arguments of attention() (window_size, softcap, alibi_slopes, sinks).
 
     Split-KV specs default to 3 key chunks, so every case goes through the combine kernel."""
     run = emulate_attention(
@@ -61,6 +63,7 @@ def run_emulated(
         want_lse=want_lse,
         source=source,
         page_size=page_size,
+        **(variants or {}),
     )
     if stats is not None:
         stats.update(run.stats)
@@ -72,10 +75,12 @@ def run_emulated(
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("path", POINTER_SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_matches_float64_reference(path, case):
+    """Every spec; one compiled with variants (docs/variants.md) runs them with example values."""
     spec = load_spec(path)
     seed = zlib.crc32(f"{spec.uri} {case}".encode())  # stable across processes
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
-    out, lse = run_emulated(spec, case, data)
+    variants = example_variants(spec.variants, case.batch, case.heads, seed)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
+    out, lse = run_emulated(spec, case, data, variants=variants)
     assert_matches(out, lse, data, spec.dtype)
 
 
@@ -85,8 +90,9 @@ def test_a_null_lse_is_not_written(path):
     combine too) must skip that store and still write out (a store through null would crash)."""
     spec = load_spec(path)
     case = Case(1, 2, 1, 17, 40)  # GQA, partial tiles, rows that see no key when causal
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=11)
-    out, lse = run_emulated(spec, case, data, want_lse=False)
+    variants = example_variants(spec.variants, case.batch, case.heads, seed=11)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 11, variants)
+    out, lse = run_emulated(spec, case, data, want_lse=False, variants=variants)
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
 

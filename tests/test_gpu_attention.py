@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, make_case
+from attention_cases import Case, assert_matches, example_variants, make_case
 from conftest import POINTER_SPEC_PATHS as SPEC_PATHS
 from conftest import WGMMA_SPEC_PATHS
 
@@ -84,11 +84,20 @@ def run(spec, case: Case, data, want_lse: bool = True, **options):
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_on_gpu(path, case):
+    """Every spec; one compiled with variants runs them with example values (docs/variants.md)."""
     spec = load_spec(path)
     seed = zlib.crc32(f"{path.stem} {case}".encode())
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=seed)
-    out, lse = run(spec, case, data)
+    variants = example_variants(spec.variants, case.batch, case.heads, seed, window=(100, 7))
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
+    out, lse = run(spec, case, data, **device_variants(variants))
     assert_matches(out, lse, data, spec.dtype)
+
+
+def device_variants(variants: dict) -> dict:
+    """attention()'s variant arguments with the arrays (slopes, sinks) on the device."""
+    import cupy
+
+    return {k: cupy.asarray(x) if isinstance(x, np.ndarray) else x for k, x in variants.items()}
 
 
 @pytest.mark.parametrize("case", CASES[1:3], ids=str)
@@ -96,10 +105,10 @@ def test_spec_on_gpu(path, case):
 def test_spec_without_lse_on_gpu(path, case):
     """Without return_lse the kernels get a null lse (no allocation) and skip that store."""
     spec = load_spec(path)
-    data = make_case(
-        case, spec.dtype, spec.head_dim, spec.causal, seed=zlib.crc32(path.stem.encode())
-    )
-    out, lse = run(spec, case, data, want_lse=False)
+    seed = zlib.crc32(path.stem.encode())
+    variants = example_variants(spec.variants, case.batch, case.heads, seed)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
+    out, lse = run(spec, case, data, want_lse=False, **device_variants(variants))
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
 
@@ -156,6 +165,28 @@ def test_more_than_65535_heads_in_a_batch(stem):
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=zlib.crc32(stem.encode()))
     out, lse = run(spec, case, data)
     assert_matches(out, lse, data, spec.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "flags", [("window",), ("softcap",), ("alibi",), ("sinks",), ("window", "alibi", "sinks")]
+)
+def test_variants_with_the_default_spec_on_gpu(dtype, flags, monkeypatch):
+    """attention() picks a spec with the call's variant flags (docs/variants.md); prefill and a
+    decode step (the packed split-KV kernel, whose combine adds the sinks)."""
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    for case in (Case(2, 8, 2, 300, 700, layout="bshd"), Case(3, 8, 2, 1, 900)):
+        seed = zlib.crc32(f"{dtype} {flags} {case}".encode())
+        variants = example_variants(flags, case.batch, case.heads, seed, window=(200, 5))
+        data = make_case(case, dtype, 64, True, seed, variants)
+        q, k, v = (device_array(getattr(data, n), dtype, case.layout) for n in "qkv")
+        out, lse = kernelgen.attention(
+            q, k, v, causal=True, layout=case.layout, return_lse=True, **device_variants(variants)
+        )
+        out = host_float32(out)
+        if case.layout == "bshd":
+            out = out.transpose(0, 2, 1, 3)
+        assert_matches(out, lse.get(), data, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

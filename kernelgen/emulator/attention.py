@@ -62,11 +62,16 @@ def emulate_attention(
     source: str | None = None,
     on_step: Callable[[int, int], None] | None = None,
     page_size: int | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
 ) -> EmulatedAttention:
     """Run ``spec``'s kernels on q (B, H, Sq, D), k and v (B, Hkv, Sk, D) given as floats in
     (B, H, S, D) order (rounded to the spec's dtype), stored in memory in ``layout``. ``out`` and
     ``lse`` start as NaN. Without ``want_lse`` the kernels get a null lse (as attention() passes
-    when the lse is not asked for). Split-KV specs default to 3 key chunks.
+    when the lse is not asked for). Split-KV specs default to 3 key chunks. The variants
+    (docs/variants.md) are attention()'s; the spec must have their flags.
 
     A ``paged_kv`` spec gets k and v as a pool of pages of ``page_size`` keys (default
     :data:`DEFAULT_PAGE_SIZE`) in reverse order after a NaN spare page, with its block table,
@@ -98,8 +103,21 @@ def emulate_attention(
             width = infos[1].shape[2 if layout == "bhsd" else 1] - keys
             arrays["mask"] = np.pad(arrays["mask"], ((0, 0), (0, 0), (0, 0), (0, width)))
         mask_info = _info("mask", arrays["mask"], "float32")
+    variant_infos = {}
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            arrays[name] = np.ascontiguousarray(x, dtype=np.float32)
+            variant_infos[name] = _info(name, arrays[name], "float32")
     call = check_inputs(
-        *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=spec.causal
+        *infos,
+        mask_info,
+        layout=layout,
+        scale=scale,
+        spec=spec,
+        causal=spec.causal,
+        window_size=window_size,
+        softcap=softcap,
+        **variant_infos,
     )
     problem, out_shape = plan(call, layout)
     problem = Problem(**{**problem.__dict__, "num_splits": num_splits})

@@ -71,6 +71,7 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
         device.target_arch,
         decode_rows=decode_rows(problem),
         paged_kv=problem.page_size > 0,
+        variants=problem.variants,
     )
 
 

@@ -301,6 +301,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
         "causal": problem.causal,
         "paged_kv": problem.page_size > 0,
         "archs": [arch],
+        **{name: True for name in problem.variants},
     }
     for fields in itertools.chain(wgmma_fields(problem, arch), candidate_fields(problem)):
         try:

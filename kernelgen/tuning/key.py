@@ -44,6 +44,7 @@ class ProblemDesc:
     causal: bool = False
     mask: bool = False
     page_size: int = 0
+    variants: tuple[str, ...] = ()  # the built-in variants' spec flags (docs/variants.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -101,6 +102,7 @@ class ProblemDesc:
             seqlen_k=pow2_bucket(self.seqlen_k),
             batch_heads=pow2_bucket(self.batch_heads),
             page_size=self.page_size,
+            variants=tuple(self.variants),
         )
 
 
@@ -117,11 +119,13 @@ class ProblemBucket:
     seqlen_k: int
     batch_heads: int
     page_size: int = 0  # exact: paged K/V and its page size are layouts, not sizes to round
+    variants: tuple[str, ...] = ()  # kernels with other variants are other candidates
 
     @property
     def label(self) -> str:
         return "_".join(
             [
+                *self.variants,
                 _DTYPE_SHORT[self.dtype],
                 f"d{self.head_dim}",
                 "causal" if self.causal else "full",
@@ -201,9 +205,14 @@ class TuningKey:
     software: SoftwareInfo
 
     def as_dict(self) -> dict[str, dict[str, object]]:
-        problem = asdict(self.problem)
+        """JSON-able; a problem without variants keeps the key it had before variants existed."""
+        problem: dict[str, object] = asdict(self.problem)
         if not self.problem.page_size:  # contiguous K/V: the keys (and ids) from before paging
             del problem["page_size"]
+        if self.problem.variants:
+            problem["variants"] = list(self.problem.variants)
+        else:
+            del problem["variants"]
         return {
             "problem": problem,
             "device": self.device.key_dict(),
@@ -222,8 +231,10 @@ class TuningKey:
 
     @classmethod
     def from_dict(cls, data: dict) -> TuningKey:
+        problem = dict(data["problem"])
+        problem["variants"] = tuple(problem.get("variants", ()))
         return cls(
-            ProblemBucket(**data["problem"]),
+            ProblemBucket(**problem),
             DeviceInfo(**data["device"]),
             SoftwareInfo(**data["software"]),
         )

@@ -1,0 +1,306 @@
+"""Benchmark of the attention variants (docs/variants.md) against torch's peers.
+
+```
+python -m bench.variants [--quick] [--out bench/results] [--list]
+```
+
+For each variant case (a causal sliding window, softcap, ALiBi, sinks; bf16, head dim 128, 16
+heads, batch * seqlen = 16384 tokens) it times kernelgen.attention (the default spec with the
+variant's flags) against FlexAttention (torch.nn.attention.flex_attention: a block mask for the
+window, a score_mod for softcap and ALiBi, the sink folded in from its lse) and, where the
+flash-attn package is installed, FlashAttention 2's own window_size / softcap / alibi_slopes.
+Each peer is checked first against an fp32 torch reference of the same semantics (relative
+Frobenius error below bench.metrics' tolerance), then timed with bench.gpu.Timer. Without a GPU
+it prints one line and exits 2; ``--list`` needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import metrics, report
+from bench.harness import git_info, open_env
+from bench.shapes import TOKENS, Shape
+
+HEAD_DIM = 128
+HEADS = 16
+WINDOW = 1024  # keys a query sees with the sliding window: itself and the 1023 before it
+SOFTCAP = 30.0
+SEQLENS = (4096, 16384)
+QUICK_SEQLENS = (4096,)
+PEERS = ("kernelgen", "flex", "flash-attn")
+
+
+@dataclass(frozen=True)
+class VariantCase:
+    """One benchmark row group: the variant arguments of attention() on a causal shape."""
+
+    name: str
+    shape: Shape
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{self.shape.key}"
+
+
+VARIANTS = ("window", "softcap", "alibi", "sinks")
+
+
+def cases(quick: bool = False, variants: Sequence[str] = VARIANTS) -> list[VariantCase]:
+    """Every variant on every sequence length (causal, Sq = Sk, bf16)."""
+    return [
+        VariantCase(name, Shape("bfloat16", HEAD_DIM, True, s, s, TOKENS // s, HEADS))
+        for name in variants
+        for s in (QUICK_SEQLENS if quick else SEQLENS)
+    ]
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """The ALiBi paper's geometric slopes 2^(-8 (h + 1) / H)."""
+    return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+
+def sink_values(heads: int) -> list[float]:
+    """Fixed per-head sinks around the typical lse (a few units)."""
+    return [1.0 + 0.25 * (h % 8) for h in range(heads)]
+
+
+def visible_flops(case: VariantCase) -> float:
+    """Useful FLOPs: 4 D per visible (query, key) pair (the window's, or the causal triangle)."""
+    s = case.shape
+    if case.name == "window":
+        pairs = sum(min(i + 1, WINDOW) for i in range(s.seqlen_q))
+    else:
+        pairs = s.seqlen_q * (s.seqlen_q + 1) / 2
+    return 4.0 * s.batch * s.heads * s.head_dim * pairs
+
+
+# ---- the GPU side --------------------------------------------------------------------------
+def variant_arguments(env: Any, case: VariantCase) -> dict[str, Any]:
+    """attention()'s variant arguments for the case (arrays as CUDA fp32 torch tensors)."""
+    torch = env.torch
+    heads = case.shape.heads
+    return {
+        "window": {"window_size": (WINDOW - 1, 0)},
+        "softcap": {"softcap": SOFTCAP},
+        "alibi": {"alibi_slopes": torch.tensor(alibi_slopes(heads), device="cuda")},
+        "sinks": {"sinks": torch.tensor(sink_values(heads), device="cuda")},
+    }[case.name]
+
+
+def reference(env: Any, case: VariantCase, q: Any, k: Any, v: Any) -> Any:
+    """fp32 attention with the variant, one (batch, head) at a time, from the definitions."""
+    torch = env.torch
+    args = variant_arguments(env, case)
+    batch, heads, sq, d = q.shape
+    sk = k.shape[2]
+    i = torch.arange(sq, device="cuda")[:, None] + (sk - sq)
+    j = torch.arange(sk, device="cuda")[None, :]
+    visible = j <= i
+    if case.name == "window":
+        visible &= j >= i - (WINDOW - 1)
+    out = torch.empty(q.shape, device="cuda", dtype=torch.float32)
+    from bench.gpu import exact_fp32
+
+    with exact_fp32(torch):
+        for b in range(batch):
+            for h in range(heads):
+                s = (q[b, h].float() @ k[b, h].float().T) / math.sqrt(d)
+                if case.name == "softcap":
+                    s = SOFTCAP * torch.tanh(s / SOFTCAP)
+                if case.name == "alibi":
+                    s = s - args["alibi_slopes"][h] * (i - j).abs()
+                s = s.masked_fill(~visible, float("-inf"))
+                if case.name == "sinks":
+                    sink = args["sinks"][h].expand(sq, 1)
+                    p = torch.softmax(torch.cat([s, sink], dim=1), dim=1)[:, :-1]
+                else:
+                    p = torch.softmax(s, dim=1)
+                out[b, h] = p @ v[b, h].float()
+    return out
+
+
+def kernelgen_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
+    args = variant_arguments(env, case)
+    kg = env.kernelgen
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        with env.stream():
+            return kg.attention(q, k, v, causal=True, **args)
+
+    return call
+
+
+def flex_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
+    """FlexAttention, compiled; the sink is folded in from the lse afterwards:
+    out * sigmoid(lse - sink)."""
+    torch = env.torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    shape = case.shape
+    args = variant_arguments(env, case)
+    window = case.name == "window"
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        causal = kv_idx <= q_idx
+        return causal & (q_idx - kv_idx < WINDOW) if window else causal
+
+    block_mask = create_block_mask(
+        mask_mod, None, None, shape.seqlen_q, shape.seqlen_k, device="cuda"
+    )
+    score_mod = None
+    if case.name == "softcap":
+
+        def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    elif case.name == "alibi":
+        slopes = args["alibi_slopes"]
+
+        def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    sinks = args.get("sinks")
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        if sinks is None:
+            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        out, lse = compiled(q, k, v, block_mask=block_mask, return_lse=True)
+        weight = torch.sigmoid(lse - sinks[None, :, None])  # e^lse / (e^lse + e^sink)
+        return (out.float() * weight[..., None]).to(q.dtype)
+
+    return call
+
+
+def flash_attn_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
+    """flash-attn's flash_attn_func ((B, S, H, D) layout) with its own variant arguments; it
+    has no sinks (unavailable)."""
+    from flash_attn import flash_attn_func
+
+    if case.name == "sinks":
+        raise NotImplementedError("flash_attn_func has no sinks")
+    args = variant_arguments(env, case)
+    options: dict[str, Any] = {
+        "window": {"window_size": (WINDOW - 1, 0)},
+        "softcap": {"softcap": SOFTCAP},
+        "alibi": {"alibi_slopes": args.get("alibi_slopes")},
+    }[case.name]
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        bshd = (t.transpose(1, 2) for t in (q, k, v))
+        return flash_attn_func(*bshd, causal=True, **options).transpose(1, 2)
+
+    return call
+
+
+MAKERS = {"kernelgen": kernelgen_peer, "flex": flex_peer, "flash-attn": flash_attn_peer}
+
+
+def case_rows(env: Any, timer: Any, case: VariantCase) -> list[dict[str, Any]]:
+    """Check then time each peer on one case; a peer that cannot run is an unavailable row."""
+    from bench import gpu
+
+    shape = case.shape
+    sets = gpu.make_sets(env, shape, 2, seed=len(case.key))
+    ref = reference(env, case, *sets[0])
+    tol = metrics.tolerance(shape.dtype)
+    rows = []
+    for peer in PEERS:
+        fields: dict[str, Any] = {"variant": case.name}
+        try:
+            call = MAKERS[peer](env, case)
+        except Exception as exc:  # not installed, or the variant is not supported
+            reason = gpu.first_line(exc)
+            rows.append(report.make_row(shape, peer, report.UNAVAILABLE, **fields, reason=reason))
+            continue
+        try:
+            err, bad = gpu.relative_error(env, call(*sets[0]), ref)
+            fields.update(rel_err=err, tol=tol)
+            if err is None or err >= tol:
+                why = f"{bad} non-finite" if err is None else f"rel. error {err:.3g}"
+                rows.append(report.make_row(shape, peer, report.WRONG, **fields, reason=why))
+                continue
+            times, info = timer.measure(lambda i, f=call: f(*sets[i]), len(sets))
+        except gpu.FatalGPUError:
+            raise
+        except Exception as exc:
+            env.sync()
+            reason = gpu.first_line(exc)
+            rows.append(report.make_row(shape, peer, report.ERROR, **fields, reason=reason))
+            continue
+        stats = metrics.summarize(times)
+        rate = metrics.tflops(visible_flops(case), stats["median_ms"])
+        fields.update(stats, timing=info, tflops=rate)
+        rows.append(report.make_row(shape, peer, report.OK, **fields))
+        print(f"{case.key:32} {peer:11} {stats['median_ms']:9.4f} ms", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """One line per (variant, shape): each peer's median ms (or its status)."""
+    lines = ["| variant | shape | " + " | ".join(PEERS) + " |", "|---|---|" + "---|" * len(PEERS)]
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["variant"], row["shape"]), {})[row["peer"]] = row
+    for (variant, shape), peers in groups.items():
+        cells = []
+        for peer in PEERS:
+            row = peers.get(peer)
+            ok = row is not None and row["status"] == report.OK
+            cells.append(f"{row['median_ms']:.3f} ms" if ok else (row or {}).get("status", "-"))
+        lines.append(f"| {variant} | {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="seqlen 4096 only, 200 ms budget")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
+    parser.add_argument(
+        "--variant", action="append", choices=VARIANTS, help="only these variants (repeatable)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    selected = cases(args.quick, args.variant or VARIANTS)
+    if args.list:
+        for case in selected:
+            s = case.shape
+            print(f"{case.key:32} B={s.batch} H={s.heads} S={s.seqlen_q} D={s.head_dim}")
+        print(f"peers: {', '.join(PEERS)}")
+        return 0
+    env = open_env()
+    if env is None:
+        return 2
+    from bench import gpu
+
+    timer = gpu.Timer(env, 200.0 if args.quick else 1000.0)
+    rows: list[dict[str, Any]] = []
+    for case in selected:
+        rows += case_rows(env, timer, case)
+        gpu.release(env)
+    stem = report.result_stem(dt.date.today(), env.info["gpu_name"], "variants")
+    meta = {"date": dt.date.today().isoformat(), **env.info, **git_info()}
+    meta["timing"] = gpu.TIMING_METHOD
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, "rows": rows}
+    report.write_atomic(args.out / f"{stem}.json", json.dumps(result, indent=1, default=str))
+    report.write_atomic(args.out / f"{stem}.md", markdown(rows))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
