@@ -273,6 +273,8 @@ def test_wgmma_defaults_target_sm90a_with_a_producer_warpgroup():
         ({"pack_gqa": True}, "pack_gqa=true is not allowed with mma='wgmma'"),
         ({"split_kv": True}, "split_kv=true is not allowed with mma='wgmma'"),
         ({"paged_kv": True}, "paged_kv=true is not allowed with mma='wgmma'"),
+        ({"window": True}, "window=true is not allowed with mma='wgmma'"),
+        ({"sinks": True}, "sinks=true is not allowed with mma='wgmma'"),
         ({"head_dim": 256}, "(lower block_n)"),
         ({"stages": 4}, "exceeds the 232448-byte limit of sm_90a"),
         # the overlap keeps a second tile's weights: 128 keys at head dim 128 spill
@@ -288,6 +290,8 @@ def test_invalid_wgmma_specs(changes, needle):
 def test_the_overlap_is_wgmma_only_and_named():
     spec = spec_from_dict({**WG, "block_n": 64, "overlap": True})
     assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_ovl"
+    assert '"overlap":true' in spec.canonical_json()
+    assert "overlap" not in spec_from_dict(WG).canonical_json()  # off: left out, like variants
     assert spec.accumulators_per_thread == (64 + 128) // 2 + 64 // 2
     problems = problems_of(overlap=True)
     assert any("overlap=true is not allowed with mma='simt'" in p for p in problems), problems
