@@ -9,12 +9,20 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 
+from kernelgen.block_mask import BlockMask
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
+from kernelgen.expression_inputs import (
+    CallExpressions,
+    check_expressions,
+    check_spec_expressions,
+    with_expressions,
+)
 from kernelgen.frameworks import (
     Arrays,
     CupyArrays,
@@ -131,6 +139,7 @@ class CheckedCall:
     dtype: str
     scale: float
     variants: CallVariants = field(default_factory=CallVariants)
+    expressions: CallExpressions = field(default_factory=CallExpressions)
 
 
 def check_inputs(
@@ -147,6 +156,10 @@ def check_inputs(
     softcap: Any = None,
     alibi_slopes: TensorInfo | None = None,
     sinks: TensorInfo | None = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_inputs: Any = None,
+    block_mask: Any = None,
 ) -> CheckedCall:
     """All argument checks of attention(), on metadata only (the variants: docs/variants.md)."""
     if layout not in ("bhsd", "bshd"):
@@ -206,6 +219,16 @@ def check_inputs(
         batch=batch,
         heads=heads,
     )
+    expressions = check_expressions(
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
+        block_mask=block_mask,
+        batch=batch,
+        heads=heads,
+        seqlen_q=q.shape[2],
+        seqlen_k=k.shape[2],
+    )
     if spec is not None:
         if not isinstance(spec, KernelSpec):
             raise InputTypeError(f"spec has type {type(spec).__name__}; expected a KernelSpec")
@@ -216,12 +239,13 @@ def check_inputs(
                     f"{name}={wanted!r}"
                 )
         check_spec_variants(spec, variants)
+        check_spec_expressions(spec, expressions)
         if spec.mma != "simt":  # tensor-core specs copy 16-byte chunks (cp.async or TMA)
             for t in (q, k, v):
                 problem = _misaligned_strides(t)
                 if problem:
                     raise InputError(f"{problem}; spec {spec.uri} copies 16-byte chunks")
-    return CheckedCall(q, k, v, mask, q.dtype, float(scale), variants)
+    return CheckedCall(q, k, v, mask, q.dtype, float(scale), variants, expressions)
 
 
 CHUNK_BYTES = 16  # the tensor-core kernels move rows in 16-byte chunks (cp.async)
@@ -276,6 +300,10 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_inputs: Mapping[str, Any] | None = None,
+    block_mask: BlockMask | None = None,
 ) -> Any:
     """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
 
@@ -295,11 +323,22 @@ def attention(
     ``causal`` right is narrowed to 0), ``softcap`` (s <- c tanh(s / c), c > 0),
     ``alibi_slopes`` (float32 (H,) or (B, H): s <- s - slope |i + Sk - Sq - j|) and ``sinks``
     (float32 (H,): a logit per head in each row's softmax denominator and lse).
+
+    User expressions (docs/expressions.md), compiled into the kernel: ``score_mod`` (a string
+    giving the new score from ``score, b, h, q_idx, kv_idx``), ``mask_mod`` (a string, true where
+    key ``kv_idx`` is visible to query ``q_idx``), ``mod_inputs`` (name -> array, the arrays
+    they read, of q's library and device) and ``block_mask`` (``kernelgen.block_mask(...)`` of
+    the mask_mod: only the key tiles it lists are visited; it sets the kernel's tile shape).
     """
     options = (window_size, softcap)
     arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
-    plan_key = _call_plan_key(
-        q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits, options, arrays_in
+    expressions_given = any(x is not None for x in (score_mod, mask_mod, mod_inputs, block_mask))
+    plan_key = (
+        None  # expressions take the checked path on every call
+        if expressions_given
+        else _call_plan_key(
+            q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits, options, arrays_in
+        )
     )
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
         inputs = {"q": q, "k": k, "v": v, "seqlens_k": seqlens_k, **arrays_in}
@@ -318,11 +357,26 @@ def attention(
         window_size=window_size,
         softcap=softcap,
         **variant_infos,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
+        block_mask=block_mask,
     )
     num_splits = check_num_splits(num_splits, spec)
     arrays = arrays_of(q)
+    expression_arrays = {f"mod_inputs[{n!r}]": a for n, a in call.expressions.arrays.items()}
+    if call.expressions.block_mask is not None:
+        expression_arrays["block_mask"] = call.expressions.block_mask.partial_counts
     device = common_device(
-        {"q": q, "k": k, "v": v, "mask": mask, "seqlens_k": seqlens_k, **arrays_in}
+        {
+            "q": q,
+            "k": k,
+            "v": v,
+            "mask": mask,
+            "seqlens_k": seqlens_k,
+            **arrays_in,
+            **expression_arrays,
+        }
     )
     with arrays.scope(device):
         # temporaries: what the kernels read that the call made (a converted mask, uploaded
@@ -413,10 +467,12 @@ def checked_plan(
             host=arrays.host,
             page_size=page_size,
         )
+        spec = with_expressions(spec, call.expressions)
         num_splits = num_splits or tuned_splits
     elif spec.mma != "simt" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     check_spec_variants(spec, call.variants)
+    check_spec_expressions(spec, call.expressions)
     if arrays.host:  # the CPU backend: the same launches, run by the emulator
         kernel = emulated_kernel(spec)
     else:
@@ -439,10 +495,11 @@ def checked_plan(
         tensors["mask"] = launch_arg(arrays, mask_array)
         temporaries.append(mask_array)
         mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
-        call = CheckedCall(call.q, call.k, call.v, mask_info, call.dtype, call.scale, call.variants)
+        call = replace(call, mask=mask_info)
     for info in (call.variants.alibi, call.variants.sinks):
         if info is not None:
             tensors[info.name] = launch_arg(arrays, info.source)
+    tensors.update(call.expressions.tensors(arrays))
     problem, out_shape = plan(call, layout)
     if paging is not None:
         problem = replace(
@@ -590,15 +647,16 @@ def _untuned_or_tuned_launch(
     """The spec (and split count, None: heuristic) for a call without a spec: the autotuner's
     choice (memo, disk, or a fresh tuning; see docs/autotuning.md), or a heuristic default where
     tuning does not apply (inputs the tensor-core kernels cannot read, GPUs before sm_80) or
-    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec), and on the
-    CPU backend (``host``: no GPU to time; the portable spec, every arch's). Tuning for a torch
-    call (``library``) leaves no free blocks in CuPy's memory pool. ``page_size`` (keys per
-    page of a paged KV cache; 0: contiguous K/V) picks paged-KV specs and is part of the
-    tuning key."""
+    where the caller fixed ``num_splits`` (``split``: then the default split-KV spec), for calls
+    with user expressions (their kernels are compiled per expression; the caller adds them to
+    the default spec), and on the CPU backend (``host``: no GPU to time; the portable spec,
+    every arch's). Tuning for a torch call (``library``) leaves no free blocks in CuPy's memory
+    pool. ``page_size`` (keys per page of a paged KV cache; 0: contiguous K/V) picks paged-KV
+    specs and is part of the tuning key."""
     capability, arch = (EMULATED_CAPABILITY, None) if host else device_arch()
     batch, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
-    if split or not tensor_cores or host:
+    if split or not tensor_cores or host or call.expressions.present:
         spec = default_spec(
             call.dtype,
             head_dim,
@@ -739,6 +797,7 @@ def plan(call: CheckedCall, layout: str) -> tuple[Problem, tuple[int, ...]]:
         window=call.variants.window or (-1, -1),
         softcap=call.variants.softcap or 0.0,
         alibi_stride_b=call.variants.alibi_stride_b,
+        extra_scalars=call.expressions.scalars(),
     )
     return problem, out_shape
 

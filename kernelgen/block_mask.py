@@ -177,7 +177,7 @@ def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
     NumPy's (the CPU emulator)."""
     named = [*mod_inputs.items(), *([("like", like)] if like is not None else [])]
     for name, array in named:
-        if not _is_array(array):
+        if not is_array(array):
             label = "like" if name == "like" else f"mod_inputs[{name!r}]"
             raise InputTypeError(
                 f"{label} is {type(array).__name__}; pass a NumPy, CuPy or torch array"
@@ -197,7 +197,7 @@ def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
     return library, device
 
 
-def _is_array(value: Any) -> bool:
+def is_array(value: Any) -> bool:
     """A host array, a torch tensor or a device array CuPy can view."""
     module = type(value).__module__.split(".")[0]
     return (
@@ -208,7 +208,7 @@ def _is_array(value: Any) -> bool:
     )
 
 
-def _element_strides(array: Any) -> tuple[int, ...]:
+def element_strides(array: Any) -> tuple[int, ...]:
     if type(array).__module__.split(".")[0] == "torch":
         return tuple(array.stride())
     return tuple(s // array.dtype.itemsize for s in array.strides)
@@ -318,7 +318,7 @@ def block_mask(
         args += [seqlen_q, seqlen_k, key_tiles]
         for spec in expression.inputs:
             array = mod_inputs[spec.name]
-            args += [as_numpy(array), *array.shape, *_element_strides(array)]
+            args += [as_numpy(array), *array.shape, *element_strides(array)]
         function(grid=grid, block=THREADS, shared_mem=0, args=args)
     else:
         with library.scope(device):
@@ -331,7 +331,7 @@ def block_mask(
             for spec in expression.inputs:
                 array = mod_inputs[spec.name]
                 args.append(launch_arg(library, array))
-                args += [np.int64(n) for n in (*array.shape, *_element_strides(array))]
+                args += [np.int64(n) for n in (*array.shape, *element_strides(array))]
             function(grid, (THREADS, 1, 1), tuple(args))
     return BlockMask(expression, seqlen_q, seqlen_k, block_m, block_n, **outputs)
 

@@ -641,3 +641,37 @@ def canonical_text(node: Node) -> str:
         f"{_wrapped(left, _precedence(left) < own)} {node.op} "
         f"{_wrapped(right, _precedence(right) <= own)}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Spec fields
+# --------------------------------------------------------------------------------------------
+
+_SIGNATURE_RE = re.compile(r"\s*([^:\s]+)\s*:\s*([a-z0-9]+)\s*\[\s*([0-9]+)\s*\]\s*\Z")
+
+
+def parse_input_signature(text: Any) -> ModInput:
+    """A declared input from its signature ``name:dtype[rank]`` (e.g. ``doc:int32[2]``), the
+    spelling of a spec's ``mod_inputs`` entries; SpecError names the entry."""
+    match = _SIGNATURE_RE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise SpecError(
+            [
+                f"mod_inputs entry {_cut(repr(text))} is not allowed; write name:dtype[rank], "
+                f"e.g. doc:int32[2] (dtypes: {', '.join(INPUT_DTYPES)})"
+            ]
+        )
+    name, dtype, rank = match.groups()
+    return ModInput(name, dtype, int(rank))
+
+
+def spec_expressions(
+    score_mod: str | None, mask_mod: str | None, mod_inputs: Iterable[str]
+) -> tuple[Expression | None, Expression | None]:
+    """A spec's checked (score_mod, mask_mod) (None where absent) against its declared inputs
+    (signatures); SpecError lists every problem."""
+    declared = declare_inputs(parse_input_signature(s) for s in mod_inputs)
+    return (
+        None if score_mod is None else parse_score_mod(score_mod, declared),
+        None if mask_mod is None else parse_mask_mod(mask_mod, declared),
+    )

@@ -83,6 +83,9 @@ class Problem:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_stride_b: int = 0
+    # Further integer arguments by parameter name: the user expressions' input shapes and
+    # strides, a block mask's strides (docs/expressions.md).
+    extra_scalars: tuple[tuple[str, int], ...] = ()
 
     @property
     def group(self) -> int:
@@ -472,6 +475,7 @@ def kernel_arguments(
         "window_right": problem.window[1],
         "softcap": problem.softcap,
         "alibi_stride_b": problem.alibi_stride_b,
+        **dict(problem.extra_scalars),
     }
     for tensor, axes, strides in (
         ("q", "bhs", problem.q_strides),

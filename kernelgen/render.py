@@ -12,6 +12,8 @@ from pathlib import Path
 import jinja2
 
 from kernelgen.errors import SettingError
+from kernelgen.expression_cuda import expression_source, headers, input_params, input_struct_init
+from kernelgen.expressions import ModInput
 from kernelgen.spec import KernelSpec
 from kernelgen.version import __version__
 
@@ -86,8 +88,30 @@ VARIANT_ARGS: dict[str, tuple[str, str]] = {
 
 
 def variant_args(spec: KernelSpec) -> str:
-    """The C++ argument list of make_variant for ``spec``."""
-    return ", ".join(on if getattr(spec, name) else off for name, (on, off) in VARIANT_ARGS.items())
+    """The C++ argument list of make_variant for ``spec`` (with user expressions also the batch
+    entry ``b`` and the struct of their inputs, built by :func:`mod_inputs_init`)."""
+    args = [on if getattr(spec, name) else off for name, (on, off) in VARIANT_ARGS.items()]
+    if spec.has_expressions:
+        args += [BATCH_ENTRY_VARIABLE, MOD_INPUTS_VARIABLE]
+    return ", ".join(args)
+
+
+BATCH_ENTRY_VARIABLE = "b"  # every kernel body's batch entry
+MOD_INPUTS_VARIABLE = "mod_inputs"
+
+
+def spec_mod_inputs(spec: KernelSpec) -> tuple[ModInput, ...]:
+    """The declared inputs of the spec's expressions (none without expressions)."""
+    given = [e for e in spec.expressions if e is not None]
+    return given[0].inputs if given else ()
+
+
+def mod_inputs_init(spec: KernelSpec) -> str:
+    """C++ statements building the expressions' input struct from the kernel parameters (empty
+    for a spec without expressions)."""
+    if not spec.has_expressions:
+        return ""
+    return input_struct_init(spec_mod_inputs(spec), MOD_INPUTS_VARIABLE)
 
 
 COMBINE_WARPS = 4  # warps of a split-KV combine block, which combines one (batch, head, query) row
@@ -100,6 +124,18 @@ class Param:
 
     name: str
     ctype: str
+
+
+# A block-sparse kernel's block mask (kernelgen.block_mask): the four lists, then the strides of
+# its (batch, heads) axes in query-tile rows (0 where the mask broadcasts).
+BLOCK_MASK_PARAMS = (
+    Param("block_partial_counts", "const int*"),
+    Param("block_partial_indices", "const int*"),
+    Param("block_full_counts", "const int*"),
+    Param("block_full_indices", "const int*"),
+    Param("block_mask_stride_b", "long long"),
+    Param("block_mask_stride_h", "long long"),
+)
 
 
 def _strides(tensor: str, axes: str) -> list[Param]:
@@ -146,6 +182,9 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     for name in spec.variants:
         if not (name == "sinks" and spec.split_kv):  # split-KV: the combine adds the sinks
             params += VARIANT_PARAMS[name]
+    params += [Param(name, ctype) for ctype, name in input_params(spec_mod_inputs(spec))]
+    if spec.block_sparse:
+        params += BLOCK_MASK_PARAMS
     return tuple(params)
 
 
@@ -260,6 +299,9 @@ def render(spec: KernelSpec) -> str:
         combine_params=combine_params(spec) if spec.split_kv else (),
         combine_uri=spec.combine_uri,
         variant_args=variant_args(spec),
+        mod_inputs_init=mod_inputs_init(spec),
+        mod_headers=headers(spec_mod_inputs(spec)),
+        expression_source=expression_source(*spec.expressions) if spec.has_expressions else "",
         combine_warps=COMBINE_WARPS,
         max_splits=MAX_SPLITS,
         spec_yaml=spec.to_yaml().rstrip("\n").splitlines(),

@@ -6,6 +6,7 @@ A spec is everything that is a compile-time constant of a generated kernel. Its 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -24,6 +25,12 @@ from pydantic import (
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
 from kernelgen.errors import InputError, SpecError
+from kernelgen.expressions import (
+    Expression,
+    declare_inputs,
+    parse_input_signature,
+    spec_expressions,
+)
 
 DType = Literal["float32", "float16", "bfloat16"]
 LoopOrder = Literal["v1", "v2"]
@@ -105,6 +112,10 @@ def default_smem_layout(head_dim: int) -> SmemLayout:
 # arguments, so one kernel serves every window size and cap.
 VARIANT_FLAGS = ("window", "softcap", "alibi", "sinks")
 VARIANT_TAGS = {"window": "win", "softcap": "cap", "alibi": "alibi", "sinks": "sink"}
+# User expressions (docs/expressions.md): spec field -> its tag in the kernel name, followed by
+# the expression's hash (canonical text and declared inputs).
+EXPRESSION_FIELDS = ("score_mod", "mask_mod")
+EXPRESSION_TAGS = {"score_mod": "smod", "mask_mod": "mmod"}
 
 
 def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
@@ -196,6 +207,29 @@ class KernelSpec(BaseModel):
         description="Attention sinks: a per-head fp32 logit (run-time array) that joins each "
         "row's softmax denominator and its lse.",
     )
+    score_mod: str | None = Field(
+        None,
+        description="A user expression giving the new score (docs/expressions.md), e.g. "
+        "'score + bias[h, q_idx, kv_idx]': score is scale * q.k after softcap; b, h, q_idx, "
+        "kv_idx the indices; inputs as declared in mod_inputs. Stored in canonical form.",
+    )
+    mask_mod: str | None = Field(
+        None,
+        description="A user expression, true where key kv_idx is visible to query q_idx "
+        "(docs/expressions.md), e.g. 'doc[b, q_idx] == doc[b, kv_idx]'. Stored in canonical "
+        "form.",
+    )
+    mod_inputs: tuple[str, ...] = Field(
+        (),
+        description="The extra arrays score_mod and mask_mod read, as name:dtype[rank] (e.g. "
+        "doc:int32[2]); passed to attention() as mod_inputs={name: array}.",
+    )
+    block_sparse: bool = Field(
+        False,
+        description="Visit only the key tiles a block mask of mask_mod lists (attention(..., "
+        "block_mask=kernelgen.block_mask(...))); fully visible tiles skip the per-element "
+        "mask_mod (mma_sync, not split_kv, paged_kv or pack_gqa).",
+    )
     overlap: bool = Field(
         False,
         description="wgmma only: overlap each key tile's softmax with the next tile's Q K^T "
@@ -233,9 +267,43 @@ class KernelSpec(BaseModel):
         spec without variants keeps the identity it had before variants existed; so is wgmma's
         overlap switch when off."""
         data = handler(self)
-        for name in (*VARIANT_FLAGS, "overlap"):
+        for name in (*VARIANT_FLAGS, "block_sparse", "overlap"):
             if data.get(name) is False:
                 del data[name]
+        for name in EXPRESSION_FIELDS:
+            if data.get(name) is None:
+                del data[name]
+        if not data.get("mod_inputs"):
+            data.pop("mod_inputs", None)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical_expressions(cls, data: Any) -> Any:
+        """score_mod and mask_mod are checked against mod_inputs and stored in canonical form
+        (inputs in name order), so equal expressions give equal specs, names and caches."""
+        if not isinstance(data, dict) or not any(
+            data.get(name) is not None for name in (*EXPRESSION_FIELDS, "mod_inputs")
+        ):
+            return data
+        data = dict(data)
+        texts = [data.get(name) for name in EXPRESSION_FIELDS]
+        for name, text in zip(EXPRESSION_FIELDS, texts, strict=True):
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{name}={_echo(text)} is not allowed; use a string expression")
+        signatures = data.get("mod_inputs") or ()
+        if isinstance(signatures, str) or not isinstance(signatures, (list, tuple)):
+            raise ValueError(
+                f"mod_inputs={_echo(signatures)} is not allowed; use a list of name:dtype[rank]"
+            )
+        try:
+            score, mask = spec_expressions(*texts, signatures)
+            declared = declare_inputs(parse_input_signature(s) for s in signatures)
+        except SpecError as exc:
+            raise ValueError("\n".join(exc.problems)) from None
+        data["score_mod"] = None if score is None else score.text
+        data["mask_mod"] = None if mask is None else mask.text
+        data["mod_inputs"] = tuple(i.signature for i in declared)
         return data
 
     # ---- field checks -------------------------------------------------------------------
@@ -261,6 +329,7 @@ class KernelSpec(BaseModel):
         "softcap",
         "alibi",
         "sinks",
+        "block_sparse",
         "overlap",
         mode="before",
     )
@@ -341,6 +410,7 @@ class KernelSpec(BaseModel):
                     else "(raise num_warps or lower the tiles)"
                 )
             )
+        problems += self._expression_problems()
         if self.mma != "wgmma" and self.overlap:
             problems.append(
                 f"overlap=true is not allowed with mma={self.mma!r}; it pipelines wgmma products "
@@ -361,6 +431,29 @@ class KernelSpec(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _expression_problems(self) -> list[str]:
+        problems = []
+        if self.mod_inputs and not self.has_expressions:
+            problems.append(
+                "mod_inputs are declared but the spec has no score_mod or mask_mod; remove them"
+            )
+        if self.block_sparse:
+            if self.mask_mod is None:
+                problems.append(
+                    "block_sparse=true needs a mask_mod (the block mask lists its key tiles)"
+                )
+            if self.mma != "mma_sync":
+                problems.append(
+                    f"block_sparse=true is not allowed with mma={self.mma!r}; use mma_sync"
+                )
+            for field in ("split_kv", "paged_kv", "pack_gqa"):
+                if getattr(self, field):
+                    problems.append(
+                        f"block_sparse=true is not allowed with {field}=true (a block mask "
+                        "lists key tiles per query tile of one head and the whole key range)"
+                    )
+        return problems
 
     def _simt_problems(self) -> list[str]:
         problems = []
@@ -475,10 +568,13 @@ class KernelSpec(BaseModel):
             ("split_kv", self.split_kv),
             ("paged_kv", self.paged_kv),
             *((name, getattr(self, name)) for name in VARIANT_FLAGS),
+            ("score_mod", self.score_mod is not None),
+            ("mask_mod", self.mask_mod is not None),
         )
         for field, value in refused:
             if value:
-                problems.append(f"{field}=true is not allowed with mma='wgmma' (not built yet)")
+                setting = "a " + field if field in EXPRESSION_FIELDS else f"{field}=true"
+                problems.append(f"{setting} is not allowed with mma='wgmma' (not built yet)")
         return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------
@@ -602,6 +698,9 @@ class KernelSpec(BaseModel):
         if self.paged_kv:
             parts.append("paged")
         parts += [VARIANT_TAGS[name] for name in VARIANT_FLAGS if getattr(self, name)]
+        parts += [f"{EXPRESSION_TAGS[e.kind]}{e.hash}" for e in self.expressions if e is not None]
+        if self.block_sparse:
+            parts.append("bsparse")
         return "_".join(parts)
 
     def compile_arch(self, device_arch: str) -> str:
@@ -615,6 +714,15 @@ class KernelSpec(BaseModel):
         return tuple(name for name in VARIANT_FLAGS if getattr(self, name))
 
     @property
+    def expressions(self) -> tuple[Expression | None, Expression | None]:
+        """The checked (score_mod, mask_mod), None where the spec has none."""
+        return _cached_expressions(self.score_mod, self.mask_mod, self.mod_inputs)
+
+    @property
+    def has_expressions(self) -> bool:
+        return self.score_mod is not None or self.mask_mod is not None
+
+    @property
     def combine_uri(self) -> str:
         """Symbol of the split-KV combine kernel generated next to the main one."""
         return f"{self.uri}_combine"
@@ -625,6 +733,13 @@ class KernelSpec(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_expressions(
+    score_mod: str | None, mask_mod: str | None, mod_inputs: tuple[str, ...]
+) -> tuple[Expression | None, Expression | None]:
+    return spec_expressions(score_mod, mask_mod, mod_inputs)
 
 
 # ---- loading ----------------------------------------------------------------------------
