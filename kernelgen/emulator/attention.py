@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kernelgen.api import TensorInfo, check_inputs, plan
 from kernelgen.emulator.kernel import LaunchStats
 from kernelgen.emulator.launches import from_device_dtype, run_launches, to_device_dtype
+from kernelgen.host import NumpyArrays
 from kernelgen.launch import Problem
 from kernelgen.spec import KernelSpec
 
@@ -66,12 +68,17 @@ def emulate_attention(
     softcap: float | None = None,
     alibi_slopes: np.ndarray | None = None,
     sinks: np.ndarray | None = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_inputs: dict[str, np.ndarray] | None = None,
+    block_mask: Any = None,
 ) -> EmulatedAttention:
     """Run ``spec``'s kernels on q (B, H, Sq, D), k and v (B, Hkv, Sk, D) given as floats in
     (B, H, S, D) order (rounded to the spec's dtype), stored in memory in ``layout``. ``out`` and
     ``lse`` start as NaN. Without ``want_lse`` the kernels get a null lse (as attention() passes
     when the lse is not asked for). Split-KV specs default to 3 key chunks. The variants
-    (docs/variants.md) are attention()'s; the spec must have their flags.
+    (docs/variants.md) and user expressions (docs/expressions.md: score_mod, mask_mod, host
+    mod_inputs, a host block_mask) are attention()'s; the spec must have them.
 
     A ``paged_kv`` spec gets k and v as a pool of pages of ``page_size`` keys (default
     :data:`DEFAULT_PAGE_SIZE`) in reverse order after a NaN spare page, with its block table,
@@ -118,7 +125,12 @@ def emulate_attention(
         window_size=window_size,
         softcap=softcap,
         **variant_infos,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
+        block_mask=block_mask,
     )
+    arrays.update(call.expressions.tensors(NumpyArrays))
     problem, out_shape = plan(call, layout)
     problem = Problem(**{**problem.__dict__, "num_splits": num_splits})
     if spec.paged_kv:
