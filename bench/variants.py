@@ -4,10 +4,13 @@
 python -m bench.variants [--quick] [--out bench/results] [--list]
 ```
 
-For each variant case (a causal sliding window, softcap, ALiBi, sinks; bf16, head dim 128, 16
-heads, batch * seqlen = 16384 tokens) it times kernelgen.attention (the default spec with the
-variant's flags) against FlexAttention (torch.nn.attention.flex_attention: a block mask for the
-window, a score_mod for softcap and ALiBi, the sink folded in from its lse) and, where the
+For each variant case (a causal sliding window, softcap, ALiBi, sinks, and two user expressions:
+a causal document mask over 4 packed documents, run block-sparse from a block mask, and a
+relative-position bias score_mod; bf16, head dim 128, 16 heads, batch * seqlen = 16384
+tokens) it times kernelgen.attention (the default spec with the variant's flags or
+expressions) against FlexAttention (torch.nn.attention.flex_attention: a block mask for the
+window and the documents, a score_mod for softcap, ALiBi and the bias, the sink folded in from
+its lse) and, where the
 flash-attn package is installed, FlashAttention 2's own window_size / softcap / alibi_slopes.
 Each peer is checked first against an fp32 torch reference of the same semantics (relative
 Frobenius error below bench.metrics' tolerance), then timed with bench.gpu.Timer. Without a GPU
@@ -51,7 +54,10 @@ class VariantCase:
         return f"{self.name}-{self.shape.key}"
 
 
-VARIANTS = ("window", "softcap", "alibi", "sinks")
+VARIANTS = ("window", "softcap", "alibi", "sinks", "document", "relbias")
+DOCUMENTS = 4  # equal documents packed in each sequence (the "document" case)
+DOC_MASK = "doc[b, q_idx] == doc[b, kv_idx]"
+REL_BIAS = "score + bias[h, min(max(q_idx - kv_idx, -128), 127) + 128]"
 
 
 def cases(quick: bool = False, variants: Sequence[str] = VARIANTS) -> list[VariantCase]:
@@ -78,6 +84,9 @@ def visible_flops(case: VariantCase) -> float:
     s = case.shape
     if case.name == "window":
         pairs = sum(min(i + 1, WINDOW) for i in range(s.seqlen_q))
+    elif case.name == "document":
+        length = s.seqlen_q // DOCUMENTS
+        pairs = DOCUMENTS * length * (length + 1) / 2
     else:
         pairs = s.seqlen_q * (s.seqlen_q + 1) / 2
     return 4.0 * s.batch * s.heads * s.head_dim * pairs
@@ -88,12 +97,31 @@ def variant_arguments(env: Any, case: VariantCase) -> dict[str, Any]:
     """attention()'s variant arguments for the case (arrays as CUDA fp32 torch tensors)."""
     torch = env.torch
     heads = case.shape.heads
+    if case.name == "document":
+        return {"mask_mod": DOC_MASK, "mod_inputs": {"doc": document_ids(env, case)}}
+    if case.name == "relbias":
+        return {"score_mod": REL_BIAS, "mod_inputs": {"bias": relative_bias(env, case)}}
     return {
         "window": {"window_size": (WINDOW - 1, 0)},
         "softcap": {"softcap": SOFTCAP},
         "alibi": {"alibi_slopes": torch.tensor(alibi_slopes(heads), device="cuda")},
         "sinks": {"sinks": torch.tensor(sink_values(heads), device="cuda")},
     }[case.name]
+
+
+def document_ids(env: Any, case: VariantCase) -> Any:
+    """int32 (B, S): DOCUMENTS equal documents per sequence."""
+    torch = env.torch
+    s = case.shape
+    ids = torch.arange(s.seqlen_q, device="cuda", dtype=torch.int32) * DOCUMENTS // s.seqlen_q
+    return ids.expand(s.batch, s.seqlen_q).contiguous()
+
+
+def relative_bias(env: Any, case: VariantCase) -> Any:
+    """fp32 (H, 256): a small learned-looking bias per head and clipped distance."""
+    torch = env.torch
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    return 0.5 * torch.randn(case.shape.heads, 256, device="cuda", generator=generator)
 
 
 def reference(env: Any, case: VariantCase, q: Any, k: Any, v: Any) -> Any:
@@ -118,7 +146,14 @@ def reference(env: Any, case: VariantCase, q: Any, k: Any, v: Any) -> Any:
                     s = SOFTCAP * torch.tanh(s / SOFTCAP)
                 if case.name == "alibi":
                     s = s - args["alibi_slopes"][h] * (i - j).abs()
-                s = s.masked_fill(~visible, float("-inf"))
+                if case.name == "relbias":
+                    distance = (i - j).clamp(-128, 127) + 128
+                    s = s + args["mod_inputs"]["bias"][h][distance]
+                row_visible = visible
+                if case.name == "document":
+                    doc = args["mod_inputs"]["doc"][b]
+                    row_visible = visible & (doc[i - (sk - sq)] == doc[j])
+                s = s.masked_fill(~row_visible, float("-inf"))
                 if case.name == "sinks":
                     sink = args["sinks"][h].expand(sq, 1)
                     p = torch.softmax(torch.cat([s, sink], dim=1), dim=1)[:, :-1]
@@ -129,8 +164,17 @@ def reference(env: Any, case: VariantCase, q: Any, k: Any, v: Any) -> Any:
 
 
 def kernelgen_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
+    """kernelgen.attention with the case's arguments; the document mask runs block-sparse from a
+    block mask built once (as a model would, once per batch for all layers)."""
     args = variant_arguments(env, case)
     kg = env.kernelgen
+    if case.name == "document":
+        s = case.shape
+        tiles = kg.default_spec("bfloat16", s.head_dim, True, None)
+        args["block_mask"] = kg.block_mask(
+            DOC_MASK, s.batch, 1, s.seqlen_q, s.seqlen_k, block_m=tiles.block_m,
+            block_n=tiles.block_n, mod_inputs=args["mod_inputs"],
+        )  # fmt: skip
 
     def call(q: Any, k: Any, v: Any) -> Any:
         with env.stream():
@@ -149,13 +193,18 @@ def flex_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
     args = variant_arguments(env, case)
     window = case.name == "window"
 
+    doc = args["mod_inputs"]["doc"] if case.name == "document" else None
+
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         causal = kv_idx <= q_idx
+        if doc is not None:
+            return causal & (doc[b, q_idx] == doc[b, kv_idx])
         return causal & (q_idx - kv_idx < WINDOW) if window else causal
 
     block_mask = create_block_mask(
-        mask_mod, None, None, shape.seqlen_q, shape.seqlen_k, device="cuda"
-    )
+        mask_mod, shape.batch if doc is not None else None, None, shape.seqlen_q,
+        shape.seqlen_k, device="cuda",
+    )  # fmt: skip
     score_mod = None
     if case.name == "softcap":
 
@@ -167,6 +216,12 @@ def flex_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
 
         def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    elif case.name == "relbias":
+        bias = args["mod_inputs"]["bias"]
+
+        def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score + bias[h, (q_idx - kv_idx).clamp(-128, 127) + 128]
 
     compiled = torch.compile(flex_attention, dynamic=False)
     sinks = args.get("sinks")
@@ -186,8 +241,8 @@ def flash_attn_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
     has no sinks (unavailable)."""
     from flash_attn import flash_attn_func
 
-    if case.name == "sinks":
-        raise NotImplementedError("flash_attn_func has no sinks")
+    if case.name in ("sinks", "document", "relbias"):
+        raise NotImplementedError(f"flash_attn_func has no {case.name} variant")
     args = variant_arguments(env, case)
     options: dict[str, Any] = {
         "window": {"window_size": (WINDOW - 1, 0)},

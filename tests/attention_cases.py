@@ -84,6 +84,50 @@ def example_variants(
     return dict(values[name] for name in flags)
 
 
+# The inputs the specs' user expressions read (specs/*.yaml, docs/expressions.md), by name:
+# (case, rng) -> array. A spec that reads another name needs a maker here.
+EXPRESSION_INPUTS = {
+    # document ids per key, 3 documents per sequence; queries aligned with the last keys
+    "doc": lambda c, rng: np.sort(
+        rng.integers(0, 3, (c.batch, max(c.seqlen_q, c.seqlen_k)))
+    ).astype(np.int32),
+    "bias": lambda c, rng: (0.5 * rng.standard_normal((c.heads, 256))).astype(np.float32),
+    "prefix": lambda c, rng: rng.integers(0, c.seqlen_k + 1, c.batch).astype(np.int32),
+    "anc": lambda c, rng: rng.random((c.batch, c.seqlen_q, c.seqlen_k)) < 0.6,
+}
+
+
+def example_expressions(spec, case: Case, seed: int) -> tuple[dict, dict]:
+    """attention()'s expression arguments for a spec with user expressions (host arrays; a
+    block-sparse spec also gets its block mask, from the NumPy builder) and the reference's
+    hooks (the float64 evaluator); two empty dicts for a spec without expressions."""
+    if not spec.has_expressions:
+        return {}, {}
+    from kernelgen.block_mask import block_mask_reference
+    from kernelgen.expression_eval import evaluate
+
+    rng = np.random.default_rng(seed + 13)
+    score_mod, mask_mod = spec.expressions
+    declared = (score_mod or mask_mod).inputs
+    inputs = {i.name: EXPRESSION_INPUTS[i.name](case, rng) for i in declared}
+    kernel = {"score_mod": spec.score_mod, "mask_mod": spec.mask_mod, "mod_inputs": inputs}
+    hooks = {}
+    if score_mod is not None:
+        hooks["score_mod"] = lambda s, b, h, q, k: evaluate(
+            score_mod, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        )
+    if mask_mod is not None:
+        hooks["mask_mod"] = lambda b, h, q, k: evaluate(
+            mask_mod, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        )
+    if spec.block_sparse:
+        kernel["block_mask"] = block_mask_reference(
+            mask_mod, case.batch, case.heads, case.seqlen_q, case.seqlen_k,
+            block_m=spec.block_m, block_n=spec.block_n, mod_inputs=inputs,
+        )  # fmt: skip
+    return kernel, hooks
+
+
 def make_case(
     case: Case, dtype: str, head_dim: int, causal: bool, seed: int, variants: dict | None = None
 ) -> CaseData:

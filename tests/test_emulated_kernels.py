@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, example_variants, make_case
+from attention_cases import Case, assert_matches, example_expressions, example_variants, make_case
 from conftest import HEAD_DIM_SWEEP, POINTER_SPEC_PATHS
 
 from kernelgen.emulator.attention import emulate_attention
@@ -75,12 +75,14 @@ def run_emulated(
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("path", POINTER_SPEC_PATHS, ids=lambda p: p.stem)
 def test_spec_matches_float64_reference(path, case):
-    """Every spec; one compiled with variants (docs/variants.md) runs them with example values."""
+    """Every spec; one compiled with variants (docs/variants.md) or user expressions
+    (docs/expressions.md) runs them with example values."""
     spec = load_spec(path)
     seed = zlib.crc32(f"{spec.uri} {case}".encode())  # stable across processes
     variants = example_variants(spec.variants, case.batch, case.heads, seed)
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
-    out, lse = run_emulated(spec, case, data, variants=variants)
+    expressions, hooks = example_expressions(spec, case, seed)  # docs/expressions.md
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, {**variants, **hooks})
+    out, lse = run_emulated(spec, case, data, variants={**variants, **expressions})
     assert_matches(out, lse, data, spec.dtype)
 
 
@@ -91,8 +93,9 @@ def test_a_null_lse_is_not_written(path):
     spec = load_spec(path)
     case = Case(1, 2, 1, 17, 40)  # GQA, partial tiles, rows that see no key when causal
     variants = example_variants(spec.variants, case.batch, case.heads, seed=11)
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 11, variants)
-    out, lse = run_emulated(spec, case, data, want_lse=False, variants=variants)
+    expressions, hooks = example_expressions(spec, case, 11)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 11, {**variants, **hooks})
+    out, lse = run_emulated(spec, case, data, want_lse=False, variants={**variants, **expressions})
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
 
