@@ -27,6 +27,12 @@ def test_visible_flops_count_the_window_and_the_causal_triangle():
     # rows 0..w-1 see i + 1 keys, the others w
     assert variants.visible_flops(window) == per_pair * (w * (w + 1) // 2 + (s - w) * w)
     assert variants.visible_flops(softcap) == per_pair * s * (s + 1) / 2
+    (document,) = variants.cases(True, ["document"])
+    length = s // variants.DOCUMENTS  # causal within each of the equal documents
+    assert (
+        variants.visible_flops(document)
+        == per_pair * variants.DOCUMENTS * length * (length + 1) / 2
+    )
 
 
 def test_alibi_slopes_are_the_geometric_sequence():

@@ -336,3 +336,14 @@ def test_build_reports_each_compile_for_the_progress_bar_and_logs_stay_clean(tmp
     result = CliRunner().invoke(app, ["build", str(SPEC_PATHS[0]), "-o", str(tmp_path / "g")])
     assert result.exit_code == 0, result.output
     assert "compiling" not in result.output and "━" not in result.output
+
+
+def test_a_malformed_expression_is_one_line_and_exit_2(tmp_path):
+    spec_file = tmp_path / "expr.yaml"
+    spec_file.write_text(GOOD + "mask_mod: \"__import__('os').system('true')\"\n")
+    result = run("build", str(spec_file), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mask_mod" in lines[0] and "__import__" in lines[0], lines
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()

@@ -8,7 +8,13 @@ import zlib
 
 import numpy as np
 import pytest
-from attention_cases import Case, assert_matches, example_variants, make_case
+from attention_cases import (
+    Case,
+    assert_matches,
+    example_expressions,
+    example_variants,
+    make_case,
+)
 from conftest import POINTER_SPEC_PATHS as SPEC_PATHS
 from conftest import WGMMA_SPEC_PATHS
 
@@ -88,16 +94,30 @@ def test_spec_on_gpu(path, case):
     spec = load_spec(path)
     seed = zlib.crc32(f"{path.stem} {case}".encode())
     variants = example_variants(spec.variants, case.batch, case.heads, seed, window=(100, 7))
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
-    out, lse = run(spec, case, data, **device_variants(variants))
+    expressions, hooks = example_expressions(spec, case, seed)  # docs/expressions.md
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, {**variants, **hooks})
+    out, lse = run(spec, case, data, **device_variants({**variants, **expressions}))
     assert_matches(out, lse, data, spec.dtype)
 
 
 def device_variants(variants: dict) -> dict:
-    """attention()'s variant arguments with the arrays (slopes, sinks) on the device."""
+    """attention()'s variant and expression arguments with their arrays (slopes, sinks, mod
+    inputs) on the device; a host block mask is rebuilt there by the generated builder."""
     import cupy
 
-    return {k: cupy.asarray(x) if isinstance(x, np.ndarray) else x for k, x in variants.items()}
+    def device(x):
+        return cupy.asarray(x) if isinstance(x, np.ndarray) else x
+
+    result = {k: device(x) for k, x in variants.items()}
+    if "mod_inputs" in result:
+        result["mod_inputs"] = {n: device(x) for n, x in result["mod_inputs"].items()}
+    mask = result.get("block_mask")
+    if mask is not None:
+        result["block_mask"] = kernelgen.block_mask(
+            mask.mask_mod, mask.batch, mask.heads, mask.seqlen_q, mask.seqlen_k,
+            block_m=mask.block_m, block_n=mask.block_n, mod_inputs=result["mod_inputs"],
+        )  # fmt: skip
+    return result
 
 
 @pytest.mark.parametrize("case", CASES[1:3], ids=str)
@@ -107,8 +127,9 @@ def test_spec_without_lse_on_gpu(path, case):
     spec = load_spec(path)
     seed = zlib.crc32(path.stem.encode())
     variants = example_variants(spec.variants, case.batch, case.heads, seed)
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
-    out, lse = run(spec, case, data, want_lse=False, **device_variants(variants))
+    expressions, hooks = example_expressions(spec, case, seed)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, {**variants, **hooks})
+    out, lse = run(spec, case, data, want_lse=False, **device_variants({**variants, **expressions}))
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
 
@@ -187,6 +208,53 @@ def test_variants_with_the_default_spec_on_gpu(dtype, flags, monkeypatch):
         if case.layout == "bshd":
             out = out.transpose(0, 2, 1, 3)
         assert_matches(out, lse.get(), data, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_expressions_with_the_default_spec_on_gpu(dtype, monkeypatch):
+    """attention() compiles the call's score_mod / mask_mod into the default spec, per element
+    and block-sparse from a block mask built on the GPU (docs/expressions.md)."""
+    import cupy
+
+    from kernelgen.expression_eval import evaluate
+    from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
+
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    case = Case(2, 8, 2, 700, 700)
+    rng = np.random.default_rng(3)
+    doc = np.repeat(np.arange(4, dtype=np.int32), [100, 250, 50, 300])[None].repeat(2, 0)
+    bias = (0.3 * rng.standard_normal((8, 1400))).astype(np.float32)
+    inputs = {"doc": doc, "bias": bias}
+    score_text = "score + bias[h, q_idx - kv_idx + 700]"
+    mask_text = "doc[b, q_idx] == doc[b, kv_idx] and kv_idx <= q_idx"
+    declared = inputs_from_arrays(inputs)
+    score_mod, mask_mod = parse_score_mod(score_text, declared), parse_mask_mod(mask_text, declared)
+    hooks = {
+        "score_mod": lambda s, b, h, q, k: evaluate(
+            score_mod, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        ),
+        "mask_mod": lambda b, h, q, k: evaluate(
+            mask_mod, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        ),
+    }
+    data = make_case(case, dtype, 64, False, 5, hooks)
+    q, k, v = (device_array(getattr(data, n), dtype, "bhsd") for n in "qkv")
+    device_inputs = {name: cupy.asarray(x) for name, x in inputs.items()}
+    out, lse = kernelgen.attention(
+        q, k, v, score_mod=score_text, mask_mod=mask_text, mod_inputs=device_inputs,
+        return_lse=True,
+    )  # fmt: skip
+    assert_matches(host_float32(out), lse.get(), data, dtype)
+    tiles = kernelgen.default_spec(dtype, 64, False)
+    block_mask = kernelgen.block_mask(
+        mask_text, 2, 1, 700, 700, block_m=tiles.block_m, block_n=tiles.block_n,
+        mod_inputs=device_inputs,
+    )  # fmt: skip
+    out, lse = kernelgen.attention(
+        q, k, v, score_mod=score_text, block_mask=block_mask, mod_inputs=device_inputs,
+        return_lse=True,
+    )  # fmt: skip
+    assert_matches(host_float32(out), lse.get(), data, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

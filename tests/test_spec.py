@@ -430,3 +430,72 @@ def test_boolean_fields_refuse_other_values(field, value):
     assert any(
         p.startswith(f"{field}={value!r} is not allowed; use true or false") for p in problems
     )
+
+
+# ---- user expressions (docs/expressions.md) ----
+
+TC_BASE = dict(mma="mma_sync")
+
+
+def test_expressions_are_stored_canonical_and_named_by_their_hash():
+    spelled = spec_from_dict(
+        {**BASE, **TC_BASE, "mask_mod": "(doc[b,q_idx]==doc[b, kv_idx])",
+         "mod_inputs": ["doc : int32 [2]"]}
+    )  # fmt: skip
+    canonical = spec_from_dict(
+        {**BASE, **TC_BASE, "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
+         "mod_inputs": ["doc:int32[2]"]}
+    )  # fmt: skip
+    assert spelled == canonical and spelled.uri == canonical.uri
+    assert canonical.mask_mod == "doc[b, q_idx] == doc[b, kv_idx]"
+    assert canonical.mod_inputs == ("doc:int32[2]",)
+    (_, mask_mod) = canonical.expressions
+    assert canonical.uri.endswith(f"_mmod{mask_mod.hash}")
+    other = spec_from_dict(
+        {**BASE, **TC_BASE, "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
+         "mod_inputs": ["doc:int64[2]"]}
+    )  # fmt: skip
+    assert other.uri != canonical.uri  # the inputs' signature is part of the hash
+    # a round trip through YAML keeps every field
+    assert load_spec_text(canonical.to_yaml()) == canonical
+    # a spec without expressions keeps its identity (no new keys in its dump)
+    plain = spec_from_dict({**BASE, **TC_BASE})
+    assert "mask_mod" not in plain.canonical_json() and "block_sparse" not in plain.to_yaml()
+
+
+def load_spec_text(text: str) -> KernelSpec:
+    from kernelgen.spec import parse_spec_yaml
+
+    return spec_from_dict(parse_spec_yaml(text))
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"mask_mod": "q_idx.real"}, "attribute access"),
+        ({"score_mod": "score + x[q_idx]"}, "only declared inputs"),
+        ({"score_mod": 3}, "score_mod=3 is not allowed; use a string"),
+        ({"mask_mod": "q_idx > 0", "mod_inputs": ["doc"]}, "write name:dtype[rank]"),
+        ({"mask_mod": "q_idx > 0", "mod_inputs": "doc:int32[1]"}, "use a list"),
+        ({"mask_mod": "q_idx > 0", "mod_inputs": ["d:int8[1]"]}, "dtype 'int8' is not allowed"),
+        ({"mod_inputs": ["doc:int32[1]"]}, "no score_mod or mask_mod"),
+        ({"block_sparse": True}, "block_sparse=true needs a mask_mod"),
+        ({"block_sparse": True, "mask_mod": "q_idx >= kv_idx"}, "use mma_sync"),
+        (
+            {**TC_BASE, "block_m": 16, "num_warps": 1, "split_kv": True, "block_sparse": True,
+             "mask_mod": "q_idx >= kv_idx"},
+            "block_sparse=true is not allowed with split_kv=true",
+        ),
+    ],
+)  # fmt: skip
+def test_invalid_expression_fields(changes, needle):
+    problems = problems_of(**changes)
+    assert any(needle in p for p in problems), problems
+
+
+def test_wgmma_refuses_expressions():
+    problems = problems_of(
+        mma="wgmma", dtype="bfloat16", head_dim=128, block_m=128, block_n=64,
+        num_warps=12, mask_mod="q_idx >= kv_idx",
+    )  # fmt: skip
+    assert "a mask_mod is not allowed with mma='wgmma' (not built yet)" in problems
