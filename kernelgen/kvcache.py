@@ -14,6 +14,7 @@ leaves the cache untouched.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -68,6 +69,9 @@ def attention_with_kvcache(
     softcap: float | None = None,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_inputs: Mapping[str, Any] | None = None,
 ) -> Any:
     """Attention of q over a KV cache, after appending ``k_new``/``v_new`` in place.
 
@@ -100,7 +104,9 @@ def attention_with_kvcache(
     (B, H, Sq). Every check runs before the cache is written: a call that raises leaves it
     unchanged. The variants (``window_size``, ``softcap``, ``alibi_slopes``, ``sinks``;
     docs/variants.md) as in ``attention()``, aligned like ``causal`` to each entry's updated
-    length.
+    length. User expressions (``score_mod``, ``mask_mod``, ``mod_inputs``; docs/expressions.md)
+    as in ``attention()``: ``kv_idx`` is the key's position in its entry's cache and ``q_idx``
+    the query's row in [0, Sq) (write the entry's offset into the expression or an input).
     """
     infos = [describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
     paged = block_table is not None
@@ -137,6 +143,9 @@ def attention_with_kvcache(
         window_size=window_size,
         softcap=softcap,
         **{n: describe(x, n) for n, x in variant_arrays.items() if x is not None},
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
     )
     # the kernels' parameter names (errors above named the caches)
     call = replace(call, k=replace(call.k, name="k"), v=replace(call.v, name="v"))
@@ -174,6 +183,7 @@ def attention_with_kvcache(
             "cache_seqlens": None if lengths is not None else cache_seqlens,
             "block_table": None if not paged or table is not None else block_table,
             **variant_arrays,
+            **{f"mod_inputs[{n!r}]": x for n, x in call.expressions.arrays.items()},
         }
     )
     arrays = arrays_of(q)

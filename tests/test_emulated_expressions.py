@@ -288,3 +288,43 @@ def test_a_spec_must_carry_the_call_expressions():
     compiled = KernelSpec(**FAMILIES["tc-f16-d32-m64n16"], mask_mod="q_idx >= kv_idx")
     with pytest.raises(InputError, match="passes none"):
         kernelgen.attention(q, k, v, spec=compiled)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_appends_then_attends_with_expressions(paged):
+    """attention_with_kvcache with a score_mod and mask_mod: kv_idx is the key's place in its
+    entry's cache, b the entry (a per-entry key limit), after appending two new tokens."""
+    from attention_cases import check_kvcache, kvcache_data, paged_cache
+
+    batch, new_len, max_keys, heads, kv_heads = 3, 2, 64, 4, 2
+    q, k_cache, v_cache, k_new, v_new = kvcache_data(
+        batch, new_len, new_len, max_keys, heads, kv_heads, "float16", seed=21
+    )
+    lengths = [17, 0, 40]
+    inputs = {"first": np.array([3, 0, 25], np.int32)}
+    score_text = "score - 0.05 * (kv_idx % 5)"
+    mask_text = "kv_idx >= first[b] or kv_idx % 4 == 0"
+    hooks_of = _callables(score_text, mask_text, inputs)
+    ref_out = np.zeros(q.shape)
+    ref_lse = np.full((batch, heads, new_len), -np.inf)
+    for b, length in enumerate(lengths):  # the concatenation, entry by entry
+        keys = np.concatenate([k_cache[b, :length], k_new[b]]).transpose(1, 0, 2)[None]
+        values = np.concatenate([v_cache[b, :length], v_new[b]]).transpose(1, 0, 2)[None]
+        hooks = {
+            "score_mod": lambda s, _b, h, i, j, b=b: hooks_of["score_mod"](s, b, h, i, j),
+            "mask_mod": lambda _b, h, i, j, b=b: hooks_of["mask_mod"](b, h, i, j),
+        }
+        o, s = naive_attention(q[b].transpose(1, 0, 2)[None], keys, values, causal=True, **hooks)
+        ref_out[b], ref_lse[b] = o[0].transpose(1, 0, 2), s[0]
+    caches = {"k_cache": k_cache.astype(np.float16), "v_cache": v_cache.astype(np.float16)}
+    table = None
+    if paged:
+        caches["k_cache"], table, _ = paged_cache(caches["k_cache"], 16, seed=1)
+        caches["v_cache"], _, _ = paged_cache(caches["v_cache"], 16, seed=1)
+    out, lse = kernelgen.attention_with_kvcache(
+        q.astype(np.float16), caches["k_cache"], caches["v_cache"], lengths,
+        block_table=table, k_new=k_new.astype(np.float16), v_new=v_new.astype(np.float16),
+        causal=True, return_lse=True, score_mod=score_text, mask_mod=mask_text,
+        mod_inputs=inputs,
+    )  # fmt: skip
+    check_kvcache(out, lse, ref_out, ref_lse, "float16")

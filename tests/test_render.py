@@ -170,3 +170,63 @@ def test_template_dir_override_must_hold_the_entry_templates(
         SettingError, match=r"KERNELGEN_TEMPLATE_DIR=.*missing fa_fwd_v2.cu.j2, fa_fwd_v2_tc.cu.j2"
     ):
         template_dir()
+
+
+# ---- user text reaches the source only inside the expression functions ----
+
+EXPRESSION_BASE = {**BASE, "mma": "mma_sync"}
+# Attempts to break out of an expression, a comment or a name, through every field that takes
+# user text: each is refused, or renders a source that differs from a benign expression's only
+# inside the expression functions (and the hash in the kernel's name).
+INJECTIONS = [
+    {"score_mod": "score; } __global__ void evil() { return 0;"},
+    {"score_mod": "score + 1 /* */"},
+    {"score_mod": "score  # */ } int x; /*"},
+    {"score_mod": "score\n+ 1"},  # a line break inside the text: the canonical text has none
+    {"score_mod": "score + 1e400"},
+    {"score_mod": "score + __import__('os').getpid()"},
+    {"mask_mod": "q_idx >= kv_idx or '*/'"},
+    {"mask_mod": "q_idx >= kv_idx\\\n"},
+    {"mask_mod": "doc[b, q_idx] > 0", "mod_inputs": ["doc*/:int32[2]"]},
+    {"mask_mod": "doc[b, q_idx] > 0", "mod_inputs": ["doc\n:int32[2]"]},
+    {"mask_mod": "doc[b, q_idx] > 0", "mod_inputs": ["doc:int32[2]; int x"]},
+    {"mask_mod": "doc[b, q_idx] > 0", "mod_inputs": ["doc:int32[2]", "doc:int64[2]"]},
+    {"mask_mod": "kg_read_doc[b] > 0", "mod_inputs": ["kg_read_doc:int32[1]"]},
+]
+
+
+def _skeleton(source: str) -> str:
+    """The source without the spec header, the expression functions and the hashes."""
+    source = re.sub(r"\n// (score_mod|mask_mod) [0-9a-f]{12}:.*?\n}\n", "\n", source, flags=re.S)
+    source = re.sub(r"(smod|mmod)[0-9a-f]{12}", "HASH", source)
+    lines = []
+    for line in source.splitlines():
+        if line.startswith(("//   score_mod: ", "//   mask_mod: ")):  # the spec header's copy
+            assert re.fullmatch(r"[A-Za-z0-9_ .,:+\-*/%<>=!()\[\]']*", line), line
+            continue
+        lines.append(line)
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("fields", INJECTIONS, ids=lambda f: repr(f)[:50])
+def test_user_text_cannot_change_the_code_outside_the_expression_functions(fields):
+    from kernelgen.errors import SpecError
+
+    try:
+        spec = spec_from_dict({**EXPRESSION_BASE, **fields})
+    except SpecError:
+        return  # refused, before anything is rendered
+    benign = {
+        "score_mod": "score + 1.0" if "score_mod" in fields else None,
+        "mask_mod": "q_idx >= 0" if "mask_mod" in fields else None,
+    }
+    baseline = spec_from_dict({**EXPRESSION_BASE, **fields, **benign})
+    assert _skeleton(render(spec)) == _skeleton(render(baseline))
+
+
+def test_the_skeleton_comparison_sees_a_change_outside_the_functions():
+    spec = spec_from_dict({**EXPRESSION_BASE, "score_mod": "score * 2"})
+    source = render(spec)
+    assert _skeleton(source) != _skeleton(source.replace("constexpr int UNBOUNDED", "int X"))
+    definition = "__device__ __forceinline__ float kg_score_mod("
+    assert definition in source and definition not in _skeleton(source)
