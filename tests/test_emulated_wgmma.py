@@ -139,3 +139,49 @@ def test_overlapped_kernel_reading_scores_before_their_products_retired_fails():
     assert_matches(out, lse, data, spec.dtype)
     with pytest.raises(HazardError, match="wgmma"):
         run_emulated(spec, case, data, source=source.replace(original, ""))
+
+
+# ---- the variants and user expressions (docs/variants.md, docs/expressions.md) ----
+
+WG_VARIANTS = [
+    # (spec fields, case, window)
+    (dict(window=True, causal=True), Case(1, 2, 1, 150, 300), (70, 0)),
+    (dict(softcap=True, alibi=True, sinks=True), Case(2, 2, 1, 70, 100, mask="broadcast"), None),
+    (dict(window=True, sinks=True, overlap=True), Case(1, 2, 2, 130, 260), (40, 9)),
+    (dict(causal=True, score_mod="score - 0.05 * abs(q_idx - kv_idx) ** 2 / 64",
+          mask_mod="kv_idx % 3 != 1 or q_idx < 40"), Case(1, 2, 1, 90, 90), None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, case, window", WG_VARIANTS, ids=lambda x: str(x)[:40])
+def test_wgmma_variants_and_expressions_match_the_reference(fields, case, window):
+    from attention_cases import example_expressions, example_variants
+
+    base = dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=64, block_m=128)
+    spec = spec_from_dict({**base, "block_n": 64, **fields})
+    seed = zlib.crc32(spec.uri.encode())
+    variants = example_variants(spec.variants, case.batch, case.heads, seed, window=window)
+    expressions, hooks = example_expressions(spec, case, seed)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, {**variants, **hooks})
+    stats: dict = {}
+    out, lse = run_emulated(spec, case, data, variants={**variants, **expressions}, stats=stats)
+    assert_matches(out, lse, data, spec.dtype)
+    if window is not None:  # the producer loads only the window's key tiles
+        left, right = window
+        right = 0 if spec.causal else right
+        tiles = 0
+        for row0 in range(0, case.seqlen_q, spec.block_m):
+            last = min(row0 + spec.block_m, case.seqlen_q) - 1
+            offset = case.seqlen_k - case.seqlen_q
+            begin = max(0, row0 + offset - left) // spec.block_n
+            end = -(-max(0, min(case.seqlen_k, last + offset + right + 1)) // spec.block_n)
+            tiles += max(0, end - begin)
+        box = spec.block_n * 64 * 2  # one K tile: 64 columns of bf16 per column block
+        k_bytes = tiles * case.batch * case.heads * box * spec.column_blocks
+        assert stats[spec.uri].tma_bytes == k_bytes * 2 + _q_bytes(spec, case)
+
+
+def _q_bytes(spec, case) -> int:
+    """TMA bytes of the Q tiles: one BLOCK_M x head-dim box per block (zero-filled rows count)."""
+    blocks = -(-case.seqlen_q // spec.block_m) * case.batch * case.heads
+    return blocks * spec.block_m * 64 * 2 * spec.column_blocks

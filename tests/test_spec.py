@@ -273,8 +273,6 @@ def test_wgmma_defaults_target_sm90a_with_a_producer_warpgroup():
         ({"pack_gqa": True}, "pack_gqa=true is not allowed with mma='wgmma'"),
         ({"split_kv": True}, "split_kv=true is not allowed with mma='wgmma'"),
         ({"paged_kv": True}, "paged_kv=true is not allowed with mma='wgmma'"),
-        ({"window": True}, "window=true is not allowed with mma='wgmma'"),
-        ({"sinks": True}, "sinks=true is not allowed with mma='wgmma'"),
         ({"head_dim": 256}, "(lower block_n)"),
         ({"stages": 4}, "exceeds the 232448-byte limit of sm_90a"),
         # the overlap keeps a second tile's weights: 128 keys at head dim 128 spill
@@ -493,9 +491,12 @@ def test_invalid_expression_fields(changes, needle):
     assert any(needle in p for p in problems), problems
 
 
-def test_wgmma_refuses_expressions():
-    problems = problems_of(
+def test_wgmma_takes_variants_and_expressions_but_not_block_sparsity():
+    wgmma = dict(
         mma="wgmma", dtype="bfloat16", head_dim=128, block_m=128, block_n=64,
-        num_warps=12, mask_mod="q_idx >= kv_idx",
+        mask_mod="q_idx >= kv_idx",
     )  # fmt: skip
-    assert "a mask_mod is not allowed with mma='wgmma' (not built yet)" in problems
+    spec = spec_from_dict({**BASE, **wgmma, "window": True, "sinks": True, "num_warps": 12})
+    assert spec.uri.startswith("fa_fwd_v2_wg_") and "_win_sink_mmod" in spec.uri
+    problems = problems_of(**wgmma, num_warps=12, block_sparse=True)
+    assert "block_sparse=true is not allowed with mma='wgmma'; use mma_sync" in problems
