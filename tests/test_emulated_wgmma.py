@@ -30,10 +30,14 @@ pytestmark = pytest.mark.emulate
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("path", WGMMA_SPEC_PATHS, ids=lambda p: p.stem)
 def test_wgmma_spec_matches_float64_reference(path, case):
+    from attention_cases import example_expressions, example_variants
+
     spec = load_spec(path)
     seed = zlib.crc32(f"{spec.uri} {case}".encode())
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
-    out, lse = run_emulated(spec, case, data)
+    variants = example_variants(spec.variants, case.batch, case.heads, seed, window=(70, 5))
+    expressions, hooks = example_expressions(spec, case, seed)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, {**variants, **hooks})
+    out, lse = run_emulated(spec, case, data, variants={**variants, **expressions})
     assert_matches(out, lse, data, spec.dtype)
 
 

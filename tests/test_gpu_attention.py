@@ -149,12 +149,15 @@ def test_wgmma_spec_on_gpu(path, case):
     """The Hopper kernels (TMA tensor maps built by the driver, wgmma) on the same cases."""
     require_compute_capability_9_0()
     spec = load_spec(path)
-    data = make_case(
-        case, spec.dtype, spec.head_dim, spec.causal, seed=zlib.crc32(path.stem.encode())
-    )
-    out, lse = run(spec, case, data)
+    seed = zlib.crc32(path.stem.encode())
+    variants = example_variants(spec.variants, case.batch, case.heads, seed, window=(100, 7))
+    expressions, hooks = example_expressions(spec, case, seed)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, {**variants, **hooks})
+    options = device_variants({**variants, **expressions})
+    out, lse = run(spec, case, data, **options)
     assert_matches(out, lse, data, spec.dtype)
-    out, lse = run(spec, case, data, want_lse=False)  # same buffers' maps reused; null lse
+    # same buffers' maps reused; null lse
+    out, lse = run(spec, case, data, want_lse=False, **options)
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
 
