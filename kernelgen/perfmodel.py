@@ -43,13 +43,15 @@ WARP_MEMORY_BYTES = 512  # bytes one warp-wide LDSM.x4 or LDGSTS.128 moves throu
 # tile to copy (no bounds test). interior_source() checks each appears exactly once.
 INTERIOR = {
     "mma_sync": {
-        "exact = tile >= first_exact || (WINDOW && tile < interior_begin) || mask != nullptr;": (
-            "exact = false;"
-        ),
+        "mask_mod_tile || tile >= first_exact || (WINDOW && tile < interior_begin) || "
+        "mask != nullptr;": "false;",
         "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
     },
     # TMA copies have no bounds test (the copy engine zero-fills); only the scores' path differs
-    "wgmma": {"exact = t >= first_exact || mask != nullptr;": "exact = false;"},
+    "wgmma": {
+        "MASK_MOD || tile >= first_exact || (WINDOW && tile < interior_begin) || "
+        "mask != nullptr;": "false;"
+    },
 }
 # Instruction classes shown per unit: the tensor and memory instructions, the softmax's float
 # work, and the rest (integer, address, control).
