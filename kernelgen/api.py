@@ -364,9 +364,6 @@ def attention(
     )
     num_splits = check_num_splits(num_splits, spec)
     arrays = arrays_of(q)
-    expression_arrays = {f"mod_inputs[{n!r}]": a for n, a in call.expressions.arrays.items()}
-    if call.expressions.block_mask is not None:
-        expression_arrays["block_mask"] = call.expressions.block_mask.partial_counts
     device = common_device(
         {
             "q": q,
@@ -375,7 +372,7 @@ def attention(
             "mask": mask,
             "seqlens_k": seqlens_k,
             **arrays_in,
-            **expression_arrays,
+            **call.expressions.named_arrays(),
         }
     )
     with arrays.scope(device):

@@ -24,7 +24,7 @@ import numpy as np
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.expression_cuda import expression_source, headers, input_params, input_struct_init
 from kernelgen.expression_eval import check_input_arrays, evaluate
-from kernelgen.expressions import Expression, ModInput, inputs_from_arrays, parse_mask_mod
+from kernelgen.expressions import Expression, checked_expression, inputs_from_arrays
 from kernelgen.frameworks import Arrays, arrays_of, device_of, launch_arg
 from kernelgen.host import NumpyArrays, as_numpy, is_host_array
 from kernelgen.launch import MAX_GRID, compile_functions, import_cupy
@@ -158,20 +158,6 @@ def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
         )
 
 
-def _checked_mask_mod(mask_mod: str | Expression, declared: tuple[ModInput, ...]) -> Expression:
-    if isinstance(mask_mod, Expression):
-        if mask_mod.kind != "mask_mod":
-            raise InputError(f"mask_mod is a checked {mask_mod.kind}; pass a mask_mod")
-        if mask_mod.inputs != declared:
-            signature = ",".join(i.signature for i in declared) or "none"
-            raise InputError(
-                f"mask_mod was checked against inputs {mask_mod.signature or 'none'}; "
-                f"mod_inputs are {signature}"
-            )
-        return mask_mod
-    return parse_mask_mod(mask_mod, declared)
-
-
 def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
     """The library and device of the call: its inputs' (all alike), else ``like``'s, else
     NumPy's (the CPU emulator)."""
@@ -298,7 +284,7 @@ def block_mask(
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     _check_sizes(sizes, block_m, block_n)
     batch, heads, seqlen_q, seqlen_k = (int(v) for v in sizes.values())
-    expression = _checked_mask_mod(mask_mod, inputs_from_arrays(mod_inputs))
+    expression = checked_expression("mask_mod", mask_mod, inputs_from_arrays(mod_inputs))
     mod_inputs = dict(mod_inputs or {})
     library, device = _library(mod_inputs, like)
     q_tiles, key_tiles = tiles(seqlen_q, block_m), tiles(seqlen_k, block_n)
@@ -365,7 +351,7 @@ def block_mask_reference(
     out), one query tile at a time."""
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     _check_sizes(sizes, block_m, block_n)
-    expression = _checked_mask_mod(mask_mod, inputs_from_arrays(mod_inputs))
+    expression = checked_expression("mask_mod", mask_mod, inputs_from_arrays(mod_inputs))
     mod_inputs = dict(mod_inputs or {})
     arrays = check_input_arrays(expression.inputs, {k: to_host(v) for k, v in mod_inputs.items()})
     q_tiles, key_tiles = tiles(seqlen_q, block_m), tiles(seqlen_k, block_n)

@@ -6,6 +6,7 @@ fields, the arrays' pointers, shapes and strides, the block mask's lists).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,8 @@ from kernelgen.expressions import (
     Expression,
     ExpressionKind,
     ModInput,
+    checked_expression,
     inputs_from_arrays,
-    parse_expression,
 )
 from kernelgen.frameworks import Arrays, launch_arg
 from kernelgen.spec import KernelSpec, spec_from_dict
@@ -76,6 +77,14 @@ class CallExpressions:
             values.append(("block_mask_stride_h", mask.q_tiles if mask.heads > 1 else 0))
         return tuple(values)
 
+    def named_arrays(self) -> dict[str, Any]:
+        """Every array the call passes the kernels, by the name errors give it (the device
+        check: they must all live with q)."""
+        named = {f"mod_inputs[{name!r}]": array for name, array in self.arrays.items()}
+        if self.block_mask is not None:
+            named["block_mask"] = self.block_mask.partial_counts
+        return named
+
     def tensors(self, arrays: Arrays) -> dict[str, Any]:
         """The kernel's array arguments by parameter name, in ``arrays``' library."""
         tensors = {f"mod_{name}": launch_arg(arrays, a) for name, a in self.arrays.items()}
@@ -86,21 +95,12 @@ class CallExpressions:
 
 
 def _checked(kind: ExpressionKind, value: Any, declared: tuple[ModInput, ...]) -> Expression:
-    if isinstance(value, Expression):
-        if value.kind != kind:
-            raise InputError(f"{kind} is a checked {value.kind}; pass a {kind}")
-        if value.inputs != declared:
-            raise InputError(
-                f"{kind} was checked against inputs {value.signature or 'none'}; mod_inputs are "
-                f"{','.join(i.signature for i in declared) or 'none'}"
-            )
-        return value
-    if not isinstance(value, str):
+    if not isinstance(value, (str, Expression)):
         raise InputTypeError(
             f"{kind} has type {type(value).__name__}; pass a string expression "
             "(docs/expressions.md) or None"
         )
-    return parse_expression(kind, value, declared)
+    return checked_expression(kind, value, declared)
 
 
 def check_expressions(
@@ -184,18 +184,28 @@ def with_expressions(spec: KernelSpec, expressions: CallExpressions) -> KernelSp
     or packed GQA."""
     if not expressions.present:
         return spec
-    data = {**spec.model_dump(), **expressions.spec_fields()}
     mask = expressions.block_mask
-    if mask is not None:
+    tiles = None if mask is None else (mask.block_m, mask.block_n)
+    return _spec_with(spec, tuple(expressions.spec_fields().items()), tiles)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_with(
+    spec: KernelSpec, fields: tuple[tuple[str, Any], ...], tiles: tuple[int, int] | None
+) -> KernelSpec:
+    """with_expressions' spec, validated once per (spec, expression fields, block-mask tiles):
+    calls with expressions take this path every time."""
+    data = {**spec.model_dump(), **dict(fields)}
+    if tiles is not None:
         if spec.mma != "mma_sync":
             raise InputError(
                 f"block_mask needs a tensor-core (mma_sync) kernel: float16/bfloat16 inputs with "
                 f"16-byte aligned rows; this call runs {spec.uri}"
             )
         data.update(
-            block_m=mask.block_m,
-            block_n=mask.block_n,
-            num_warps=min(4, mask.block_m // 16),
+            block_m=tiles[0],
+            block_n=tiles[1],
+            num_warps=min(4, tiles[0] // 16),
             pack_gqa=False,
             split_kv=False,
         )
@@ -205,8 +215,8 @@ def with_expressions(spec: KernelSpec, expressions: CallExpressions) -> KernelSp
         raise InputError(
             f"no kernel with the call's expressions fits ({'; '.join(exc.problems)})"
             + (
-                f"; build the block mask with other tiles than {mask.block_m} x {mask.block_n}"
-                if mask is not None
+                f"; build the block mask with other tiles than {tiles[0]} x {tiles[1]}"
+                if tiles is not None
                 else ""
             )
         ) from None

@@ -11,6 +11,7 @@ inputs (:attr:`Expression.hash`), which names kernels and keys caches. The C++ e
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import itertools
 import keyword
@@ -552,6 +553,31 @@ def parse_expression(
     return Expression(kind, root, declared, origin=_PARSER)
 
 
+def checked_expression(
+    kind: ExpressionKind, value: str | Expression, declared: tuple[ModInput, ...]
+) -> Expression:
+    """``value`` as a checked ``kind`` expression over the ``declared`` inputs: a string is
+    parsed (SpecError on bad text); an Expression checked earlier must be of this kind and over
+    these inputs (InputError otherwise)."""
+    if isinstance(value, Expression):
+        if value.kind != kind:
+            raise InputError(f"{kind} is a checked {value.kind}; pass a {kind}")
+        if value.inputs != declared:
+            raise InputError(
+                f"{kind} was checked against inputs {value.signature or 'none'}; mod_inputs are "
+                f"{','.join(i.signature for i in declared) or 'none'}"
+            )
+        return value
+    return _parsed(kind, value, declared)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(kind: ExpressionKind, text: str, declared: tuple[ModInput, ...]) -> Expression:
+    """parse_expression, once per (kind, text, inputs): calls with expressions check theirs on
+    every call (failures are not cached: they raise again)."""
+    return parse_expression(kind, text, declared)
+
+
 def parse_score_mod(text: str, inputs: Iterable[ModInput] | None = None) -> Expression:
     """A checked ``score_mod``: a number, the new score (``score`` is the scaled q.k)."""
     return parse_expression("score_mod", text, inputs)
@@ -667,11 +693,12 @@ def parse_input_signature(text: Any) -> ModInput:
 
 def spec_expressions(
     score_mod: str | None, mask_mod: str | None, mod_inputs: Iterable[str]
-) -> tuple[Expression | None, Expression | None]:
-    """A spec's checked (score_mod, mask_mod) (None where absent) against its declared inputs
-    (signatures); SpecError lists every problem."""
+) -> tuple[Expression | None, Expression | None, tuple[ModInput, ...]]:
+    """A spec's checked (score_mod, mask_mod) (None where absent) and its declared inputs (from
+    their signatures, in name order); SpecError lists every problem."""
     declared = declare_inputs(parse_input_signature(s) for s in mod_inputs)
     return (
         None if score_mod is None else parse_score_mod(score_mod, declared),
         None if mask_mod is None else parse_mask_mod(mask_mod, declared),
+        declared,
     )

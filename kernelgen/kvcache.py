@@ -183,7 +183,7 @@ def attention_with_kvcache(
             "cache_seqlens": None if lengths is not None else cache_seqlens,
             "block_table": None if not paged or table is not None else block_table,
             **variant_arrays,
-            **{f"mod_inputs[{n!r}]": x for n, x in call.expressions.arrays.items()},
+            **call.expressions.named_arrays(),
         }
     )
     arrays = arrays_of(q)

@@ -13,7 +13,6 @@ import jinja2
 
 from kernelgen.errors import SettingError
 from kernelgen.expression_cuda import expression_source, headers, input_params, input_struct_init
-from kernelgen.expressions import ModInput
 from kernelgen.spec import KernelSpec
 from kernelgen.version import __version__
 
@@ -100,18 +99,12 @@ BATCH_ENTRY_VARIABLE = "b"  # every kernel body's batch entry
 MOD_INPUTS_VARIABLE = "mod_inputs"
 
 
-def spec_mod_inputs(spec: KernelSpec) -> tuple[ModInput, ...]:
-    """The declared inputs of the spec's expressions (none without expressions)."""
-    given = [e for e in spec.expressions if e is not None]
-    return given[0].inputs if given else ()
-
-
 def mod_inputs_init(spec: KernelSpec) -> str:
     """C++ statements building the expressions' input struct from the kernel parameters (empty
     for a spec without expressions)."""
     if not spec.has_expressions:
         return ""
-    return input_struct_init(spec_mod_inputs(spec), MOD_INPUTS_VARIABLE)
+    return input_struct_init(spec.declared_inputs, MOD_INPUTS_VARIABLE)
 
 
 COMBINE_WARPS = 4  # warps of a split-KV combine block, which combines one (batch, head, query) row
@@ -182,7 +175,7 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     for name in spec.variants:
         if not (name == "sinks" and spec.split_kv):  # split-KV: the combine adds the sinks
             params += VARIANT_PARAMS[name]
-    params += [Param(name, ctype) for ctype, name in input_params(spec_mod_inputs(spec))]
+    params += [Param(name, ctype) for ctype, name in input_params(spec.declared_inputs)]
     if spec.block_sparse:
         params += BLOCK_MASK_PARAMS
     return tuple(params)
@@ -300,7 +293,7 @@ def render(spec: KernelSpec) -> str:
         combine_uri=spec.combine_uri,
         variant_args=variant_args(spec),
         mod_inputs_init=mod_inputs_init(spec),
-        mod_headers=headers(spec_mod_inputs(spec)),
+        mod_headers=headers(spec.declared_inputs),
         expression_source=expression_source(*spec.expressions) if spec.has_expressions else "",
         combine_warps=COMBINE_WARPS,
         max_splits=MAX_SPLITS,

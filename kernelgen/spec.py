@@ -27,8 +27,7 @@ from kernelgen.arch import ARCHS, DEFAULT_ARCHS
 from kernelgen.errors import InputError, SpecError
 from kernelgen.expressions import (
     Expression,
-    declare_inputs,
-    parse_input_signature,
+    ModInput,
     spec_expressions,
 )
 
@@ -297,8 +296,7 @@ class KernelSpec(BaseModel):
                 f"mod_inputs={_echo(signatures)} is not allowed; use a list of name:dtype[rank]"
             )
         try:
-            score, mask = spec_expressions(*texts, signatures)
-            declared = declare_inputs(parse_input_signature(s) for s in signatures)
+            score, mask, declared = spec_expressions(*texts, signatures)
         except SpecError as exc:
             raise ValueError("\n".join(exc.problems)) from None
         data["score_mod"] = None if score is None else score.text
@@ -712,7 +710,12 @@ class KernelSpec(BaseModel):
     @property
     def expressions(self) -> tuple[Expression | None, Expression | None]:
         """The checked (score_mod, mask_mod), None where the spec has none."""
-        return _cached_expressions(self.score_mod, self.mask_mod, self.mod_inputs)
+        return _cached_expressions(self.score_mod, self.mask_mod, self.mod_inputs)[:2]
+
+    @property
+    def declared_inputs(self) -> tuple[ModInput, ...]:
+        """The arrays the expressions read (``mod_inputs`` as ModInputs, name order)."""
+        return _cached_expressions(self.score_mod, self.mask_mod, self.mod_inputs)[2]
 
     @property
     def has_expressions(self) -> bool:
@@ -734,7 +737,7 @@ class KernelSpec(BaseModel):
 @functools.lru_cache(maxsize=256)
 def _cached_expressions(
     score_mod: str | None, mask_mod: str | None, mod_inputs: tuple[str, ...]
-) -> tuple[Expression | None, Expression | None]:
+) -> tuple[Expression | None, Expression | None, tuple[ModInput, ...]]:
     return spec_expressions(score_mod, mask_mod, mod_inputs)
 
 
