@@ -468,6 +468,8 @@ def checked_plan(
         num_splits = num_splits or tuned_splits
     elif spec.mma != "simt" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
+    if call.mask is not None:  # a mask is read by kernels compiled to read one (docs/api.md)
+        spec = spec.with_additive_mask()
     check_spec_variants(spec, call.variants)
     check_spec_expressions(spec, call.expressions)
     if arrays.host:  # the CPU backend: the same launches, run by the emulator
@@ -664,6 +666,7 @@ def _untuned_or_tuned_launch(
             split_kv=True if split else None,
             paged_kv=page_size > 0,
             variants=call.variants.flags,
+            additive_mask=call.mask is not None,
         )
         return spec, None
     from kernelgen.tuning import ProblemDesc, select_launch

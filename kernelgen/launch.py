@@ -350,6 +350,8 @@ class PreparedLaunch:
         scale: float,
         encode_tensor_map: Encoder = encode_device_tensor,
     ) -> None:
+        self.spec_uri = spec.uri
+        self.reads_mask = spec.additive_mask
         # wgmma: the TMA tensor maps' layouts are checked and fixed here, once per call shape
         self.tensor_maps = (
             TensorMapCache(tensor_map_layouts(spec, problem), encode_tensor_map)
@@ -380,6 +382,11 @@ class PreparedLaunch:
         """Launch on ``tensors`` by parameter name (CuPy arrays or device pointers as
         ``np.uint64``; absent ones are null, lse included). Scratch buffers not given are allocated
         by CuPy, in one allocation."""
+        if not self.reads_mask and tensors.get("mask") is not None:
+            raise InputError(
+                f"spec {self.spec_uri} reads no additive mask (additive_mask=false) but a mask "
+                "was given; run spec.with_additive_mask()"
+            )
         if any(name not in tensors for name, _ in self.scratch_offsets):
             cupy = import_cupy()
             tensors = dict(tensors)

@@ -44,13 +44,13 @@ WARP_MEMORY_BYTES = 512  # bytes one warp-wide LDSM.x4 or LDGSTS.128 moves throu
 INTERIOR = {
     "mma_sync": {
         "mask_mod_tile || tile >= first_exact || (WINDOW && tile < interior_begin) || "
-        "mask != nullptr;": "false;",
+        "has_mask;": "false;",
         "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
     },
     # TMA copies have no bounds test (the copy engine zero-fills); only the scores' path differs
     "wgmma": {
         "MASK_MOD || tile >= first_exact || (WINDOW && tile < interior_begin) || "
-        "mask != nullptr;": "false;"
+        "has_mask;": "false;"
     },
 }
 # Instruction classes shown per unit: the tensor and memory instructions, the softmax's float

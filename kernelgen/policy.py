@@ -30,20 +30,30 @@ def default_block_n(head_dim: int) -> int:
 # arch: (largest head dim, block_n) steps. It is the static model's best tiling
 # (kernelgen.perfmodel: it halves the K/V re-reads of 16-row warps; docs/performance-model.md),
 # measured fastest on an H100 (bench/NOTES.md), and free of spills in both dtypes, causal or
-# not, at every head dim of its range (the compile tier checks samples of each range). sm_80
-# spills with 64-key tiles, and with 32-key tiles from head dim 88.
+# not, at every head dim of its range (the compile tier checks samples of each range). The
+# ranges are the same on both archs since kernels without an additive mask hold no register for
+# it (spec.additive_mask); 64-key tiles spill from head dim 104 (192 accumulators at 128).
 WIDE_TILES: dict[str, tuple[tuple[int, int], ...]] = {
-    "sm_90": ((64, 64), (128, 32)),
+    "sm_90": ((96, 64), (128, 32)),
+    "sm_80": ((96, 64), (128, 32)),
+}
+# The same for kernels that read an additive mask (its row addressing holds registers across
+# the loop; checked the same way).
+MASKED_WIDE_TILES: dict[str, tuple[tuple[int, int], ...]] = {
+    "sm_90": ((80, 64), (128, 32)),
     "sm_80": ((80, 32),),
 }
 
 
-def default_tiling(head_dim: int, archs: tuple[str, ...]) -> tuple[int, int]:
+def default_tiling(
+    head_dim: int, archs: tuple[str, ...], additive_mask: bool = False
+) -> tuple[int, int]:
     """(block_m, block_n) of the untuned 4-warp prefill tensor-core spec for ``archs``: 32 rows
-    per warp (:data:`WIDE_TILES`) where every arch allows it, else 16 rows per warp (64 x
-    :func:`default_block_n`)."""
+    per warp (:data:`WIDE_TILES`, :data:`MASKED_WIDE_TILES` for a kernel that reads an additive
+    mask) where every arch allows it, else 16 rows per warp (64 x :func:`default_block_n`)."""
+    table = MASKED_WIDE_TILES if additive_mask else WIDE_TILES
     steps = [
-        next((n for limit, n in WIDE_TILES.get(arch, ()) if head_dim <= limit), None)
+        next((n for limit, n in table.get(arch, ()) if head_dim <= limit), None)
         for arch in archs
     ]
     if steps and None not in steps:
@@ -62,13 +72,14 @@ def default_spec(
     split_kv: bool | None = None,
     paged_kv: bool = False,
     variants: tuple[str, ...] = (),
+    additive_mask: bool = False,
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
     float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps, two stages,
     swizzled where the head dim allows, tiles from :func:`default_tiling` (32 rows per warp on
-    sm_90 up to head dim 128 and sm_80 up to 80, else 16 rows and 64 keys, 32 above head dim
-    128). With
+    sm_80 and sm_90 up to head dim 128, with 64 keys up to head dim 96; else 16 rows and 64 keys,
+    32 above head dim 128). With
     ``decode_rows`` (a decode step's packed rows, :func:`decode_rows`): the decode kernel
     instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
     rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode
@@ -77,6 +88,8 @@ def default_spec(
     fp16, f16, half, fp32, f32, float); any other raises InputError naming the allowed ones.
     ``paged_kv``: K and V in a paged cache (the same tiling, paged addressing).
     ``variants``: the built-in variants (spec flags, e.g. ``("window", "sinks")``) to compile in.
+    ``additive_mask``: the call has a mask (a kernel that reads one; its tiles from
+    :data:`MASKED_WIDE_TILES`).
     """
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
@@ -84,9 +97,11 @@ def default_spec(
     split = decode if split_kv is None else bool(split_kv)
     causal = bool(causal)
     flags = {name: True for name in variants}
+    if additive_mask:
+        flags["additive_mask"] = True
     if tensor_cores and dtype in ("float16", "bfloat16"):
         warps = 4
-        block_m, block_n = default_tiling(head_dim, archs)
+        block_m, block_n = default_tiling(head_dim, archs, additive_mask)
         if decode_rows is not None:
             warps = next((w for w in (1, 2, 4) if 16 * w >= decode_rows), 4)
             block_m, block_n = 16 * warps, default_block_n(head_dim)

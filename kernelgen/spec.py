@@ -186,6 +186,12 @@ class KernelSpec(BaseModel):
         "batch entry b is row j % page_size of page block_table[b, j / page_size]; page_size and "
         "the block table are launch arguments (loop_order v2 only).",
     )
+    additive_mask: bool = Field(
+        False,
+        description="The kernel reads an additive mask (attention(mask=...)). A call with a mask "
+        "runs its spec with this set (the API adds it); kernels without it hold no register "
+        "for the mask across the key-tile loop.",
+    )
     window: bool = Field(
         False,
         description="Sliding-window attention: query i sees keys i + offset - left .. i + offset "
@@ -266,7 +272,7 @@ class KernelSpec(BaseModel):
         spec without variants keeps the identity it had before variants existed; so is wgmma's
         overlap switch when off."""
         data = handler(self)
-        for name in (*VARIANT_FLAGS, "block_sparse", "overlap"):
+        for name in (*VARIANT_FLAGS, "block_sparse", "overlap", "additive_mask"):
             if data.get(name) is False:
                 del data[name]
         for name in EXPRESSION_FIELDS:
@@ -691,6 +697,8 @@ class KernelSpec(BaseModel):
             parts.append("split")
         if self.paged_kv:
             parts.append("paged")
+        if self.additive_mask:
+            parts.append("amask")
         parts += [VARIANT_TAGS[name] for name in VARIANT_FLAGS if getattr(self, name)]
         parts += [f"{EXPRESSION_TAGS[e.kind]}{e.hash}" for e in self.expressions if e is not None]
         if self.block_sparse:
@@ -701,6 +709,11 @@ class KernelSpec(BaseModel):
         """The target to compile for on a device of ``device_arch``: the arch-specific sm_90a
         for wgmma specs (which run on 9.0 devices only), else the device's own."""
         return WGMMA_ARCHS[0] if self.mma == "wgmma" else device_arch
+
+    def with_additive_mask(self) -> KernelSpec:
+        """This spec reading an additive mask (itself when it already does): what a call with a
+        mask runs."""
+        return self if self.additive_mask else _with_additive_mask(self)
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -868,3 +881,8 @@ def spec_json_schema() -> dict[str, Any]:
     schema = KernelSpec.model_json_schema()
     schema["title"] = "kernelgen kernel spec"
     return schema
+
+
+@functools.lru_cache(maxsize=256)
+def _with_additive_mask(spec: KernelSpec) -> KernelSpec:
+    return KernelSpec(**{**spec.model_dump(), "additive_mask": True})

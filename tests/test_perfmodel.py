@@ -3,6 +3,7 @@ its SASS counts against what the tiling alone says every tensor-core spec must i
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -136,8 +137,10 @@ def test_default_tiling_is_the_model_best_of_the_four_warp_tilings_it_may_use(ar
         chosen = default_spec("bfloat16", head_dim, False, arch)
         narrow = tc_spec(head_dim=head_dim, block_m=64, block_n=64)
         assert analytic_cost(chosen, arch) <= analytic_cost(narrow, arch)
-    assert default_spec("bfloat16", 128, False, "sm_90").rows_per_warp == 32
-    assert default_spec("bfloat16", 128, False, "sm_80").rows_per_warp == 16  # spills there
+    for arch_of_default in ("sm_80", "sm_90", None):
+        wide = default_spec("bfloat16", 128, False, arch_of_default)
+        assert (wide.rows_per_warp, wide.block_n) == (32, 32)
+        assert default_spec("float16", 96, True, arch_of_default).block_n == 64
     assert default_spec("bfloat16", 256, False, "sm_90").rows_per_warp == 16  # accumulators
     assert default_spec("bfloat16", 64, False, None).archs == ("sm_80", "sm_90")
 
@@ -146,20 +149,23 @@ def test_default_tiling_is_the_model_best_of_the_four_warp_tilings_it_may_use(ar
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(arch):
     """Samples of each WIDE_TILES range (its ends and an odd head dim), both dtypes, causal or
-    not: the untuned default must never be a spilling kernel."""
+    not, and the ends of the MASKED_WIDE_TILES ranges: the untuned default must never be a
+    spilling kernel."""
     from kernelgen.build import static_problems
-    from kernelgen.policy import WIDE_TILES, default_spec
+    from kernelgen.policy import MASKED_WIDE_TILES, WIDE_TILES, default_spec
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     limits = [limit for limit, _ in WIDE_TILES[arch]]
     head_dims = sorted({8, 40, *limits, *(limit - 8 for limit in limits)})
-    for head_dim in head_dims:
-        for dtype in ("float16", "bfloat16"):
-            for causal in (False, True):
-                spec = default_spec(dtype, head_dim, causal, arch)
-                assert spec.rows_per_warp == 32, spec.uri
-                res = compile_offline(render(spec), spec.uri, arch, sass=False).resources
-                assert not static_problems(spec, res), (spec.uri, static_problems(spec, res))
+    samples = list(itertools.product(head_dims, ("float16", "bfloat16"), (False, True), [False]))
+    # kernels that read a mask: the ends of their ranges
+    masked_limits = [limit for limit, _ in MASKED_WIDE_TILES[arch]]
+    samples += itertools.product(masked_limits, ["bfloat16"], (False, True), [True])
+    for head_dim, dtype, causal, masked in samples:
+        spec = default_spec(dtype, head_dim, causal, arch, additive_mask=masked)
+        assert spec.rows_per_warp == 32, spec.uri
+        res = compile_offline(render(spec), spec.uri, arch, sass=False).resources
+        assert not static_problems(spec, res), (spec.uri, static_problems(spec, res))
 
 
 def test_autotuner_times_the_model_best_prefill_candidates_and_keeps_the_others():

@@ -84,6 +84,8 @@ def emulate_attention(
     :data:`DEFAULT_PAGE_SIZE`) in reverse order after a NaN spare page, with its block table,
     and ``seqlens_k`` (default Sk for every entry) hides the last page's padding; a mask is
     padded with zeros to the pages' keys."""
+    if mask is not None:  # as attention() does
+        spec = spec.with_additive_mask()
     if num_splits is None:
         num_splits = 3 if spec.split_kv else 1
     dtype = spec.dtype

@@ -300,6 +300,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
         "head_dim": problem.head_dim,
         "causal": problem.causal,
         "paged_kv": problem.page_size > 0,
+        "additive_mask": problem.mask,
         "archs": [arch],
         **{name: True for name in problem.variants},
     }
