@@ -53,8 +53,7 @@ def default_tiling(
     mask) where every arch allows it, else 16 rows per warp (64 x :func:`default_block_n`)."""
     table = MASKED_WIDE_TILES if additive_mask else WIDE_TILES
     steps = [
-        next((n for limit, n in table.get(arch, ()) if head_dim <= limit), None)
-        for arch in archs
+        next((n for limit, n in table.get(arch, ()) if head_dim <= limit), None) for arch in archs
     ]
     if steps and None not in steps:
         return 128, min(steps)
