@@ -15,6 +15,7 @@ import kernelgen
 from kernelgen import api, host
 from kernelgen.errors import CPUBackendWarning, InputTypeError
 from kernelgen.reference import naive_attention
+from kernelgen.spec import spec_from_dict
 
 pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
@@ -117,3 +118,45 @@ def test_host_and_device_arrays_do_not_mix():
     cuda_k = fake_torch.Tensor(q.shape, fake_torch.float16, device_index=0)
     with pytest.raises(InputTypeError, match="k is on CUDA device 0 but q is on the CPU"):
         kernelgen.attention(q, cuda_k, q)
+
+
+def test_a_call_with_a_mask_runs_its_spec_compiled_to_read_one():
+    """A spec without additive_mask is run with it for a masked call (and without it
+    otherwise); its kernels never read a mask, so the launch refuses one."""
+    spec = spec_from_dict(
+        {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "head_dim": HEAD_DIM,
+         "block_m": 64, "block_n": 32}
+    )  # fmt: skip
+    assert not spec.additive_mask and "amask" not in spec.uri
+    masked = spec.with_additive_mask()
+    assert masked.additive_mask and masked.uri == spec.uri + "_amask"
+    assert masked.with_additive_mask() is masked
+    assert "additive_mask" not in spec.model_dump() and masked.model_dump()["additive_mask"]
+    data = make_case(Case(1, 2, 1, 20, 40, mask="full"), "float16", HEAD_DIM, False, seed=8)
+    q, k, v = (getattr(data, n).astype(np.float16) for n in "qkv")
+    out, lse = kernelgen.attention(q, k, v, mask=data.mask, spec=spec, return_lse=True)
+    assert_matches(out, lse, data, "float16")
+    assert masked in host._KERNELS
+    plain = make_case(Case(1, 2, 1, 20, 40), "float16", HEAD_DIM, False, seed=9)
+    out, lse = kernelgen.attention(
+        *(getattr(plain, n).astype(np.float16) for n in "qkv"), spec=spec, return_lse=True
+    )
+    assert_matches(out, lse, plain, "float16")
+    assert spec in host._KERNELS
+
+
+def test_a_kernel_that_reads_no_mask_refuses_one(monkeypatch):
+    """The launch's guard, with the API's flag step removed (what a caller of the launch layer
+    that forgot it would do): an InputError, not a silently unmasked result."""
+    from kernelgen.errors import InputError
+    from kernelgen.spec import KernelSpec
+
+    monkeypatch.setattr(KernelSpec, "with_additive_mask", lambda self: self)
+    data = make_case(Case(1, 2, 1, 12, 24, mask="full"), "float16", HEAD_DIM, False, seed=10)
+    q, k, v = (getattr(data, n).astype(np.float16) for n in "qkv")
+    spec = spec_from_dict(
+        {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "head_dim": HEAD_DIM,
+         "block_m": 64, "block_n": 32}
+    )  # fmt: skip
+    with pytest.raises(InputError, match="additive_mask=false"):
+        kernelgen.attention(q, k, v, mask=data.mask, spec=spec)
