@@ -120,13 +120,17 @@ def test_host_and_device_arrays_do_not_mix():
         kernelgen.attention(q, cuda_k, q)
 
 
-def test_a_call_with_a_mask_runs_its_spec_compiled_to_read_one():
-    """A spec without additive_mask is run with it for a masked call (and without it
-    otherwise); its kernels never read a mask, so the launch refuses one."""
-    spec = spec_from_dict(
+def unmasked_tc_spec():
+    return spec_from_dict(
         {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "head_dim": HEAD_DIM,
          "block_m": 64, "block_n": 32}
     )  # fmt: skip
+
+
+def test_a_call_with_a_mask_runs_its_spec_compiled_to_read_one():
+    """A spec without additive_mask is run with it for a masked call (and without it
+    otherwise); its kernels never read a mask, so the launch refuses one."""
+    spec = unmasked_tc_spec()
     assert not spec.additive_mask and "amask" not in spec.uri
     masked = spec.with_additive_mask()
     assert masked.additive_mask and masked.uri == spec.uri + "_amask"
@@ -154,9 +158,6 @@ def test_a_kernel_that_reads_no_mask_refuses_one(monkeypatch):
     monkeypatch.setattr(KernelSpec, "with_additive_mask", lambda self: self)
     data = make_case(Case(1, 2, 1, 12, 24, mask="full"), "float16", HEAD_DIM, False, seed=10)
     q, k, v = (getattr(data, n).astype(np.float16) for n in "qkv")
-    spec = spec_from_dict(
-        {"loop_order": "v2", "mma": "mma_sync", "dtype": "float16", "head_dim": HEAD_DIM,
-         "block_m": 64, "block_n": 32}
-    )  # fmt: skip
+    spec = unmasked_tc_spec()
     with pytest.raises(InputError, match="additive_mask=false"):
         kernelgen.attention(q, k, v, mask=data.mask, spec=spec)
