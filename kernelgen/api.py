@@ -667,6 +667,7 @@ def _untuned_or_tuned_launch(
             paged_kv=page_size > 0,
             variants=call.variants.flags,
             additive_mask=call.mask is not None,
+            expressions=call.expressions.present,
         )
         return spec, None
     from kernelgen.tuning import ProblemDesc, select_launch

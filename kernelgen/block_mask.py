@@ -29,7 +29,7 @@ from kernelgen.frameworks import Arrays, arrays_of, device_of, launch_arg
 from kernelgen.host import NumpyArrays, as_numpy, is_host_array
 from kernelgen.launch import MAX_GRID, compile_functions, import_cupy
 from kernelgen.render import Param, render_template, template_hash
-from kernelgen.spec import TILE_SIZES
+from kernelgen.spec import tile_size_problem
 from kernelgen.version import __version__
 
 TEMPLATE = "block_mask.cu.j2"
@@ -146,10 +146,9 @@ def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
                 f"{name}={value!r} is not allowed; use an integer from 1 to {INT32_MAX}"
             )
     for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if type(value) is not int or value not in TILE_SIZES:
-            raise InputError(
-                f"{name}={value!r} is not allowed; use one of {', '.join(map(str, TILE_SIZES))}"
-            )
+        problem = tile_size_problem(name, value)
+        if problem:
+            raise InputError(f"{problem}: the tiles of the kernel the block mask is for")
     grid = (tiles(int(sizes["seqlen_q"]), block_m), int(sizes["heads"]), int(sizes["batch"]))
     if any(size > limit for size, limit in zip(grid, MAX_GRID, strict=True)):
         raise InputError(

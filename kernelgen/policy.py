@@ -4,9 +4,17 @@ API, so each reads it without importing the other."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError
-from kernelgen.spec import KernelSpec, default_smem_layout, normalize_dtype
+from kernelgen.spec import (
+    KernelSpec,
+    SmemLayout,
+    default_smem_layout,
+    normalize_dtype,
+    padded_head_dim,
+)
 
 DECODE_MAX_ROWS = 64  # packed rows (seqlen_q x query heads per K/V head) of one decode tile
 DECODE_MAX_SEQLEN_Q = 16  # queries per sequence of a decode step, whatever the GQA ratio
@@ -26,38 +34,62 @@ def default_block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-# Where the untuned prefill spec gives each warp 32 query rows (block_m 128 with 4 warps), per
-# arch: (largest head dim, block_n) steps. It is the static model's best tiling
-# (kernelgen.perfmodel: it halves the K/V re-reads of 16-row warps; docs/performance-model.md),
-# measured fastest on an H100 (bench/NOTES.md), and free of spills in both dtypes, causal or
-# not, at every head dim of its range (the compile tier checks samples of each range). The
-# ranges are the same on both archs since kernels without an additive mask hold no register for
-# it (spec.additive_mask); 64-key tiles spill from head dim 104 (192 accumulators at 128).
-WIDE_TILES: dict[str, tuple[tuple[int, int], ...]] = {
-    "sm_90": ((96, 64), (128, 32)),
-    "sm_80": ((96, 64), (128, 32)),
+class Tiling(NamedTuple):
+    """The tile shape of a tensor-core spec (smem_layout None: the head dim's default layout)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    smem_layout: SmemLayout | None = None
+
+    def accumulators(self, head_dim: int) -> int:
+        """fp32 accumulators per thread (scores and output of the warp's rows)."""
+        rows = self.block_m // self.num_warps
+        return rows * (self.block_n + padded_head_dim(head_dim)) // 32
+
+
+# Where the untuned prefill spec gives each warp 32 query rows, per arch: (largest head dim,
+# tiling) steps. Each is the static model's best tiling for its head dims that compiles without
+# spills in both dtypes, causal or not (kernelgen.perfmodel; docs/performance-model.md; the
+# compile tier checks the ends of each range): 4 warps x 32 rows with 64-key tiles up to head
+# dim 96, then 8 warps x 32 rows with 48-key tiles (93 KiB of shared-memory traffic per unit at
+# head dim 128 against 112 KiB for 128 x 32; its ldmatrix addresses need the padded layout to
+# fit 255 registers). The 4-warp 128 x 32 tiling measured fastest on an H100 before the 8-warp
+# one existed (bench/NOTES.md).
+WIDE_TILES: dict[str, tuple[tuple[int, Tiling], ...]] = {
+    "sm_90": ((96, Tiling(128, 64)), (128, Tiling(256, 48, 8, "padded"))),
+    "sm_80": ((96, Tiling(128, 64)), (128, Tiling(256, 48, 8, "padded"))),
 }
-# The same for kernels that read an additive mask (its row addressing holds registers across
-# the loop; checked the same way).
-MASKED_WIDE_TILES: dict[str, tuple[tuple[int, int], ...]] = {
-    "sm_90": ((80, 64), (128, 32)),
-    "sm_80": ((80, 32),),
+# Kernels with more live state than the plain ones (the built-in variants, user expressions)
+# spill in the 8-warp tiling at head dim 128 and, with every variant, in 64-key tiles at 96:
+# they keep 4 warps, 64-key tiles to head dim 80 (checked the same way).
+RICH_WIDE_TILES: dict[str, tuple[tuple[int, Tiling], ...]] = {
+    "sm_90": ((80, Tiling(128, 64)), (128, Tiling(128, 32))),
+    "sm_80": ((80, Tiling(128, 64)), (128, Tiling(128, 32))),
+}
+# Kernels that read an additive mask (its row addressing holds registers across the loop).
+MASKED_WIDE_TILES: dict[str, tuple[tuple[int, Tiling], ...]] = {
+    "sm_90": ((80, Tiling(128, 64)), (128, Tiling(128, 32))),
+    "sm_80": ((80, Tiling(128, 32)),),
 }
 
 
 def default_tiling(
-    head_dim: int, archs: tuple[str, ...], additive_mask: bool = False
-) -> tuple[int, int]:
-    """(block_m, block_n) of the untuned 4-warp prefill tensor-core spec for ``archs``: 32 rows
-    per warp (:data:`WIDE_TILES`, :data:`MASKED_WIDE_TILES` for a kernel that reads an additive
-    mask) where every arch allows it, else 16 rows per warp (64 x :func:`default_block_n`)."""
-    table = MASKED_WIDE_TILES if additive_mask else WIDE_TILES
+    head_dim: int, archs: tuple[str, ...], additive_mask: bool = False, lean: bool = True
+) -> Tiling:
+    """Tiles of the untuned prefill tensor-core spec for ``archs``: 32 rows per warp
+    (:data:`WIDE_TILES`; :data:`RICH_WIDE_TILES` unless the kernel is ``lean``, i.e. has no
+    variant or expression; :data:`MASKED_WIDE_TILES` for a kernel that reads an additive mask)
+    where every arch allows it (the one with the fewest accumulators where they differ), else
+    16 rows per warp (64 x :func:`default_block_n`, 4 warps)."""
+    table = MASKED_WIDE_TILES if additive_mask else WIDE_TILES if lean else RICH_WIDE_TILES
     steps = [
-        next((n for limit, n in table.get(arch, ()) if head_dim <= limit), None) for arch in archs
+        next((tiling for limit, tiling in table.get(arch, ()) if head_dim <= limit), None)
+        for arch in archs
     ]
     if steps and None not in steps:
-        return 128, min(steps)
-    return 64, default_block_n(head_dim)
+        return min(steps, key=lambda tiling: tiling.accumulators(head_dim))  # type: ignore[union-attr]
+    return Tiling(64, default_block_n(head_dim))
 
 
 def default_spec(
@@ -72,13 +104,15 @@ def default_spec(
     paged_kv: bool = False,
     variants: tuple[str, ...] = (),
     additive_mask: bool = False,
+    expressions: bool = False,
 ) -> KernelSpec:
     """A sensible spec for a shape until the autotuner chooses.
 
-    float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, 4 warps, two stages,
-    swizzled where the head dim allows, tiles from :func:`default_tiling` (32 rows per warp on
-    sm_80 and sm_90 up to head dim 128, with 64 keys up to head dim 96; else 16 rows and 64 keys,
-    32 above head dim 128). With
+    float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, two stages, tiles from
+    :func:`default_tiling` (32 rows per warp on sm_80 and sm_90 up to head dim 128: 4 warps and
+    64 keys up to head dim 96, then 8 warps and 48 keys for plain kernels; else 4 warps of 16
+    rows and 64 keys, 32 above head dim 128), swizzled where the head dim allows unless the
+    tiling says otherwise. With
     ``decode_rows`` (a decode step's packed rows, :func:`decode_rows`): the decode kernel
     instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
     rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode
@@ -88,7 +122,8 @@ def default_spec(
     ``paged_kv``: K and V in a paged cache (the same tiling, paged addressing).
     ``variants``: the built-in variants (spec flags, e.g. ``("window", "sinks")``) to compile in.
     ``additive_mask``: the call has a mask (a kernel that reads one; its tiles from
-    :data:`MASKED_WIDE_TILES`).
+    :data:`MASKED_WIDE_TILES`). ``expressions``: the caller adds user expressions to the spec
+    (their kernels take :data:`RICH_WIDE_TILES`, as do those with ``variants``).
     """
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
@@ -99,21 +134,20 @@ def default_spec(
     if additive_mask:
         flags["additive_mask"] = True
     if tensor_cores and dtype in ("float16", "bfloat16"):
-        warps = 4
-        block_m, block_n = default_tiling(head_dim, archs, additive_mask)
+        tiling = default_tiling(head_dim, archs, additive_mask, lean=not (variants or expressions))
         if decode_rows is not None:
             warps = next((w for w in (1, 2, 4) if 16 * w >= decode_rows), 4)
-            block_m, block_n = 16 * warps, default_block_n(head_dim)
+            tiling = Tiling(16 * warps, default_block_n(head_dim), warps)
         return KernelSpec(
             loop_order="v2",
             dtype=dtype,
             head_dim=head_dim,
-            block_m=block_m,
-            block_n=block_n,
-            num_warps=warps,
+            block_m=tiling.block_m,
+            block_n=tiling.block_n,
+            num_warps=tiling.num_warps,
             causal=causal,
             mma="mma_sync",
-            smem_layout=default_smem_layout(head_dim),
+            smem_layout=tiling.smem_layout or default_smem_layout(head_dim),
             pack_gqa=decode,
             split_kv=split,
             paged_kv=paged_kv,

@@ -64,12 +64,18 @@ def normalize_dtype(name: str) -> str:
         ) from None
 
 
-TILE_SIZES = (16, 32, 64, 128)
+TILE_SIZES = (16, 32, 64, 128)  # the CUDA-core (simt) kernels' tiles
+# Tensor-core (mma_sync) tiles: key tiles are whole k16 steps of O += P V (multiples of 16 up to
+# 128, e.g. 48: at head dim 128 a 32-row warp holds 32 x (48 + 128) / 32 = 176 accumulators);
+# query tiles are num_warps x 16 or 32 rows, up to 8 warps of 32 rows.
+MMA_BLOCK_N_STEP = 16
+MAX_BLOCK_N = 128
+MAX_BLOCK_M = 256
 WARP_COUNTS = (1, 2, 4, 8, 12)  # 12: wgmma's producer warpgroup and two consumer warpgroups
 MAX_HEAD_DIM = 256
 # fp32 registers a thread may devote to its slice of the output row and of the score row;
 # beyond this the kernels spill (checked for real by ptxas in the compile tier).
-MAX_ACCUMULATORS_PER_THREAD = {"simt": 128, "mma_sync": 160, "wgmma": 160}
+MAX_ACCUMULATORS_PER_THREAD = {"simt": 128, "mma_sync": 176, "wgmma": 160}
 MMA_STAGES = (2, 3, 4)
 # Query rows one warp owns on the tensor cores: one or two m16 tiles (two share each K/V fragment).
 MMA_ROWS_PER_WARP = (16, 32)
@@ -117,6 +123,24 @@ EXPRESSION_FIELDS = ("score_mod", "mask_mod")
 EXPRESSION_TAGS = {"score_mod": "smod", "mask_mod": "mmod"}
 
 
+def tile_size_problem(name: str, value: object) -> str | None:
+    """What is wrong with ``value`` as ``block_m`` or ``block_n`` on any path (None: nothing):
+    a multiple of 16 up to :data:`MAX_BLOCK_M` / :data:`MAX_BLOCK_N`. Each path narrows it
+    (simt: :data:`TILE_SIZES`; mma_sync: block_m = rows per warp x num_warps; wgmma: its own)."""
+    limit = MAX_BLOCK_M if name == "block_m" else MAX_BLOCK_N
+    if type(value) is int and 0 < value <= limit and value % MMA_BLOCK_N_STEP == 0:
+        return None
+    rule = (
+        f"16 or 32 rows per warp times num_warps, up to {limit}"
+        if name == "block_m"
+        else f"any multiple of {MMA_BLOCK_N_STEP} up to {limit}"
+    )
+    return (
+        f"{name}={value!r} is not allowed; use one of {', '.join(map(str, TILE_SIZES))} "
+        f"(mma_sync: {rule})"
+    )
+
+
 def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> int:
     if value not in allowed:
         raise ValueError(
@@ -136,8 +160,13 @@ class KernelSpec(BaseModel):
     )
     dtype: DType = Field(description="Element type of q, k, v and out (accumulation is fp32).")
     head_dim: int = Field(description="Head dimension D: a multiple of 8, at most 256.")
-    block_m: int = Field(description="Query rows per tile (16, 32, 64 or 128).")
-    block_n: int = Field(description="Key rows per tile (16, 32, 64 or 128).")
+    block_m: int = Field(
+        description="Query rows per tile: 16, 32, 64 or 128 (mma_sync: 16 or 32 rows per warp "
+        "times num_warps, up to 256)."
+    )
+    block_n: int = Field(
+        description="Key rows per tile: 16, 32, 64 or 128 (mma_sync: any multiple of 16 up to 128)."
+    )
     num_warps: int = Field(
         4,
         description="Warps per thread block (1, 2, 4 or 8; wgmma: 4 per warpgroup, a producer "
@@ -355,15 +384,13 @@ class KernelSpec(BaseModel):
             )
         return value
 
-    @field_validator("block_m")
+    @field_validator("block_m", "block_n")
     @classmethod
-    def _check_block_m(cls, value: int) -> int:
-        return _power_of_two_choice("block_m", value, TILE_SIZES)
-
-    @field_validator("block_n")
-    @classmethod
-    def _check_block_n(cls, value: int) -> int:
-        return _power_of_two_choice("block_n", value, TILE_SIZES)
+    def _check_tile(cls, value: int, info: Any) -> int:
+        problem = tile_size_problem(info.field_name, value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("num_warps")
     @classmethod
@@ -460,7 +487,12 @@ class KernelSpec(BaseModel):
         return problems
 
     def _simt_problems(self) -> list[str]:
-        problems = []
+        problems = [
+            f"{name}={value} is not allowed with mma='simt'; use one of "
+            f"{', '.join(map(str, TILE_SIZES))}"
+            for name, value in (("block_m", self.block_m), ("block_n", self.block_n))
+            if value not in TILE_SIZES
+        ]
         if self.stages != 1:
             problems.append(f"stages={self.stages} is not allowed with mma='simt'; use 1")
         if self.smem_layout != "padded":

@@ -259,7 +259,7 @@ def test_the_device_path_launches_the_builder_with_its_parameter_types(monkeypat
         ({"seqlen_k": 2**31}, InputError, "seqlen_k=2147483648 is not allowed; use an integer"),
         ({"heads": True}, InputError, "heads=True"),
         ({"seqlen_q": 1.5}, InputError, "seqlen_q=1.5"),
-        ({"block_m": 24}, InputError, "block_m=24 is not allowed; use one of 16, 32, 64, 128"),
+        ({"block_m": 24}, InputError, "block_m=24 is not allowed; use one of 16, 32, 64, 128 (mma"),
         ({"block_n": 256}, InputError, "block_n=256"),
         ({"heads": 70000}, InputError, "over CUDA's limit"),
         ({"mask_mod": "q_idx - kv_idx"}, SpecError, "mask_mod must be boolean"),

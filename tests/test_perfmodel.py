@@ -23,7 +23,7 @@ from kernelgen.perfmodel import (
     unit_figures,
 )
 from kernelgen.render import render
-from kernelgen.spec import load_spec, spec_from_dict
+from kernelgen.spec import VARIANT_FLAGS, load_spec, spec_from_dict
 
 # The prefill kernels: the decode tiles (1-2 warps, split-KV) copy K/V in inner loops whose
 # repeats a loop-body count cannot see, so the model is for the prefill kernels.
@@ -130,17 +130,28 @@ def test_model_report_of_a_spec_is_complete_and_json_ready():
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_default_tiling_is_the_model_best_of_the_four_warp_tilings_it_may_use(arch):
+def test_default_tiling_is_the_model_best_of_the_tilings_it_may_use(arch):
     from kernelgen.policy import default_spec
 
-    for head_dim in (64, 80, 128):
+    for head_dim in (64, 80, 96, 128):
         chosen = default_spec("bfloat16", head_dim, False, arch)
-        narrow = tc_spec(head_dim=head_dim, block_m=64, block_n=64)
-        assert analytic_cost(chosen, arch) <= analytic_cost(narrow, arch)
+        for block_m, block_n in ((64, 64), (128, 32)):
+            other = tc_spec(head_dim=head_dim, block_m=block_m, block_n=block_n)
+            assert analytic_cost(chosen, arch) <= analytic_cost(other, arch), chosen.uri
     for arch_of_default in ("sm_80", "sm_90", None):
-        wide = default_spec("bfloat16", 128, False, arch_of_default)
-        assert (wide.rows_per_warp, wide.block_n) == (32, 32)
+        widest = default_spec("bfloat16", 128, False, arch_of_default)
+        assert (widest.block_m, widest.block_n, widest.num_warps) == (256, 48, 8)
+        assert widest.smem_layout == "padded"  # the swizzle's offsets cost registers there
+        # FlashAttention 2's ceiling (96 KiB per unit) or better on every arch the model knows
+        for model_arch in ("sm_80", "sm_90"):
+            assert analytic_figures(widest).smem_bytes <= 96 * 1024
+            assert analytic_cost(widest, model_arch) <= predict(FA2_D128, model_arch).cost
+        rich = default_spec("bfloat16", 128, False, arch_of_default, variants=("softcap",))
+        assert (rich.block_m, rich.block_n, rich.num_warps) == (128, 32, 4)
+        with_expressions = default_spec("float16", 128, True, arch_of_default, expressions=True)
+        assert (with_expressions.rows_per_warp, with_expressions.block_n) == (32, 32)
         assert default_spec("float16", 96, True, arch_of_default).block_n == 64
+        assert default_spec("float16", 120, True, arch_of_default).block_m == 256
     assert default_spec("bfloat16", 256, False, "sm_90").rows_per_warp == 16  # accumulators
     assert default_spec("bfloat16", 64, False, None).archs == ("sm_80", "sm_90")
 
@@ -149,20 +160,24 @@ def test_default_tiling_is_the_model_best_of_the_four_warp_tilings_it_may_use(ar
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(arch):
     """Samples of each WIDE_TILES range (its ends and an odd head dim), both dtypes, causal or
-    not, and the ends of the MASKED_WIDE_TILES ranges: the untuned default must never be a
-    spilling kernel."""
+    not; the ends of the RICH_WIDE_TILES ranges with every built-in variant, and of the
+    MASKED_WIDE_TILES ranges: the untuned default must never be a spilling kernel."""
     from kernelgen.build import static_problems
-    from kernelgen.policy import MASKED_WIDE_TILES, WIDE_TILES, default_spec
+    from kernelgen.policy import MASKED_WIDE_TILES, RICH_WIDE_TILES, WIDE_TILES, default_spec
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     limits = [limit for limit, _ in WIDE_TILES[arch]]
-    head_dims = sorted({8, 40, *limits, *(limit - 8 for limit in limits)})
-    samples = list(itertools.product(head_dims, ("float16", "bfloat16"), (False, True), [False]))
-    # kernels that read a mask: the ends of their ranges
+    head_dims = sorted({8, 40, 104, *limits, *(limit - 8 for limit in limits)})
+    plain = {"variants": (), "additive_mask": False}
+    samples = list(itertools.product(head_dims, ("float16", "bfloat16"), (False, True), [plain]))
+    every_variant = {"variants": VARIANT_FLAGS, "additive_mask": False}
+    rich_limits = [limit for limit, _ in RICH_WIDE_TILES[arch]]
+    samples += itertools.product(rich_limits, ["bfloat16"], (False, True), [every_variant])
+    masked = {"variants": (), "additive_mask": True}
     masked_limits = [limit for limit, _ in MASKED_WIDE_TILES[arch]]
-    samples += itertools.product(masked_limits, ["bfloat16"], (False, True), [True])
-    for head_dim, dtype, causal, masked in samples:
-        spec = default_spec(dtype, head_dim, causal, arch, additive_mask=masked)
+    samples += itertools.product(masked_limits, ["bfloat16"], (False, True), [masked])
+    for head_dim, dtype, causal, options in samples:
+        spec = default_spec(dtype, head_dim, causal, arch, **options)
         assert spec.rows_per_warp == 32, spec.uri
         res = compile_offline(render(spec), spec.uri, arch, sass=False).resources
         assert not static_problems(spec, res), (spec.uri, static_problems(spec, res))

@@ -49,7 +49,11 @@ def test_spec_is_frozen():
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
-        ({"block_m": 48}, "block_m=48 is not allowed; use one of 16, 32, 64, 128"),
+        ({"block_m": 48}, "block_m=48 is not allowed with mma='simt'; use one of 16, 32, 64, 128"),
+        ({"block_n": 48}, "block_n=48 is not allowed with mma='simt'; use one of 16, 32, 64, 128"),
+        ({"block_m": 24}, "block_m=24 is not allowed; use one of 16, 32, 64, 128 (mma_sync: 16"),
+        ({"block_m": 512}, "block_m=512 is not allowed"),
+        ({"block_n": 40}, "block_n=40 is not allowed; use one of 16, 32, 64, 128 (mma_sync: any"),
         ({"block_n": 256}, "block_n=256 is not allowed"),
         ({"block_n": 8}, "block_n=8 is not allowed"),
         ({"head_dim": 100}, "head_dim=100 is not allowed; use a multiple of 8 from 8 to 256"),
@@ -90,7 +94,7 @@ def test_register_budget():
 
 
 def test_several_problems_reported_together():
-    assert len(problems_of(block_m=48, head_dim=7, num_warps=5)) == 3
+    assert len(problems_of(block_m=24, head_dim=7, num_warps=5)) == 3
 
 
 def test_derived_geometry():
@@ -196,6 +200,14 @@ def test_tensor_core_two_m_tiles_per_warp():
     with pytest.raises(SpecError) as info:  # 32 x (64 + 128) / 32 = 192 accumulators
         spec_from_dict({**TC, "head_dim": 128, "block_m": 128, "block_n": 64})
     assert any("need 192 fp32 accumulators" in p for p in info.value.problems)
+    # 8 warps of 32 rows and 48-key tiles: 32 x (48 + 128) / 32 = 176 accumulators
+    widest = spec_from_dict({**TC, "head_dim": 128, "block_m": 256, "block_n": 48, "num_warps": 8})
+    assert (widest.rows_per_warp, widest.accumulators_per_thread) == (32, 176)
+    assert widest.smem_bytes == (256 + 2 * 2 * 48) * (128 + 8) * 2
+    assert widest.uri.startswith("fa_fwd_v2_tc_f16_d128_m256_n48_w8_")
+    with pytest.raises(SpecError) as info:  # 256 rows need 8 warps of 32
+        spec_from_dict({**TC, "head_dim": 128, "block_m": 256, "block_n": 48})
+    assert any("use block_m=64 or 128" in p for p in info.value.problems), info.value.problems
     with pytest.raises(SpecError) as info:  # 64 rows per warp: not 16 or 32
         spec_from_dict({**TC, "block_m": 128, "num_warps": 2})
     assert any("use block_m=32 or 64" in p for p in info.value.problems), info.value.problems

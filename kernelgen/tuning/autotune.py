@@ -72,6 +72,7 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
         decode_rows=decode_rows(problem),
         paged_kv=problem.page_size > 0,
         variants=problem.variants,
+        additive_mask=problem.mask,
     )
 
 
