@@ -50,10 +50,11 @@ log = logging.getLogger(__name__)
 CompileFn = Callable[[KernelSpec, str], Resources]
 
 # Tensor-core grid (fp16/bf16): (num_warps, query rows per warp), block_m = their product. Two
-# m16 tiles per warp (FlashAttention 2's 128-row, 4-warp tile) halve the K/V fragment reads per
-# flop but double the accumulators: spec validation and ptxas spills prune it for wide heads.
-TC_WARP_TILINGS = ((4, 16), (8, 16), (4, 32))
-TC_BLOCK_N = (32, 64, 128)
+# m16 tiles per warp (FlashAttention 2's 128-row, 4-warp tile; 256 rows over 8 warps) halve the
+# K/V fragment reads per flop but double the accumulators: spec validation and ptxas spills
+# prune them for wide heads. 48-key tiles fit 32-row warps at head dim 128 (176 accumulators).
+TC_WARP_TILINGS = ((4, 16), (8, 16), (4, 32), (8, 32))
+TC_BLOCK_N = (32, 48, 64, 128)
 TC_STAGES = (2, 3)
 TC_LAYOUTS = ("swizzled", "padded")
 # Hopper grid (wgmma, fp16/bf16, offered only on compute capability 9.0, compiled for sm_90a):
