@@ -42,7 +42,7 @@ def test_show_prints_the_source(tmp_path):
 def test_bad_specs_print_one_line_each_and_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        GOOD.replace("block_m: 64", "block_m: 48").replace("head_dim: 64", "head_dim: 7")
+        GOOD.replace("block_m: 64", "block_m: 40").replace("head_dim: 64", "head_dim: 7")
     )
     broken = tmp_path / "broken.yaml"
     broken.write_text("block_m: [\n")

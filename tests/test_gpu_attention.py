@@ -17,6 +17,7 @@ from attention_cases import (
 )
 from conftest import POINTER_SPEC_PATHS as SPEC_PATHS
 from conftest import WGMMA_SPEC_PATHS
+from test_emulated_wide_tiles import MATRIX as WIDE_MATRIX
 
 import kernelgen
 import kernelgen.api
@@ -118,6 +119,17 @@ def device_variants(variants: dict) -> dict:
             block_m=mask.block_m, block_n=mask.block_n, mod_inputs=result["mod_inputs"],
         )  # fmt: skip
     return result
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5]], ids=str)
+@pytest.mark.parametrize("spec", [spec for spec, _ in WIDE_MATRIX], ids=lambda s: s.uri)
+def test_wide_and_odd_tiles_on_gpu(spec, case):
+    """The emulator's matrix of 8-warp 32-row tilings and odd key tiles
+    (test_emulated_wide_tiles.py) at GPU sizes."""
+    seed = zlib.crc32(f"{spec.uri} {case}".encode())
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
+    out, lse = run(spec, case, data)
+    assert_matches(out, lse, data, spec.dtype)
 
 
 @pytest.mark.parametrize("case", CASES[1:3], ids=str)
