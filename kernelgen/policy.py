@@ -52,13 +52,17 @@ class Tiling(NamedTuple):
 # tiling) steps. Each is the static model's best tiling for its head dims that compiles without
 # spills in both dtypes, causal or not (kernelgen.perfmodel; docs/performance-model.md; the
 # compile tier checks the ends of each range): 4 warps x 32 rows with 64-key tiles up to head
-# dim 96, then 8 warps x 32 rows with 48-key tiles (93 KiB of shared-memory traffic per unit at
-# head dim 128 against 112 KiB for 128 x 32; its ldmatrix addresses need the padded layout to
-# fit 255 registers). The 4-warp 128 x 32 tiling measured fastest on an H100 before the 8-warp
-# one existed (bench/NOTES.md).
+# dim 80, then 8 warps x 32 rows: 64-key tiles to 96 (68 KiB of shared-memory traffic per unit
+# against 74 KiB for 128 x 64), 48-key tiles to 128 (93 KiB at head dim 128 against 112 KiB for
+# 128 x 32; its ldmatrix addresses need the padded layout to fit 255 registers). The 4-warp
+# 128 x 32 tiling measured fastest on an H100 before the 8-warp ones existed (bench/NOTES.md).
 WIDE_TILES: dict[str, tuple[tuple[int, Tiling], ...]] = {
-    "sm_90": ((96, Tiling(128, 64)), (128, Tiling(256, 48, 8, "padded"))),
-    "sm_80": ((96, Tiling(128, 64)), (128, Tiling(256, 48, 8, "padded"))),
+    arch: (
+        (80, Tiling(128, 64)),
+        (96, Tiling(256, 64, 8, "padded")),
+        (128, Tiling(256, 48, 8, "padded")),
+    )
+    for arch in ("sm_80", "sm_90")
 }
 # Kernels with more live state than the plain ones (the built-in variants, user expressions)
 # spill in the 8-warp tiling at head dim 128 and, with every variant, in 64-key tiles at 96:
@@ -74,14 +78,22 @@ MASKED_WIDE_TILES: dict[str, tuple[tuple[int, Tiling], ...]] = {
 }
 
 
+# Above the tables' head dims a warp holds 16 rows (32 rows of a 136- to 256-wide head are 168 to
+# 288 accumulators per thread): 8 warps and 48-key tiles (head dim 256: 331 KiB of shared-memory
+# traffic per unit against 384 KiB for 64 x 32 with 4 warps). The block's shared memory fits
+# sm_80's 163 KiB at every head dim (at most 320 rows of 256 elements, swizzled, or 248 padded).
+LARGE_HEAD_TILING = Tiling(128, 48, 8)
+
+
 def default_tiling(
     head_dim: int, archs: tuple[str, ...], additive_mask: bool = False, lean: bool = True
 ) -> Tiling:
     """Tiles of the untuned prefill tensor-core spec for ``archs``: 32 rows per warp
     (:data:`WIDE_TILES`; :data:`RICH_WIDE_TILES` unless the kernel is ``lean``, i.e. has no
     variant or expression; :data:`MASKED_WIDE_TILES` for a kernel that reads an additive mask)
-    where every arch allows it (the one with the fewest accumulators where they differ), else
-    16 rows per warp (64 x :func:`default_block_n`, 4 warps)."""
+    where every arch allows it (the one with the fewest accumulators where they differ); above
+    every range, :data:`LARGE_HEAD_TILING` (8 warps of 16 rows); for other archs 16 rows per
+    warp (64 x :func:`default_block_n`, 4 warps)."""
     table = MASKED_WIDE_TILES if additive_mask else WIDE_TILES if lean else RICH_WIDE_TILES
     steps = [
         next((tiling for limit, tiling in table.get(arch, ()) if head_dim <= limit), None)
@@ -89,6 +101,9 @@ def default_tiling(
     ]
     if steps and None not in steps:
         return min(steps, key=lambda tiling: tiling.accumulators(head_dim))  # type: ignore[union-attr]
+    widest = max(limit for steps in WIDE_TILES.values() for limit, _ in steps)
+    if archs and head_dim > widest and all(arch in WIDE_TILES for arch in archs):
+        return LARGE_HEAD_TILING
     return Tiling(64, default_block_n(head_dim))
 
 
@@ -109,10 +124,10 @@ def default_spec(
     """A sensible spec for a shape until the autotuner chooses.
 
     float16/bfloat16 (with ``tensor_cores``): the mma.sync v2 kernel, two stages, tiles from
-    :func:`default_tiling` (32 rows per warp on sm_80 and sm_90 up to head dim 128: 4 warps and
-    64 keys up to head dim 96, then 8 warps and 48 keys for plain kernels; else 4 warps of 16
-    rows and 64 keys, 32 above head dim 128), swizzled where the head dim allows unless the
-    tiling says otherwise. With
+    :func:`default_tiling` (on sm_80 and sm_90, 32 rows per warp up to head dim 128: 4 warps
+    and 64 keys up to head dim 80, then 8 warps with 64 keys to 96 and 48 keys to 128 for plain
+    kernels; 8 warps of 16 rows above; other archs 4 warps of 16 rows), swizzled where the head
+    dim allows unless the tiling says otherwise. With
     ``decode_rows`` (a decode step's packed rows, :func:`decode_rows`): the decode kernel
     instead, GQA heads packed into the rows of the tiles, split-KV, as few warps as hold the
     rows (4 beyond 64 rows). ``split_kv`` True/False forces split-KV on or off (None: decode

@@ -133,10 +133,13 @@ def test_model_report_of_a_spec_is_complete_and_json_ready():
 def test_default_tiling_is_the_model_best_of_the_tilings_it_may_use(arch):
     from kernelgen.policy import default_spec
 
-    for head_dim in (64, 80, 96, 128):
+    for head_dim in (64, 80, 96, 128, 256):
         chosen = default_spec("bfloat16", head_dim, False, arch)
-        for block_m, block_n in ((64, 64), (128, 32)):
-            other = tc_spec(head_dim=head_dim, block_m=block_m, block_n=block_n)
+        for block_m, block_n in ((64, 64), (64, 32), (128, 32)):
+            if head_dim > 128 and block_m == 128:
+                continue  # 32 rows per warp: over the accumulator budget
+            layout = "swizzled" if head_dim % 64 == 0 else "padded"
+            other = tc_spec(head_dim=head_dim, block_m=block_m, block_n=block_n, smem_layout=layout)
             assert analytic_cost(chosen, arch) <= analytic_cost(other, arch), chosen.uri
     for arch_of_default in ("sm_80", "sm_90", None):
         widest = default_spec("bfloat16", 128, False, arch_of_default)
@@ -152,7 +155,12 @@ def test_default_tiling_is_the_model_best_of_the_tilings_it_may_use(arch):
         assert (with_expressions.rows_per_warp, with_expressions.block_n) == (32, 32)
         assert default_spec("float16", 96, True, arch_of_default).block_n == 64
         assert default_spec("float16", 120, True, arch_of_default).block_m == 256
-    assert default_spec("bfloat16", 256, False, "sm_90").rows_per_warp == 16  # accumulators
+        # 16 rows per warp above 128 (accumulators), 8 warps, 48 keys
+        for head_dim in (136, 232, 256):
+            large = default_spec("bfloat16", head_dim, False, arch_of_default)
+            assert (large.rows_per_warp, large.num_warps, large.block_n) == (16, 8, 48)
+    # an arch without a table: 4 warps of 16 rows
+    assert default_spec("bfloat16", 128, False, "sm_86").block_m == 64
     assert default_spec("bfloat16", 64, False, None).archs == ("sm_80", "sm_90")
 
 
@@ -161,24 +169,26 @@ def test_default_tiling_is_the_model_best_of_the_tilings_it_may_use(arch):
 def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(arch):
     """Samples of each WIDE_TILES range (its ends and an odd head dim), both dtypes, causal or
     not; the ends of the RICH_WIDE_TILES ranges with every built-in variant, and of the
-    MASKED_WIDE_TILES ranges: the untuned default must never be a spilling kernel."""
+    MASKED_WIDE_TILES ranges; the head dims above them (LARGE_HEAD_TILING) plain, with every
+    variant and with a mask: the untuned default must never be a spilling kernel."""
     from kernelgen.build import static_problems
     from kernelgen.policy import MASKED_WIDE_TILES, RICH_WIDE_TILES, WIDE_TILES, default_spec
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     limits = [limit for limit, _ in WIDE_TILES[arch]]
-    head_dims = sorted({8, 40, 104, *limits, *(limit - 8 for limit in limits)})
+    head_dims = sorted({8, 40, *limits, *(limit - 8 for limit in limits)})
     plain = {"variants": (), "additive_mask": False}
-    samples = list(itertools.product(head_dims, ("float16", "bfloat16"), (False, True), [plain]))
     every_variant = {"variants": VARIANT_FLAGS, "additive_mask": False}
+    masked = {"variants": (), "additive_mask": True}
+    samples = list(itertools.product(head_dims, ("float16", "bfloat16"), (False, True), [plain]))
     rich_limits = [limit for limit, _ in RICH_WIDE_TILES[arch]]
     samples += itertools.product(rich_limits, ["bfloat16"], (False, True), [every_variant])
-    masked = {"variants": (), "additive_mask": True}
     masked_limits = [limit for limit, _ in MASKED_WIDE_TILES[arch]]
     samples += itertools.product(masked_limits, ["bfloat16"], (False, True), [masked])
-    for head_dim, dtype, causal, options in samples:
+    large = list(itertools.product((136, 256), ["float16"], [True], [plain, every_variant, masked]))
+    for head_dim, dtype, causal, options in [*samples, *large]:
         spec = default_spec(dtype, head_dim, causal, arch, **options)
-        assert spec.rows_per_warp == 32, spec.uri
+        assert spec.rows_per_warp == (32 if head_dim <= max(limits) else 16), spec.uri
         res = compile_offline(render(spec), spec.uri, arch, sass=False).resources
         assert not static_problems(spec, res), (spec.uri, static_problems(spec, res))
 
