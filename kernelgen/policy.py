@@ -8,13 +8,7 @@ from typing import NamedTuple
 
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError
-from kernelgen.spec import (
-    KernelSpec,
-    SmemLayout,
-    default_smem_layout,
-    normalize_dtype,
-    padded_head_dim,
-)
+from kernelgen.spec import KernelSpec, SmemLayout, default_smem_layout, normalize_dtype
 
 DECODE_MAX_ROWS = 64  # packed rows (seqlen_q x query heads per K/V head) of one decode tile
 DECODE_MAX_SEQLEN_Q = 16  # queries per sequence of a decode step, whatever the GQA ratio
@@ -41,11 +35,6 @@ class Tiling(NamedTuple):
     block_n: int
     num_warps: int = 4
     smem_layout: SmemLayout | None = None
-
-    def accumulators(self, head_dim: int) -> int:
-        """fp32 accumulators per thread (scores and output of the warp's rows)."""
-        rows = self.block_m // self.num_warps
-        return rows * (self.block_n + padded_head_dim(head_dim)) // 32
 
 
 # Where the untuned prefill spec gives each warp 32 query rows, per arch: (largest head dim,
@@ -91,7 +80,7 @@ def default_tiling(
     """Tiles of the untuned prefill tensor-core spec for ``archs``: 32 rows per warp
     (:data:`WIDE_TILES`; :data:`RICH_WIDE_TILES` unless the kernel is ``lean``, i.e. has no
     variant or expression; :data:`MASKED_WIDE_TILES` for a kernel that reads an additive mask)
-    where every arch allows it (the one with the fewest accumulators where they differ); above
+    where every arch allows it (the narrower one where they differ); above
     every range, :data:`LARGE_HEAD_TILING` (8 warps of 16 rows); for other archs 16 rows per
     warp (64 x :func:`default_block_n`, 4 warps)."""
     table = MASKED_WIDE_TILES if additive_mask else WIDE_TILES if lean else RICH_WIDE_TILES
@@ -100,8 +89,9 @@ def default_tiling(
         for arch in archs
     ]
     if steps and None not in steps:
-        return min(steps, key=lambda tiling: tiling.accumulators(head_dim))  # type: ignore[union-attr]
-    widest = max(limit for steps in WIDE_TILES.values() for limit, _ in steps)
+        # archs that differ: the narrower tiling (fewer rows per warp, then fewer keys)
+        return min(steps, key=lambda t: (t.block_m // t.num_warps, t.block_n))  # type: ignore[union-attr]
+    widest = max(limit for arch_steps in WIDE_TILES.values() for limit, _ in arch_steps)
     if archs and head_dim > widest and all(arch in WIDE_TILES for arch in archs):
         return LARGE_HEAD_TILING
     return Tiling(64, default_block_n(head_dim))

@@ -68,7 +68,7 @@ TILE_SIZES = (16, 32, 64, 128)  # the CUDA-core (simt) kernels' tiles
 # Tensor-core (mma_sync) tiles: key tiles are whole k16 steps of O += P V (multiples of 16 up to
 # 128, e.g. 48: at head dim 128 a 32-row warp holds 32 x (48 + 128) / 32 = 176 accumulators);
 # query tiles are num_warps x 16 or 32 rows, up to 8 warps of 32 rows.
-MMA_BLOCK_N_STEP = 16
+TILE_STEP = 16  # every tile is whole m16 / k16 steps
 MAX_BLOCK_N = 128
 MAX_BLOCK_M = 256
 WARP_COUNTS = (1, 2, 4, 8, 12)  # 12: wgmma's producer warpgroup and two consumer warpgroups
@@ -128,12 +128,12 @@ def tile_size_problem(name: str, value: object) -> str | None:
     a multiple of 16 up to :data:`MAX_BLOCK_M` / :data:`MAX_BLOCK_N`. Each path narrows it
     (simt: :data:`TILE_SIZES`; mma_sync: block_m = rows per warp x num_warps; wgmma: its own)."""
     limit = MAX_BLOCK_M if name == "block_m" else MAX_BLOCK_N
-    if type(value) is int and 0 < value <= limit and value % MMA_BLOCK_N_STEP == 0:
+    if type(value) is int and 0 < value <= limit and value % TILE_STEP == 0:
         return None
     rule = (
         f"16 or 32 rows per warp times num_warps, up to {limit}"
         if name == "block_m"
-        else f"any multiple of {MMA_BLOCK_N_STEP} up to {limit}"
+        else f"any multiple of {TILE_STEP} up to {limit}"
     )
     return (
         f"{name}={value!r} is not allowed; use one of {', '.join(map(str, TILE_SIZES))} "

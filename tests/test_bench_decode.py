@@ -367,9 +367,8 @@ def test_launch_facts_from_kernelgen(fake_runtime):  # the split count is the ru
     assert facts["scratch_bytes"] == 4 * splits * rows * (128 + 1)
     assert facts["mem_limit_bytes"] == facts["scratch_bytes"] + 4 * rows
     flat = r.kg_spec(s, decode=False)
-    assert (
-        not flat.split_kv and not flat.pack_gqa and flat.rows_per_warp == 32
-    )  # the prefill default
+    # the prefill default: 32 rows per warp
+    assert not flat.split_kv and not flat.pack_gqa and flat.rows_per_warp == 32
     assert r.heuristic_splits(flat, s) == 1
     nosplit = r.launch_facts(flat, s, 1)
     assert (nosplit["num_splits"], nosplit["scratch_bytes"], nosplit["mem_limit_bytes"]) == (

@@ -6,7 +6,7 @@ The cases put partial row and key tiles on both sides, two row tiles of 256, GQA
 layouts of q/k/v and of shared memory, additive masks with empty rows, a row maximum that keeps
 moving (the rescale path), causal masks with Sq < Sk and Sq > Sk, split-KV chunks that start
 inside a key tile's range, and a paged cache whose pages do and do not hold whole 48-key tiles.
-ldmatrix must read without bank conflicts (wavefronts equal the ideal) in every one.
+In the matrix cases ldmatrix must also read without bank conflicts (wavefronts equal the ideal).
 """
 
 from __future__ import annotations
