@@ -43,7 +43,7 @@ class CompiledKernel:
     arch: str
     cubin: bytes
     log: str
-    resources: Resources
+    resources: Resources | None  # None when compiled without the ptxas report
 
 
 @cache
@@ -104,14 +104,25 @@ def save_failed_source(name: str, source: str) -> str:
     return str(path)
 
 
-def compile_offline(source: str, name: str, arch: str, *, sass: bool = True) -> CompiledKernel:
-    """Compile ``source`` for ``arch`` (e.g. ``sm_90``) and parse ptxas' resource report (with
-    ``sass``, also count SASS instructions where cuobjdump is installed)."""
+def report_options(nvrtc_version: tuple[int, int]) -> list[str]:
+    """NVRTC options that make ptxas print its resource report into the program log. NVRTC 12.9
+    and later keep a compile cache; a hit skips ptxas and with it the report (seen on an H100:
+    the second compile of a source had none), so those versions also get ``--no-cache``."""
+    return ["--ptxas-options=-v", *(["--no-cache"] if nvrtc_version >= (12, 9) else [])]
+
+
+def compile_offline(
+    source: str, name: str, arch: str, *, sass: bool = True, report: bool = True
+) -> CompiledKernel:
+    """Compile ``source`` for ``arch`` (e.g. ``sm_90``) and, with ``report``, parse ptxas'
+    resource report (with ``sass``, also count SASS instructions where cuobjdump is installed).
+    Without ``report`` (a launch that only needs the cubin) ``resources`` is None."""
     nvrtc = _nvrtc()
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
     _check(nvrtc, err)
     try:
-        options = [*nvrtc_options(arch), "--ptxas-options=-v"]
+        _, major, minor = nvrtc.nvrtcVersion()
+        options = [*nvrtc_options(arch), *(report_options((major, minor)) if report else [])]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check(nvrtc, err)
@@ -126,6 +137,8 @@ def compile_offline(source: str, name: str, arch: str, *, sass: bool = True) -> 
         _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin)[0])
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+    if not report:
+        return CompiledKernel(name, arch, cubin, log, None)
     resources = parse_ptxas_report(log, name, arch)
     counts = sass_instruction_counts(cubin) if sass else {}
     if counts:

@@ -274,7 +274,7 @@ class RuntimeKernel:
         from kernelgen.compile import compile_offline
 
         (arch,) = self.spec.archs
-        compiled = compile_offline(source, self.spec.uri, arch, sass=False)
+        compiled = compile_offline(source, self.spec.uri, arch, sass=False, report=False)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / f"{self.spec.uri}.cubin"
             path.write_bytes(compiled.cubin)

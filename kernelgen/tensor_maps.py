@@ -109,14 +109,17 @@ def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.ndarray:
         "float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     }[layout.data_type]
+    # The list arguments take cuda-bindings' own integer types: plain ints raise TypeError
+    # ("Cannot convert int to cuuint32_t", cuda-bindings 13).
+    u32, u64 = driver.cuuint32_t, driver.cuuint64_t
     err, tensor_map = driver.cuTensorMapEncodeTiled(
         data_type,
         len(layout.dims),
         pointer,
-        list(layout.dims),
-        list(layout.strides_bytes),
-        list(layout.box),
-        list(layout.element_strides),
+        [u64(d) for d in layout.dims],
+        [u64(s) for s in layout.strides_bytes],
+        [u32(b) for b in layout.box],
+        [u32(e) for e in layout.element_strides],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -20,6 +20,7 @@ from kernelgen.compile import (
     function_sass,
     nvrtc_available,
     parse_ptxas_report,
+    report_options,
     sass_instructions,
 )
 from kernelgen.errors import CompileError
@@ -205,6 +206,30 @@ def test_parse_ptxas_report_picks_the_named_kernel():
     assert (other.registers, other.stack_bytes, other.static_smem_bytes) == (40, 8, 512)
     with pytest.raises(ValueError):
         parse_ptxas_report(log, "absent", "sm_90")
+
+
+def test_nvrtc_with_a_compile_cache_is_told_to_skip_it_when_the_report_is_needed():
+    """NVRTC >= 12.9 answers a repeated compile from its cache without running ptxas, so
+    without --no-cache the second compile of a source has no resource report (seen on an
+    H100: every wgmma launch and every tuner candidate after the first failed on it)."""
+    assert report_options((12, 8)) == ["--ptxas-options=-v"]
+    for version in ((12, 9), (13, 0), (13, 5)):
+        assert report_options(version) == ["--ptxas-options=-v", "--no-cache"]
+
+
+def test_the_same_source_compiled_twice_reports_its_resources_both_times():
+    spec = load_spec(SPEC_PATHS[0])
+    source = render(spec)
+    first, second = (compile_offline(source, spec.uri, "sm_80", sass=False) for _ in range(2))
+    assert first.resources == second.resources and first.resources is not None
+
+
+def test_a_launch_compile_needs_no_report():
+    """The launch path (report=False) gets the cubin only: no ptxas -v, resources None."""
+    spec = load_spec(SPEC_PATHS[0])
+    compiled = compile_offline(render(spec), spec.uri, "sm_80", sass=False, report=False)
+    assert compiled.resources is None and compiled.cubin[:4] == b"\x7fELF"
+    assert "Used" not in compiled.log
 
 
 def test_interior_loop_of_a_tensor_core_spec_issues_its_tile_hmmas():

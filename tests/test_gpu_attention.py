@@ -15,8 +15,7 @@ from attention_cases import (
     example_variants,
     make_case,
 )
-from conftest import POINTER_SPEC_PATHS as SPEC_PATHS
-from conftest import WGMMA_SPEC_PATHS
+from conftest import POINTER_SPEC_PATHS, WGMMA_SPEC_PATHS
 from test_emulated_wide_tiles import MATRIX as WIDE_MATRIX
 
 import kernelgen
@@ -25,6 +24,10 @@ from kernelgen.reference import naive_attention
 from kernelgen.spec import load_spec
 
 pytestmark = pytest.mark.gpu
+
+# Paged-KV specs read K/V through a block table, which only attention_with_kvcache passes:
+# their GPU test is test_gpu_serving.py's test_paged_specs_on_gpu.
+SPEC_PATHS = [p for p in POINTER_SPEC_PATHS if not load_spec(p).paged_kv]
 
 CASES = [
     Case(1, 1, 1, 1, 1),
@@ -420,9 +423,17 @@ DECODE_CASES = [
 def test_split_kv_decode_on_gpu(path, case, num_splits):
     spec = load_spec(path)
     seed = zlib.crc32(f"{path.stem} {case}".encode())
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=seed)
-    out, lse = run(spec, case, data, num_splits=num_splits)
+    data, options = decode_case(spec, case, seed)
+    out, lse = run(spec, case, data, num_splits=num_splits, **options)
     assert_matches(out, lse, data, spec.dtype)
+
+
+def decode_case(spec, case: Case, seed: int):
+    """The case's data and the variant arguments a split spec compiled with variants needs
+    (example values; the reference applies them)."""
+    variants = example_variants(spec.variants, case.batch, case.heads, seed, window=(100, 7))
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
+    return data, device_variants(variants)
 
 
 @pytest.mark.parametrize("path", SPLIT_PATHS, ids=lambda p: p.stem)
@@ -431,9 +442,9 @@ def test_every_split_count_from_1_to_64_on_gpu(path):
     key tiles, so the larger counts leave chunks empty)."""
     spec = load_spec(path)
     case = Case(1, 8, 2, 3, 2011)
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=len(path.stem))
+    data, options = decode_case(spec, case, seed=len(path.stem))
     for num_splits in range(1, 65):
-        out, lse = run(spec, case, data, num_splits=num_splits)
+        out, lse = run(spec, case, data, num_splits=num_splits, **options)
         assert_matches(out, lse, data, spec.dtype)
 
 
@@ -445,12 +456,16 @@ def test_seqlens_k_with_zeros_and_ones_on_gpu(path, host):
     spec = load_spec(path)
     case = Case(5, 8, 2, 2, 3000)
     lengths = [0, 1, 3000, 2999, 65]
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=len(path.stem))
-    ref = naive_attention(data.q, data.k, data.v, causal=spec.causal, seqlens_k=lengths)
+    seed = len(path.stem)
+    variants = example_variants(spec.variants, case.batch, case.heads, seed, window=(100, 7))
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed, variants)
+    ref = naive_attention(data.q, data.k, data.v, causal=spec.causal, seqlens_k=lengths, **variants)
     data = dataclasses.replace(data, ref_out=ref[0], ref_lse=ref[1])
     seqlens = lengths if host else cupy.asarray(lengths, dtype=cupy.int32)
     for num_splits in (1, 5, 64):
-        out, lse = run(spec, case, data, num_splits=num_splits, seqlens_k=seqlens)
+        out, lse = run(
+            spec, case, data, num_splits=num_splits, seqlens_k=seqlens, **device_variants(variants)
+        )
         assert_matches(out, lse, data, spec.dtype)
 
 

@@ -11,6 +11,7 @@ from attention_cases import (
     appended_cache,
     check_kvcache,
     check_varlen,
+    example_variants,
     gather_pages,
     kvcache_data,
     kvcache_reference,
@@ -18,8 +19,10 @@ from attention_cases import (
     paged_cache,
     varlen_reference,
 )
+from conftest import POINTER_SPEC_PATHS
 
 import kernelgen
+from kernelgen.spec import load_spec
 
 pytestmark = pytest.mark.gpu
 
@@ -166,3 +169,40 @@ def test_paged_kvcache_append_then_attend_on_gpu(
         kernelgen.attention_with_kvcache(
             q, k_device, v_device, totals, block_table=table_on_device(bad, library), validate=True
         )
+
+
+PAGED_SPEC_PATHS = [p for p in POINTER_SPEC_PATHS if load_spec(p).paged_kv]
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+@pytest.mark.parametrize("path", PAGED_SPEC_PATHS, ids=lambda p: p.stem)
+def test_paged_specs_on_gpu(path, page_size):
+    """Each paged-KV spec of specs/, named explicitly, at pages smaller than its key tile and
+    not dividing it, equal to it and a multiple of it: append 3 tokens, then attend (its
+    variants with example values)."""
+    spec = load_spec(path)
+    lengths, new_len, heads, kv_heads = [0, 1, 777, 3000], 3, 8, 2
+    max_keys = -(-(max(lengths) + new_len) // page_size) * page_size
+    data = kvcache_data(
+        len(lengths), new_len, new_len, max_keys, heads, kv_heads, spec.dtype, page_size,
+        spec.head_dim,
+    )  # fmt: skip
+    k_pool, table, k_logical = paged_cache(data[1], page_size, seed=page_size)
+    v_pool, _, v_logical = paged_cache(data[2], page_size, seed=page_size)
+    variants = example_variants(spec.variants, len(lengths), heads, page_size, window=(100, 7))
+    q, k_new, v_new = (to_device(x, spec.dtype, "cupy") for x in (data[0], data[3], data[4]))
+    k_device, v_device = (to_device(x, spec.dtype, "cupy") for x in (k_pool, v_pool))
+    out, lse = kernelgen.attention_with_kvcache(
+        q, k_device, v_device, lengths, block_table=table, k_new=k_new, v_new=v_new,
+        causal=spec.causal, spec=spec, return_lse=True, **on_device(variants),
+    )  # fmt: skip
+    want = kvcache_reference(
+        data[0], k_logical, v_logical, data[3], data[4], lengths, spec.causal, **variants
+    )
+    check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, spec.dtype)
+
+
+def on_device(variants: dict) -> dict:
+    import cupy
+
+    return {k: cupy.asarray(x) if isinstance(x, np.ndarray) else x for k, x in variants.items()}

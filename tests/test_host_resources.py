@@ -196,3 +196,20 @@ def test_the_benchmarks_poison_reaches_outputs_of_both_libraries(launches, libra
 def test_kernel_params_hold_the_scratch_names():
     spec = kernelgen.default_spec("float16", 64, False, "sm_90", decode_rows=4)
     assert {"o_partial", "lse_partial"} <= {p.name for p in kernel_params(spec)}
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "float16", "float32"])
+def test_the_poison_fills_integer_buffers_too(monkeypatch, dtype):
+    """Block-mask builders allocate int32 counts and indices through the same allocator: they
+    are poisoned with -1 (an H100 run of the GPU tier failed on a float-only poison)."""
+    import torch
+
+    from kernelgen.testing import poison
+
+    monkeypatch.setattr(poison, "import_cupy", lambda: np)  # NumPy stands in for CuPy here
+    array = poison._nan_cupy(np.zeros(6, dtype))
+    tensor = poison._nan_torch(torch.zeros(6, dtype=getattr(torch, dtype)))
+    if dtype.startswith("int"):
+        assert (array == -1).all() and (tensor == -1).all()
+    else:
+        assert np.isnan(array).all() and torch.isnan(tensor).all()

@@ -129,10 +129,34 @@ def test_device_encoding_passes_the_layout_to_the_driver_and_returns_a_by_value_
     assert encoded.nbytes == 128 and list(encoded["opaque"][0]) == list(range(100, 116))
     args = seen["args"]
     assert args[0] == driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-    assert args[1:7] == (4, 0x7F0000001000, [96, 300, 2, 3], [192, 57600, 115200], [64, 64, 1, 1],
-                         [1, 1, 1, 1])  # fmt: skip
+    assert args[1:3] == (4, 0x7F0000001000)
+    # the lists hold cuda-bindings' integer types, as the real binding demands (it raises
+    # TypeError on plain ints: the first H100 run of the wgmma kernels failed on exactly that)
+    dims, strides, box, elem = args[3:7]
+    for values, kind in ((dims, driver.cuuint64_t), (strides, driver.cuuint64_t),
+                         (box, driver.cuuint32_t), (elem, driver.cuuint32_t)):  # fmt: skip
+        assert all(isinstance(v, kind) for v in values), (values, kind)
+    assert [[int(v) for v in x] for x in (dims, strides, box, elem)] == [
+        [96, 300, 2, 3], [192, 57600, 115200], [64, 64, 1, 1], [1, 1, 1, 1]
+    ]  # fmt: skip
     assert args[7] == driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
     assert args[8] == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
     assert args[10] == driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
     with pytest.raises(InputError, match="not 16-byte aligned"):
         encode_on_device(layout, 0x7F0000001008)
+
+
+def test_the_real_binding_accepts_the_encoders_arguments():
+    """The argument conversion of cuda-bindings' own cuTensorMapEncodeTiled runs before it
+    loads the driver: here (no driver) the call must get past it and fail only for want of a
+    driver, never with the binding's TypeError."""
+    pytest.importorskip("cuda.bindings.driver")
+    from kernelgen.tensor_maps import encode_on_device
+
+    layout = tensor_map_layouts(SPEC, problem())["q_map"]
+    try:
+        encode_on_device(layout, 0x7F0000001000)
+    except TypeError as exc:  # the binding refused an argument's type
+        pytest.fail(f"cuTensorMapEncodeTiled refused the arguments: {exc}")
+    except (InputError, RuntimeError):  # no driver library, or the driver has no device
+        pass

@@ -126,6 +126,9 @@ class Tensor:
             return from_numpy(bfloat16_bits(np, np.ascontiguousarray(values)), self._device_index)
         return from_numpy(values.astype(_NUMPY[dtype.name]), self._device_index)
 
+    def is_floating_point(self) -> bool:
+        return self.dtype.name in ("float16", "bfloat16", "float32", "float64")
+
     def fill_(self, value: float) -> Tensor:
         """Every element set to ``value`` (a float; bfloat16 through its bits)."""
         FILLED.add(self._ptr)

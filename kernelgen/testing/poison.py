@@ -1,6 +1,6 @@
 """NaN-poisoned allocations for correctness checks: whatever attention() allocates (out, lse,
-scratch) in either library starts as NaN, so that elements a kernel leaves unwritten show up
-instead of a recycled block's old (often correct) values."""
+scratch) in either library starts as NaN (integer buffers as -1), so that elements a kernel
+leaves unwritten show up instead of a recycled block's old (often correct) values."""
 
 from __future__ import annotations
 
@@ -8,17 +8,27 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from kernelgen.frameworks import CupyArrays, TorchArrays
 from kernelgen.launch import import_cupy
 from kernelgen.tuning.gpu import nan_fill
 
+# Integer buffers (block-mask counts and indices) get all bits set: -1 is no count or index a
+# builder writes, so an element left unwritten still shows.
+INTEGER_POISON = -1
+
 
 def _nan_cupy(array: Any) -> Any:
-    return nan_fill(import_cupy(), array)
+    cupy = import_cupy()
+    if np.issubdtype(array.dtype, np.integer):
+        array.fill(INTEGER_POISON)
+        return array
+    return nan_fill(cupy, array)
 
 
 def _nan_torch(tensor: Any) -> Any:
-    return tensor.fill_(float("nan"))
+    return tensor.fill_(float("nan") if tensor.is_floating_point() else INTEGER_POISON)
 
 
 @contextlib.contextmanager
