@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -23,7 +24,12 @@ GIB = 1 << 30
 
 
 def git_info(root: Path = ROOT) -> dict[str, Any]:
-    """Commit of the working tree and whether it has uncommitted changes ("unknown" if no git)."""
+    """Commit of the working tree and whether it has uncommitted changes ("unknown" if no git).
+    Under ``python -m bench.session`` the session's stamp check says it (the environment's
+    KERNELGEN_SESSION_COMMIT / _DIRTY): a GPU host's copy may carry stale git metadata."""
+    if os.environ.get("KERNELGEN_SESSION_COMMIT"):
+        dirty = os.environ.get("KERNELGEN_SESSION_DIRTY", "")
+        return {"git_commit": os.environ["KERNELGEN_SESSION_COMMIT"], "git_dirty": dirty == "1"}
     try:
         top = subprocess.run(
             ["git", "rev-parse", "--show-toplevel"],

@@ -1,13 +1,18 @@
-"""``python -m kernelgen.selfcheck``: a few small attention calls on this GPU against float64
-NumPy, for a first check of an install and for compute-sanitizer (bench/gpu_session.sh).
+"""``python -m kernelgen.selfcheck [--engines simt,mma_sync,wgmma] [--dry-run] [DTYPE ...]``: a few
+small attention calls on this GPU against float64 NumPy, for a first check of an install and
+for compute-sanitizer (``python -m bench.session``).
 
 Runs, without tuning: a prefill call (GQA, causal, ragged lengths) on the default tensor-core
-spec, and a split-KV decode call with per-sequence key lengths (zeros and ones among them) at
-a few split counts. Prints one line per call; exits 1 when any is wrong, 2 without a GPU.
+spec, split-KV decode calls with per-sequence key lengths (zeros and ones among them) at a few
+split counts, and the same prefill call on one named spec per engine asked for with
+``--engines`` (CUDA cores, mma.sync, and wgmma on compute capability 9.0 devices). Prints one
+line per call; exits 1 when any is wrong, 2 without a GPU. ``--dry-run`` builds and compiles
+(offline, NVRTC) the engines' specs for sm_90a / sm_90 without a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -16,6 +21,7 @@ import numpy as np
 
 from kernelgen.errors import KernelgenError
 from kernelgen.reference import naive_attention, relative_error
+from kernelgen.spec import KernelSpec
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2}  # relative Frobenius error of out
 
@@ -28,6 +34,7 @@ def check_call(
     seqlens_k: Sequence[int] | None = None,
     num_splits: int | None = None,
     seed: int = 0,
+    spec: KernelSpec | None = None,
 ) -> float:
     """One attention() call of (B, H, Hkv, Sq, Sk, D) on fresh normal inputs against float64;
     its relative error (inf for a non-finite output)."""
@@ -42,7 +49,9 @@ def check_call(
     k = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim))
     v = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim))
     q, k, v = (upload(cupy, x, dtype) for x in (q, k, v))
-    out = kernelgen.attention(q, k, v, causal=causal, seqlens_k=seqlens_k, num_splits=num_splits)
+    out = kernelgen.attention(
+        q, k, v, causal=causal, seqlens_k=seqlens_k, num_splits=num_splits, spec=spec
+    )
     group = heads // kv_heads
     host = [as_float32(cupy, x).get().astype(np.float64) for x in (q, k, v)]
     host[1], host[2] = (np.repeat(x, group, axis=1) for x in host[1:])
@@ -64,13 +73,44 @@ CALLS: tuple[tuple[str, dict], ...] = (
 )
 
 
+ENGINES: tuple[str, ...] = ("simt", "mma_sync", "wgmma")
+ENGINE_CALL = CALLS[0][1]  # the prefill call: GQA, causal, lengths that fill no tile
+
+
+def engine_spec(engine: str, dtype: str) -> KernelSpec:
+    """A named spec of ``engine`` for :data:`ENGINE_CALL` (head dim 128, causal)."""
+    head_dim, causal = ENGINE_CALL["shape"][-1], ENGINE_CALL["causal"]
+    common = {"loop_order": "v2", "dtype": dtype, "head_dim": head_dim, "causal": causal}
+    if engine == "simt":
+        return KernelSpec(mma="simt", block_m=64, block_n=64, num_warps=4, **common)
+    if engine == "mma_sync":
+        return KernelSpec(mma="mma_sync", block_m=128, block_n=32, num_warps=4, stages=2, **common)
+    return KernelSpec(mma="wgmma", block_m=128, block_n=64, stages=2, archs=["sm_90a"], **common)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kernelgen.selfcheck")
+    p.add_argument("dtypes", nargs="*", default=["float16", "bfloat16"])
+    p.add_argument("--engines", default="", help=f"comma-separated: {', '.join(ENGINES)}")
+    p.add_argument("--dry-run", action="store_true", help="compile the engines' specs, no GPU")
+    return p.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("KERNELGEN_AUTOTUNE", "0")  # the heuristic specs: no tuning run
-    dtypes = list(argv) if argv else ["float16", "bfloat16"]
+    args = parse_args(argv)
+    dtypes = args.dtypes
+    engines = [e for e in args.engines.split(",") if e]
     unknown = [d for d in dtypes if d not in TOLERANCE]
     if unknown:
         print(f"selfcheck: dtype {unknown[0]!r} is not allowed; use float16 or bfloat16")
         return 2
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        print(f"selfcheck: engine {bad[0]!r} is not allowed; use {', '.join(ENGINES)}")
+        return 2
+    if args.dry_run:
+        return dry_run(dtypes, engines)
     try:
         from kernelgen.tuning.gpu import require_device
 
@@ -78,11 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KernelgenError as exc:
         print(f"selfcheck: {str(exc).splitlines()[0]}")
         return 2
+    calls = [(label, kwargs, None) for label, kwargs in CALLS]
     failed = 0
     for dtype in dtypes:
-        for seed, (label, kwargs) in enumerate(CALLS):
+        specs = [(f"{e} prefill", ENGINE_CALL, e) for e in engines]
+        for seed, (label, kwargs, engine) in enumerate(calls + specs):
+            if engine == "wgmma" and not _runs_wgmma():
+                print(f"{dtype:9} {label:20} skipped: wgmma needs compute capability 9.0")
+                continue
+            spec = engine_spec(engine, dtype) if engine else None
             try:
-                err = check_call(dtype=dtype, seed=seed, **kwargs)
+                err = check_call(dtype=dtype, seed=seed, spec=spec, **kwargs)
             except KernelgenError as exc:
                 print(f"{dtype:9} {label:20} error: {str(exc).splitlines()[0]}")
                 failed += 1
@@ -90,6 +136,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             ok = err <= TOLERANCE[dtype]
             failed += not ok
             print(f"{dtype:9} {label:20} rel. error {err:.2e} {'ok' if ok else 'WRONG'}")
+    return 1 if failed else 0
+
+
+def _runs_wgmma() -> bool:
+    from kernelgen.api import device_arch
+
+    return device_arch()[1] == "sm_90"
+
+
+def dry_run(dtypes: Sequence[str], engines: Sequence[str]) -> int:
+    """Build each engine's spec and compile it offline (NVRTC): what a GPU run would launch."""
+    from kernelgen.compile import compile_offline
+    from kernelgen.render import render
+
+    failed = 0
+    for dtype in dtypes:
+        for engine in engines:
+            spec = engine_spec(engine, dtype)
+            arch = "sm_90a" if engine == "wgmma" else "sm_90"
+            try:
+                res = compile_offline(render(spec), spec.uri, arch, sass=False).resources
+            except KernelgenError as exc:
+                print(f"{dtype:9} {engine:9} {spec.uri}: {str(exc).splitlines()[0]}")
+                failed += 1
+                continue
+            print(
+                f"{dtype:9} {engine:9} {spec.uri}: compiles for {arch}, {res.registers} registers"
+            )
     return 1 if failed else 0
 
 
