@@ -45,6 +45,9 @@ COMMIT_ENV, DIRTY_ENV = "KERNELGEN_SESSION_COMMIT", "KERNELGEN_SESSION_DIRTY"
 # paged, varlen), the tuner's choices and the default specs of every dtype and head dim.
 CORRECTNESS_SELECTION = "wgmma or serving or tuned or default_spec or default_decode"
 SANITIZED_ENGINES = ("simt", "mma_sync", "wgmma")
+SANITIZER = ("compute-sanitizer", "--tool")
+# the CUDA libraries' own probes (cuGetProcAddress) are API errors, not kernel faults
+SANITIZER_FLAGS = ("--report-api-errors", "no", "--error-exitcode", "3")
 
 
 @dataclass(frozen=True)
@@ -87,37 +90,15 @@ def plan(results: str = "{results}") -> list[Stage]:
             python(*pytest_gpu, "-k", CORRECTNESS_SELECTION, "--junitxml", f"{results}/gpu.xml"),
             python(*pytest_gpu, "--collect-only", "-k", CORRECTNESS_SELECTION),
         ),
-        Stage(
-            "memcheck",
-            30,
-            "compute-sanitizer memcheck: one call per engine",
-            (
-                "compute-sanitizer",
-                "--tool",
-                "memcheck",
-                "--report-api-errors",
-                "no",
-                "--error-exitcode",
-                "3",
-                *python(*sanitize),
-            ),  # fmt: skip
-            python(*sanitize, "--dry-run"),
-        ),
-        Stage(
-            "racecheck",
-            30,
-            "compute-sanitizer racecheck: one call per engine",
-            (
-                "compute-sanitizer",
-                "--tool",
-                "racecheck",
-                "--report-api-errors",
-                "no",
-                "--error-exitcode",
-                "3",
-                *python(*sanitize),
-            ),  # fmt: skip
-            python(*sanitize, "--dry-run"),
+        *(
+            Stage(
+                tool,
+                30,
+                f"compute-sanitizer {tool}: one call per engine",
+                (*SANITIZER, tool, *SANITIZER_FLAGS, *python(*sanitize)),
+                python(*sanitize, "--dry-run"),
+            )
+            for tool in ("memcheck", "racecheck")
         ),
         Stage(
             "prefill",

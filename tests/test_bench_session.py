@@ -1,0 +1,91 @@
+"""bench.session: the plan fits the window, the dry run passes here (no GPU), the stamp tells a
+clean tree from a changed one, and a stage cut at its budget still leaves its log bundled."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from bench import session
+
+
+def test_the_plan_fits_the_window_in_priority_order():
+    stages = session.plan()
+    assert sum(s.budget_s for s in stages) <= session.WINDOW_S == 480
+    names = [s.name for s in stages]
+    assert names.index("correctness") < names.index("memcheck") < names.index("prefill")
+    assert names.index("prefill") < names.index("decode")
+    assert all(s.dry_command is not None for s in stages)
+
+
+@pytest.mark.compile
+def test_the_dry_run_checks_every_stage_here(capsys):
+    """What CI runs so that a GPU window is never spent on a typo: pytest collects a non-empty
+    selection, the benchmarks accept their flags (--list), selfcheck compiles each engine."""
+    assert session.dry_run(session.plan()) == 0
+    out = capsys.readouterr().out
+    assert "plan: 6 stages" in out and out.count(" ok ") == 6, out
+
+
+def test_a_dry_run_reports_a_typo_in_a_stage():
+    broken = session.Stage(
+        "typo", 10, "a flag the benchmark does not know",
+        (sys.executable, "-m", "bench.attention", "--no-such-flag"),
+        (sys.executable, "-m", "bench.attention", "--no-such-flag", "--list"),
+    )  # fmt: skip
+    assert session.dry_run([broken]) == 1
+
+
+def _git(repo, *args):
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path):
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@t")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "commit", "-qm", "a")
+    return tmp_path
+
+
+def test_the_stamp_names_the_commit_and_the_files_that_changed(repo):
+    stamp = repo / "stamp.json"
+    record = session.write_stamp(repo, stamp)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    assert record["commit"] == head.stdout.strip() and list(record["files"]) == ["a.py"]
+    assert session.check_stamp(repo, stamp) == (record["commit"], [])
+    (repo / "a.py").write_text("x = 2\n")
+    assert session.check_stamp(repo, stamp) == (record["commit"], ["a.py"])
+    with pytest.raises(SystemExit, match="uncommitted"):
+        session.write_stamp(repo, stamp)
+
+
+def test_a_stage_past_its_budget_is_stopped_and_its_log_bundled(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(session, "check_stamp", lambda: ("c0ffee", []))
+    monkeypatch.setattr(session, "gpu_facts", lambda: "no GPU")
+    monkeypatch.setattr(session, "GRACE_S", 2)
+    code = "import sys, time; print('started', flush=True); time.sleep(30)"
+    slow = session.Stage("slow", 1, "sleeps past its budget", (sys.executable, "-c", code))
+    quick = session.Stage("quick", 20, "exits 0", (sys.executable, "-c", "print('done')"))
+    rc = session.run([slow, quick], tmp_path, allow_dirty=False)
+    assert rc == 1  # one stage failed (cut at its budget)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "slow          rc=124" in summary and "quick         rc=0" in summary
+    assert summary.startswith("commit c0ffee")
+    with tarfile.open(tmp_path / "session.tgz") as tar:
+        log = tar.extractfile("session/slow.log").read().decode()
+    assert "started" in log
+
+
+def test_a_tree_that_differs_from_the_stamp_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(session, "check_stamp", lambda: ("c0ffee", ["kernelgen/api.py"]))
+    stage = session.Stage("quick", 5, "exits 0", (sys.executable, "-c", "pass"))
+    assert session.run([stage], tmp_path, allow_dirty=False) == 2
+    assert "not the stamped commit" in capsys.readouterr().out
+    assert not (tmp_path / "session.tgz").exists()
