@@ -8,7 +8,14 @@ from typing import NamedTuple
 
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError
-from kernelgen.spec import KernelSpec, SmemLayout, default_smem_layout, normalize_dtype
+from kernelgen.spec import (
+    WGMMA_ARCHS,
+    WGMMA_HEAD_DIMS,
+    KernelSpec,
+    SmemLayout,
+    default_smem_layout,
+    normalize_dtype,
+)
 
 DECODE_MAX_ROWS = 64  # packed rows (seqlen_q x query heads per K/V head) of one decode tile
 DECODE_MAX_SEQLEN_Q = 16  # queries per sequence of a decode step, whatever the GQA ratio
@@ -178,3 +185,36 @@ def default_spec(
         except ValueError:
             continue
     raise InputError(f"no default kernel fits head_dim={head_dim}, dtype={dtype} on {archs}")
+
+
+# The Hopper (wgmma) kernel without tuning, on compute capability 9.0 devices: measured on an
+# H100 (bench/NOTES.md, 2026-11-26) at 1.24-1.81x the mma.sync kernel's best tiling, bf16 4k,
+# head dims 64-256. Two consumer warpgroups (128 query rows) always won; 128-key tiles at head
+# dim 64, 64-key tiles above (d128: 568 against 560 TFLOP/s non-causal, within the spread
+# causal; d256: the only one that fits), the plain loop (the overlapped one measured slower).
+HOPPER_DEVICE_ARCH = "sm_90"
+
+
+def hopper_default_spec(
+    dtype: str, head_dim: int, causal: bool, variants: tuple[str, ...] = ()
+) -> KernelSpec | None:
+    """The untuned wgmma spec of a prefill problem on a 9.0 device, or None where the wgmma
+    kernels do not apply (fp32, a head dim they do not take, a variant they do not compile)."""
+    dtype = normalize_dtype(dtype)
+    if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
+        return None
+    try:
+        return KernelSpec(
+            loop_order="v2",
+            mma="wgmma",
+            dtype=dtype,
+            head_dim=head_dim,
+            block_m=128,
+            block_n=128 if head_dim <= 64 else 64,
+            stages=2,
+            causal=bool(causal),
+            archs=WGMMA_ARCHS,
+            **{name: True for name in variants},
+        )
+    except ValueError:  # a variant the wgmma kernels do not compile
+        return None

@@ -25,6 +25,7 @@ from kernelgen.tuning import (
     TuningDB,
     TuningMissError,
     clear_memo,
+    heuristic_spec,
     make_key,
     prune,
     select_spec,
@@ -410,3 +411,34 @@ def test_wgmma_candidates_only_for_16_bit_prefill_on_compute_capability_9_0():
     assert not wgmma(problem(head_dim=80), "sm_90")
     assert not wgmma(problem(dtype="float32"), "sm_90")
     assert not wgmma(problem(seqlen_q=1), "sm_90")
+
+
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", "9.0", 132)
+A100 = DeviceInfo("NVIDIA A100-SXM4-80GB", "8.0", 108)
+
+
+@pytest.mark.parametrize(("head_dim", "block_n"), [(64, 128), (96, 64), (128, 64), (256, 64)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_untuned_prefill_on_a_9_0_device_runs_the_hopper_kernel(dtype, head_dim, block_n):
+    """Without tuning, a 9.0 device gets the wgmma kernel (1.24-1.81x the mma.sync kernel on an
+    H100, bench/NOTES.md): two consumer warpgroups, the plain loop, 128-key tiles at d64."""
+    problem = ProblemDesc(dtype, 2, 16, 4, 4096, 4096, head_dim, causal=True)
+    spec = heuristic_spec(problem, H100)
+    assert (spec.mma, spec.block_m, spec.block_n, spec.overlap) == ("wgmma", 128, block_n, False)
+    assert spec.archs == ("sm_90a",) and spec.causal and spec.dtype == dtype
+    assert heuristic_spec(problem, A100).mma == "mma_sync"  # no wgmma before 9.0
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        ProblemDesc("bfloat16", 2, 32, 8, 1, 4096, 128),  # decode: the split-KV kernel
+        ProblemDesc("bfloat16", 2, 16, 16, 1024, 1024, 128, mask=True),  # an additive mask
+        ProblemDesc("bfloat16", 2, 16, 16, 1024, 1024, 128, page_size=64),  # a paged cache
+        ProblemDesc("float32", 2, 16, 16, 1024, 1024, 128),  # fp32: CUDA cores
+        ProblemDesc("bfloat16", 2, 16, 16, 1024, 1024, 80),  # a head dim wgmma does not take
+    ],
+    ids=["decode", "mask", "paged", "fp32", "d80"],
+)
+def test_where_the_hopper_kernel_does_not_apply_the_policy_default_stays(problem):
+    assert heuristic_spec(problem, H100).mma != "wgmma"

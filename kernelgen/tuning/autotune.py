@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from kernelgen.errors import KernelgenError, SpecError
-from kernelgen.policy import default_spec
+from kernelgen.policy import HOPPER_DEVICE_ARCH, default_spec, hopper_default_spec
 from kernelgen.spec import KernelSpec, spec_from_dict
 from kernelgen.tuning.candidates import CompileFn, TunedLaunch, decode_rows, prune
 from kernelgen.tuning.db import TuningDB, TuningRecord
@@ -62,8 +62,16 @@ def autotune_mode(mode: str | None = None) -> Mode:
 
 
 def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
-    """The spec attention() uses without tuning (kernelgen.policy.default_spec; the split-KV
-    decode kernel for decode problems)."""
+    """The spec attention() uses without tuning: on a 9.0 device, the Hopper kernel for a
+    prefill problem it takes (kernelgen.policy.hopper_default_spec: no mask, no paged cache);
+    else kernelgen.policy.default_spec (the split-KV decode kernel for decode problems)."""
+    prefill = decode_rows(problem) is None and not problem.mask and problem.page_size == 0
+    if prefill and device.target_arch == HOPPER_DEVICE_ARCH:
+        hopper = hopper_default_spec(
+            problem.dtype, problem.head_dim, problem.causal, problem.variants
+        )
+        if hopper is not None:
+            return hopper
     return default_spec(
         problem.dtype,
         problem.head_dim,
