@@ -322,26 +322,25 @@ def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
 
 
 def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
-    """The library and device of the call: ``like``'s, else its inputs' (all alike), else
-    NumPy's (the CPU emulator). Every array must be of that library, on that device."""
-    named = [*([("like", like)] if like is not None else []), *mod_inputs.items()]
-    for name, array in named:
+    """The library and device of the call: its inputs', else ``like``'s, else NumPy's (the CPU
+    emulator). Every array, ``like`` included, must be of that library on that device."""
+    named = [(f"mod_inputs[{name!r}]", array) for name, array in mod_inputs.items()]
+    named += [("like", like)] if like is not None else []
+    for label, array in named:
         if not is_array(array):
-            label = "like" if name == "like" else f"mod_inputs[{name!r}]"
             raise InputTypeError(
                 f"{label} is {type(array).__name__}; pass a NumPy, CuPy or torch array"
             )
     if not named:
         return NumpyArrays, -1
-    first_name, first = named[0]
+    first_label, first = named[0]
     library = arrays_of(first)
     device = device_of(first)
-    for name, array in named[1:]:
-        label = f"mod_inputs[{name!r}]"
+    for label, array in named[1:]:
         own = arrays_of(array).name
         if own != library.name:
             raise InputTypeError(
-                f"{label} is a {LIBRARY_NAMES[own]} but {first_name} is a "
+                f"{label} is a {LIBRARY_NAMES[own]} but {first_label} is a "
                 f"{LIBRARY_NAMES[library.name]}; every array of the call must be of one library"
             )
         if device_of(array) != device:
@@ -445,12 +444,12 @@ def block_mask(
     seqlen_q, seqlen_k) problem in ``block_m`` x ``block_n`` tiles, built by a generated kernel.
 
     ``mod_inputs`` maps the names mask_mod reads to arrays (their dtype and rank declare
-    them). The call's library and device (those of the lists it returns) are ``like``'s (pass
-    q: ``attention()`` takes block masks of q's library and device), else the inputs', else
-    NumPy's; every array must be of that library on that device. On host arrays the builder
-    runs in the CPU emulator. ``batch`` or ``heads`` of 1: the mask is evaluated at b = 0
-    (h = 0) and holds for every batch entry (head). mask_mod's indices are absolute: q_idx in
-    [0, seqlen_q), kv_idx in [0, seqlen_k)."""
+    them). The call's library and device (those of the lists it returns) are the inputs',
+    else ``like``'s (pass q: ``attention()`` takes block masks of q's library and device), else
+    NumPy's; every array, ``like`` included, must be of one library on one device. On host
+    arrays the builder runs in the CPU emulator. ``batch`` or ``heads`` of 1: the mask is
+    evaluated at b = 0 (h = 0) and holds for every batch entry (head). mask_mod's indices are
+    absolute: q_idx in [0, seqlen_q), kv_idx in [0, seqlen_k)."""
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     _check_sizes(sizes, block_m, block_n)
     batch, heads, seqlen_q, seqlen_k = (int(v) for v in sizes.values())

@@ -88,12 +88,14 @@ def attention_with_kvcache(
     With ``k_new`` and ``v_new`` (B, S_new, Hkv, D, the cache's dtype), row s of entry b is
     written to key ``cache_seqlens[b] + s`` of the entry before attending, so q sees
     ``cache_seqlens[b] + S_new`` keys; every ``cache_seqlens[b] + S_new`` must be at most
-    S_max, and no two entries may write one paged row. Device ``cache_seqlens`` and
-    ``block_table`` are then read back to the host (one synchronisation; refused while a CUDA
-    graph is being captured) and checked like host ones. Without ``k_new``, q sees
-    ``cache_seqlens[b]`` keys and device metadata is not read (the kernels clamp lengths to
-    [0, S_max] and trust the block table) unless ``validate=True``: that checks device lengths
-    and the block-table entries they use on the device, with the arrays' library (one
+    S_max, no paged row written may hold a valid key of any entry or be written twice, and the
+    caches may neither repeat an element (stride 0) nor share memory with each other or with
+    ``k_new``/``v_new``. Device ``cache_seqlens`` and ``block_table`` are then read back to the
+    host (one synchronisation; refused while a CUDA graph is being captured) and checked like
+    host ones. Without ``k_new``, q sees ``cache_seqlens[b]`` keys and device metadata is not
+    read (the kernels clamp lengths to [0, S_max] and trust the block table) unless
+    ``validate=True``: that checks device lengths and the block-table entries they use (in
+    range, no page twice in a row) on the device, with the arrays' library (one
     synchronisation), before any launch. The call does not advance ``cache_seqlens``: the
     caller adds S_new for the next step (as with flash-attn).
 

@@ -246,7 +246,7 @@ def test_block_masks_and_mod_inputs_must_be_of_qs_library():
                 mod_inputs={"doc": torch.from_numpy(doc)},
                 like=q,
             ),
-            "mod_inputs['doc'] is a torch tensor but like is a NumPy array; every array of the "
+            "like is a NumPy array but mod_inputs['doc'] is a torch tensor; every array of the "
             "call must be of one library",
         ),
     ]
