@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kernelgen.block_mask import BlockMask
+from kernelgen.block_mask import LIBRARY_NAMES, BlockMask
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
 from kernelgen.expression_inputs import (
     CallExpressions,
@@ -304,6 +304,7 @@ def attention(
     mask_mod: Any = None,
     mod_inputs: Mapping[str, Any] | None = None,
     block_mask: BlockMask | None = None,
+    validate: bool = False,
 ) -> Any:
     """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
 
@@ -329,6 +330,9 @@ def attention(
     key ``kv_idx`` is visible to query ``q_idx``), ``mod_inputs`` (name -> array, the arrays
     they read, of q's library and device) and ``block_mask`` (``kernelgen.block_mask(...)`` of
     the mask_mod: only the key tiles it lists are visited; it sets the kernel's tile shape).
+    A block mask's lists are checked on every call (int32, of q's library and device, their
+    shapes) and so are their values when they live on the host; device lists are read only
+    with ``validate=True`` (one synchronisation, checked there by their own library).
     """
     options = (window_size, softcap)
     arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
@@ -345,6 +349,8 @@ def attention(
         out, lse = known.run(inputs, return_lse)
         return (out, lse) if return_lse else out
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    if isinstance(block_mask, BlockMask):  # its lists as the kernels will index them
+        block_mask.check_arrays(arrays_of(q).name, device_of(q))
     mask_info = describe(mask, "mask") if mask is not None else None
     variant_infos = {n: describe(x, n) for n, x in arrays_in.items() if x is not None}
     call = check_inputs(
@@ -363,6 +369,7 @@ def attention(
         block_mask=block_mask,
     )
     num_splits = check_num_splits(num_splits, spec)
+    check_expression_libraries(q, call.expressions)
     arrays = arrays_of(q)
     device = common_device(
         {
@@ -376,6 +383,8 @@ def attention(
         }
     )
     with arrays.scope(device):
+        if block_mask is not None and (validate or is_host_array(block_mask.partial_counts)):
+            block_mask.check_values()
         # temporaries: what the kernels read that the call made (a converted mask, uploaded
         # lengths), held until the launches are queued on the stream they were made on
         call_plan, tensors, temporaries = checked_plan(
@@ -407,6 +416,19 @@ def common_device(named: dict[str, Any]) -> int:
                 f"{', '.join(where)} on one device (the CPU: NumPy arrays or CPU torch tensors)"
             )
     return device
+
+
+def check_expression_libraries(q: Any, expressions: CallExpressions) -> None:
+    """Every mod input is of q's library: NumPy with NumPy q, torch (CPU or CUDA) with torch q,
+    CuPy (or an array CuPy views: ``__cuda_array_interface__``, DLPack) with any other q."""
+    library = arrays_of(q).name
+    for name, array in expressions.arrays.items():
+        own = arrays_of(array).name
+        if own != library:
+            raise InputTypeError(
+                f"mod_inputs[{name!r}] is a {LIBRARY_NAMES[own]} but q is a "
+                f"{LIBRARY_NAMES[library]}; pass mod inputs of q's library and device"
+            )
 
 
 def _device_name(index: int) -> str:

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.array_ops import ArrayOps
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.expression_cuda import expression_source, headers, input_params, input_struct_init
 from kernelgen.expression_eval import check_input_arrays, evaluate
 from kernelgen.expressions import Expression, checked_expression, inputs_from_arrays
-from kernelgen.frameworks import Arrays, arrays_of, device_of, launch_arg
+from kernelgen.frameworks import Arrays, arrays_of, device_of, dtype_name, launch_arg
 from kernelgen.host import NumpyArrays, as_numpy, is_host_array
 from kernelgen.launch import MAX_GRID, compile_functions, import_cupy
 from kernelgen.render import Param, render_template, template_hash
@@ -37,6 +38,7 @@ THREADS = 128  # threads of a builder block, which evaluates one query tile agai
 NO_TILE = -1  # list entries past a count
 INT32_MAX = 2**31 - 1  # sizes reach the builder as int
 OUTPUTS = ("partial_counts", "partial_indices", "full_counts", "full_indices")
+LIBRARY_NAMES = {"numpy": "NumPy array", "torch": "torch tensor", "cupy": "CuPy array"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,9 +117,171 @@ class BlockMask:
                 "build it with kernelgen.block_mask for the call's sizes and tile shape"
             )
 
+    def check_arrays(self, library: str, device: int) -> None:
+        """Raise an InputTypeError/InputError naming the list (``block_mask.full_counts``, ...)
+        unless the mask's fields have their types and its four lists are int32 arrays of
+        ``library`` ("numpy", "torch" or "cupy": q's) on ``device`` (-1: the host), of the
+        shapes its sizes give, rows contiguous as the kernels index them. Metadata only."""
+        if not isinstance(self.mask_mod, Expression):
+            raise InputTypeError(
+                f"block_mask.mask_mod has type {type(self.mask_mod).__name__}; expected a "
+                "checked mask_mod (build block masks with kernelgen.block_mask)"
+            )
+        for name in ("seqlen_q", "seqlen_k", "block_m", "block_n"):
+            value = getattr(self, name)
+            if not _is_int(value) or not 1 <= value <= INT32_MAX:
+                raise InputError(
+                    f"block_mask.{name} is {value!r}; expected an integer from 1 to {INT32_MAX}"
+                )
+        counts = self.partial_counts
+        _check_list_type("partial_counts", counts, library, device)
+        if len(counts.shape) != 3:
+            raise InputError(
+                f"block_mask.partial_counts has shape {tuple(counts.shape)}; expected (batch, "
+                "heads, query tiles)"
+            )
+        rows = (self.batch, self.heads, self.q_tiles)
+        for name in OUTPUTS:
+            array = getattr(self, name)
+            _check_list_type(name, array, library, device)
+            shape = rows if name.endswith("counts") else (*rows, self.key_tiles)
+            if tuple(array.shape) != shape:
+                raise InputError(
+                    f"block_mask.{name} has shape {tuple(array.shape)}; expected {shape} "
+                    f"((batch, heads, query tiles{'' if len(shape) == 3 else ', key tiles'}): "
+                    f"seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k} in {self.block_m} x "
+                    f"{self.block_n} tiles)"
+                )
+            strides = element_strides(array)
+            dense = _dense_strides(shape)
+            if any(n > 1 and s != d for n, s, d in zip(shape, strides, dense, strict=True)):
+                raise InputError(
+                    f"block_mask.{name} has strides {strides} (elements); expected a "
+                    f"C-contiguous array, strides {dense}"
+                )
+
+    def check_values(self) -> None:
+        """Raise an InputError naming the first bad entry (``block_mask.partial_counts[0, 1,
+        2]``), its value and what is allowed unless every count is within 0 .. key tiles and
+        each row's listed key tiles are in range and strictly ascend, with no tile both partly
+        and fully visible: what the kernels rely on to stay within the lists and the keys and
+        to visit a tile at most once. Run by the lists' own library, reading back one small
+        array (one synchronisation on a device); after :meth:`check_arrays`. Whether the lists
+        match the mask_mod is not checked (rebuild the mask for that)."""
+        ops = ArrayOps(self.partial_counts)
+        key_tiles = self.key_tiles
+        slots = ops.arange(key_tiles)
+        flags, members = [], []
+        for counts_name, indices_name in _LISTS:
+            counts = ops.int64(getattr(self, counts_name))
+            indices = ops.int64(getattr(self, indices_name))
+            listed = slots < counts[..., None]
+            outside = (indices < 0) | (indices >= key_tiles)
+            flags += [
+                (counts < 0) | (counts > key_tiles),
+                listed & outside,
+                listed[..., 1:] & (indices[..., 1:] <= indices[..., :-1]),
+            ]
+            members.append(_member_tiles(ops, listed & ~outside, indices, key_tiles))
+        flags.append(members[0] & members[1])
+        found = ops.first_true_each(flags)
+        for check, flat in enumerate(found):
+            if flat >= 0:
+                raise InputError(self._bad_entry(ops, check, flat))
+
+    def _bad_entry(self, ops: ArrayOps, check: int, flat: int) -> str:
+        """The message of ``check_values``' check number ``check`` (per list: count, index,
+        order; then partial and full both) failing at flat index ``flat`` of its flags."""
+        key_tiles = self.key_tiles
+        rows = (self.batch, self.heads, self.q_tiles)
+        if check == 6:
+            *row, tile = np.unravel_index(flat, (*rows, key_tiles))
+            where = ", ".join(str(int(x)) for x in row)
+            return (
+                f"block_mask lists key tile {int(tile)} in both block_mask.partial_indices"
+                f"[{where}] and block_mask.full_indices[{where}]; a tile is partly or fully "
+                "visible, not both"
+            )
+        counts_name, indices_name = _LISTS[check // 3]
+        kind = check % 3
+        if kind == 0:
+            at = tuple(int(x) for x in np.unravel_index(flat, rows))
+            value = int(ops.host(getattr(self, counts_name)[at]))
+            return (
+                f"block_mask.{counts_name}[{', '.join(map(str, at))}] is {value}; allowed 0 to "
+                f"{key_tiles} (the key tiles of seqlen_k={self.seqlen_k} in tiles of "
+                f"{self.block_n} keys)"
+            )
+        shape = (*rows, key_tiles - 1) if kind == 2 else (*rows, key_tiles)
+        *row, slot = (int(x) for x in np.unravel_index(flat, shape))
+        slot += kind == 2  # the order flags compare each entry with the one before
+        indices = ops.host(getattr(self, indices_name)[tuple(row)])
+        count = int(ops.host(getattr(self, counts_name)[tuple(row)]))
+        where = ", ".join(map(str, row))
+        if kind == 1:
+            return (
+                f"block_mask.{indices_name}[{where}, {slot}] is {int(indices[slot])}; the first "
+                f"{count} entries of that row (block_mask.{counts_name}[{where}]) must be key "
+                f"tiles from 0 to {key_tiles - 1}"
+            )
+        return (
+            f"block_mask.{indices_name}[{where}, {slot}] is {int(indices[slot])} after "
+            f"{int(indices[slot - 1])}; the first {count} entries of that row "
+            f"(block_mask.{counts_name}[{where}]) must be strictly ascending key tiles"
+        )
+
     def visited_tiles(self) -> int:
         """Key tiles an attention kernel loads over all (batch, head, query tile) rows."""
         return int(to_host(self.partial_counts).sum() + to_host(self.full_counts).sum())
+
+
+_LISTS = (("partial_counts", "partial_indices"), ("full_counts", "full_indices"))
+
+
+def _is_int(value: Any) -> bool:
+    return (type(value) is int) or isinstance(value, np.integer)
+
+
+def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.insert(0, running)
+        running *= size
+    return tuple(strides)
+
+
+def _member_tiles(ops: ArrayOps, take: Any, indices: Any, key_tiles: int) -> Any:
+    """(rows, key_tiles) booleans: tile t is among the ``indices`` (..., key_tiles) of a row
+    where ``take``, in the rows' flat order (a scatter into a spare column for the others)."""
+    rows = int(np.prod(indices.shape[:-1]))
+    member = ops.zeros_bool((rows, key_tiles + 1))
+    targets = ops.xp.where(take, indices, key_tiles).reshape(rows, key_tiles)
+    member[ops.arange(rows)[:, None], targets] = True
+    return member[:, :key_tiles]
+
+
+def _check_list_type(name: str, array: Any, library: str, device: int) -> None:
+    """One of a block mask's lists: an int32 array of ``library`` on ``device``."""
+    if not is_array(array):
+        raise InputTypeError(
+            f"block_mask.{name} has type {type(array).__name__}; expected an int32 array"
+        )
+    own = arrays_of(array).name
+    if own != library:
+        raise InputTypeError(
+            f"block_mask.{name} is a {LIBRARY_NAMES.get(own, own)} but q is a "
+            f"{LIBRARY_NAMES.get(library, library)}; build the block mask in q's library (pass "
+            "mod_inputs, or like=q, of q's library to kernelgen.block_mask)"
+        )
+    if device_of(array) != device:
+        raise InputTypeError(
+            f"block_mask.{name} is on device {device_of(array)} but q is on device {device} "
+            "(-1: the host); build the block mask on q's device"
+        )
+    if dtype_name(array.dtype) != "int32":
+        raise InputTypeError(
+            f"block_mask.{name} has dtype {dtype_name(array.dtype)}; expected int32"
+        )
 
 
 def tiles(length: int, tile: int) -> int:
@@ -158,23 +322,28 @@ def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
 
 
 def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
-    """The library and device of the call: its inputs' (all alike), else ``like``'s, else
-    NumPy's (the CPU emulator)."""
-    named = [*mod_inputs.items(), *([("like", like)] if like is not None else [])]
-    for name, array in named:
+    """The library and device of the call: its inputs', else ``like``'s, else NumPy's (the CPU
+    emulator). Every array, ``like`` included, must be of that library on that device."""
+    named = [(f"mod_inputs[{name!r}]", array) for name, array in mod_inputs.items()]
+    named += [("like", like)] if like is not None else []
+    for label, array in named:
         if not is_array(array):
-            label = "like" if name == "like" else f"mod_inputs[{name!r}]"
             raise InputTypeError(
                 f"{label} is {type(array).__name__}; pass a NumPy, CuPy or torch array"
             )
-    arrays = [array for _, array in named]
-    if not arrays:
+    if not named:
         return NumpyArrays, -1
-    library = arrays_of(arrays[0])
-    device = device_of(arrays[0])
-    for name, array in named:
-        if is_host_array(array) != library.host or device_of(array) != device:
-            label = "like" if name == "like" else f"mod_inputs[{name!r}]"
+    first_label, first = named[0]
+    library = arrays_of(first)
+    device = device_of(first)
+    for label, array in named[1:]:
+        own = arrays_of(array).name
+        if own != library.name:
+            raise InputTypeError(
+                f"{label} is a {LIBRARY_NAMES[own]} but {first_label} is a "
+                f"{LIBRARY_NAMES[library.name]}; every array of the call must be of one library"
+            )
+        if device_of(array) != device:
             raise InputTypeError(
                 f"{label} is on device {device_of(array)}; every array of the call must be on "
                 f"device {device} (-1: the host)"
@@ -275,11 +444,12 @@ def block_mask(
     seqlen_q, seqlen_k) problem in ``block_m`` x ``block_n`` tiles, built by a generated kernel.
 
     ``mod_inputs`` maps the names mask_mod reads to arrays (their dtype and rank declare
-    them). The arrays' library and device are the call's, as q's are for ``attention()``; with
-    no inputs, ``like``'s (e.g. pass q), else NumPy's. On host arrays the builder runs in the
-    CPU emulator. ``batch`` or ``heads`` of 1: the mask is evaluated at b = 0 (h = 0) and holds
-    for every batch entry (head). mask_mod's indices are absolute: q_idx in [0, seqlen_q),
-    kv_idx in [0, seqlen_k)."""
+    them). The call's library and device (those of the lists it returns) are the inputs',
+    else ``like``'s (pass q: ``attention()`` takes block masks of q's library and device), else
+    NumPy's; every array, ``like`` included, must be of one library on one device. On host
+    arrays the builder runs in the CPU emulator. ``batch`` or ``heads`` of 1: the mask is
+    evaluated at b = 0 (h = 0) and holds for every batch entry (head). mask_mod's indices are
+    absolute: q_idx in [0, seqlen_q), kv_idx in [0, seqlen_k)."""
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     _check_sizes(sizes, block_m, block_n)
     batch, heads, seqlen_q, seqlen_k = (int(v) for v in sizes.values())

@@ -23,6 +23,7 @@ import numpy as np
 from kernelgen.api import (
     Paging,
     TensorInfo,
+    check_expression_libraries,
     check_inputs,
     check_num_splits,
     checked_plan,
@@ -32,7 +33,7 @@ from kernelgen.api import (
     host_values,
 )
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.frameworks import arrays_of, module_of, refuse_during_capture
+from kernelgen.frameworks import arrays_of, module_of, pointer_of, refuse_during_capture
 from kernelgen.host import is_host_array
 from kernelgen.kvcache_checks import (
     PAGE_SIZE_MULTIPLE,
@@ -43,7 +44,7 @@ from kernelgen.kvcache_checks import (
     paged_slots,
     validate_on_device,
 )
-from kernelgen.spec import KernelSpec
+from kernelgen.spec import DTYPE_BYTES, KernelSpec
 
 __all__ = ["attention_with_kvcache"]
 
@@ -87,12 +88,14 @@ def attention_with_kvcache(
     With ``k_new`` and ``v_new`` (B, S_new, Hkv, D, the cache's dtype), row s of entry b is
     written to key ``cache_seqlens[b] + s`` of the entry before attending, so q sees
     ``cache_seqlens[b] + S_new`` keys; every ``cache_seqlens[b] + S_new`` must be at most
-    S_max, and no two entries may write one paged row. Device ``cache_seqlens`` and
-    ``block_table`` are then read back to the host (one synchronisation; refused while a CUDA
-    graph is being captured) and checked like host ones. Without ``k_new``, q sees
-    ``cache_seqlens[b]`` keys and device metadata is not read (the kernels clamp lengths to
-    [0, S_max] and trust the block table) unless ``validate=True``: that checks device lengths
-    and the block-table entries they use on the device, with the arrays' library (one
+    S_max, no paged row written may hold a valid key of any entry or be written twice, and the
+    caches may neither repeat an element (stride 0) nor share memory with each other or with
+    ``k_new``/``v_new``. Device ``cache_seqlens`` and ``block_table`` are then read back to the
+    host (one synchronisation; refused while a CUDA graph is being captured) and checked like
+    host ones. Without ``k_new``, q sees ``cache_seqlens[b]`` keys and device metadata is not
+    read (the kernels clamp lengths to [0, S_max] and trust the block table) unless
+    ``validate=True``: that checks device lengths and the block-table entries they use (in
+    range, no page twice in a row) on the device, with the arrays' library (one
     synchronisation), before any launch. The call does not advance ``cache_seqlens``: the
     caller adds S_new for the next step (as with flash-attn).
 
@@ -147,12 +150,14 @@ def attention_with_kvcache(
         mask_mod=mask_mod,
         mod_inputs=mod_inputs,
     )
+    check_expression_libraries(q, call.expressions)
     # the kernels' parameter names (errors above named the caches)
     call = replace(call, k=replace(call.k, name="k"), v=replace(call.v, name="v"))
     num_splits = check_num_splits(num_splits, spec)
     max_keys = call.k.shape[2]  # S_max: keys each entry can hold
     appending = k_new is not None or v_new is not None
-    new_len = _check_new(k_new, v_new, kernel_infos[1]) if appending else 0
+    new_infos = _check_new(k_new, v_new, kernel_infos[1]) if appending else []
+    new_len = int(new_infos[0].shape[1]) if appending else 0
     if appending:
         libraries = {n: module_of(x) for n, x in _named(q, k_cache, v_cache, k_new, v_new)}
         if (
@@ -186,6 +191,8 @@ def attention_with_kvcache(
             **call.expressions.named_arrays(),
         }
     )
+    if appending:
+        _check_write_targets(k_info, v_info, *new_infos)
     arrays = arrays_of(q)
     with arrays.scope(device):
         if appending:  # the write positions come from the metadata: read device values once
@@ -217,7 +224,7 @@ def attention_with_kvcache(
             if lengths is not None and table is not None:
                 check_pages(table, lengths + new_len, layout)
                 if appending and new_len:
-                    slots = paged_slots(table, lengths, new_len, layout.page_size)
+                    slots = paged_slots(table, lengths, new_len, layout)
             paging = Paging(layout.page_size, layout.kernel_table, layout.row_stride)
         else:
             paging = None
@@ -240,8 +247,8 @@ def _named(*arrays: Any) -> list[tuple[str, Any]]:
     return list(zip(("q", "k_cache", "v_cache", "k_new", "v_new"), arrays, strict=True))
 
 
-def _check_new(k_new: Any, v_new: Any, cache: Any) -> int:
-    """S_new, after checking k_new and v_new against the cache's (B, S_max, Hkv, D) info."""
+def _check_new(k_new: Any, v_new: Any, cache: Any) -> list[TensorInfo]:
+    """k_new's and v_new's infos, checked against the cache's (B, S_max, Hkv, D) info."""
     if k_new is None or v_new is None:
         given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
         raise InputError(f"{given} is given but {missing} is not; pass both or neither")
@@ -266,7 +273,85 @@ def _check_new(k_new: Any, v_new: Any, cache: Any) -> int:
         raise InputError(
             f"k_new has shape {infos[0].shape} but v_new has {infos[1].shape}; they must match"
         )
-    return int(infos[0].shape[1])
+    return infos
+
+
+MAX_OVERLAP_WORK = 1 << 16  # NumPy's exact overlap test: search bound (then: assumed overlapping)
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError  # numpy.exceptions from NumPy 1.25
+
+
+def _check_write_targets(
+    k_cache: TensorInfo, v_cache: TensorInfo, k_new: TensorInfo, v_new: TensorInfo
+) -> None:
+    """The caches the call writes into hold each element once and share no memory with each
+    other or with k_new/v_new, which they are written from (otherwise a write could change
+    what a later write reads, or land twice): checked on metadata before the first write."""
+    for cache in (k_cache, v_cache):
+        problem = _self_overlap(cache)
+        if problem:
+            raise InputError(
+                f"{cache.name} has shape {cache.shape} and strides {cache.strides}: {problem}; "
+                "the call writes k_new/v_new into it in place, so each element needs its own "
+                "memory (pass a cache that is not a broadcast or expanded view)"
+            )
+    for first, second in ((k_cache, v_cache), (k_new, k_cache), (k_new, v_cache)):
+        _check_disjoint(first, second)
+    for cache in (k_cache, v_cache):
+        _check_disjoint(v_new, cache)
+
+
+def _self_overlap(t: TensorInfo) -> str | None:
+    """Why two elements of ``t`` may share one memory location, or None: a stride 0 along a
+    dimension of more than one element, or strides that do not nest (each dimension's stride,
+    taken by size, beyond the span of the smaller ones: a sufficient test)."""
+    sizes = enumerate(zip(t.shape, t.strides, strict=True))
+    dims = sorted((abs(stride), n, d) for d, (n, stride) in sizes if n > 1)
+    span = 0  # elements from the first to the last of the dimensions so far
+    for stride, size, dim in dims:
+        if stride == 0:
+            return f"stride 0 along dimension {dim} (size {size}) repeats its elements"
+        if stride <= span:
+            return f"stride {stride} along dimension {dim} lands inside the smaller dimensions"
+        span += (size - 1) * stride
+    return None
+
+
+def _check_disjoint(first: TensorInfo, second: TensorInfo) -> None:
+    """Raise an InputError naming both when ``first`` and ``second`` may share memory."""
+    if first.source is second.source:
+        shared = True
+    else:
+        views = [_address_view(t) for t in (first, second)]
+        try:
+            shared = np.shares_memory(*views, max_work=MAX_OVERLAP_WORK)
+        except _TOO_HARD:
+            shared = True
+    if shared:
+        raise InputError(
+            f"{first.name} shares memory with {second.name}; the call writes k_new/v_new into "
+            "k_cache/v_cache in place, so the four must be separate arrays (copy one of them)"
+        )
+
+
+def _address_view(t: TensorInfo) -> np.ndarray:
+    """A NumPy array with ``t``'s address, shape and strides, for NumPy's overlap test, which
+    reads the layout only: its memory (a device's, possibly) is never touched."""
+    itemsize = DTYPE_BYTES[t.dtype]
+    interface = {
+        "version": 3,
+        "shape": t.shape,
+        "strides": tuple(s * itemsize for s in t.strides),
+        "typestr": f"|V{itemsize}",
+        "data": (pointer_of(t.source), True),
+    }
+    return np.asarray(_Interface(interface))
+
+
+class _Interface:
+    """An object exposing a given ``__array_interface__``."""
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__array_interface__ = interface
 
 
 def _lengths(values: Any, batch: int, q: Any) -> np.ndarray | None:

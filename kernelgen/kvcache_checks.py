@@ -7,12 +7,12 @@ its value, or returns; none writes anything.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kernelgen.array_ops import ArrayOps
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.frameworks import module_of
 
@@ -67,12 +67,42 @@ def used_pages(total_lengths: np.ndarray, page_size: int, pages_per_seq: int) ->
 
 def check_pages(table: np.ndarray, total_lengths: np.ndarray, layout: PagedLayout) -> None:
     """Every block-table entry a sequence of ``total_lengths`` keys reads names a page of the
-    cache (entries past a sequence's pages are never read and may hold anything)."""
+    cache, and no row names one page twice among them (entries past a sequence's pages are
+    never read and may hold anything)."""
     used = used_pages(total_lengths, layout.page_size, layout.pages_per_seq)
     bad = np.argwhere(used & ((table < 0) | (table >= layout.num_pages)))
     if bad.size:
         b, j = (int(x) for x in bad[0])
         raise InputError(_page_message(b, j, int(table[b, j]), int(total_lengths[b]), layout))
+    repeated = np.flatnonzero(_repeats_in_rows(np.where(used, table, _unused(table.shape))))
+    if repeated.size:
+        b = int(repeated[0])
+        raise InputError(_repeat_message(b, table[b], int(total_lengths[b]), layout))
+
+
+def _unused(shape: tuple[int, ...]) -> np.ndarray:
+    """Distinct negative stand-ins for the unused entries of a (B, pages) table."""
+    return np.broadcast_to(-1 - np.arange(shape[1]), shape)
+
+
+def _repeats_in_rows(rows: np.ndarray) -> np.ndarray:
+    """(B,) booleans: whether row b holds some value twice."""
+    ordered = np.sort(rows, axis=1)
+    return (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+
+
+def _repeat_message(b: int, row: np.ndarray, keys: int, layout: PagedLayout) -> str:
+    used = -(-keys // layout.page_size)
+    first: dict[int, int] = {}
+    for j, page in enumerate(row[:used].tolist()):
+        if page in first:
+            return (
+                f"block_table[{b}, {j}] is {page}, as is block_table[{b}, {first[page]}]; entry "
+                f"b={b} reads {keys} keys, so its first {used} entries must be distinct pages "
+                "(a page holds keys of one position in a sequence)"
+            )
+        first[page] = j
+    raise AssertionError("no repeated page in the row")  # the caller found one
 
 
 def _page_message(b: int, j: int, value: int, keys: int, layout: PagedLayout) -> str:
@@ -84,11 +114,14 @@ def _page_message(b: int, j: int, value: int, keys: int, layout: PagedLayout) ->
 
 
 def paged_slots(
-    table: np.ndarray, lengths: np.ndarray, new_len: int, page_size: int
+    table: np.ndarray, lengths: np.ndarray, new_len: int, layout: PagedLayout
 ) -> tuple[np.ndarray, np.ndarray]:
     """(pages, rows), int64 of B * S_new each in (b, s) order: where row s of entry b's new keys
-    goes (key lengths[b] + s). Two entries writing one row (a page shared by both past their
-    common prefix) raise: which write wins would be undefined."""
+    goes (key lengths[b] + s), for a table that passed :func:`check_pages`. Raises when two
+    entries would write one row (which write wins would be undefined), or when a row written
+    holds a key some entry reads (its own earlier keys included): pages shared between
+    sequences are read-only."""
+    page_size = layout.page_size
     keys = lengths[:, None] + np.arange(new_len)[None, :]
     pages = np.take_along_axis(table, keys // page_size, axis=1)
     rows = keys % page_size
@@ -102,60 +135,39 @@ def paged_slots(
             f"{slot // page_size}, row {slot % page_size}; pages shared between sequences are "
             "read-only (append into pages only one sequence uses)"
         )
+    _check_unread(table, lengths, pages.reshape(-1), rows.reshape(-1), layout)
     return pages.reshape(-1), rows.reshape(-1)
 
 
+def _check_unread(
+    table: np.ndarray, lengths: np.ndarray, pages: np.ndarray, rows: np.ndarray, layout: PagedLayout
+) -> None:
+    """No (pages[i], rows[i]) written holds one of the cache_seqlens[b] valid keys of an entry
+    b: the rows of each page that valid keys fill are counted over every entry's pages."""
+    page_size = layout.page_size
+    starts = np.arange(layout.pages_per_seq)[None, :] * page_size
+    filled = np.clip(lengths[:, None] - starts, 0, page_size)  # (B, pages): valid rows per entry
+    in_use = filled > 0
+    valid_rows = np.zeros(layout.num_pages, np.int64)  # rows 0 .. n - 1 of page p hold keys
+    np.maximum.at(valid_rows, table[in_use], filled[in_use])
+    bad = np.flatnonzero(rows < valid_rows[pages])
+    if not bad.size:
+        return
+    i = int(bad[0])
+    new_len = pages.size // lengths.size
+    writer, key = i // new_len, int(lengths[i // new_len]) + i % new_len
+    page, row = int(pages[i]), int(rows[i])
+    owner, j = (int(x) for x in np.argwhere((table == page) & (filled > row))[0])
+    raise InputError(
+        f"block_table: entry b={writer} would write key {key} of k_new/v_new into page {page}, "
+        f"row {row}, which holds key {j * page_size + row} of entry b={owner} "
+        f"(cache_seqlens[{owner}] = {int(lengths[owner])}); appends go to rows no entry reads "
+        "(block_table[b, j] for the keys past cache_seqlens[b] must name pages, or rows of "
+        "them, that hold no valid key)"
+    )
+
+
 # ---- validate=True: the same checks where the metadata lives ----------------------------
-
-
-class _Ops:
-    """The few array operations the device checks need, in NumPy's spelling, for NumPy, CuPy
-    or torch arrays (``like``: an array of the library, on the device to use)."""
-
-    def __init__(self, like: Any) -> None:
-        self.library = module_of(like)
-        self.like = like
-        if self.library == "torch":
-            self.xp = sys.modules["torch"]
-        elif self.library == "cupy":
-            self.xp = sys.modules["cupy"]
-        else:
-            self.xp = np
-
-    def int64(self, values: Any) -> Any:
-        """``values`` (host or of this library) as an int64 array of this library."""
-        if self.library == "torch":
-            torch = self.xp
-            if not isinstance(values, torch.Tensor):
-                values = torch.as_tensor(np.asarray(values))
-            return values.to(device=self.like.device, dtype=torch.int64)
-        return self.xp.asarray(values).astype(self.xp.int64)
-
-    def arange(self, n: int) -> Any:
-        if self.library == "torch":
-            return self.xp.arange(n, device=self.like.device)
-        return self.xp.arange(n)
-
-    def first_true(self, mask: Any) -> int:
-        """Flat index of the first True of ``mask``, or -1 (one read back to the host)."""
-        if self.library == "torch":
-            flat = mask.reshape(-1).to(self.xp.int32)
-            if flat.numel() == 0:
-                return -1
-            found = self.xp.stack([flat.max(), flat.argmax().to(self.xp.int32)])
-            any_true, index = (int(x) for x in found.cpu().tolist())
-        else:
-            flat = mask.reshape(-1).astype(self.xp.int32)
-            if flat.size == 0:
-                return -1
-            found = self.xp.stack([flat.max(), flat.argmax().astype(self.xp.int32)])
-            any_true, index = (int(x) for x in (found.get() if self.library == "cupy" else found))
-        return index if any_true else -1
-
-    def host(self, values: Any) -> np.ndarray:
-        if self.library == "torch":
-            return values.cpu().numpy()
-        return values.get() if self.library == "cupy" else np.asarray(values)
 
 
 def validate_on_device(
@@ -163,26 +175,34 @@ def validate_on_device(
 ) -> None:
     """``validate=True``: the length and block-table checks run by the arrays' own library
     where the metadata lives (device ``cache_seqlens`` and/or ``block_table``; host values
-    are uploaded for the comparison), reading back one flag and index per check; raises like
-    the host checks, before any launch or write."""
+    are uploaded for the comparison), reading back one flag and index per check together (one
+    synchronisation); raises like the host checks, before any launch or write."""
     like = table if cache_seqlens is None or module_of(cache_seqlens) == "numpy" else cache_seqlens
-    ops = _Ops(like)
+    ops = ArrayOps(like)
     lengths = ops.int64(cache_seqlens)
-    bad = ops.first_true((lengths < 0) | (lengths + new_len > capacity))
-    if bad >= 0:
+    flags = [(lengths < 0) | (lengths + new_len > capacity)]
+    if layout is not None:
+        pages = ops.int64(table)
+        needed = (lengths + new_len + layout.page_size - 1) // layout.page_size
+        used = ops.arange(layout.pages_per_seq)[None, :] < needed[:, None]
+        flags.append(used & ((pages < 0) | (pages >= layout.num_pages)))
+        unused = -1 - ops.arange(layout.pages_per_seq)[None, :]  # distinct, never pages
+        ordered = ops.sort_rows(ops.xp.where(used, pages, unused))
+        flags.append(ordered[:, 1:] == ordered[:, :-1])
+    bad_length, *bad_pages = ops.first_true_each(flags)
+    if bad_length >= 0:
         values = ops.host(lengths)
         check_lengths(values, new_len, capacity, layout.page_size if layout else 0)  # raises
     if layout is None:
         return
-    pages = ops.int64(table)
-    needed = (lengths + new_len + layout.page_size - 1) // layout.page_size
-    used = ops.arange(layout.pages_per_seq)[None, :] < needed[:, None]
-    bad = ops.first_true(used & ((pages < 0) | (pages >= layout.num_pages)))
-    if bad >= 0:
-        b, j = divmod(bad, layout.pages_per_seq)
+    bad_page, repeated = bad_pages
+    if bad_page >= 0:
+        b, j = divmod(bad_page, layout.pages_per_seq)
         value = int(ops.host(pages[b, j]))
         keys = int(ops.host(lengths[b])) + new_len
         raise InputError(_page_message(b, j, value, keys, layout))
+    if repeated >= 0:
+        check_pages(ops.host(pages), ops.host(lengths) + new_len, layout)  # raises
 
 
 def check_table_info(info: Any, batch: int) -> None:
