@@ -283,6 +283,30 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
     return mask
 
 
+_warned_no_backward = False
+
+
+def warn_if_grad_wanted(*arrays: Any) -> None:
+    """Warn once per process when a torch input asks for gradients while autograd records: the
+    output is computed without a graph (there is no backward pass yet) and carries none."""
+    global _warned_no_backward
+    if _warned_no_backward or not any(getattr(x, "requires_grad", False) for x in arrays):
+        return
+    import torch
+
+    if torch.is_grad_enabled():
+        _warned_no_backward = True
+        import warnings
+
+        warnings.warn(
+            "kernelgen.attention: an input requires grad, but kernelgen implements the forward "
+            "pass only (no backward pass yet): the output carries no gradient and is detached "
+            "from the autograd graph",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def attention(
     q: Any,
     k: Any,
@@ -330,6 +354,7 @@ def attention(
     they read, of q's library and device) and ``block_mask`` (``kernelgen.block_mask(...)`` of
     the mask_mod: only the key tiles it lists are visited; it sets the kernel's tile shape).
     """
+    warn_if_grad_wanted(q, k, v)
     options = (window_size, softcap)
     arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
     expressions_given = any(x is not None for x in (score_mod, mask_mod, mod_inputs, block_mask))
@@ -468,7 +493,8 @@ def checked_plan(
         num_splits = num_splits or tuned_splits
     elif spec.mma != "simt" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
-    if call.mask is not None:  # a mask is read by kernels compiled to read one (docs/api.md)
+    # only kernels compiled with additive_mask read a mask (docs/design.md)
+    if call.mask is not None:
         spec = spec.with_additive_mask()
     check_spec_variants(spec, call.variants)
     check_spec_expressions(spec, call.expressions)
