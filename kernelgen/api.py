@@ -119,13 +119,20 @@ def describe(array: Any, name: str) -> TensorInfo:
         device_type = array.__dlpack_device__()[0] if hasattr(array, "__dlpack_device__") else 0
         if int(device_type) != 2:  # kDLCUDA
             raise InputTypeError(
-                f"{name} lives on DLPack device type {int(device_type)}, not a CUDA device (2)"
+                f"{name} lives on DLPack device type {int(device_type)}, not a CUDA device (2); "
+                f"{ACCEPTED_ARRAYS}"
             )
         return describe(as_cupy(array), name)
-    raise InputTypeError(
-        f"{name} has type {type(array).__name__}; expected a CuPy array or an object exposing "
-        "__cuda_array_interface__ or __dlpack__ (e.g. a CUDA torch tensor)"
-    )
+    raise InputTypeError(f"{name} has type {type(array).__name__}; {ACCEPTED_ARRAYS}")
+
+
+# What attention() and its siblings take, on both backends (an error names both: the caller's
+# backend is the one its q picks).
+ACCEPTED_ARRAYS = (
+    "expected a NumPy array or CPU torch tensor (the CPU backend, run by the emulator) or, on a "
+    "GPU, a CuPy array, a CUDA torch tensor or an object exposing __cuda_array_interface__ or "
+    "__dlpack__"
+)
 
 
 @dataclass(frozen=True)
