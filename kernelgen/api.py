@@ -119,13 +119,20 @@ def describe(array: Any, name: str) -> TensorInfo:
         device_type = array.__dlpack_device__()[0] if hasattr(array, "__dlpack_device__") else 0
         if int(device_type) != 2:  # kDLCUDA
             raise InputTypeError(
-                f"{name} lives on DLPack device type {int(device_type)}, not a CUDA device (2)"
+                f"{name} lives on DLPack device type {int(device_type)}, not a CUDA device (2); "
+                f"{ACCEPTED_ARRAYS}"
             )
         return describe(as_cupy(array), name)
-    raise InputTypeError(
-        f"{name} has type {type(array).__name__}; expected a CuPy array or an object exposing "
-        "__cuda_array_interface__ or __dlpack__ (e.g. a CUDA torch tensor)"
-    )
+    raise InputTypeError(f"{name} has type {type(array).__name__}; {ACCEPTED_ARRAYS}")
+
+
+# What attention() and its siblings take, on both backends (an error names both: the caller's
+# backend is the one its q picks).
+ACCEPTED_ARRAYS = (
+    "expected a NumPy array or CPU torch tensor (the CPU backend, run by the emulator) or, on a "
+    "GPU, a CuPy array, a CUDA torch tensor or an object exposing __cuda_array_interface__ or "
+    "__dlpack__"
+)
 
 
 @dataclass(frozen=True)
@@ -283,6 +290,30 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
     return mask
 
 
+_warned_no_backward = False
+
+
+def warn_if_grad_wanted(*arrays: Any) -> None:
+    """Warn once per process when a torch input asks for gradients while autograd records: the
+    output is computed without a graph (there is no backward pass yet) and carries none."""
+    global _warned_no_backward
+    if _warned_no_backward or not any(getattr(x, "requires_grad", False) for x in arrays):
+        return
+    import torch
+
+    if torch.is_grad_enabled():
+        _warned_no_backward = True
+        import warnings
+
+        warnings.warn(
+            "kernelgen.attention: an input requires grad, but kernelgen implements the forward "
+            "pass only (no backward pass yet): the output carries no gradient and is detached "
+            "from the autograd graph",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def attention(
     q: Any,
     k: Any,
@@ -334,6 +365,7 @@ def attention(
     shapes) and so are their values when they live on the host; device lists are read only
     with ``validate=True`` (one synchronisation, checked there by their own library).
     """
+    warn_if_grad_wanted(q, k, v)
     options = (window_size, softcap)
     arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
     expressions_given = any(x is not None for x in (score_mod, mask_mod, mod_inputs, block_mask))
@@ -490,7 +522,8 @@ def checked_plan(
         num_splits = num_splits or tuned_splits
     elif spec.mma != "simt" and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
-    if call.mask is not None:  # a mask is read by kernels compiled to read one (docs/api.md)
+    # only kernels compiled with additive_mask read a mask (docs/design.md)
+    if call.mask is not None:
         spec = spec.with_additive_mask()
     check_spec_variants(spec, call.variants)
     check_spec_expressions(spec, call.expressions)

@@ -41,7 +41,10 @@ OUTPUTS = ("partial_counts", "partial_indices", "full_counts", "full_indices")
 LIBRARY_NAMES = {"numpy": "NumPy array", "torch": "torch tensor", "cupy": "CuPy array"}
 
 
-@dataclass(frozen=True, eq=False)
+REPR_MASK_CHARS = 60  # characters of mask_mod a BlockMask's repr shows
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class BlockMask:
     """The block mask of ``mask_mod`` for ``block_m`` x ``block_n`` tiles of a (batch, heads,
     seqlen_q, seqlen_k) problem. Arrays are int32 in the library that built it:
@@ -228,6 +231,22 @@ class BlockMask:
             f"block_mask.{indices_name}[{where}, {slot}] is {int(indices[slot])} after "
             f"{int(indices[slot - 1])}; the first {count} entries of that row "
             f"(block_mask.{counts_name}[{where}]) must be strictly ascending key tiles"
+        )
+
+    def __repr__(self) -> str:
+        """One short line: sizes, tile shape, the mask and how many tiles the kernels visit (the
+        arrays themselves are left out)."""
+        text = self.mask_mod.text
+        if len(text) > REPR_MASK_CHARS:
+            text = text[: REPR_MASK_CHARS - 3] + "..."
+        every = self.batch * self.heads * self.q_tiles * self.key_tiles
+        partial = int(to_host(self.partial_counts).sum())
+        full = int(to_host(self.full_counts).sum())
+        density = (partial + full) / every if every else 0.0
+        return (
+            f"BlockMask(shape=({self.batch}, {self.heads}, {self.seqlen_q}, {self.seqlen_k}), "
+            f"block={self.block_m}x{self.block_n}, mask_mod={text!r}, partial={partial}, "
+            f"full={full} of {every} tiles, density={density:.3g})"
         )
 
     def visited_tiles(self) -> int:

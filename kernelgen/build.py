@@ -134,8 +134,9 @@ def write_generated(built: list[BuiltKernel], out_dir: Path) -> None:
     atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
-def stale_files(specs: list[KernelSpec], out_dir: Path) -> list[str]:
-    """What in ``out_dir`` does not match the specs (no compile needed): one line per problem."""
+def stale_files(specs: list[KernelSpec], out_dir: Path, orphans: bool = True) -> list[str]:
+    """What in ``out_dir`` does not match the specs (no compile needed): one line per problem.
+    ``orphans``: also ``.cu`` files no given spec produces (when the specs are the whole set)."""
     problems = []
     kernels = _read_manifest(out_dir)["kernels"]
     wanted = set()
@@ -152,7 +153,7 @@ def stale_files(specs: list[KernelSpec], out_dir: Path) -> list[str]:
             problems.append(f"{out_dir / MANIFEST}: no entry for {spec.uri}")
         elif entry.get("source_sha256") != hashlib.sha256(source.encode()).hexdigest():
             problems.append(f"{out_dir / MANIFEST}: entry for {spec.uri} is out of date")
-    for path in sorted(out_dir.glob("*.cu")):
+    for path in sorted(out_dir.glob("*.cu")) if orphans else []:
         if path.name not in wanted:
             problems.append(f"{path}: no spec produces it (delete it or add its spec)")
     for uri in sorted(kernels):

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kernelgen.arch import ARCHS
 from kernelgen.cli_args import ArchOption, SpecPaths, load_spec_files, split_archs
-from kernelgen.cli_console import err_console, fail, out_console
+from kernelgen.cli_console import err_console, fail, out_console, plural
 from kernelgen.cli_emulate import register as register_emulate
 from kernelgen.cli_model import register as register_model
 from kernelgen.cli_tune import register as register_tuning
@@ -90,7 +90,7 @@ def _print_resources(built) -> None:
                 f"  {r.arch}: {r.registers} registers, "
                 f"spill {r.spill_store_bytes + r.spill_load_bytes} B, stack {r.stack_bytes} B, "
                 f"shared {smem} of {ARCHS[r.arch].max_smem_per_block} B, "
-                f"{resident.blocks} blocks/SM ({resident.limiter})",
+                f"{plural(resident.blocks, 'block')}/SM ({resident.limiter})",
                 markup=False,
                 highlight=False,
             )
@@ -138,6 +138,39 @@ def _check_out_dir(out: Path) -> None:
             return
 
 
+def specs_left_out(paths: list[Path]) -> list[Path]:
+    """The spec files (``*.yaml``, ``*.yml``) in the folders of ``paths`` that ``paths`` does
+    not name: empty when the given specs are their folders' whole set."""
+    given = {path.resolve() for path in paths}
+    folders = {path.resolve().parent for path in paths}
+    return sorted(
+        spec
+        for folder in folders
+        for pattern in ("*.yaml", "*.yml")
+        for spec in folder.glob(pattern)
+        if spec.resolve() not in given
+    )
+
+
+def _check_generated(paths: list[Path], loaded, out: Path) -> None:
+    """``build --check``: exit 1, one line per problem, when ``out`` does not match the specs;
+    orphaned files count only when the specs are their folders' whole set."""
+    from kernelgen.build import stale_files
+
+    left_out = specs_left_out(paths)
+    problems = stale_files(loaded, out, orphans=not left_out)
+    if problems:
+        raise fail([*problems, "run `kernelgen build` on the same specs to refresh"], 1)
+    out_console.print(f"{out}/ is up to date with {plural(len(loaded), 'spec')}", markup=False)
+    if left_out:
+        out_console.print(
+            f"orphaned files not checked: {plural(len(left_out), 'other spec')} in the same "
+            "folders were not given (give them all, e.g. specs/*.yaml, to check for orphans)",
+            markup=False,
+            highlight=False,
+        )
+
+
 @app.command()
 def build(
     specs: SpecPaths,
@@ -152,17 +185,18 @@ def build(
     A kernel that fails the static bar of `kernelgen check` (spills, a stack, local memory,
     shared memory over the limit, a tensor-core spec without HMMA/LDSM) is still written, with
     one "warning:" line on stderr per problem, and build exits 0: build makes sources, check
-    judges them (it exits 1 on the same kernels)."""
-    from kernelgen.build import stale_files, static_problems, write_generated
+    judges them (it exits 1 on the same kernels).
+
+    --check looks for orphaned .cu files (no given spec produces them) only when every spec of
+    the given specs' folders is given; with a subset it checks that subset's files and says
+    that orphans were not checked."""
+    from kernelgen.build import static_problems, write_generated
 
     paths, archs = split_archs(specs, arch)
-    loaded = load_spec_files(paths)
+    loaded = load_spec_files(paths, archs)
     _check_out_dir(out)  # before compiling anything
     if check:
-        problems = stale_files(loaded, out)
-        if problems:
-            raise fail([*problems, "run `kernelgen build` on the same specs to refresh"], 1)
-        out_console.print(f"{out}/ is up to date with {len(loaded)} specs")
+        _check_generated(paths, loaded, out)
         return
     built = _compile(loaded, archs)
     try:
@@ -170,7 +204,7 @@ def build(
     except OSError as exc:  # e.g. a read-only folder
         raise fail([f"cannot write to {out}: {exc.strerror or exc}"]) from None
     out_console.print(_summary_table(built))
-    out_console.print(f"wrote {len(built)} kernels and {out / 'manifest.json'}")
+    out_console.print(f"wrote {plural(len(built), 'kernel')} and {out / 'manifest.json'}")
     for k in built:
         for r in k.resources:
             for why in static_problems(k.spec, r):
@@ -203,7 +237,7 @@ def check(
     from kernelgen.cli_model import model_reports
 
     paths, archs = split_archs(specs, arch)
-    loaded = load_spec_files(paths)
+    loaded = load_spec_files(paths, archs)
     built = _compile(loaded, archs)
     _print_resources(built)
     if model:

@@ -41,11 +41,35 @@ def split_archs(paths: list[Path], archs: list[str] | None) -> tuple[list[Path],
     return [p for p in paths if p not in extra], names
 
 
-def load_spec_files(paths: list[Path]) -> list:
-    """The specs of ``paths``; their problems are one line each and exit 2."""
+def load_spec_files(paths: list[Path], archs: list[str] | None = None) -> list:
+    """The specs of ``paths``; their problems are one line each and exit 2. With ``archs``
+    (``--arch``), each spec must be able to target them exactly as if its YAML listed them (a
+    wgmma spec on sm_80, shared memory over an arch's limit): an input error, not a failed
+    compile."""
     from kernelgen.build import load_specs
 
     try:
-        return load_specs(paths)
+        specs = load_specs(paths)
     except SpecError as exc:
         raise fail(exc.problems) from None
+    if archs:
+        problems = [
+            f"{path}: --arch {' '.join(archs)}: {problem}"
+            for path, spec in zip(paths, specs, strict=True)
+            for problem in arch_problems(spec, archs)
+        ]
+        if problems:
+            raise fail(problems)
+    return specs
+
+
+def arch_problems(spec, archs: list[str]) -> list[str]:
+    """Why ``spec`` cannot target ``archs`` (empty: it can): the spec validator's own lines for
+    the same spec with ``archs: archs``."""
+    from kernelgen.spec import spec_from_dict
+
+    try:
+        spec_from_dict({**spec.model_dump(), "archs": list(archs)})
+    except SpecError as exc:
+        return list(exc.problems)
+    return []

@@ -60,3 +60,8 @@ def fail(lines: list[str], code: int = 2) -> typer.Exit:
     for line in lines:
         err_console.print(line, markup=False)
     return typer.Exit(code)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 kernel``, ``2 kernels``: a count and its noun, in the plural unless it is 1."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

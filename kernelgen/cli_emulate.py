@@ -6,7 +6,9 @@ float64 reference with its tolerance, hazards, ldmatrix wavefronts against the c
 ideal, cp.async global bytes against reading q, k and v once, and the key tiles visited.
 Exit 1 on an error over tolerance, a NaN, a hazard or a failed launch; bad input prints one line
 and exits 2. A spec with variants (docs/variants.md) runs with ``--window``/``--softcap`` or
-example values.
+example values; one with user expressions (docs/expressions.md) with ``--mod-input NAME=FILE.npy``
+arrays or, for the shipped specs' input names, example arrays (:mod:`kernelgen.example_inputs`),
+and a block-sparse one with the block mask of its mask_mod.
 """
 
 from __future__ import annotations
@@ -110,6 +112,86 @@ def variant_values(
     if spec.sinks:
         values["sinks"] = (1.0 + 0.5 * np.arange(heads)).astype(np.float32)
     return values
+
+
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: int) -> int:
+    """``--seed``: an integer from 0 to 2**63 - 1 (what NumPy's generators take)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed {seed}: use an integer from 0 to {MAX_SEED}")
+    return seed
+
+
+def read_mod_inputs(spec: KernelSpec, given: list[str]) -> dict[str, np.ndarray]:
+    """``--mod-input NAME=FILE.npy`` values -> {name: array}; each name must be one the spec
+    declares, each file a NumPy .npy file (no pickles)."""
+    declared = [entry.split(":")[0] for entry in spec.mod_inputs]
+    arrays: dict[str, np.ndarray] = {}
+    for text in given:
+        name, sep, file = text.partition("=")
+        name = name.strip()
+        if not sep or not name or not file:
+            raise ValueError(f"--mod-input {text!r}: expected NAME=FILE.npy")
+        if name not in declared:
+            allowed = ", ".join(declared) or "none (the spec has no user expressions)"
+            raise ValueError(f"--mod-input {text!r}: {spec.uri} declares no input {name!r}; "
+                             f"its inputs: {allowed}")  # fmt: skip
+        try:
+            arrays[name] = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"--mod-input {text!r}: cannot read {file} as a .npy array: {exc}"
+            ) from None
+    return arrays
+
+
+def expression_values(
+    spec: KernelSpec, shape: tuple[int, ...], given: dict[str, np.ndarray], seed: int
+) -> tuple[dict, dict]:
+    """attention()'s expression arguments for a spec with user expressions, and the float64
+    reference's hooks: the spec's mod inputs from ``given`` or, for the names of the shipped
+    specs, :data:`kernelgen.example_inputs.EXAMPLE_MOD_INPUTS`; a block-sparse spec also gets
+    the block mask of its mask_mod. Two empty dicts for a spec without expressions."""
+    if not spec.has_expressions:
+        if given:
+            raise ValueError(f"--mod-input needs a spec with user expressions; {spec.uri} has none")
+        return {}, {}
+    from kernelgen.block_mask import block_mask_reference
+    from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS, ProblemSizes
+    from kernelgen.expression_eval import evaluate
+
+    b, h, _, sq, sk = shape
+    sizes = ProblemSizes(b, h, sq, sk)
+    rng = np.random.default_rng(seed + 13)
+    inputs = dict(given)
+    for entry in spec.mod_inputs:
+        name = entry.split(":")[0]
+        if name in inputs:
+            continue
+        if name not in EXAMPLE_MOD_INPUTS:
+            raise ValueError(
+                f"{spec.uri} reads the input {name!r}, which has no example array; pass "
+                f"--mod-input {name}=FILE.npy"
+            )
+        inputs[name] = EXAMPLE_MOD_INPUTS[name](sizes, rng)
+    score_mod, mask_mod = spec.expressions
+    kernel: dict = {"score_mod": spec.score_mod, "mask_mod": spec.mask_mod, "mod_inputs": inputs}
+    hooks: dict = {}
+    if score_mod is not None:
+        hooks["score_mod"] = lambda s, b, h, q, k: evaluate(
+            score_mod, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        )
+    if mask_mod is not None:
+        hooks["mask_mod"] = lambda b, h, q, k: evaluate(
+            mask_mod, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        )
+    if spec.block_sparse:
+        kernel["block_mask"] = block_mask_reference(
+            mask_mod, b, h, sq, sk, block_m=spec.block_m, block_n=spec.block_n, mod_inputs=inputs
+        )
+    return kernel, hooks
 
 
 def _error_rows(spec: KernelSpec, run, q, k, v, variants: dict) -> list[Row]:
@@ -241,6 +323,14 @@ def emulate(
     softcap: Annotated[
         float | None, typer.Option("--softcap", help="The cap of a softcap spec (default 5).")
     ] = None,
+    mod_input: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--mod-input",
+            help="NAME=FILE.npy: an array a spec's user expressions read (repeat per input); "
+            "default: example arrays for the shipped specs' inputs.",
+        ),
+    ] = None,
 ) -> None:
     """Run SPEC's kernels on the CPU emulator on random inputs; print the error against float64
     with its tolerance, hazards, ldmatrix wavefronts, global bytes read and key tiles visited.
@@ -250,14 +340,17 @@ def emulate(
 
     try:
         dims = parse_shape(shape)
+        check_seed(seed)
         loaded = load_spec(spec)
         if causal is not None and causal != loaded.causal:
             loaded = KernelSpec(**{**loaded.model_dump(), "causal": causal})
         variants = variant_values(loaded, dims, window, softcap)
+        given = read_mod_inputs(loaded, mod_input or [])
+        expressions, hooks = expression_values(loaded, dims, given, seed)
     except SpecError as exc:
         raise fail(str(exc).splitlines()) from None
-    except ValueError as exc:
-        raise fail([str(exc)]) from None
+    except (KernelgenError, ValueError) as exc:  # e.g. an input its expression cannot read
+        raise fail(str(exc).splitlines()[:1]) from None
     q, k, v = _random_inputs(loaded, dims, seed)
     rows: list[Row] = []
     with Progress(
@@ -278,6 +371,7 @@ def emulate(
                 v,
                 on_step=lambda done, total: progress.update(task, completed=done, total=total),
                 **variants,
+                **expressions,
             )
         except HazardError as exc:
             run = None
@@ -293,7 +387,7 @@ def emulate(
         out_console.print(_table(loaded, dims, rows))
         raise fail([f"hazard: {hazard}"], 1)
     rows = [
-        *_error_rows(loaded, run, q, k, v, variants),
+        *_error_rows(loaded, run, q, k, v, {**variants, **hooks}),
         Row("hazards (race check)", "0", "0", True),
         *_memory_rows(loaded, run, dims),
     ]

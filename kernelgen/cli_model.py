@@ -9,14 +9,15 @@ from typing import Annotated
 import typer
 
 from kernelgen.cli_args import ArchOption, SpecPaths, load_spec_files, split_archs
-from kernelgen.cli_console import fail, out_console
+from kernelgen.cli_console import err_console, fail, out_console
 from kernelgen.errors import KernelgenError
 
 
 def model_reports(specs, archs: list[str] | None, built=None) -> list:
     """A :class:`kernelgen.perfmodel.ModelReport` per tensor-core spec and modelled arch (the
-    spec's archs, or ``archs``); other specs and archs are left out. ``built`` (kernelgen
-    build's BuiltKernel list) lends each kernel's ptxas resources, so it is not compiled again."""
+    spec's archs, or ``archs``); other specs and archs are left out (:func:`unmodelled` says
+    which). ``built`` (kernelgen build's BuiltKernel list) lends each kernel's ptxas resources,
+    so it is not compiled again."""
     from kernelgen.perfmodel import RATES, model_spec
 
     resources = {(k.spec.uri, r.arch): r for k in built or [] for r in k.resources}
@@ -32,6 +33,26 @@ def model_reports(specs, archs: list[str] | None, built=None) -> list:
         raise fail([str(exc)]) from None
 
 
+def unmodelled(specs, archs: list[str] | None) -> list[str]:
+    """One line per spec, or spec and arch, that :func:`model_reports` leaves out, and why."""
+    from kernelgen.perfmodel import RATES
+
+    lines = []
+    for spec in specs:
+        if spec.mma == "simt":
+            lines.append(
+                f"{spec.uri}: not modelled: the static model covers tensor-core specs only "
+                "(mma: mma_sync or wgmma), not CUDA-core (simt) ones"
+            )
+            continue
+        lines += [
+            f"{spec.uri} {arch}: not modelled: the static model knows {', '.join(RATES)}"
+            for arch in (archs or spec.archs)
+            if arch not in RATES
+        ]
+    return lines
+
+
 def register(app: typer.Typer) -> None:
     """Add ``kernelgen model`` to ``app``."""
 
@@ -45,7 +66,13 @@ def register(app: typer.Typer) -> None:
         class, shared-memory traffic, the resource that binds and the predicted ceiling, also
         against FlashAttention 2's (docs/performance-model.md). Ratios, not times."""
         paths, archs = split_archs(specs, arch)
-        reports = model_reports(load_spec_files(paths), archs)
+        loaded = load_spec_files(paths, archs)
+        skipped = unmodelled(loaded, archs)
+        reports = model_reports(loaded, archs)
+        if not reports:  # nothing to print: the user's input is the problem
+            raise fail(skipped)
+        for line in skipped:
+            err_console.print(f"note: {line}", markup=False)
         if as_json:
             sys.stdout.write(json.dumps([r.as_dict() for r in reports], indent=2) + "\n")
             return

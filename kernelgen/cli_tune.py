@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kernelgen.cli_console import fail, out_console
+from kernelgen.cli_console import fail, out_console, plural
 from kernelgen.errors import KernelgenError
 from kernelgen.tuning.db import TuningDB
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo
@@ -22,6 +22,16 @@ cache_app = typer.Typer(no_args_is_help=True, help="Inspect and move tuning reco
 
 # What a dry run assumes without a GPU (an H100 SXM) unless --arch / --sms say otherwise.
 DRY_RUN_DEVICE = DeviceInfo("(assumed) NVIDIA H100", "9.0", 132)
+# --arch: a reference device per architecture and its SM count (--sms overrides it).
+DRY_RUN_DEVICES: dict[str, tuple[str, int]] = {
+    "sm_80": ("NVIDIA A100", 108),
+    "sm_86": ("NVIDIA A40", 84),
+    "sm_89": ("NVIDIA L40S", 142),
+    "sm_90": ("NVIDIA H100", 132),
+    "sm_90a": ("NVIDIA H100", 132),
+    "sm_100": ("NVIDIA B200", 148),
+    "sm_120": ("NVIDIA RTX 5090", 170),
+}
 
 
 def current_environment() -> tuple[DeviceInfo, SoftwareInfo]:
@@ -38,15 +48,24 @@ def _dry_run_device(arch: str | None, sms: int | None) -> DeviceInfo:
         except KernelgenError:
             device = DRY_RUN_DEVICE
     else:
-        digits = arch.removeprefix("sm_")
-        if not digits.isdigit() or len(digits) < 2:
-            raise fail([f"--arch {arch}: expected a name like sm_90"])
-        device = DeviceInfo(f"(assumed) {arch}", f"{digits[:-1]}.{digits[-1]}", 132)
+        device = assumed_device(arch)
     if sms is not None:
         if sms < 1:
             raise fail([f"--sms {sms}: the SM count must be at least 1"])
         device = DeviceInfo(device.name, device.compute_capability, sms, device.l2_bytes)
     return device
+
+
+def assumed_device(arch: str) -> DeviceInfo:
+    """The device a dry run with ``--arch`` assumes: the arch's reference device of
+    :data:`DRY_RUN_DEVICES` (an unknown arch is one line, exit 2)."""
+    from kernelgen.arch import ARCHS
+
+    if arch not in DRY_RUN_DEVICES:
+        raise fail([f"--arch {arch}: unknown architecture; allowed: {', '.join(ARCHS)}"])
+    name, sm_count = DRY_RUN_DEVICES[arch]
+    capability = ARCHS[arch].compute_capability
+    return DeviceInfo(f"(assumed) {name}", f"{capability // 10}.{capability % 10}", sm_count)
 
 
 def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
@@ -57,9 +76,19 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     kept, dropped = prune(problem, device)
     out_console.print(
         f"problem bucket {problem.bucket().label} on {device.name} "
-        f"({device.target_arch}, {device.sm_count} SMs)"
+        f"({device.target_arch}, {device.sm_count} SMs; --arch/--sms to change)",
+        markup=False,
     )
-    table = Table(title="candidates to time", box=box.SIMPLE_HEAD, pad_edge=False)
+    unchecked = any(c.resources is None for c in kept)
+    if unchecked:
+        out_console.print(
+            "resources not checked: no offline NVRTC (pip install 'kernelgen[nvrtc]'), so "
+            "these candidates were not compiled and may spill or use a stack",
+            markup=False,
+            highlight=False,
+        )
+    title = "candidates to time" + (" (registers and spills unchecked)" if unchecked else "")
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("candidate", no_wrap=True)
     table.add_column("splits", justify="right")
     table.add_column("regs", justify="right")
@@ -67,12 +96,12 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     table.add_column("blocks/SM", justify="right")  # resident blocks, and what limits them
     table.add_column("model", justify="right")  # predicted clocks per 64x64 unit (rank order)
     for c in kept:
-        regs = str(c.resources.registers) if c.resources else "?"
+        regs = str(c.resources.registers) if c.resources else "unchecked"
         splits = str(c.num_splits) if c.num_splits else "-"
         occupancy = kernel_occupancy(c.spec, device.target_arch, c.resources)
         short = {"registers": "regs", "shared memory": "smem"}.get(occupancy.limiter)
         blocks = f"{occupancy.blocks} {short or occupancy.limiter}"
-        modelled = c.spec.mma == "mma_sync" and not c.spec.split_kv
+        modelled = c.spec.mma != "simt" and not c.spec.split_kv  # as prune_by_model
         model = f"{analytic_cost(c.spec, device.target_arch):.0f}" if modelled else "-"
         table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes), blocks, model)
     out_console.print(table)
@@ -114,7 +143,9 @@ def tune(
 def cache_list() -> None:
     """One line per record: key, winner, time."""
     db = TuningDB()
-    table = Table(title=f"tuning records in {db.dir}", box=box.SIMPLE_HEAD, pad_edge=False)
+    # the title on a line of its own: a table title wraps at the table's width, a long path too
+    out_console.print(f"tuning records in {db.dir}", markup=False, highlight=False, soft_wrap=True)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("key", "device", "winner", "ms"):
         table.add_column(column, overflow="fold")
     for path, record in db.records():
@@ -151,7 +182,7 @@ def cache_clear() -> None:
         removed = db.clear()
     except OSError as exc:
         raise fail([f"cannot clear {db.dir}: {exc.strerror or exc}"]) from None
-    out_console.print(f"removed {removed} records from {db.dir}")
+    out_console.print(f"removed {plural(removed, 'record')} from {db.dir}")
 
 
 @cache_app.command("export")
@@ -161,7 +192,7 @@ def cache_export(file: Annotated[Path, typer.Argument(help="Bundle to write (JSO
         count = TuningDB().export(file)
     except OSError as exc:
         raise fail([f"cannot write {file}: {exc.strerror or exc}"]) from None
-    out_console.print(f"exported {count} records to {file}")
+    out_console.print(f"exported {plural(count, 'record')} to {file}")
 
 
 @cache_app.command("import")
@@ -179,7 +210,7 @@ def cache_import(file: Annotated[Path, typer.Argument(help="A bundle from cache 
     except OSError as exc:
         raise fail([f"cannot write to {db.dir}: {exc.strerror or exc}"]) from None
     clear_memo()
-    out_console.print(f"imported {imported} records into {db.dir}")
+    out_console.print(f"imported {plural(imported, 'record')} into {db.dir}")
     if rejected:
         raise fail(rejected)
 

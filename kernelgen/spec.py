@@ -909,10 +909,40 @@ def load_spec(path: str | Path) -> KernelSpec:
 
 
 def spec_json_schema() -> dict[str, Any]:
-    """JSON Schema of a spec file, for editors."""
+    """JSON Schema of a spec file, for editors: the field validators' per-field rules (enums,
+    ranges, multiples, patterns); rules that tie fields together (e.g. mma_sync's block_m) are
+    the validator's alone."""
     schema = KernelSpec.model_json_schema()
     schema["title"] = "kernelgen kernel spec"
+    for name, rules in _field_rules().items():
+        prop = schema["properties"][name]
+        for choice in prop.get("anyOf", [prop]):  # an optional field: its non-null branch
+            if choice.get("type") != "null":
+                choice.update(rules)
     return schema
+
+
+def _field_rules() -> dict[str, dict[str, Any]]:
+    """JSON Schema keywords per field, from the tables the validators use."""
+    from kernelgen.expressions import INPUT_DTYPES, MAX_EXPRESSION_CHARS, MAX_INPUTS, MAX_RANK
+
+    signature = (
+        r"^\s*[A-Za-z][A-Za-z0-9_]{0,31}\s*:\s*(" + "|".join(INPUT_DTYPES) + r")"
+        rf"\s*\[\s*0*[1-{MAX_RANK}]\s*\]\s*$"
+    )
+    expression = {"maxLength": MAX_EXPRESSION_CHARS}
+    return {
+        "head_dim": {"minimum": 8, "maximum": MAX_HEAD_DIM, "multipleOf": 8},
+        "block_m": {"minimum": TILE_STEP, "maximum": MAX_BLOCK_M, "multipleOf": TILE_STEP},
+        "block_n": {"minimum": TILE_STEP, "maximum": MAX_BLOCK_N, "multipleOf": TILE_STEP},
+        "num_warps": {"enum": list(WARP_COUNTS)},
+        "stages": {"enum": sorted({1, *MMA_STAGES})},
+        "smem_pad": {"minimum": 0, "maximum": 8},
+        "score_mod": expression,
+        "mask_mod": expression,
+        "mod_inputs": {"items": {"type": "string", "pattern": signature}, "maxItems": MAX_INPUTS},
+        "archs": {"items": {"type": "string", "enum": list(ARCHS)}, "minItems": 1},
+    }
 
 
 @functools.lru_cache(maxsize=256)

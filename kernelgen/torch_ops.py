@@ -10,7 +10,14 @@ metadata alone::
 
     out = kt.attention(q, k, v, causal=True)  # in a torch.compile'd function too
 
-There is no autograd formula: it is a forward (inference) operator.
+There is no autograd formula: it is a forward (inference) operator. Inputs that require grad
+give outputs whose backward raises; ``kernelgen.attention`` itself warns once and returns outputs
+detached from the graph.
+
+The operator's schema: ``kernelgen::attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None,
+bool causal=False, float? scale=None, str layout="bhsd", Tensor? seqlens_k=None, SymInt?
+num_splits=None, SymInt[]? window=None, float? softcap=None, Tensor? alibi_slopes=None, Tensor?
+sinks=None) -> (Tensor, Tensor)``: out and the fp32 log-sum-exp.
 """
 
 from __future__ import annotations
@@ -32,19 +39,20 @@ def _attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float | None,
-    layout: str,
-    seqlens_k: torch.Tensor | None,
-    num_splits: int | None,
-    window: list[int] | None,
-    softcap: float | None,
-    alibi_slopes: torch.Tensor | None,
-    sinks: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    seqlens_k: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    window: list[int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out in q's layout and dtype, and the fp32 log-sum-exp (B, H, Sq): :func:`kernelgen.attention`
-    with ``return_lse=True`` (an operator's outputs are fixed)."""
+    with ``return_lse=True`` (an operator's outputs are fixed). Every argument after q, k, v has
+    kernelgen.attention's default: ``torch.ops.kernelgen.attention(q, k, v, causal=True)``."""
     return _attention(
         q,
         k,
@@ -68,16 +76,16 @@ def _attention_fake(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float | None,
-    layout: str,
-    seqlens_k: torch.Tensor | None,
-    num_splits: int | None,
-    window: list[int] | None,
-    softcap: float | None,
-    alibi_slopes: torch.Tensor | None,
-    sinks: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    seqlens_k: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    window: list[int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernelgen.emulator.launches import to_device_dtype
+from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS
 from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
 
@@ -85,16 +86,8 @@ def example_variants(
 
 
 # The inputs the specs' user expressions read (specs/*.yaml, docs/expressions.md), by name:
-# (case, rng) -> array. A spec that reads another name needs a maker here.
-EXPRESSION_INPUTS = {
-    # document ids per key, 3 documents per sequence; queries aligned with the last keys
-    "doc": lambda c, rng: np.sort(
-        rng.integers(0, 3, (c.batch, max(c.seqlen_q, c.seqlen_k)))
-    ).astype(np.int32),
-    "bias": lambda c, rng: (0.5 * rng.standard_normal((c.heads, 256))).astype(np.float32),
-    "prefix": lambda c, rng: rng.integers(0, c.seqlen_k + 1, c.batch).astype(np.int32),
-    "anc": lambda c, rng: rng.random((c.batch, c.seqlen_q, c.seqlen_k)) < 0.6,
-}
+# (case, rng) -> array. A spec that reads another name needs a maker there.
+EXPRESSION_INPUTS = EXAMPLE_MOD_INPUTS
 
 
 def example_expressions(spec, case: Case, seed: int) -> tuple[dict, dict]:
