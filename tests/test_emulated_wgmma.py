@@ -76,7 +76,7 @@ MUTATIONS = {
         "",
     ),
     "no mbarrier wait for the K tile": (
-        "mbarrier_wait(k_full + 8 * (t % STAGES), (t / STAGES) & 1);",
+        "mbarrier_wait(k_full + 8 * slot, phase);",
         "",
     ),
     "64-byte swizzle in the descriptors": (
