@@ -79,3 +79,5 @@ def register(app: typer.Typer) -> None:
         for report in reports:
             out_console.print(f"{report.uri} {report.arch}", markup=False, highlight=False)
             out_console.print(f"  {report.summary()}", markup=False, highlight=False)
+            if report.schedule:
+                out_console.print(f"  schedule: {report.schedule}", markup=False, highlight=False)

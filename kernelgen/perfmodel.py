@@ -33,6 +33,7 @@ from kernelgen.compile import (
 from kernelgen.errors import SettingError
 from kernelgen.occupancy import kernel_occupancy
 from kernelgen.render import render
+from kernelgen.schedule import schedule_problem
 from kernelgen.spec import KernelSpec
 
 UNIT_QUERIES = UNIT_KEYS = 64
@@ -315,6 +316,9 @@ class ModelReport:
     unit: UnitFigures
     prediction: Prediction
     vs_fa2: float | None = field(default=None)
+    # What is wrong with the loop's schedule in SASS (kernelgen.schedule; wgmma overlap specs),
+    # None when nothing is (or nothing was promised).
+    schedule: str | None = field(default=None)
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -403,7 +407,10 @@ def interior_loop(spec: KernelSpec, arch: str) -> LoopBody:
 
 def interior_loops(spec: KernelSpec, arch: str) -> tuple[LoopBody, LoopBody | None]:
     """The consumers' key-tile loop and, for wgmma specs, the TMA producer's (else None)."""
-    sass = interior_sass(spec, arch)
+    return loops_of(spec, interior_sass(spec, arch))
+
+
+def loops_of(spec: KernelSpec, sass: str) -> tuple[LoopBody, LoopBody | None]:
     producer = hmma_loop(sass, "UTMALDG") if spec.mma == "wgmma" else None
     return hmma_loop(sass), producer
 
@@ -414,7 +421,8 @@ def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) 
     if spec.mma == "simt":
         raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
     rates_of(arch)  # an arch the model knows, before compiling anything
-    consumer, producer = interior_loops(spec, arch)
+    sass = interior_sass(spec, arch)
+    consumer, producer = loops_of(spec, sass)
     figures = unit_figures(consumer, spec, producer)
     res = resources or compile_offline(render(spec), spec.uri, arch, sass=False).resources
     prediction = predict(figures, arch)
@@ -431,4 +439,5 @@ def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) 
         unit=figures,
         prediction=prediction,
         vs_fa2=vs_fa2,
+        schedule=schedule_problem(spec, arch, sass),
     )
