@@ -191,6 +191,8 @@ def test_import_refuses_a_bundle_with_a_bad_key_field_and_writes_nothing(
     payload["key"]["problem"][field] = value
     bundle = _bundle(tmp_path, [payload])
     monkeypatch.setattr(cli_tune, "current_environment", lambda: (A100, SOFTWARE))
+    # deep enough that a file escaping the cache would still land under tmp_path
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "a" / "b" / "c" / "d" / "cache"))
     before = sorted(tmp_path.rglob("*"))
     result = runner.invoke(app, ["cache", "import", str(bundle)])
     assert result.exit_code == 2, result.output

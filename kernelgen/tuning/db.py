@@ -172,18 +172,16 @@ def load_document(data: bytes) -> Any:
         document = json.loads(data)
     except RecursionError:
         raise ValueError(f"nested more than {MAX_DEPTH} levels deep") from None
-    level, depth = [document], 0
-    while level:  # breadth first: no recursion however deep the value is
-        depth += 1
-        if depth > MAX_DEPTH:
-            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+    level = [document] if isinstance(document, dict | list) else []
+    for _ in range(MAX_DEPTH):  # one level at a time: no recursion however deep the value is
         level = [
             child
-            for value in level
-            if isinstance(value, dict | list)
-            for child in (value.values() if isinstance(value, dict) else value)
+            for container in level
+            for child in (container.values() if isinstance(container, dict) else container)
             if isinstance(child, dict | list)
         ]
+    if level:
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
     return document
 
 

@@ -331,19 +331,17 @@ def _problem_value_problems(problem: dict) -> list[str]:
         problems.append(
             f"problem.head_dim={head_dim} is not a multiple of 8 from 8 to {MAX_HEAD_DIM}"
         )
-    for name in ("gqa_ratio", "seqlen_q", "seqlen_k", "batch_heads"):
-        if problem[name] < 1 or (
-            name != "gqa_ratio" and pow2_bucket(problem[name]) != problem[name]
-        ):
-            kind = "at least 1" if name == "gqa_ratio" else "a power of two"
-            problems.append(f"problem.{name}={problem[name]} is not {kind}")
+    if problem["gqa_ratio"] < 1:
+        problems.append(f"problem.gqa_ratio={problem['gqa_ratio']} is not at least 1")
+    for name in ("seqlen_q", "seqlen_k", "batch_heads"):  # buckets: powers of two
+        if problem[name] < 1 or pow2_bucket(problem[name]) != problem[name]:
+            problems.append(f"problem.{name}={problem[name]} is not a power of two")
     page_size = problem.get("page_size", 0)
     if page_size < 0 or page_size % 16:
         problems.append(f"problem.page_size={page_size} is not 0 or a multiple of 16")
     variants = problem.get("variants", [])
-    if not all(isinstance(v, str) and v in VARIANT_FLAGS for v in variants) or len(
-        set(variants)
-    ) != len(variants):
+    known = all(isinstance(v, str) and v in VARIANT_FLAGS for v in variants)
+    if not known or len(set(variants)) != len(variants):
         problems.append(
             f"problem.variants={variants!r:.80} are not distinct names from {list(VARIANT_FLAGS)}"
         )
