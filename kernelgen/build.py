@@ -109,17 +109,30 @@ def build_kernels(
     return built
 
 
-def _read_manifest(out_dir: Path) -> dict:
+def read_manifest(out_dir: Path) -> tuple[dict, str | None]:
+    """``out_dir``'s manifest and, when there is one kernelgen cannot use (not JSON, not an
+    object with an object of kernel entries), why; then an empty manifest stands in for it."""
+    path = out_dir / MANIFEST
     try:
-        data = json.loads((out_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {"kernels": {}}
-    return data if isinstance(data.get("kernels"), dict) else {"kernels": {}}
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {"kernels": {}}, None
+    except OSError as exc:
+        return {"kernels": {}}, f"{path}: cannot read it ({exc.strerror or exc})"
+    except (ValueError, RecursionError):
+        return {"kernels": {}}, f"{path}: not JSON"
+    kernels = data.get("kernels") if isinstance(data, dict) else None
+    if not isinstance(kernels, dict) or not all(isinstance(e, dict) for e in kernels.values()):
+        what = "an object of kernel entries" if isinstance(data, dict) else type(data).__name__
+        return {"kernels": {}}, f"{path}: not a kernelgen manifest (a JSON {what} is expected)"
+    return data, None
 
 
-def write_generated(built: list[BuiltKernel], out_dir: Path) -> None:
-    """Write each source and merge the kernels into the manifest, every file atomically."""
-    manifest = _read_manifest(out_dir)
+def write_generated(built: list[BuiltKernel], out_dir: Path) -> list[str]:
+    """Write each source and merge the kernels into the manifest, every file atomically.
+    Returns one warning per problem met (a corrupt manifest, replaced by a new one)."""
+    manifest, problem = read_manifest(out_dir)
+    warnings = [f"{problem}; replaced by a new one"] if problem else []
     for kernel in built:
         atomic_write_text(out_dir / f"{kernel.spec.uri}.cu", kernel.source)
         manifest["kernels"][kernel.spec.uri] = kernel.manifest_entry()
@@ -132,13 +145,15 @@ def write_generated(built: list[BuiltKernel], out_dir: Path) -> None:
         if (out_dir / f"{uri}.cu").exists()
     }
     atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return warnings
 
 
 def stale_files(specs: list[KernelSpec], out_dir: Path, orphans: bool = True) -> list[str]:
     """What in ``out_dir`` does not match the specs (no compile needed): one line per problem.
     ``orphans``: also ``.cu`` files no given spec produces (when the specs are the whole set)."""
-    problems = []
-    kernels = _read_manifest(out_dir)["kernels"]
+    manifest, problem = read_manifest(out_dir)
+    problems = [f"{problem} (rebuild)"] if problem else []
+    kernels = manifest["kernels"]
     wanted = set()
     for spec in specs:
         source = render(spec)

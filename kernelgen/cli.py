@@ -200,9 +200,11 @@ def build(
         return
     built = _compile(loaded, archs)
     try:
-        write_generated(built, out)
+        notes = write_generated(built, out)
     except OSError as exc:  # e.g. a read-only folder
         raise fail([f"cannot write to {out}: {exc.strerror or exc}"]) from None
+    for note in notes:
+        err_console.print(f"warning: {note}", markup=False, highlight=False)
     out_console.print(_summary_table(built))
     out_console.print(f"wrote {plural(len(built), 'kernel')} and {out / 'manifest.json'}")
     for k in built:

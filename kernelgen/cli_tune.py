@@ -153,10 +153,12 @@ def cache_list() -> None:
             table.add_row(path.stem, "", "(unreadable)", "")
             continue
         ms = record.winner_ms
-        winner = next((c["uri"] for c in record.candidates if c["status"] == "winner"), "?")
+        winners = (c.get("uri") for c in record.candidates if c.get("status") == "winner")
+        winner = str(next(winners, "?"))
         if record.winner_splits:
             winner += f" ({record.winner_splits} splits)"
-        table.add_row(path.stem, record.key.device.name, winner, f"{ms:.4f}" if ms else "?")
+        timing = f"{ms:.4f}" if isinstance(ms, float | int) and ms else "?"
+        table.add_row(path.stem, record.key.device.name, winner, timing)
     out_console.print(table)
 
 

@@ -7,6 +7,7 @@ uses cuda-bindings' NVRTC, which does not.)
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,9 @@ from functools import cache
 from pathlib import Path
 
 from kernelgen.errors import CompileError, ToolchainMissingError
+from kernelgen.fileio import create_new_file, private_dir, user_cache_home
+
+log = logging.getLogger(__name__)
 
 COMMON_OPTIONS: tuple[str, ...] = ("-std=c++17", "--use_fast_math", "-default-device")
 
@@ -95,13 +99,25 @@ def _check(nvrtc, result) -> None:
         raise ToolchainMissingError(f"NVRTC call failed: {result}")
 
 
-def save_failed_source(name: str, source: str) -> str:
-    """Keep a source NVRTC rejected where the user can open it."""
-    folder = Path(os.environ.get("KERNELGEN_FAILED_DIR", tempfile.gettempdir())) / "kernelgen"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.failed.cu"
-    path.write_text(source)
-    return str(path)
+def failed_sources_dir() -> Path:
+    """``$KERNELGEN_FAILED_DIR/kernelgen``, else ``$XDG_CACHE_HOME/kernelgen/failed``
+    (``~/.cache/kernelgen/failed``): private to the user (0700), refused when it is not."""
+    explicit = os.environ.get("KERNELGEN_FAILED_DIR")
+    base = Path(explicit) / "kernelgen" if explicit else user_cache_home() / "kernelgen" / "failed"
+    return private_dir(base)
+
+
+def save_failed_source(name: str, source: str) -> str | None:
+    """Keep a source NVRTC rejected where the user can open it: a new file
+    ``<name>-<random>.failed.cu`` (mode 0600, never through a symbolic link) in
+    :func:`failed_sources_dir`. None, with a warning, when it cannot be saved: the compile
+    error matters more than its copy."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:100].lstrip(".") or "kernel"
+    try:
+        return str(create_new_file(failed_sources_dir(), stem, ".failed.cu", source.encode()))
+    except OSError as exc:  # UnsafeFolderError included
+        log.warning("could not save the source NVRTC rejected: %s", exc)
+        return None
 
 
 def report_options(nvrtc_version: tuple[int, int]) -> list[str]:

@@ -45,6 +45,19 @@ class SettingError(KernelgenError, ValueError):
     cannot use."""
 
 
+class UnsafeFolderError(KernelgenError, PermissionError):
+    """A folder kernelgen would load code from or write into is not private to the user (another
+    user owns it, or others may write to it); names the folder and why (docs/security.md)."""
+
+    def __init__(self, folder: object, reason: str) -> None:
+        self.folder = str(folder)
+        self.reason = reason
+        super().__init__(
+            f"refusing to use {self.folder}: {reason}; kernelgen keeps builds and sources only "
+            "in a folder of the user's own that no one else can write to"
+        )
+
+
 class EmulatorError(KernelgenError):
     """Base class of the CPU emulator's errors (:mod:`kernelgen.emulator`)."""
 

@@ -816,10 +816,19 @@ def spec_from_dict(data: Any, source: str | None = None) -> KernelSpec:
     try:
         return KernelSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(format_validation_error(exc), source) from None
+        try:
+            problems = format_validation_error(exc)
+        except RecursionError:  # echoing a value nested thousands of levels deep
+            problems = [f"values nested more than {MAX_SPEC_DEPTH} levels deep are not allowed"]
+        raise SpecError(problems, source) from None
+    except RecursionError:
+        raise SpecError(
+            [f"values nested more than {MAX_SPEC_DEPTH} levels deep are not allowed"], source
+        ) from None
 
 
 MAX_SPEC_BYTES = 1 << 20  # a spec is a dozen short lines; refuse anything near this size
+MAX_SPEC_DEPTH = 32  # nested YAML collections; a spec needs three or four levels
 MAX_ECHO_CHARS = 80  # values echoed in error messages are cut to this many characters
 
 
@@ -831,9 +840,27 @@ def _echo(value: Any) -> str:
 
 class _SpecLoader(yaml.SafeLoader):
     """YAML's safe loader without aliases (a spec never needs one; nested aliases expand
-    exponentially, the 'billion laughs') and with duplicate keys an error, not the last one."""
+    exponentially, the 'billion laughs'), with duplicate keys an error, not the last one, and
+    collections nested at most :data:`MAX_SPEC_DEPTH` deep (deeper ones would exhaust Python's
+    recursion limit)."""
+
+    _depth = 0
 
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self._depth >= MAX_SPEC_DEPTH:
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"values nested more than {MAX_SPEC_DEPTH} levels deep are not allowed",
+                self.peek_event().start_mark,
+            )
+        self._depth += 1
+        try:
+            return self._compose_checked(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _compose_checked(self, parent, index):  # type: ignore[no-untyped-def]
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(

@@ -35,6 +35,7 @@ from kernelgen.errors import (
     EmulatorUnavailableError,
     HazardError,
 )
+from kernelgen.fileio import private_dir, user_cache_home
 
 __all__ = ["EmulatedKernel", "LaunchStats", "build_kernel", "include_dir"]
 
@@ -199,15 +200,15 @@ extern "C" int kg_emulator_launch(void** args, const long long* cfg, long long* 
 # --------------------------------------------------------------------------------------------
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("KG_EMULATOR_CACHE")
-    if env:
-        d = Path(env)
-    else:
-        uid = os.getuid() if hasattr(os, "getuid") else "user"
-        d = Path(tempfile.gettempdir()) / f"kg_emulator_cache-{uid}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+def cache_dir() -> Path:
+    """Where compiled kernels live: ``$KG_EMULATOR_CACHE``, else
+    ``$XDG_CACHE_HOME/kernelgen/emulator`` (``~/.cache/kernelgen/emulator``). The folder's
+    libraries are loaded into the process, so it is created private (0700) and refused
+    (:class:`~kernelgen.errors.UnsafeFolderError`) when another user owns it or others may
+    write to it."""
+    explicit = os.environ.get("KG_EMULATOR_CACHE")
+    folder = Path(explicit) if explicit else user_cache_home() / "kernelgen" / "emulator"
+    return private_dir(folder)
 
 
 def compiler_available() -> bool:
@@ -522,7 +523,7 @@ def build_kernel(
             ]
         ).encode()
     ).hexdigest()[:32]
-    cache = _cache_dir()
+    cache = cache_dir()
     so_path = cache / f"{kernel_name}-{key}.so"
     compile_seconds = 0.0
     if not so_path.exists():

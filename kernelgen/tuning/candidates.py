@@ -43,7 +43,7 @@ from kernelgen.spec import (
     default_smem_layout,
     spec_from_dict,
 )
-from kernelgen.tuning.key import DeviceInfo, ProblemDesc, canonical_digest
+from kernelgen.tuning.key import DeviceInfo, ProblemDesc, canonical_digest, spec_fields
 
 log = logging.getLogger(__name__)
 
@@ -296,15 +296,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
     specs: list[KernelSpec] = []
     dropped: list[Dropped] = []
     seen: set[str] = set()
-    common = {
-        "dtype": problem.dtype,
-        "head_dim": problem.head_dim,
-        "causal": problem.causal,
-        "paged_kv": problem.page_size > 0,
-        "additive_mask": problem.mask,
-        "archs": [arch],
-        **{name: True for name in problem.variants},
-    }
+    common = {**spec_fields(problem), "archs": [arch]}
     for fields in itertools.chain(wgmma_fields(problem, arch), candidate_fields(problem)):
         try:
             spec = spec_from_dict({**common, **fields})

@@ -14,13 +14,17 @@ import fcntl
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kernelgen.arch import ARCHS
+from kernelgen.errors import InputError, SpecError
 from kernelgen.fileio import atomic_write_text
-from kernelgen.tuning.key import TuningKey, canonical_digest
+from kernelgen.spec import spec_from_dict
+from kernelgen.tuning.key import TuningKey, canonical_digest, spec_fields
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,7 @@ FORMAT = 1
 EXPORT_KIND = "kernelgen-tuning-export"
 _WARNED_READ_ONLY: set[str] = set()
 _WARNED_CORRUPT: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) already reported
+_KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*-[0-9a-f]{12}")  # ProblemBucket.label-digest
 
 
 def cache_dir() -> Path:
@@ -80,19 +85,27 @@ class TuningRecord:
         }
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> TuningRecord:
+    def from_payload(cls, payload: Any) -> TuningRecord:
+        """The record of a file's or a bundle's payload, every part checked: its key
+        (:func:`~kernelgen.tuning.key.key_problems`), the shape of each list and a winner that
+        is a valid spec for that key (:func:`winner_problems`); ValueError otherwise."""
+        if not isinstance(payload, dict):
+            raise ValueError(f"malformed record: a {type(payload).__name__}, not an object")
         try:
-            return cls(
+            record = cls(
                 key=TuningKey.from_dict(payload["key"]),
-                winner=dict(payload["winner"]),
-                candidates=list(payload["candidates"]),
-                dropped=list(payload["dropped"]),
-                tuned_shape=dict(payload["tuned_shape"]),
+                winner=_of_type(payload, "winner", dict),
+                candidates=_list_of_objects(payload, "candidates"),
+                dropped=_list_of_objects(payload, "dropped"),
+                tuned_shape=_of_type(payload, "tuned_shape", dict),
                 created=str(payload["created"]),
                 winner_launch=_launch_fields(payload.get("winner_launch")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed record: {exc!r}") from None
+        if problems := winner_problems(record):
+            raise ValueError(f"its winner does not fit its key ({'; '.join(problems)})")
+        return record
 
     @property
     def winner_splits(self) -> int | None:
@@ -105,6 +118,76 @@ class TuningRecord:
             if c.get("status") == "winner":
                 return c.get("median_ms")
         return None
+
+
+def _of_type(payload: dict[str, Any], name: str, kind: type) -> Any:
+    value = payload[name]
+    if not isinstance(value, kind):
+        raise ValueError(f"malformed record: {name} is a {type(value).__name__}")
+    return kind(value)
+
+
+def _list_of_objects(payload: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    items = _of_type(payload, name, list)
+    if not all(isinstance(item, dict) for item in items):
+        raise ValueError(f"malformed record: {name} holds something that is not an object")
+    return items
+
+
+def winner_problems(record: TuningRecord) -> list[str]:
+    """Why ``record``'s winner cannot run its key's problem (empty: it can): not a valid spec,
+    another dtype, head dim, mask, layout or set of variants, an architecture the key's device
+    does not get, or a split count for a kernel that does not split."""
+    try:
+        spec = spec_from_dict(record.winner)
+    except SpecError as exc:
+        return [f"not a valid spec: {'; '.join(exc.problems)}"]
+    bucket = record.key.problem
+    problems = [
+        f"{name}={getattr(spec, name)!r}, the key has {value!r}"
+        for name, value in spec_fields(bucket).items()
+        if getattr(spec, name) != value
+    ]
+    if set(spec.variants) != set(bucket.variants):
+        problems.append(f"variants {list(spec.variants)}, the key has {list(bucket.variants)}")
+    try:
+        arch = record.key.device.target_arch
+    except InputError as exc:
+        return [*problems, str(exc)]
+    capability = ARCHS[arch].compute_capability  # sm_90a code is for a 9.0 device too
+    if all(ARCHS[a].compute_capability != capability for a in spec.archs):
+        problems.append(f"archs {list(spec.archs)}, the key's device is {arch}")
+    if record.winner_splits is not None and not spec.split_kv:
+        problems.append(f"{record.winner_splits} splits for a kernel without split_kv")
+    return problems
+
+
+MAX_DEPTH = 16  # nested JSON containers of a document: a bundle's spec archs are 8 deep
+
+
+def load_document(data: bytes) -> Any:
+    """Parse a record file or a bundle: ValueError when it is not JSON or is nested deeper than
+    :data:`MAX_DEPTH` (never RecursionError, here or in what later walks the value)."""
+    try:
+        document = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep") from None
+    level = [document] if isinstance(document, dict | list) else []
+    for _ in range(MAX_DEPTH):  # one level at a time: no recursion however deep the value is
+        level = [
+            child
+            for container in level
+            for child in (container.values() if isinstance(container, dict) else container)
+            if isinstance(child, dict | list)
+        ]
+    if level:
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+    return document
+
+
+def decode_record(data: bytes) -> TuningRecord:
+    """The record in a file's bytes; ValueError when it is unusable."""
+    return TuningRecord.from_payload(unwrap(load_document(data)))
 
 
 def _launch_fields(value: Any) -> dict[str, Any] | None:
@@ -127,7 +210,12 @@ class TuningDB:
         self.dir = self.root / "tuning"
 
     def path(self, key: TuningKey | str) -> Path:
-        return self.dir / f"{key if isinstance(key, str) else key.id}.json"
+        """``<dir>/<key id>.json``; ValueError for an id that would name a file elsewhere."""
+        key_id = key if isinstance(key, str) else key.id
+        path = self.dir / f"{key_id}.json"
+        if not _KEY_ID.fullmatch(key_id) or path.resolve().parent != self.dir.resolve():
+            raise ValueError(f"tuning key id {key_id!r:.80} does not name a file in {self.dir}")
+        return path
 
     def _warn_read_only(self, exc: OSError) -> None:
         if str(self.dir) not in _WARNED_READ_ONLY:
@@ -149,7 +237,7 @@ class TuningDB:
             log.warning("cannot read tuning record %s: %s; treating it as a miss", path, exc)
             return None
         try:
-            return TuningRecord.from_payload(unwrap(json.loads(data)))
+            return decode_record(data)
         except ValueError as exc:
             seen = (str(path), stat.st_size, stat.st_mtime_ns)
             if seen not in _WARNED_CORRUPT:  # once per file version, not per lookup
@@ -186,7 +274,7 @@ class TuningDB:
         """Exclusive ``flock`` on ``<key id>.lock`` (no lock where the directory is read-only)."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.dir / f"{key.id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path(key).with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             self._warn_read_only(exc)
             yield
@@ -232,7 +320,7 @@ class TuningDB:
         """Every record of an export bundle, all checked before any is used: ValueError naming
         the file (and the record) when the bundle or one of its records is unusable."""
         try:
-            bundle = unwrap(json.loads(Path(path).read_bytes()))
+            bundle = unwrap(load_document(Path(path).read_bytes()))
         except OSError as exc:
             raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
         except ValueError as exc:

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
 
 from kernelgen.arch import ARCHS, arch_for_capability, nearest_arch
 from kernelgen.errors import InputError
-from kernelgen.spec import DTYPE_ALIASES, MAX_HEAD_DIM, normalize_dtype  # noqa: F401 (the one table: spec's)
+from kernelgen.spec import (  # noqa: F401 (DTYPE_ALIASES: the one table, spec's)
+    DTYPE_ALIASES,
+    MAX_HEAD_DIM,
+    VARIANT_FLAGS,
+    normalize_dtype,
+)
 
 _DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
@@ -21,6 +27,19 @@ _DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 def pow2_bucket(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): the bucket of a sequence length."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def spec_fields(problem: ProblemDesc | ProblemBucket) -> dict[str, object]:
+    """The spec fields every kernel for ``problem`` has: what each candidate is built with, and
+    what a record's winner must match."""
+    return {
+        "dtype": problem.dtype,
+        "head_dim": problem.head_dim,
+        "causal": problem.causal,
+        "paged_kv": problem.page_size > 0,
+        "additive_mask": problem.mask,
+        **{name: True for name in problem.variants},
+    }
 
 
 def canonical_digest(data: object) -> str:
@@ -230,7 +249,13 @@ class TuningKey:
         return f"{self.problem.label}-{canonical_digest(self.as_dict())[:12]}"
 
     @classmethod
-    def from_dict(cls, data: dict) -> TuningKey:
+    def from_dict(cls, data: object) -> TuningKey:
+        """The key of a record file or an imported bundle (untrusted text): every field checked
+        (:func:`key_problems`); ValueError listing what is wrong."""
+        problems = key_problems(data)
+        if problems:
+            raise ValueError("bad tuning key: " + "; ".join(problems))
+        assert isinstance(data, dict)
         problem = dict(data["problem"])
         problem["variants"] = tuple(problem.get("variants", ()))
         return cls(
@@ -238,3 +263,108 @@ class TuningKey:
             DeviceInfo(**data["device"]),
             SoftwareInfo(**data["software"]),
         )
+
+
+# A key's fields as a record file holds them: JSON type, and whether the field may be absent.
+_PROBLEM_FIELDS: dict[str, tuple[type, bool]] = {
+    "dtype": (str, False),
+    "head_dim": (int, False),
+    "causal": (bool, False),
+    "mask": (bool, False),
+    "gqa_ratio": (int, False),
+    "seqlen_q": (int, False),
+    "seqlen_k": (int, False),
+    "batch_heads": (int, False),
+    "page_size": (int, True),
+    "variants": (list, True),
+}
+_DEVICE_FIELDS: dict[str, tuple[type, bool]] = {
+    "name": (str, False),
+    "compute_capability": (str, False),
+    "sm_count": (int, False),
+}
+_SOFTWARE_FIELDS: dict[str, tuple[type | None, bool]] = {
+    "kernelgen": (str, False),
+    "template_hash": (str, False),
+    "nvrtc": (None, True),  # None: a string or null
+    "cuda_runtime": (None, True),
+    "cupy": (None, True),
+}
+MAX_KEY_TEXT = 200  # characters of a device name or a version string
+
+
+def _field_problems(
+    part: str, data: object, fields: dict[str, tuple[type | None, bool]]
+) -> list[str]:
+    """Type problems of one part of a key: missing, unknown or mistyped fields."""
+    if not isinstance(data, dict):
+        return [f"{part} is {type(data).__name__}, not an object"]
+    problems = [f"{part}.{name} is not a field" for name in data if name not in fields]
+    for name, (kind, optional) in fields.items():
+        if name not in data:
+            if not optional:
+                problems.append(f"{part}.{name} is missing")
+            continue
+        value = data[name]
+        if kind is None:
+            ok = value is None or (isinstance(value, str) and len(value) <= MAX_KEY_TEXT)
+            want = f"null or a string of at most {MAX_KEY_TEXT} characters"
+        elif kind is int:
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif kind is str:
+            ok = isinstance(value, str) and len(value) <= MAX_KEY_TEXT
+            want = f"a string of at most {MAX_KEY_TEXT} characters"
+        else:
+            ok, want = isinstance(value, kind), kind.__name__
+        if not ok:
+            problems.append(f"{part}.{name}={value!r:.60} is not {want}")
+    return problems
+
+
+def _problem_value_problems(problem: dict) -> list[str]:
+    """Value problems of a (well-typed) problem bucket: what no real call produces."""
+    problems = []
+    if problem["dtype"] not in _DTYPE_SHORT:
+        problems.append(f"problem.dtype={problem['dtype']!r} is not one of {sorted(_DTYPE_SHORT)}")
+    head_dim = problem["head_dim"]
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        problems.append(
+            f"problem.head_dim={head_dim} is not a multiple of 8 from 8 to {MAX_HEAD_DIM}"
+        )
+    if problem["gqa_ratio"] < 1:
+        problems.append(f"problem.gqa_ratio={problem['gqa_ratio']} is not at least 1")
+    for name in ("seqlen_q", "seqlen_k", "batch_heads"):  # buckets: powers of two
+        if problem[name] < 1 or pow2_bucket(problem[name]) != problem[name]:
+            problems.append(f"problem.{name}={problem[name]} is not a power of two")
+    page_size = problem.get("page_size", 0)
+    if page_size < 0 or page_size % 16:
+        problems.append(f"problem.page_size={page_size} is not 0 or a multiple of 16")
+    variants = problem.get("variants", [])
+    known = all(isinstance(v, str) and v in VARIANT_FLAGS for v in variants)
+    if not known or len(set(variants)) != len(variants):
+        problems.append(
+            f"problem.variants={variants!r:.80} are not distinct names from {list(VARIANT_FLAGS)}"
+        )
+    return problems
+
+
+def key_problems(data: object) -> list[str]:
+    """What is wrong with a key read from a file (empty: nothing): unknown, missing or mistyped
+    fields, a dtype outside the table, sizes no call produces, unknown variant names. Checked
+    before any field is used, e.g. in the record's file name."""
+    if not isinstance(data, dict):
+        return [f"the key is {type(data).__name__}, not an object"]
+    parts = {"problem": _PROBLEM_FIELDS, "device": _DEVICE_FIELDS, "software": _SOFTWARE_FIELDS}
+    problems = [f"{name} is not a part of a key" for name in data if name not in parts]
+    for part, fields in parts.items():
+        problems += _field_problems(part, data.get(part), fields)
+    if problems:
+        return problems
+    if not re.fullmatch(r"\d{1,3}\.\d{1,3}", data["device"]["compute_capability"]):
+        problems.append(
+            f"device.compute_capability={data['device']['compute_capability']!r:.60} is not "
+            "like '9.0'"
+        )
+    if data["device"]["sm_count"] < 1:
+        problems.append(f"device.sm_count={data['device']['sm_count']} is not at least 1")
+    return problems + _problem_value_problems(data["problem"])
