@@ -365,6 +365,7 @@ def attention(
     shapes) and so are their values when they live on the host; device lists are read only
     with ``validate=True`` (one synchronisation, checked there by their own library).
     """
+    check_flags(causal=causal, return_lse=return_lse, validate=validate)
     warn_if_grad_wanted(q, k, v)
     options = (window_size, softcap)
     arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
@@ -744,6 +745,15 @@ def _untuned_or_tuned_launch(
     tuner = gpu_tuner(free_pool=True) if library == "torch" else None
     launch = select_launch(problem, tuner=tuner)
     return launch.spec, launch.num_splits
+
+
+def check_flags(**flags: Any) -> None:
+    """Each flag a bool (NumPy's included): a string such as ``causal="no"`` would read as true."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InputTypeError(
+                f"{name}={value!r} has type {type(value).__name__}; expected True or False"
+            )
 
 
 def check_num_splits(num_splits: Any, spec: KernelSpec | None) -> int | None:

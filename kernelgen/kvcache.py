@@ -24,6 +24,7 @@ from kernelgen.api import (
     Paging,
     TensorInfo,
     check_expression_libraries,
+    check_flags,
     check_inputs,
     check_num_splits,
     checked_plan,
@@ -111,6 +112,7 @@ def attention_with_kvcache(
     as in ``attention()``: ``kv_idx`` is the key's position in its entry's cache and ``q_idx``
     the query's row in [0, Sq) (write the entry's offset into the expression or an input).
     """
+    check_flags(causal=causal, return_lse=return_lse, validate=validate)
     infos = [describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
     paged = block_table is not None
     for t in infos:

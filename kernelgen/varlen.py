@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kernelgen.api import TensorInfo, attention, check_inputs, describe
+from kernelgen.api import TensorInfo, attention, check_flags, check_inputs, describe
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.frameworks import arrays_of, device_of, module_of, refuse_during_capture
 from kernelgen.spec import KernelSpec
@@ -62,6 +62,7 @@ def attention_varlen(
     The variants (docs/variants.md) as in ``attention()``, per sequence (its own offset
     Sk - Sq); ``alibi_slopes`` is (H,) or (B, H) with B the number of sequences.
     """
+    check_flags(causal=causal, return_lse=return_lse)
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     for t in infos:
         if len(t.shape) != 3:

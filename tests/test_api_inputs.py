@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kernelgen
 from kernelgen.api import _seqlens_k_array, check_inputs, check_num_splits, default_spec, describe
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.spec import KernelSpec
@@ -239,3 +240,27 @@ def test_bfloat16_crosses_dlpack_as_int16_where_a_library_refuses_it(monkeypatch
     fp8.__class__.__module__ = "torch"
     with pytest.raises(NotImplementedError):  # other dtypes are not papered over
         frameworks.as_cupy(fp8)
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 1, 0, None, 1.0])
+@pytest.mark.parametrize("flag", ["causal", "return_lse", "validate"])
+def test_flags_that_are_not_booleans_are_refused(flag, value):
+    """A string such as causal="no" would read as true: every flag must be a bool."""
+    q = np.zeros((1, 1, 4, 32), np.float16)
+    for call in (
+        lambda: kernelgen.attention(q, q, q, **{flag: value}),
+        lambda: kernelgen.attention_with_kvcache(
+            q.transpose(0, 2, 1, 3),
+            q.transpose(0, 2, 1, 3),
+            q.transpose(0, 2, 1, 3),
+            [4],
+            **{flag: value},
+        ),
+    ):
+        with pytest.raises(kernelgen.InputTypeError, match=rf"{flag}=.* expected True or False"):
+            call()
+    if flag != "validate":
+        with pytest.raises(kernelgen.InputTypeError, match=rf"{flag}="):
+            kernelgen.attention_varlen(
+                q[0, 0], q[0, 0], q[0, 0], [0, 4], [0, 4], 4, 4, **{flag: value}
+            )
