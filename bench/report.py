@@ -21,7 +21,9 @@ from kernelgen.fileio import atomic_write_bytes
 
 OK, WRONG, UNAVAILABLE, SKIPPED, ERROR = "ok", "wrong", "unavailable", "skipped", "error"
 STATUSES = (OK, WRONG, UNAVAILABLE, SKIPPED, ERROR)
-SCHEMA_VERSION = 1
+# 2: timed rows carry rounds, round_medians_ms and round_spread (1: one measurement each)
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 Rows = Iterable[dict[str, Any]]
 SortRows = Callable[[Rows], list[dict[str, Any]]]  # a benchmark's row order
 
