@@ -229,7 +229,8 @@ class Harness:
     def measure(
         self, shape: Any, impl: Any, sets: list, ref: Any, budget_ms: float | None = None
     ) -> tuple[str, dict[str, Any]]:
-        """(status, fields) of one implementation: check, memory, then timing."""
+        """(status, fields) of one implementation: check, memory, then timing (with
+        ``interleave`` the timing is left pending: :meth:`time_pending` fills the figures)."""
         gpu, env = self.gpu, self.env
         q, k, v = sets[0]
         out_bytes = metrics.tensor_bytes(shape)["out"]

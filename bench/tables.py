@@ -391,11 +391,13 @@ def calibration_summary_section(calibrated: Sequence[calibration.Calibrated]) ->
 
 
 def _spread(values: Sequence[float]) -> str:
-    return (
-        f"{min(values):.2f}-{max(values):.2f} (median {statistics.median(values):.2f})"
-        if values
-        else "-"
-    )
+    """``0.45-1.21 (median 0.75)``; one value when all are equal (to two decimals)."""
+    if not values:
+        return "-"
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    if low == high:
+        return f"{low} throughout"
+    return f"{low}-{high} (median {statistics.median(values):.2f})"
 
 
 def _error_words(
@@ -413,12 +415,15 @@ def _error_words(
     hits = sum(1 for f in fits if f.model_first == f.best_label)
     tuner_hits = sum(1 for f in fits if f.tuner_first == f.best_label)
     missing = len(calibrated) - len(modelled)
+    matmul = [c.measured.matmul_tflops for c in modelled if c.measured.matmul_tflops]
     return (
         f"**The model's error on every measured spec** ({len(modelled)} timed specs"
         + (f"; {missing} without a prediction" if missing else "")
         + "): the measured fraction of the matmul rate over the model's predicted fraction of "
-        f"the peak is {'; '.join(parts)}. A constant would mean the model is right up to one "
-        "factor; the spread is its error in ranking terms. Within each row's candidates, the "
+        f"the peak is {'; '.join(parts)}. The matmul (cuBLAS, {min(matmul):.0f}-"
+        f"{max(matmul):.0f} TFLOP/s in these runs) stands for the peak, so the level is "
+        "relative and values above 1 occur; a constant would mean the model is right up to one "
+        "factor, and the spread is its error. Within each row's candidates, the "
         f"rank correlation of the model's cost with the measured times is {_spread(model_rho)} "
         f"over {len(model_rho)} rows (1.0: the same order), that of the autotuner's tiling-only "
         f"cost {_spread(tuner_rho)}; the model's first choice was the measured fastest in "
@@ -472,9 +477,9 @@ def _overlap_words(pairs: Sequence[calibration.OverlapPair]) -> str:
     return "\n".join(
         [
             f"**Intra-warpgroup overlap** (`overlap: true`, the `-ovl` candidates): measured "
-            f"slower than the same tiling without it in {slower} of {len(pairs)} pairs "
-            f"(overlap over plain {_spread([p.measured_ratio for p in pairs])}); the model "
-            f"predicted {_spread(predicted)} (ratios of its clocks per unit). It counts "
+            f"slower than the same tiling without it in {slower} of {len(pairs)} pairs: the "
+            f"plain time over the overlapped time is {_spread([p.measured_ratio for p in pairs])}"
+            f", where the model's clocks per unit gave {_spread(predicted)}. It counts "
             "instructions and shared-memory bytes per unit, which the overlap barely changes; "
             "what the overlap costs on hardware (registers, waits) is outside it.",
             "",
