@@ -576,6 +576,14 @@ def render_documents(
     return out
 
 
+def write_keeping_mode(path: Path, text: str) -> None:
+    """Replace ``path`` atomically, keeping its permission bits (the temporary file's are
+    owner-only); a new file gets 0o644."""
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    write_atomic(path, text)
+    path.chmod(mode)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.tables",
@@ -599,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in changed or ["(document)"]:
                 print(f"tables: {rel(document)}: section {name} is out of date", file=sys.stderr)
         else:
-            write_atomic(document, generated)
+            write_keeping_mode(document, generated)
             print(f"tables: rewrote {', '.join(changed)} in {rel(document)}")
     if args.check and stale:
         print("tables: run python -m bench.tables to regenerate", file=sys.stderr)

@@ -77,6 +77,17 @@ def test_check_reports_a_stale_section_and_an_unknown_marker(tmp_path):
         tables.render_documents(sections, tmp_path)
 
 
+def test_rewrite_keeps_the_documents_permissions(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("old")
+    doc.chmod(0o664)
+    tables.write_keeping_mode(doc, "new")
+    assert doc.read_text() == "new" and doc.stat().st_mode & 0o777 == 0o664
+    fresh = tmp_path / "fresh.md"
+    tables.write_keeping_mode(fresh, "x")
+    assert fresh.stat().st_mode & 0o777 == 0o644
+
+
 def test_provenance_sidecar_overrides_meta(tmp_path):
     meta = {"git_commit": "a" * 40, "git_dirty": True}
     (tmp_path / "x-provenance.json").write_text(
