@@ -32,8 +32,10 @@ from bench.harness import (
     ROOT,
     Harness,
     git_info,
+    gpu_clocks,
     load_previous,
     open_env,
+    positive_int,
     run_settings,
     run_shapes,
     shape_or_error,
@@ -75,6 +77,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-ms", type=float, help="time budget per measurement (200 quick, 500)")
     p.add_argument("--min-reps", type=int, default=20, help="timed repetitions, at least")
     p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="timing rounds per measurement (default 3): a shape's peers, and a kernelgen row's "
+        "candidates, are timed interleaved, each round in a rotated order on 1/rounds of the "
+        "budget; rows report the spread between rounds",
+    )
+    p.add_argument(
         "--simt-max-seqlen",
         type=int,
         default=4096,
@@ -110,6 +120,7 @@ class Runner(Harness):
 
     def __init__(self, env: Any, args: argparse.Namespace, floors: dict[str, Any]) -> None:
         super().__init__(env, args, floors, selected_peers(args.peers))
+        self.interleave = True  # a shape's peers are timed together (shape_rows)
         self.candidates = tensor_core_candidates(quick=args.quick)
         self.hopper_candidates = wgmma_candidates(quick=args.quick)
 
@@ -261,6 +272,7 @@ class Runner(Harness):
                 continue
             entry.update(status=status, **figures)
             entry["impl"] = impl
+        self.time_pending(tried)  # the screening: the candidates interleaved, in rounds
         return self.best_candidate(shape, peer, tried, sets, ref)
 
     def best_candidate(
@@ -331,6 +343,8 @@ class Runner(Harness):
             row.setdefault("label", PEERS_BY_NAME[peer].label)
             row["n_sets"] = n_sets
             rows.append(row)
+        self.time_pending(rows)  # every checked peer (and each best candidate), interleaved
+        for row in rows:
             print(progress_line(row), flush=True)
         del sets, ref
         gpu.release(env)
@@ -360,6 +374,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
         "kernelgen_error": env.kernelgen_error,
         "template_hash": env.kg_module("render").template_hash() if kg else None,
         **git_info(),
+        "clocks_start": gpu_clocks(),
         "python": sys.version.split()[0],
         "timing": gpu.TIMING_METHOD,
         "memory_method": gpu.MEMORY_METHOD,
@@ -370,6 +385,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
         args,
         shapes,
         candidate_budget_ms=CANDIDATE_BUDGET_MS,
+        timing_rounds=args.rounds,
         tensor_core_candidates=tensor_core_candidates(args.quick),
     )
     runner = Runner(env, args, floors={})
@@ -391,6 +407,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
 
     rows, fatal = run_shapes(shapes, lambda shape: shape_or_error(runner, shape), checkpoint)
     meta["fatal"] = fatal
+    meta["clocks_end"] = gpu_clocks()
     all_rows = report.merge_rows(previous, rows)
     written = write_results(paths, meta, floors, all_rows, settings, png=True)
     for path in written:

@@ -27,7 +27,7 @@ from typing import Any
 from bench import decode_report as dr
 from bench import harness, metrics, report
 from bench.decode_shapes import HEAD_DIM, DecodeShape, grid
-from bench.harness import GIB, ROOT, Harness, git_info, load_previous
+from bench.harness import GIB, ROOT, Harness, git_info, load_previous, positive_int
 
 DEFAULT_MAX_KV_GIB = 24.0
 MAX_SETS = 1024  # decode input sets are small: up to this many to exceed 2x L2
@@ -78,6 +78,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--budget-ms", type=float, help="time budget per measurement (200 quick, 500)")
     p.add_argument("--min-reps", type=int, default=20, help="timed repetitions, at least")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="timing rounds (default 3): a shape's peers are timed interleaved, each round in a "
+        "rotated order on 1/rounds of the budget; rows report the spread between rounds",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", help="suffix of the result file names (after -decode)")
     p.add_argument(
@@ -266,6 +273,7 @@ class DecodeRunner(Harness):
 
     def __init__(self, env: Any, args: argparse.Namespace, floors: dict[str, Any]) -> None:
         super().__init__(env, args, floors, selected_peers(args.peers))
+        self.interleave = True  # a shape's peers are timed together (shape_rows)
 
     def figures(self, shape: Any, times: list[float]) -> dict[str, Any]:
         stats = metrics.summarize(times)
@@ -284,8 +292,10 @@ class DecodeRunner(Harness):
         if self.args.sweep_splits and shape.batch == 1:
             peers += [dr.split_peer(n) for n in dr.SPLIT_SWEEP]
         rows = [self.safe_row(shape, peer, sets, ref) for peer in peers]
+        self.time_pending(rows)  # every checked peer, interleaved in rounds
         for row in rows:
             row["n_sets"] = n_sets
+            print(dr.progress_line(row), flush=True)
         del sets, ref
         self.gpu.release(env)
         return dr.add_comparisons(rows)
@@ -302,7 +312,6 @@ class DecodeRunner(Harness):
             row = report.make_row(shape, peer, report.ERROR, reason=gpu.first_line(exc))
         peer_info = dr.DECODE_PEERS_BY_NAME.get(peer)
         row.setdefault("label", peer_info.label if peer_info else f"kernelgen decode spec, {peer}")
-        print(dr.progress_line(row), flush=True)
         return row
 
     def peer_row(self, shape: DecodeShape, peer: str, sets: list, ref: Any) -> dict[str, Any]:
@@ -518,6 +527,7 @@ def run_meta(env: Any, today: dt.date) -> dict[str, Any]:
         "kernelgen_error": env.kernelgen_error,
         "template_hash": template_hash,
         **git_info(),
+        "clocks_start": harness.gpu_clocks(),
         "python": sys.version.split()[0],
         "autotune_mode": os.environ.get("KERNELGEN_AUTOTUNE", "1"),
         "timing": gpu.TIMING_METHOD,
@@ -562,7 +572,7 @@ def run(args: argparse.Namespace, shapes: list[DecodeShape]) -> int:
     today = dt.date.today()
     meta = run_meta(env, today)
     settings = harness.run_settings(
-        args, shapes, max_sets=MAX_SETS, split_sweep=list(dr.SPLIT_SWEEP)
+        args, shapes, max_sets=MAX_SETS, split_sweep=list(dr.SPLIT_SWEEP), timing_rounds=args.rounds
     )
     runner = DecodeRunner(env, args, floors={})
     print(f"bench.decode: {env.info['gpu_name']}, {len(shapes)} shapes, peers {args.peers}")
@@ -580,6 +590,7 @@ def run(args: argparse.Namespace, shapes: list[DecodeShape]) -> int:
 
     rows, fatal = harness.run_shapes(shapes, lambda s: shape_or_error(runner, s), checkpoint)
     meta["fatal"] = fatal
+    meta["clocks_end"] = harness.gpu_clocks()
     all_rows = report.merge_rows(previous, rows, dr.sort_rows)
     for path in write_results(paths, meta, floors, all_rows, settings):
         print(f"wrote {path}")

@@ -391,9 +391,14 @@ class Timer:
         return percentile(rates, 50)
 
     def measure(
-        self, fn: Callable[[int], Any], n_sets: int, budget_ms: float | None = None
+        self,
+        fn: Callable[[int], Any],
+        n_sets: int,
+        budget_ms: float | None = None,
+        min_reps: int | None = None,
     ) -> tuple[list[float], dict[str, Any]]:
-        """Per-call device times (ms) of ``fn(set_index)`` and how they were taken."""
+        """Per-call device times (ms) of ``fn(set_index)`` and how they were taken
+        (``budget_ms``, ``min_reps``: this measurement's, default the timer's)."""
         env = self.env
         env.sync()
         begin, calls = time.perf_counter(), 0
@@ -413,7 +418,8 @@ class Timer:
             device.append(start.elapsed_time(end))
         estimate = percentile(device, 50)
         budget = self.budget_ms if budget_ms is None else budget_ms
-        reps = repetitions(estimate, budget, self.min_reps, self.max_reps)
+        least = self.min_reps if min_reps is None else min_reps
+        reps = repetitions(estimate, budget, least, self.max_reps)
         starts = [self._event() for _ in range(reps)]
         ends = [self._event() for _ in range(reps)]
         pad_ms = 0.0

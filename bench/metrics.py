@@ -1,4 +1,5 @@
-"""Pure arithmetic of the benchmark: FLOPs, bytes, floors, statistics, tolerances, rotation."""
+"""Pure arithmetic of the benchmark: FLOPs, bytes, floors, statistics, timing rounds and the
+verdicts they allow, rank correlation, tolerances, rotation."""
 
 from __future__ import annotations
 
@@ -113,6 +114,113 @@ def summarize(times_ms: Sequence[float]) -> dict[str, float | int]:
         "max_ms": max(times_ms),
         "reps": len(times_ms),
     }
+
+
+def rotation(count: int, round_index: int) -> list[int]:
+    """The order of ``count`` entries in round ``round_index``: round r starts at entry
+    ``r mod count`` and wraps, so that over ``count`` rounds every entry runs once in every
+    position (a drift in clocks or temperature during a round is not charged to one entry)."""
+    if count < 0 or round_index < 0:
+        raise ValueError(f"count={count} and round_index={round_index} must be >= 0")
+    return [(round_index + i) % count for i in range(count)]
+
+
+def round_budget(budget_ms: float, rounds: int) -> float:
+    """Each round's share of a measurement's time budget: the total stays ``budget_ms``."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be at least 1")
+    return budget_ms / rounds
+
+
+def round_min_reps(min_reps: int, rounds: int) -> int:
+    """Each round's minimum repetitions: ``min_reps`` spread over the rounds (at least 1)."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be at least 1")
+    return max(1, math.ceil(min_reps / rounds))
+
+
+def round_stats(rounds: Sequence[Sequence[float]]) -> dict[str, float | int | list[float]]:
+    """Figures over every repetition of every round (:func:`summarize`) plus each round's
+    median (``round_medians_ms``) and the spread between rounds (``round_spread``: the largest
+    minus the smallest round median, over the median of all repetitions)."""
+    kept = [list(times) for times in rounds if times]
+    if not kept:
+        raise ValueError("round statistics of no timings")
+    stats: dict[str, float | int | list[float]] = dict(summarize([t for r in kept for t in r]))
+    medians = [percentile(times, 50) for times in kept]
+    stats["rounds"] = len(kept)
+    stats["round_medians_ms"] = medians
+    median = float(stats["median_ms"])
+    stats["round_spread"] = (max(medians) - min(medians)) / median if median > 0 else None
+    return stats
+
+
+NOISE_ROUNDS, NOISE_P10_P90 = "round spread", "p10-p90"
+WIN, LOSS, WITHIN_NOISE = "win", "loss", "within noise"
+
+
+def relative_noise(row: dict) -> tuple[float | None, str | None]:
+    """(noise, what it is) of a timed row: its spread between rounds when it has rounds, else
+    (a file written before rounds existed) the p10-p90 width over the median; (None, None)
+    when neither can be computed."""
+    spread = row.get("round_spread")
+    if spread is not None and (row.get("rounds") or 0) > 1:
+        return float(spread), NOISE_ROUNDS
+    median, p10, p90 = row.get("median_ms"), row.get("p10_ms"), row.get("p90_ms")
+    if median and p10 is not None and p90 is not None and median > 0:
+        return (p90 - p10) / median, NOISE_P10_P90
+    return None, None
+
+
+def verdict(row: dict, other: dict) -> dict:
+    """How ``row`` compares with ``other`` (two timed rows of one shape): ``ratio`` is other's
+    median time over row's (above 1: row is faster), ``noise`` the two rows' noise added
+    (:func:`relative_noise`), and ``call`` a win or a loss only when ``|ratio - 1|`` exceeds it,
+    else within noise (None when either row has no time or no noise figure)."""
+    mine, theirs = row.get("median_ms"), other.get("median_ms")
+    if not mine or not theirs or mine <= 0 or theirs <= 0:
+        return {"ratio": None, "noise": None, "noise_kind": None, "call": None}
+    ratio = theirs / mine
+    noise_a, kind_a = relative_noise(row)
+    noise_b, kind_b = relative_noise(other)
+    if noise_a is None or noise_b is None:
+        return {"ratio": ratio, "noise": None, "noise_kind": None, "call": None}
+    noise = noise_a + noise_b
+    kind = kind_a if kind_a == kind_b else f"{kind_a} + {kind_b}"
+    call = WITHIN_NOISE if abs(ratio - 1) <= noise else (WIN if ratio > 1 else LOSS)
+    return {"ratio": ratio, "noise": noise, "noise_kind": kind, "call": call}
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of two equally long sequences (ties get their average rank);
+    None for fewer than two pairs or when either side is constant."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman of {len(xs)} against {len(ys)} values")
+    if len(xs) < 2:
+        return None
+    rx, ry = average_ranks(xs), average_ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+def average_ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of ``values`` (smallest first), tied values sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for k in range(start, end + 1):
+            ranks[order[k]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
 
 
 def repetitions(

@@ -21,7 +21,9 @@ from kernelgen.fileio import atomic_write_bytes
 
 OK, WRONG, UNAVAILABLE, SKIPPED, ERROR = "ok", "wrong", "unavailable", "skipped", "error"
 STATUSES = (OK, WRONG, UNAVAILABLE, SKIPPED, ERROR)
-SCHEMA_VERSION = 1
+# 2: timed rows carry rounds, round_medians_ms and round_spread (1: one measurement each)
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 Rows = Iterable[dict[str, Any]]
 SortRows = Callable[[Rows], list[dict[str, Any]]]  # a benchmark's row order
 
@@ -205,7 +207,19 @@ def provenance(meta: dict[str, Any]) -> list[str]:
         f"{' (dirty)' if meta.get('git_dirty') else ''}, template hash "
         f"{str(meta.get('template_hash'))[:12]}",
         f"- timing: {meta.get('timing', '')}",
+        f"- clocks (nvidia-smi, start / end): {_clocks(meta.get('clocks_start'))} / "
+        f"{_clocks(meta.get('clocks_end'))}",
     ]
+
+
+def _clocks(clocks: dict[str, Any] | None) -> str:
+    """``SM 1980 MHz, memory 2619 MHz, 41 C``, or ``not recorded``."""
+    if not clocks:
+        return "not recorded"
+    return (
+        f"SM {_num(clocks.get('clocks.sm'))} MHz, memory {_num(clocks.get('clocks.mem'))} MHz, "
+        f"{_num(clocks.get('temperature.gpu'))} C"
+    )
 
 
 def markdown_document(result: dict[str, Any]) -> str:

@@ -405,7 +405,7 @@ def test_safe_row_turns_exceptions_into_error_rows(monkeypatch, capsys):
     row = r.safe_row(s, "kg-nosplit", [], None)
     assert row["status"] == report.ERROR and row["reason"] == "RuntimeError: compile failed"
     assert row["label"].startswith("kernelgen tensor-core prefill")
-    assert "kg-nosplit" in capsys.readouterr().out
+    assert capsys.readouterr().out == ""  # the progress line follows the shape's timing rounds
 
     def fatal(*_args: Any) -> dict:
         raise gpu.FatalGPUError("context gone")
