@@ -143,18 +143,22 @@ def test_default_tiling_is_the_model_best_of_the_tilings_it_may_use(arch):
             assert analytic_cost(chosen, arch) <= analytic_cost(other, arch), chosen.uri
     for arch_of_default in ("sm_80", "sm_90", None):
         widest = default_spec("bfloat16", 128, False, arch_of_default)
-        assert (widest.block_m, widest.block_n, widest.num_warps) == (256, 48, 8)
+        # sm_90 takes the tiling an H100 measured fastest (4 warps, 128 x 48), the others the
+        # model's (8 warps, 256 x 48); both 32 rows per warp, padded
+        tiles = (128, 48, 4) if arch_of_default == "sm_90" else (256, 48, 8)
+        assert (widest.block_m, widest.block_n, widest.num_warps) == tiles
         assert widest.smem_layout == "padded"  # the swizzle's offsets cost registers there
-        # FlashAttention 2's ceiling (96 KiB per unit) or better on every arch the model knows
-        for model_arch in ("sm_80", "sm_90"):
-            assert analytic_figures(widest).smem_bytes <= 96 * 1024
-            assert analytic_cost(widest, model_arch) <= predict(FA2_D128, model_arch).cost
+        if arch_of_default != "sm_90":
+            # FlashAttention 2's ceiling (96 KiB per unit) or better on every arch modelled
+            for model_arch in ("sm_80", "sm_90"):
+                assert analytic_figures(widest).smem_bytes <= 96 * 1024
+                assert analytic_cost(widest, model_arch) <= predict(FA2_D128, model_arch).cost
         rich = default_spec("bfloat16", 128, False, arch_of_default, variants=("softcap",))
         assert (rich.block_m, rich.block_n, rich.num_warps) == (128, 32, 4)
         with_expressions = default_spec("float16", 128, True, arch_of_default, expressions=True)
         assert (with_expressions.rows_per_warp, with_expressions.block_n) == (32, 32)
         assert default_spec("float16", 96, True, arch_of_default).block_n == 64
-        assert default_spec("float16", 120, True, arch_of_default).block_m == 256
+        assert default_spec("float16", 120, True, arch_of_default).block_m == tiles[0]
         # 16 rows per warp above 128 (accumulators), 8 warps, 48 keys
         for head_dim in (136, 232, 256):
             large = default_spec("bfloat16", head_dim, False, arch_of_default)
