@@ -1295,7 +1295,7 @@ def test_asm_rewrite_operands_and_lines():
             'asm volatile("mov.u32 %0, %%laneid;" : "=r"(x));',
             r"line 3: unsupported instruction 'mov.u32 %0, %laneid'",
         ),
-        ('asm volatile("bar.sync 0;");', r"unsupported instruction 'bar.sync 0'"),
+        ('asm volatile("membar.gl;");', r"unsupported instruction 'membar.gl'"),
         ('asm volatile(TEXT : "=r"(x));', r"must be string literals"),
         ('asm goto("bra %l0;" :::: done);', r"asm goto"),
         (

@@ -317,7 +317,7 @@ MACRO_SRC = (
                : "=r"(r)                                                   \
                : "r"(addr))
 // Never used, and the emulator does not model these: they must not matter.
-#define UNUSED_BARRIER() asm volatile("bar.sync 1, 64;\n" ::)
+#define UNUSED_BARRIER() asm volatile("membar.gl;\n" ::)
 #define UNUSED_LANEID(x) asm volatile("mov.u32 %0, %%laneid;" : "=r"(x))
 #if 0
 __device__ void never_compiled() { asm volatile("wgmma.fence.sync.aligned;\n" ::); }
@@ -370,7 +370,7 @@ def test_mutation_no_preprocessing_is_caught(monkeypatch, fresh_cache):
 
 def test_unsupported_asm_in_a_used_macro_is_still_reported():
     src = MACRO_SRC.replace("  unsigned r;\n", "  unsigned r;\n  UNUSED_BARRIER();\n")
-    with pytest.raises(EmulatorSourceError, match=r"unsupported instruction 'bar\.sync 1, 64'"):
+    with pytest.raises(EmulatorSourceError, match=r"unsupported instruction 'membar\.gl'"):
         build_kernel(src, "macros", [("const unsigned short*", "src"), ("unsigned*", "out")])
 
 

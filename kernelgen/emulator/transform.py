@@ -249,6 +249,7 @@ class _AsmStatement:
     line: int
     # PTX registers declared in a `{ .reg ... }` block: name -> "pred" or "b32"
     locals: dict[str, str] = field(default_factory=dict)
+    labels: list[str] = field(default_factory=list)  # labels of the block (branch targets)
 
     def error(self, what: str) -> _AsmError:
         return _AsmError(f"inline PTX at line {self.line}: {what}")
@@ -404,6 +405,8 @@ def _resolve_operand_refs(stmt: _AsmStatement) -> str:
         tok = m.group()
         if tok == "%%":
             return "%"
+        if tok == "%=":  # a number unique to the asm statement (for labels)
+            return str(stmt.line)
         if m.group("num") is not None:
             return f"${m.group('num')}"
         if m.group("name") is not None:
@@ -416,12 +419,14 @@ def _resolve_operand_refs(stmt: _AsmStatement) -> str:
 
 
 _SINK32 = "kg_sink32"
+_LABEL_RE = re.compile(r"[A-Za-z_$][\w$]*")
+_BRA_RE = re.compile(r"bra(?:\.uni)?\s+([A-Za-z_$][\w$]*)")
 _REG_DECL_RE = re.compile(r"\.reg\s+\.(pred|b32|u32|s32)\s+(.+)")
 _LOCAL_RE = re.compile(r"%?[A-Za-z_][A-Za-z_0-9]*")
 
 
 def _local_name(name: str) -> str:
-    return "kg_ptx_" + name.replace("%", "pct_")
+    return "kg_ptx_" + name.replace("%", "pct_").replace("$", "dollar_")
 
 
 def _ptx_instructions(stmt: _AsmStatement) -> list[tuple[str, str]]:
@@ -450,6 +455,9 @@ def _ptx_instructions(stmt: _AsmStatement) -> list[tuple[str, str]]:
         elif ch == ";" and vector_depth == 0:
             parts.append("".join(current))
             current = []
+        elif ch == ":" and vector_depth == 0 and _LABEL_RE.fullmatch("".join(current).strip()):
+            parts.append(":" + "".join(current).strip())  # a label
+            current = []
         else:
             current.append(ch)
     if block_depth or vector_depth or "".join(current).strip():
@@ -458,6 +466,12 @@ def _ptx_instructions(stmt: _AsmStatement) -> list[tuple[str, str]]:
     for part in parts:
         instr = " ".join(part.split())
         if not instr:
+            continue
+        if instr.startswith(":"):
+            if instr[1:] in stmt.labels:
+                raise stmt.error(f"label {instr[1:]} defined twice")
+            stmt.labels.append(instr[1:])
+            out.append(("", instr))
             continue
         if m := _REG_DECL_RE.fullmatch(instr):
             for name in (n.strip() for n in m.group(2).split(",")):
@@ -489,8 +503,9 @@ def _ptx_args(stmt: _AsmStatement, text: str, instr: str) -> list[tuple]:
             args.append(("sink",))
         elif a in stmt.locals:
             args.append(("local", a))
-        elif m := re.fullmatch(r"\[\s*\$(\d+)\s*,\s*\{\s*(\$\d+(?:\s*,\s*\$\d+)*)\s*\}\s*\]", a):
-            args.append(("tmap", int(m.group(1)), [int(x) for x in re.findall(r"\d+", m.group(2))]))
+        elif m := re.fullmatch(r"\[\s*\$(\d+)\s*,\s*\{([^{}]*)\}\s*\]", a):
+            coords = [_ptx_args(stmt, c.strip(), instr)[0] for c in m.group(2).split(",")]
+            args.append(("tmap", int(m.group(1)), coords))
         elif re.fullmatch(r"-\d+", a):
             args.append(("imm", int(a)))
         elif re.fullmatch(r"%\w+", a):
@@ -657,7 +672,10 @@ def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tup
             )
         d.append(f"({op.expr})")
     rest = args[3:]
-    scale_d = stmt.pred(rest[0], "wgmma scale-d")
+    if rest[0][0] == "reg" and stmt.operands[rest[0][1]].kind in "ni":  # a constant
+        scale_d = f"({stmt.immediate(rest[0], 'wgmma scale-d')}) != 0"
+    else:
+        scale_d = stmt.pred(rest[0], "wgmma scale-d")
     scales = [_checked_immediate(stmt, a, "wgmma imm-scale", (1, -1)) for a in rest[1:3]]
     trans = [_checked_immediate(stmt, a, "wgmma imm-trans", (0, 1)) for a in rest[3:]]
     elem = f"{_PTX_NS}Elem::{a_type}"
@@ -721,8 +739,11 @@ def _ptx_mbarrier_expect_tx(
 
 def _ptx_mbarrier_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
     by_parity = m.group(2) is not None
-    if len(args) != 3 or args[1][0] != "addr":
+    hint = m.group(1) == "try_wait" and len(args) == 4  # suspendTimeHint: a limit, no effect
+    if len(args) != 3 + hint or args[1][0] != "addr":
         raise _shape_error(stmt, instr, args, "pred addr " + ("parity" if by_parity else "state"))
+    if hint:
+        stmt.u32(args[3], "try_wait suspendTimeHint")
     done = stmt.pred(args[0], "mbarrier wait result", write=True)
     addr = stmt.shared_addr(args[1], "mbarrier address")
     phase = stmt.u32(args[2], "phase parity") if by_parity else stmt.u64(args[2], "state")
@@ -732,17 +753,24 @@ def _ptx_mbarrier_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: 
 
 def _ptx_bulk_tensor(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
     rank = int(m.group(1))
+    if m.group(2) and len(args) == 4:  # .L2::cache_hint: a 64-bit cache policy, only a hint
+        stmt.u64(args[3], "cache policy")
+        args = args[:3]
     kinds = [a[0] for a in args]
     if kinds != ["addr", "tmap", "addr"] or len(args[1][2]) != rank or args[1][0] != "tmap":
-        raise _shape_error(stmt, instr, args, f"addr [tmap, vec{rank}] addr")
+        want = f"addr [tmap, vec{rank}] addr" + (" policy" if m.group(2) else "")
+        raise _shape_error(stmt, instr, args, want)
     dst = stmt.shared_addr(args[0], "TMA destination")
     tmap = stmt.read_global(args[1][1], "tensor map")
-    coords = [stmt.u32(("reg", r), "TMA coordinate") for r in args[1][2]]
+    coords = [stmt.u32(c, "TMA coordinate") for c in args[1][2]]
     bar = stmt.shared_addr(args[2], "mbarrier address")
     return f"{_PTX_NS}cp_async_bulk_tensor<{rank}>({dst}, {tmap}, {bar}, {', '.join(coords)})"
 
 
 def _ptx_bulk(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if m.group(1) and len(args) == 5:  # .L2::cache_hint: a 64-bit cache policy, only a hint
+        stmt.u64(args[4], "cache policy")
+        args = args[:4]
     _expect(stmt, instr, args, "addr addr val addr")
     dst = stmt.shared_addr(args[0], "cp.async.bulk destination")
     src = stmt.read_global(args[1][1], "cp.async.bulk source")
@@ -776,6 +804,28 @@ def _ptx_prefetch_tensormap(
     return f"{_PTX_NS}prefetch_tensormap({stmt.read_global(args[0][1], 'tensor map')})"
 
 
+def _ptx_cvta(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if len(args) != 2 or args[1][0] != "reg":
+        raise _shape_error(stmt, instr, args, "d a")
+    addr = f"{_PTX_NS}shared_address_of({stmt.read_global(args[1][1], 'cvta source')})"
+    if m.group(1) == "u32":
+        return f"{_PTX_NS}set_b32({stmt.out32(args[0], 'cvta destination')}, {addr})"
+    dest = stmt.out64(args[0], "cvta destination")
+    if dest is None:
+        raise stmt.error('cvta destination must be a 64-bit ("=l") operand')
+    return f"{_PTX_NS}set_b64({dest}, static_cast<uint64_t>({addr}))"
+
+
+def _ptx_nanosleep(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "val")
+    return f"{_PTX_NS}nanosleep({stmt.u32(args[0], 'nanosleep time')})"
+
+
+def _ptx_prefetch(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "addr")
+    return f"(void){stmt.read_global(args[0][1], 'prefetch address')}"
+
+
 def _ptx_setp(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
     if len(args) != 3:
         raise _shape_error(stmt, instr, args, "pred a b")
@@ -802,6 +852,18 @@ def _ptx_mov(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple
     return f"{_PTX_NS}set_b32({d}, static_cast<uint32_t>({stmt.u32(args[1], 'mov source')}))"
 
 
+def _ptx_bar(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    arrive = m.group(1) == "arrive"
+    if len(args) not in ((2,) if arrive else (1, 2)) or any(
+        a[0] not in ("reg", "imm", "local") for a in args
+    ):
+        raise _shape_error(stmt, instr, args, "a, b" if arrive else "a{, b}")
+    values = [
+        stmt.u32(a, "barrier id" if i == 0 else "barrier thread count") for i, a in enumerate(args)
+    ]
+    return f"{_PTX_NS}bar_{'arrive' if arrive else 'sync'}({', '.join(values)})"
+
+
 _SHARED = r"\.shared(?:::cta)?"
 _MBAR_SCOPE = r"(?:\.cta|\.cluster)?"
 HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
@@ -821,13 +883,21 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     ),
     (
         r"cp\.async\.bulk\.tensor\.([1-5])d\.shared::(?:cluster|cta)\.global(?:\.tile)?"
-        r"\.mbarrier::complete_tx::bytes",
+        r"\.mbarrier::complete_tx::bytes(\.L2::cache_hint)?",
         _ptx_bulk_tensor,
     ),
     (
-        r"cp\.async\.bulk\.shared::(?:cluster|cta)\.global\.mbarrier::complete_tx::bytes",
+        r"cp\.async\.bulk\.shared::(?:cluster|cta)\.global\.mbarrier::complete_tx::bytes"
+        r"(\.L2::cache_hint)?",
         _ptx_bulk,
     ),
+    (r"cvta\.to\.shared(?:::cta)?\.(u32|u64)", _ptx_cvta),
+    (r"nanosleep\.u32", _ptx_nanosleep),
+    (
+        r"prefetch(?:\.global|\.local)?\.(?:L1|L2)(?:::evict_(?:last|normal))?|prefetchu\.L1",
+        _ptx_prefetch,
+    ),
+    (r"griddepcontrol\.(?:wait|launch_dependents)", _no_operands("compiler_barrier")),
     (
         r"fence\.proxy\.async(?:\.shared::(?:cta|cluster)|\.global)?",
         _no_operands("fence_proxy_async"),
@@ -836,6 +906,7 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     (r"elect\.sync", _ptx_elect),
     (r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", _ptx_setmaxnreg),
     (r"prefetch\.tensormap", _ptx_prefetch_tensormap),
+    (r"(?:bar(?:\.cta)?|barrier(?:\.cta)?)\.(sync|arrive)(?:\.aligned)?", _ptx_bar),
     (r"setp\.(eq|ne)\.(b32|u32|s32)", _ptx_setp),
     (r"selp\.(?:b32|u32|s32)", _ptx_selp),
     (r"mov\.(?:b32|u32|s32)", _ptx_mov),
@@ -863,16 +934,38 @@ def _ptx_call(stmt: _AsmStatement, instr: str) -> str:
     raise stmt.error(
         f"unsupported instruction {shown!r}: the CPU emulator models only ldmatrix .m8n8 .b16, "
         "mma.sync .m16n8k16 (f16/bf16 -> f32), cp.async and the Hopper forms of "
-        "docs/emulator.md (wgmma, mbarrier, TMA)"
+        "docs/emulator.md (wgmma, mbarrier, TMA, named barriers)"
     )
+
+
+def _control_flow(stmt: _AsmStatement, instr: str) -> str | None:
+    """A label (``:NAME`` from :func:`_ptx_instructions`) or a ``bra`` as C++ (a label and a
+    ``goto`` in the lambda of the block), else None."""
+    if instr.startswith(":"):
+        return f"{_local_name('L_' + instr[1:])}:"
+    if m := _BRA_RE.fullmatch(instr):
+        if m.group(1) not in stmt.labels:
+            raise stmt.error(f"bra to {m.group(1)}, which is not a label of the asm block")
+        return f"goto {_local_name('L_' + m.group(1))}"
+    if instr.split(" ")[0].startswith("bra"):
+        raise stmt.error(
+            f"unsupported branch {instr!r}: only `bra{{.uni}} LABEL` to a label of "
+            "the same asm block"
+        )
+    return None
 
 
 def _asm_replacement(stmt: _AsmStatement) -> str:
     instructions = _ptx_instructions(stmt)
-    calls = [(guard, _ptx_call(stmt, instr)) for guard, instr in instructions]
+    calls = [
+        (guard, _control_flow(stmt, instr) or _ptx_call(stmt, instr))
+        for guard, instr in instructions
+    ]
+    if stmt.labels:  # labels end a block; a label before `}` labels an empty statement
+        calls.append(("", ";"))
     if not calls:  # asm volatile("" ::: "memory")
         return f"{_PTX_NS}compiler_barrier()"
-    if not stmt.locals:
+    if not stmt.locals and not stmt.labels:
         plain = [call for _, call in calls]
         return plain[0] if len(plain) == 1 else f"({', '.join(plain)})"
     # A PTX block: its registers become locals of a lambda run in place.
@@ -883,7 +976,7 @@ def _asm_replacement(stmt: _AsmStatement) -> str:
     decls.append(f"uint32_t {_SINK32} = 0; (void){_SINK32};")
     body = [
         (f"if ({'!' if g.startswith('!') else ''}{_local_name(g.lstrip('!'))}) " if g else "")
-        + f"{call};"
+        + (call if call.endswith((":", ";")) else f"{call};")
         for g, call in calls
     ]
     return "[&]() { " + " ".join(decls + body) + " }()"

@@ -193,7 +193,7 @@ struct Warp {
 // Thrown by __trap() and by the emulated instructions that detect an error (bad shared-memory
 // address, ...); `msg` (empty for __trap) ends up in the launch's RuntimeError.
 struct Trap {
-  char msg[256] = "";
+  char msg[512] = "";
 };
 
 [[noreturn]] __attribute__((format(printf, 1, 2))) inline void trap_with(const char* fmt, ...) {
@@ -263,6 +263,45 @@ struct WarpgroupIssue {
 };
 constexpr uint32_t kWarpgroupIssueRing = 64;
 
+// The warpgroup-collective wgmma instructions (commit_group, wait_group) meet here: every thread
+// of the warpgroup publishes where it is (kg_wgmma.h: warpgroup_rendezvous), double buffered by
+// the rendezvous parity like the warp slots.
+struct WarpgroupSlot {
+  std::atomic<uint32_t> kind;  // 0 the thread left the kernel, 1 commit_group, 2 wait_group
+  uint32_t wait_n;        // wait_group's N
+  uint64_t issued;        // wgmmas the thread issued in this block
+  uint64_t commits;       // commit_groups it executed
+};
+struct Warpgroup {
+  Barrier bar;
+  WarpgroupSlot slots[2][128];
+};
+
+// A named barrier of a subset of the block's threads (kg_barrier.h: bar.sync / bar.arrive with a
+// thread count below the block's); `generation` (completed generations) is the futex word
+// waiters sleep on, the rest is guarded by Launch::bar_lock.
+constexpr uint32_t kNamedBarriers = 16;
+struct SeenPhase {  // an mbarrier phase a thread saw complete (kg_mbarrier.h)
+  uint32_t slot, completed;
+};
+struct NamedBarrierState {
+  std::atomic<uint32_t> generation{0};
+  uint32_t expected = 0;  // the thread count of the generation under way (0: none under way)
+  uint32_t arrived = 0, syncing = 0, first_thread = 0;
+  // Per generation: the mbarrier phases its arriving threads had seen complete, which its
+  // bar.sync threads then know too; whether every thread of the block synced there.
+  struct Generation {
+    std::vector<SeenPhase> seen;
+    bool whole_block = false;
+  };
+  std::vector<Generation> knowledge;
+  void reset() {
+    generation.store(0, std::memory_order_relaxed);
+    expected = arrived = syncing = first_thread = 0;
+    knowledge.clear();
+  }
+};
+
 struct Launch {
   void (*thunk)(void**) = nullptr;
   void** args = nullptr;
@@ -278,7 +317,7 @@ struct Launch {
   alignas(64) std::atomic<uint32_t> remaining{0};  // threads still running the current block
   std::atomic<int> trapped{0};
   uint3 trap_thread{0, 0, 0};
-  char trap_msg[256] = "";
+  char trap_msg[512] = "";
   // Hazard shadow of the dynamic shared memory, one entry per 16-byte chunk (kg_ptx.h: the last
   // ldmatrix read and the last cp.async write of each chunk); reset before every block.
   std::atomic<uint64_t>* chunk_reads = nullptr;
@@ -304,6 +343,10 @@ struct Launch {
   pthread_mutex_t mbar_lock = PTHREAD_MUTEX_INITIALIZER;
   std::atomic<uint64_t>* chunk_tma = nullptr;
   WarpgroupIssue* warpgroup_issues = nullptr;  // kWarpgroupIssueRing per warpgroup (mbar_lock)
+  Warpgroup* warpgroups = nullptr;  // one per complete warpgroup of the block
+  uint32_t nwarpgroups = 0;
+  NamedBarrierState named[kNamedBarriers];
+  pthread_mutex_t bar_lock = PTHREAD_MUTEX_INITIALIZER;
 };
 
 
@@ -312,6 +355,7 @@ struct ThreadCtx {
   Warp* warp;
   uint32_t lane;
   uint32_t parity;  // which slot buffer the warp's next exchange uses (lanes stay in step)
+  uint32_t wg_parity;  // the same for the warpgroup's rendezvous (kg_wgmma.h)
   uint32_t linear;  // thread index in the block
   // __syncthreads passed in this block: two accesses of different threads with the same epoch
   // are in the same barrier interval, i.e. unordered.
@@ -412,6 +456,7 @@ inline void* worker_main(void* p) {
     if (L.stop) break;
     blockIdx = L.cur_block;
     tctx.parity = 0;
+    tctx.wg_parity = 0;
     tctx.epoch = 0;
     for (uint64_t& v : tctx.stats) v = 0;
     for (int i = 0; i < L.nranges; ++i) tctx.arg_copies[i] = tctx.arg_bytes[i] = 0;
@@ -440,6 +485,10 @@ inline void* worker_main(void* p) {
     // Leaving the kernel: no longer expected at block or warp barriers.
     L.block_bar.arrive_and_drop();
     tctx.warp->bar.arrive_and_drop();
+    if (t / 128 < L.nwarpgroups) {
+      for (auto& slots : L.warpgroups[t / 128].slots) slots[t % 128].kind.store(0);
+      L.warpgroups[t / 128].bar.arrive_and_drop();
+    }
     if (L.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) futex_wake_all(L.remaining);
   }
   return nullptr;
@@ -468,7 +517,7 @@ inline int fail(char* err, int errlen, const char* msg) {
 inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long long* stats,
                   const unsigned long long* ranges, int nranges, long long* arg_stats,
                   char* note, int notelen, char* err, int errlen) {
-  char msg[512];
+  char msg[1024];
   const dim3 grid(static_cast<unsigned>(cfg[0]), static_cast<unsigned>(cfg[1]),
                   static_cast<unsigned>(cfg[2]));
   const dim3 block(static_cast<unsigned>(cfg[3]), static_cast<unsigned>(cfg[4]),
@@ -506,6 +555,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   L.mbarriers = new MbarrierState[L.n_mbarriers + 1];
   const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
   L.warpgroup_issues = new WarpgroupIssue[n_issues];
+  L.nwarpgroups = n / 128;
+  L.warpgroups = new Warpgroup[L.nwarpgroups + 1];
   for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
 
   pthread_t* threads = new pthread_t[n];
@@ -530,12 +581,14 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
         std::memset(guard_after, kGuardByte, static_cast<size_t>(buf + buf_bytes - guard_after));
         L.block_bar.reset(n);
         for (uint32_t w = 0; w < L.nwarps; ++w) L.warps[w].bar.reset(32);
+        for (uint32_t g = 0; g < L.nwarpgroups; ++g) L.warpgroups[g].bar.reset(128);
         for (size_t i = 0; i < L.chunks; ++i) {
           L.chunk_reads[i].store(0, std::memory_order_relaxed);
           L.chunk_writes[i].store(0, std::memory_order_relaxed);
           L.chunk_tma[i].store(0, std::memory_order_relaxed);
         }
         for (size_t i = 0; i < L.n_mbarriers; ++i) L.mbarriers[i].reset();
+        for (NamedBarrierState& b : L.named) b.reset();
         for (size_t i = 0; i < n_issues; ++i) L.warpgroup_issues[i] = WarpgroupIssue{};
         L.cur_block = uint3{bx, by, bz};
         L.remaining.store(n, std::memory_order_relaxed);
@@ -564,9 +617,16 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
                               "still running (deadlock at a barrier, shuffle or mbarrier wait, "
                               "or an endless loop)",
                               bx, by, bz, timeout_ms, r, n);
-          // The first mbarrier with a phase under way, as a hint (read without the lock: the
-          // threads are stuck).
-          for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 400; ++i) {
+          // Named barriers under way, and the first mbarrier with a phase under way, as hints
+          // (read without the locks: the threads are stuck).
+          for (uint32_t i = 0; i < kNamedBarriers && used > 0 && used < 700; ++i) {
+            const NamedBarrierState& b = L.named[i];
+            if (b.expected == 0) continue;
+            used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                             "; named barrier %u has %u of %u threads arrived (%u waiting in "
+                             "bar.sync)", i, b.arrived, b.expected, b.syncing);
+          }
+          for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 850; ++i) {
             const MbarrierState& b = L.mbarriers[i];
             if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
               continue;
@@ -630,6 +690,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   delete[] L.chunk_tma;
   delete[] L.mbarriers;
   delete[] L.warpgroup_issues;
+  delete[] L.warpgroups;
   delete[] L.warps;
   delete Lp;
   pthread_mutex_unlock(&launch_mutex);

@@ -57,23 +57,24 @@ inline void mbarrier_add_tx(MbarrierState& b, int64_t delta, uint32_t addr, cons
   b.tx = static_cast<int32_t>(tx);
 }
 
-// Phases of barrier `slot` this thread saw complete (try_wait / test_wait returned true).
-struct SeenPhase {
-  uint32_t slot, completed;
-};
+// Phases of barrier `slot` this thread saw complete (try_wait / test_wait returned true), or
+// learnt of through a named barrier (kg_barrier.h).
 inline thread_local std::vector<SeenPhase> mbarrier_seen;
 
 // This thread saw `completed` phases of `b` done: remember it, for itself and (with its epoch)
 // for the threads that pass a later __syncthreads.
-inline void mbarrier_observe(MbarrierState& b, uint32_t slot, uint32_t completed) {
-  bool found = false;
+inline void mbarrier_know(uint32_t slot, uint32_t completed) {
   for (SeenPhase& s : mbarrier_seen) {
     if (s.slot == slot) {
       s.completed = completed > s.completed ? completed : s.completed;
-      found = true;
+      return;
     }
   }
-  if (!found) mbarrier_seen.push_back(SeenPhase{slot, completed});
+  mbarrier_seen.push_back(SeenPhase{slot, completed});
+}
+
+inline void mbarrier_observe(MbarrierState& b, uint32_t slot, uint32_t completed) {
+  mbarrier_know(slot, completed);
   MbarrierLock lock;
   const uint32_t i = completed % 4;
   if (b.seen_phase[i] != completed || b.seen_epoch[i] > tctx.epoch) {

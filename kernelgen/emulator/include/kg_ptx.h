@@ -228,6 +228,7 @@ inline void note_ldmatrix_banks(const uint64_t* rows) {
 }  // namespace kg_emu
 
 #include "kg_mbarrier.h"
+#include "kg_barrier.h"
 
 inline size_t __cvta_generic_to_shared(const void* p) { return kg_emu::shared_address_of(p); }
 inline void* __cvta_shared_to_generic(size_t addr) {
@@ -235,6 +236,9 @@ inline void* __cvta_shared_to_generic(size_t addr) {
 }
 
 namespace kg_emu::ptx {
+
+// cvta.to.shared: the same mapping as __cvta_generic_to_shared.
+inline uint32_t shared_address_of(const void* p) { return ::kg_emu::shared_address_of(p); }
 
 // ---- operand conversions (a "r" operand is any 32-bit value, passed as its bits) -------------
 template <class V>
@@ -476,6 +480,10 @@ inline void elect_sync(uint32_t membermask, R& elected, bool& is_elected) {
   set_b32(elected, leader);
   is_elected = tctx.lane == leader;
 }
+
+// nanosleep.u32 t: suspends the thread for up to t ns; here it yields the CPU (a spin loop with
+// nanosleep lets the other threads run).
+inline void nanosleep(uint32_t) { sched_yield(); }
 
 // setmaxnreg.{inc,dec}.sync.aligned.u32 N: register reallocation has no effect on the CPU.
 template <long long N>

@@ -77,13 +77,14 @@ struct WgmmaThreadState {
   std::unordered_map<uint32_t*, std::pair<uint64_t, float>> in_flight;
   bool fenced = false;
   uint64_t next_id = 0;
-  uint64_t issued = 0;  // wgmmas this thread issued in this block
+  uint64_t issued = 0;   // wgmmas this thread issued in this block
+  uint64_t commits = 0;  // commit_groups it executed
   void clear() {
     current.clear();
     committed.clear();
     in_flight.clear();
     fenced = false;
-    issued = 0;
+    issued = commits = 0;
   }
 };
 inline thread_local WgmmaThreadState wgmma_state;
@@ -325,19 +326,75 @@ inline void wgmma_fence() {
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
+// ---- warpgroup-collective commit and wait ----------------------------------------------------
+// wgmma.commit_group and wgmma.wait_group are .sync.aligned: the four warps of a warpgroup execute
+// each one together, so a wgmma is a warpgroup-wide operation, issued and retired at once. The
+// emulator's threads meet at every commit_group and wait_group of their warpgroup (a barrier of
+// its 128 threads): after a commit_group every thread has issued (and read the operands of) the
+// group's wgmmas; no thread leaves a wait_group before every thread retired its share. So one
+// elected thread may free a pipeline stage right after the wait (CUTLASS's PipelineTmaAsync),
+// while a stage freed before the wait is still caught (its operands change under the wgmma).
+// At each meeting the threads compare where they are; a thread at another commit_group or
+// wait_group (one that skipped a wait, say) is a hazard.
+enum : uint32_t { kRendezvousCommit = 1, kRendezvousWait = 2 };
+
+// The thread's warpgroup, or nullptr when the block does not hold it whole.
+inline Warpgroup* my_warpgroup() {
+  const Launch& L = *tctx.launch;
+  const uint32_t wg = tctx.linear / 128;
+  return wg < L.nwarpgroups ? &L.warpgroups[wg] : nullptr;
+}
+
+inline void warpgroup_rendezvous(Warpgroup& g, uint32_t kind, uint32_t wait_n) {
+  const WgmmaThreadState& s = wgmma_state;
+  WarpgroupSlot* slots = g.slots[tctx.wg_parity];
+  tctx.wg_parity ^= 1u;
+  WarpgroupSlot& mine = slots[tctx.linear % 128];
+  mine.wait_n = wait_n;
+  mine.issued = s.issued;
+  mine.commits = s.commits;
+  mine.kind.store(kind);
+  g.bar.arrive_and_wait();
+  static constexpr const char* kName[3] = {"", "wgmma.commit_group", "wgmma.wait_group"};
+  for (uint32_t i = 0; i < 128; ++i) {
+    const WarpgroupSlot& other = slots[i];
+    const uint32_t other_kind = other.kind.load();
+    if (other_kind == 0 || i == tctx.linear % 128) continue;
+    if (other_kind == kind && other.issued == mine.issued && other.commits == mine.commits &&
+        (kind != kRendezvousWait || other.wait_n == wait_n)) {
+      continue;
+    }
+    const uint32_t base = tctx.linear / 128 * 128;
+    report_hazard("threads %u and %u of warpgroup %u are at different warpgroup-collective "
+                  "instructions (%s %u after %llu wgmmas and %llu commit_groups; %s %u after "
+                  "%llu and %llu): every thread of the warpgroup executes each wgmma, "
+                  "commit_group and wait_group", tctx.linear, base + i, tctx.linear / 128,
+                  kName[kind], wait_n, static_cast<unsigned long long>(mine.issued),
+                  static_cast<unsigned long long>(mine.commits), kName[other_kind],
+                  other.wait_n, static_cast<unsigned long long>(other.issued),
+                  static_cast<unsigned long long>(other.commits));
+    throw Trap{};  // the threads are out of step: any later meeting would pair them wrongly
+  }
+}
+
 inline void wgmma_commit_group() {
   WgmmaThreadState& s = wgmma_state;
   s.committed.push_back(std::move(s.current));
   s.current.clear();
+  ++s.commits;
+  if (Warpgroup* g = my_warpgroup()) warpgroup_rendezvous(*g, kRendezvousCommit, 0);
 }
 
 inline void wgmma_wait_group(long long n) {
   if (n < 0) trap_with("wgmma.wait_group %lld: negative count", n);
   WgmmaThreadState& s = wgmma_state;
+  Warpgroup* g = my_warpgroup();
+  if (g != nullptr) warpgroup_rendezvous(*g, kRendezvousWait, static_cast<uint32_t>(n));
   while (static_cast<long long>(s.committed.size()) > n) {
     for (WgmmaOp& op : s.committed.front()) wgmma_retire(op);
     s.committed.pop_front();
   }
+  if (g != nullptr) g->bar.arrive_and_wait();  // every share retired before anyone goes on
   s.fenced = false;
 }
 
