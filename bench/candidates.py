@@ -71,28 +71,20 @@ def tensor_core_candidates(quick: bool = False) -> list[dict[str, Any]]:
 def wgmma_candidates(quick: bool = False) -> list[dict[str, Any]]:
     """Spec-field overrides for the Hopper (wgmma) kernel: the autotuner's grid for 9.0 devices
     (kernelgen.tuning.candidates). Quick: 2 stages."""
-    from kernelgen.tuning.candidates import (
-        WGMMA_BLOCK_M,
-        WGMMA_BLOCK_N,
-        WGMMA_OVERLAP,
-        WGMMA_STAGES,
-    )
+    from kernelgen.tuning.candidates import WGMMA_STAGES, wgmma_grid
 
-    stages = WGMMA_STAGES[:1] if quick else WGMMA_STAGES
-    return [
-        {"loop_order": "v2", "mma": "wgmma", "block_m": m, "block_n": n, "stages": st}
-        | {"overlap": overlap, "archs": ["sm_90a"]}
-        for m, n, st, overlap in itertools.product(
-            WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages, WGMMA_OVERLAP
-        )
-    ]
+    return list(wgmma_grid(WGMMA_STAGES[:1] if quick else WGMMA_STAGES))
 
 
 def candidate_label(fields: dict[str, Any]) -> str:
     """Short tag of a candidate, e.g. ``m64n128w4s2-swz`` (wgmma: ``wg-m128n64s2-ovl``)."""
     if fields.get("mma") == "wgmma":
         overlap = "-ovl" if fields.get("overlap") else ""
-        return f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}{overlap}"
+        turns = "-pp" if fields.get("pingpong") else ""
+        return (
+            f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
+            f"{overlap}{turns}"
+        )
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
     return (
         f"m{fields['block_m']}n{fields['block_n']}w{fields['num_warps']}"

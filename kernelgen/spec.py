@@ -270,6 +270,13 @@ class KernelSpec(BaseModel):
         "inside a warpgroup (FlashAttention 3's intra-warpgroup pipelining; two sets of "
         "weights in registers).",
     )
+    pingpong: bool = Field(
+        False,
+        description="wgmma only, two consumer warpgroups (block_m 128), not with overlap: the "
+        "warpgroups take turns issuing each key tile's Q K^T on two named barriers, so one "
+        "warpgroup's softmax runs while the other's product is on the tensor cores "
+        "(FlashAttention 3's inter-warpgroup scheduling).",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -301,7 +308,7 @@ class KernelSpec(BaseModel):
         spec without variants keeps the identity it had before variants existed; so is wgmma's
         overlap switch when off."""
         data = handler(self)
-        for name in (*VARIANT_FLAGS, "block_sparse", "overlap", "additive_mask"):
+        for name in (*VARIANT_FLAGS, "block_sparse", "overlap", "pingpong", "additive_mask"):
             if data.get(name) is False:
                 del data[name]
         for name in EXPRESSION_FIELDS:
@@ -364,6 +371,7 @@ class KernelSpec(BaseModel):
         "sinks",
         "block_sparse",
         "overlap",
+        "pingpong",
         mode="before",
     )
     @classmethod
@@ -446,6 +454,12 @@ class KernelSpec(BaseModel):
             problems.append(
                 f"overlap=true is not allowed with mma={self.mma!r}; it pipelines wgmma products "
                 "(use mma: wgmma)"
+            )
+        if self.pingpong and (self.mma != "wgmma" or self.overlap or self.block_m != 128):
+            problems.append(
+                f"pingpong=true is not allowed with mma={self.mma!r}, block_m={self.block_m}, "
+                f"overlap={str(self.overlap).lower()}; it alternates two consumer warpgroups "
+                "(use mma: wgmma, block_m: 128, overlap: false)"
             )
         if self.mma != "wgmma" and self.num_warps == 12:
             problems.append(
@@ -718,7 +732,11 @@ class KernelSpec(BaseModel):
         if self.mma == "mma_sync":
             parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
         elif self.mma == "wgmma":
-            parts.append(f"s{self.stages}" + ("_ovl" if self.overlap else ""))
+            parts.append(
+                f"s{self.stages}"
+                + ("_ovl" if self.overlap else "")
+                + ("_pp" if self.pingpong else "")
+            )
         else:
             parts.append(f"p{self.smem_pad}")
         if self.causal:

@@ -189,3 +189,52 @@ def _q_bytes(spec, case) -> int:
     """TMA bytes of the Q tiles: one BLOCK_M x head-dim box per block (zero-filled rows count)."""
     blocks = -(-case.seqlen_q // spec.block_m) * case.batch * case.heads
     return blocks * spec.block_m * 64 * 2 * spec.column_blocks
+
+
+# ---- ping-pong: the consumers' turns on named barriers ----------------------------------------
+
+PINGPONG_SPEC = spec_from_dict(
+    dict(
+        loop_order="v2", mma="wgmma", dtype="float16", head_dim=64, block_m=128, block_n=64,
+        pingpong=True, causal=True,
+    )
+)  # fmt: skip
+PINGPONG_MUTATIONS = {
+    # consumer 1 never hands the turn back: consumer 0 waits forever on barrier 1
+    "no hand-over from consumer 1": (
+        "if (consumer == 0 || t + 1 < num_tiles)\n",
+        "if (consumer == 0)\n",
+    ),
+    # the hand-over goes to the consumer's own barrier: both wait for an arrival on the other's
+    "hand-over to the wrong barrier": (
+        "named_barrier_arrive(TURN_BARRIER + 1 - consumer, 2 * 128);",
+        "named_barrier_arrive(TURN_BARRIER + consumer, 2 * 128);",
+    ),
+    # (A consumer that takes its turn without waiting is valid code that only loses the
+    # schedule: its hand-overs still complete the other's barrier phases. No run can tell;
+    # the schedule itself is judged on a GPU.)
+}
+
+
+@pytest.mark.parametrize(
+    "case", [Case(1, 2, 1, 1, 1), Case(1, 2, 1, 200, 333), Case(2, 2, 2, 130, 64)], ids=str
+)
+def test_pingpong_matches_float64_with_any_tile_count(case):
+    """One key tile, an odd count and an even one (causal: the rows' blocks see different
+    counts), each against float64: the turns match exactly whatever the count."""
+    seed = zlib.crc32(f"pingpong {case}".encode())
+    data = make_case(case, PINGPONG_SPEC.dtype, PINGPONG_SPEC.head_dim, True, seed)
+    out, lse = run_emulated(PINGPONG_SPEC, case, data)
+    assert_matches(out, lse, data, PINGPONG_SPEC.dtype)
+
+
+@pytest.mark.parametrize("name", PINGPONG_MUTATIONS)
+def test_mutated_pingpong_fails(name):
+    original, mutated = PINGPONG_MUTATIONS[name]
+    source = render(PINGPONG_SPEC)
+    assert source.count(original) == 1, name
+    case = Case(1, 2, 1, 200, 333)
+    data = make_case(case, PINGPONG_SPEC.dtype, PINGPONG_SPEC.head_dim, True, 4)
+    with pytest.raises((EmulatorError, AssertionError)):
+        out, lse = run_emulated(PINGPONG_SPEC, case, data, source=source.replace(original, mutated))
+        assert_matches(out, lse, data, PINGPONG_SPEC.dtype)

@@ -18,7 +18,7 @@ from test_tuning_fakes import (
 )
 
 from kernelgen.errors import KernelgenError
-from kernelgen.policy import default_spec
+from kernelgen.policy import hopper_default_spec
 from kernelgen.tuning import (
     DeviceInfo,
     ProblemDesc,
@@ -291,7 +291,8 @@ def test_autotune_off_uses_the_heuristic_default(monkeypatch, tmp_path):
     monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
     tuner, calls = counting_tuner()
     spec = select_spec(problem(causal=True), DEVICE, software=SOFTWARE, tuner=tuner)
-    assert spec == default_spec("bfloat16", 128, True, "sm_90")
+    assert spec == hopper_default_spec("bfloat16", 128, True)  # DEVICE is a 9.0 GPU
+    assert spec == heuristic_spec(problem(causal=True), DEVICE)
     assert calls == [] and not (tmp_path / "cache").exists()
 
 

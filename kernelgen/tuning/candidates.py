@@ -58,8 +58,9 @@ TC_BLOCK_N = (32, 48, 64, 128)
 TC_STAGES = (2, 3)
 TC_LAYOUTS = ("swizzled", "padded")
 # Hopper grid (wgmma, fp16/bf16, offered only on compute capability 9.0, compiled for sm_90a):
-# one or two consumer warpgroups x key tile x the intra-warpgroup overlap (whose worth only
-# timing can tell: the static model does not see the latency it hides). Two K/V stages: the
+# one or two consumer warpgroups x key tile x the intra-warpgroup overlap, and for two consumers
+# the ping-pong between them (whose worth only timing can tell: the static model does not see
+# the latency either hides). Two K/V stages: the
 # producer warp keeps the TMA ring full without stealing issue slots (FlashAttention 3 runs two
 # at head dim 128), and a third would double the grid.
 WGMMA_BLOCK_M = (128, 64)
@@ -211,18 +212,26 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
         or decode_rows(problem) is not None
     ):
         return
-    for block_m, block_n, stages, overlap in itertools.product(
-        WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_STAGES, WGMMA_OVERLAP
+    yield from wgmma_grid()
+
+
+def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any]]:
+    """The Hopper grid's field sets (the autotuner's and the benchmark's)."""
+    for block_m, block_n, stage_count, overlap in itertools.product(
+        WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages, WGMMA_OVERLAP
     ):
-        yield {
+        fields = {
             "loop_order": "v2",
             "mma": "wgmma",
             "block_m": block_m,
             "block_n": block_n,
-            "stages": stages,
+            "stages": stage_count,
             "overlap": overlap,
             "archs": list(WGMMA_ARCHS),
         }
+        yield fields
+        if block_m == 128 and not overlap:  # two consumers that may take turns
+            yield fields | {"pingpong": True}
 
 
 def _label(fields: dict[str, Any]) -> str:
