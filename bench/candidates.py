@@ -81,9 +81,10 @@ def candidate_label(fields: dict[str, Any]) -> str:
     if fields.get("mma") == "wgmma":
         overlap = "-ovl" if fields.get("overlap") else ""
         turns = "-pp" if fields.get("pingpong") else ""
+        q_regs = "-qr" if fields.get("q_in_registers") else ""
         return (
             f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
-            f"{overlap}{turns}"
+            f"{overlap}{turns}{q_regs}"
         )
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
     return (

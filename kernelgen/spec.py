@@ -270,6 +270,12 @@ class KernelSpec(BaseModel):
         "inside a warpgroup (FlashAttention 3's intra-warpgroup pipelining; two sets of "
         "weights in registers).",
     )
+    q_in_registers: bool = Field(
+        False,
+        description="wgmma only, not with overlap: each consumer loads its Q rows into registers "
+        "once (the A operand of every Q K^T) instead of wgmma re-reading them from shared "
+        "memory for every key tile (head_dim / 4 more registers per thread).",
+    )
     pingpong: bool = Field(
         False,
         description="wgmma only, two consumer warpgroups (block_m 128), not with overlap: the "
@@ -308,7 +314,9 @@ class KernelSpec(BaseModel):
         spec without variants keeps the identity it had before variants existed; so is wgmma's
         overlap switch when off."""
         data = handler(self)
-        for name in (*VARIANT_FLAGS, "block_sparse", "overlap", "pingpong", "additive_mask"):
+        for name in (
+            *VARIANT_FLAGS, "block_sparse", "overlap", "pingpong", "q_in_registers", "additive_mask"
+        ):  # fmt: skip
             if data.get(name) is False:
                 del data[name]
         for name in EXPRESSION_FIELDS:
@@ -372,6 +380,7 @@ class KernelSpec(BaseModel):
         "block_sparse",
         "overlap",
         "pingpong",
+        "q_in_registers",
         mode="before",
     )
     @classmethod
@@ -460,6 +469,12 @@ class KernelSpec(BaseModel):
                 f"pingpong=true is not allowed with mma={self.mma!r}, block_m={self.block_m}, "
                 f"overlap={str(self.overlap).lower()}; it alternates two consumer warpgroups "
                 "(use mma: wgmma, block_m: 128, overlap: false)"
+            )
+        if self.q_in_registers and (self.mma != "wgmma" or self.overlap):
+            problems.append(
+                f"q_in_registers=true is not allowed with mma={self.mma!r}, overlap="
+                f"{str(self.overlap).lower()}; it is the plain wgmma loop's A operand (use mma: "
+                "wgmma, overlap: false)"
             )
         if self.mma != "wgmma" and self.num_warps == 12:
             problems.append(
@@ -697,7 +712,13 @@ class KernelSpec(BaseModel):
     def accumulators_per_thread(self) -> int:
         if self.mma in ("mma_sync", "wgmma"):  # a warp's rows of scores and output, 32 lanes
             overlapped = self.block_n // 2 if self.overlap else 0  # a second tile's weights
-            return self.rows_per_warp * (self.block_n + self.head_dim_padded) // 32 + overlapped
+            # Q's A fragments: 16 rows x head dim, 16-bit, over 32 lanes (32-bit registers)
+            q_fragments = self.head_dim_padded // 4 if self.q_in_registers else 0
+            return (
+                self.rows_per_warp * (self.block_n + self.head_dim_padded) // 32
+                + overlapped
+                + q_fragments
+            )
         return self.keys_per_thread + self.cols_per_thread
 
     @property
@@ -736,6 +757,7 @@ class KernelSpec(BaseModel):
                 f"s{self.stages}"
                 + ("_ovl" if self.overlap else "")
                 + ("_pp" if self.pingpong else "")
+                + ("_qr" if self.q_in_registers else "")
             )
         else:
             parts.append(f"p{self.smem_pad}")

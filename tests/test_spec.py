@@ -512,3 +512,22 @@ def test_wgmma_takes_variants_and_expressions_but_not_block_sparsity():
     assert spec.uri.startswith("fa_fwd_v2_wg_") and "_win_sink_mmod" in spec.uri
     problems = problems_of(**wgmma, num_warps=12, block_sparse=True)
     assert "block_sparse=true is not allowed with mma='wgmma'; use mma_sync" in problems
+
+
+def test_wgmma_schedule_options_and_their_limits():
+    """pingpong needs two consumers and the plain loop; q_in_registers the plain loop and the
+    registers for head_dim / 4 more 32-bit values per thread."""
+    base = dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=128, block_n=64)
+    both = spec_from_dict({**base, "block_m": 128, "pingpong": True, "q_in_registers": True})
+    assert both.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_pp_qr"
+    assert both.accumulators_per_thread == 16 * (64 + 128) // 32 + 128 // 4
+    for bad in (
+        {"block_m": 64, "pingpong": True},  # one consumer: no one to take turns with
+        {"block_m": 128, "pingpong": True, "overlap": True},
+        {"block_m": 128, "q_in_registers": True, "overlap": True},
+        {"block_m": 128, "head_dim": 256, "q_in_registers": True},  # 160 + 64 registers
+    ):
+        with pytest.raises(SpecError):
+            spec_from_dict({**base, **bad})
+    with pytest.raises(SpecError, match="pingpong=true is not allowed with mma='mma_sync'"):
+        spec_from_dict({**TC, "head_dim": 64, "block_m": 64, "block_n": 64, "pingpong": True})

@@ -230,7 +230,10 @@ def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any
             "archs": list(WGMMA_ARCHS),
         }
         yield fields
-        if block_m == 128 and not overlap:  # two consumers that may take turns
+        if overlap:
+            continue
+        yield fields | {"q_in_registers": True}  # (where the registers allow)
+        if block_m == 128:  # two consumers that may take turns
             yield fields | {"pingpong": True}
 
 
