@@ -994,8 +994,8 @@ def test_wgmma_accumulators_as_32_bit_integers_rewrite():
         ),
         (
             'asm volatile("{ .reg .pred p; LOOP: mbarrier.try_wait.parity.shared.b64 p, [%0], 0;'
-            ' @!p bra LOOP; }" :: "r"(x));',
-            r"unsupported instruction 'LOOP:",
+            ' @!p bra ELSEWHERE; }" :: "r"(x));',
+            r"bra to ELSEWHERE, which is not a label of the asm block",
         ),
         ('asm volatile("@q mov.u32 %0, 1;" : "=r"(x));', r"guard @q is not a declared predicate"),
         (
