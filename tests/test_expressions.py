@@ -443,7 +443,7 @@ def test_generated_identifiers_come_from_tables_and_checked_names():
     assert "const long long* int_ptr;" in source  # an input named like a C++ keyword is fine
     assert source.startswith(HELPERS)
     assert input_params(score.inputs)[:3] == [
-        ("const long long*", "mod_int"),
+        ("const long long*", "mod_int_ptr"),
         ("long long", "mod_int_shape_0"),
         ("long long", "mod_int_stride_0"),
     ]
