@@ -193,6 +193,13 @@ def _convert(node: Node, code: str, target: str) -> str:
     return _fill(CONVERT_CXX[node.type, target], code)
 
 
+def _too_large(kind: str) -> str:
+    return (
+        f"{kind}: its CUDA function would hold more than {MAX_FUNCTION_CHARS} characters, the "
+        "most allowed (write a shorter expression)"
+    )
+
+
 class _Emitter:
     """The C++ of one checked tree: an expression, plus statements binding each operand that a
     chained comparison spells twice (``a < b < c`` tests ``a < b`` and ``b < c``) to a local, so
@@ -200,18 +207,30 @@ class _Emitter:
     operands are evaluated before the expression (pure and total: reads are bounds-checked, a
     zero int divisor gives 0), which changes no value."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
         self.statements: list[str] = []
+        self.statement_chars = 0
+
+    def code(self, node: Node) -> str:
+        """``node``'s C++; a SpecError as soon as it or the statements outgrow the function's
+        limit (checked at every node, so no emission runs far past it)."""
+        code = self._code(node)
+        if len(code) + self.statement_chars > MAX_FUNCTION_CHARS:
+            raise SpecError([_too_large(self.kind)])
+        return code
 
     def bind(self, node: Node, code: str) -> str:
         """A local holding ``code`` (the value of ``node``); leaves need none."""
         if node.kind in ("const", "name"):
             return code
         local = f"{LOCAL_PREFIX}{len(self.statements)}"
-        self.statements.append(f"const {VALUE_CTYPE[node.type]} {local} = {_bare(code)};")
+        statement = f"const {VALUE_CTYPE[node.type]} {local} = {_bare(code)};"
+        self.statements.append(statement)
+        self.statement_chars += len(statement)
         return local
 
-    def code(self, node: Node) -> str:
+    def _code(self, node: Node) -> str:
         kind = node.kind
         if kind == "const":
             return _literal(node)
@@ -324,7 +343,7 @@ def device_function(expression: Expression) -> str:
     unused = [n for n in names if not expression.uses(n)]
     if not any(node.kind == "read" for node in walk(expression.root)):
         unused.append(STRUCT_ARG)
-    emitter = _Emitter()
+    emitter = _Emitter(kind)
     body = _bare(emitter.code(expression.root))
     source = "\n".join(
         [
@@ -340,12 +359,7 @@ def device_function(expression: Expression) -> str:
         ]
     )
     if len(source) > MAX_FUNCTION_CHARS:  # unreachable within the parser's limits: a backstop
-        raise SpecError(
-            [
-                f"{kind}: its CUDA function would hold {len(source)} characters; at most "
-                f"{MAX_FUNCTION_CHARS} are allowed (write a shorter expression)"
-            ]
-        )
+        raise SpecError([_too_large(kind)])
     return source
 
 

@@ -18,7 +18,7 @@ import keyword
 import math
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -238,8 +238,9 @@ _PARSER = object()  # parse_expression's mark on the trees it checked
 class Expression:
     """A checked ``score_mod`` or ``mask_mod``: its tree, canonical text, declared inputs and
     hash. Build with :func:`parse_score_mod` / :func:`parse_mask_mod`; a tree built by hand is
-    replaced by what its canonical text checks to (or refused), so that the emitter only ever
-    sees checked trees."""
+    replaced by what its canonical text checks to (or refused), and every tree (a copy made with
+    ``dataclasses.replace`` too) is verified (:func:`verify_tree`), so that the emitter, which
+    verifies it again, only ever sees checked trees."""
 
     kind: ExpressionKind
     root: Node
@@ -249,6 +250,7 @@ class Expression:
 
     def __post_init__(self) -> None:
         if self.origin is not _PARSER:  # built by hand: keep only what its text checks to
+            _check_tree_size(self.kind, self.root)  # before printing it: a DAG could explode
             try:
                 text = canonical_text(self.root)
             except (AttributeError, KeyError, TypeError, ValueError, IndexError, RecursionError):
@@ -681,6 +683,21 @@ def verify_tree(kind: Any, root: Any, inputs: Any) -> None:
             [f"expression kind {_cut(repr(kind))} is not allowed; use score_mod or mask_mod"]
         )
     declared = {i.name: i for i in verified_inputs(inputs)}
+    for node, depth in _bounded_walk(kind, root):
+        problem = _node_problem(kind, node, declared, depth == 0)
+        if problem:
+            raise SpecError([f"{kind}: not a checked expression tree: {problem}"])
+    expected = "bool" if kind == "mask_mod" else "float"
+    if root.type != expected:
+        raise SpecError(
+            [f"{kind}: not a checked expression tree: it gives {root.type}, not {expected}"]
+        )
+
+
+def _bounded_walk(kind: str, root: Any) -> Iterator[tuple[Any, int]]:
+    """(node, depth) of every node under ``root``, depth first; a SpecError past MAX_TREE_NODES
+    visits or MAX_TREE_DEPTH levels (a node reached twice counts twice). Only a Node's args are
+    entered: the caller checks each node as it comes."""
     visited = 0
     pending: list[tuple[Any, int]] = [(root, 0)]
     while pending:
@@ -693,15 +710,15 @@ def verify_tree(kind: Any, root: Any, inputs: Any) -> None:
                     f"nodes or {MAX_TREE_DEPTH} levels"
                 ]
             )
-        problem = _node_problem(kind, node, declared, depth == 0)
-        if problem:
-            raise SpecError([f"{kind}: not a checked expression tree: {problem}"])
-        pending += [(arg, depth + 1) for arg in node.args]
-    expected = "bool" if kind == "mask_mod" else "float"
-    if root.type != expected:
-        raise SpecError(
-            [f"{kind}: not a checked expression tree: it gives {root.type}, not {expected}"]
-        )
+        yield node, depth
+        if type(node) is Node and type(node.args) is tuple:
+            pending += [(arg, depth + 1) for arg in node.args]
+
+
+def _check_tree_size(kind: str, root: Any) -> None:
+    """A SpecError if the tree under ``root`` is larger or deeper than a checked tree can be."""
+    for _ in _bounded_walk(kind, root):
+        pass
 
 
 def _node_problem(kind: str, node: Any, declared: Mapping[str, ModInput], is_root: bool) -> str:

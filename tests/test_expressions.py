@@ -776,8 +776,8 @@ def test_any_text_is_an_expression_or_a_spec_error(tokens, kind):
 
 
 def test_hand_built_trees_are_checked_again():
-    """The emitter trusts the tree; an Expression built around a forged tree keeps only what its
-    canonical text checks to."""
+    """An Expression built around a forged tree keeps only what its canonical text checks to
+    (tests/test_security_expressions.py: the trees are verified again at emission)."""
     from kernelgen.expressions import Expression, Node
 
     forged_read = Node("read", "int", op='doc); system("x', args=(Node("name", "int", op="b"),))
