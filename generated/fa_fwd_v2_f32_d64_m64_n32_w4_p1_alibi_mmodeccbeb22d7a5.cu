@@ -466,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fa_fwd_v2_f32_d64_m64_n32_w
     float scale_log2,
     const float* __restrict__ alibi_slopes,
     long long alibi_stride_b,
-    const bool* __restrict__ mod_anc,
+    const bool* __restrict__ mod_anc_ptr,
     long long mod_anc_shape_0,
     long long mod_anc_shape_1,
     long long mod_anc_shape_2,
@@ -496,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fa_fwd_v2_f32_d64_m64_n32_w
   float* prob_row = prob_tile + row * PROB_ROW;
   // The arrays the user expressions read (docs/expressions.md).
   KgModInputs mod_inputs;
-  mod_inputs.anc_ptr = mod_anc;
+  mod_inputs.anc_ptr = mod_anc_ptr;
   mod_inputs.anc_shape[0] = mod_anc_shape_0;
   mod_inputs.anc_stride[0] = mod_anc_stride_0;
   mod_inputs.anc_shape[1] = mod_anc_shape_1;

@@ -740,7 +740,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fa_fwd_v2_tc_bf16_d128_m64_
     long long mask_stride_q,
     long long mask_stride_k,
     float scale_log2,
-    const int* __restrict__ mod_doc,
+    const int* __restrict__ mod_doc_ptr,
     long long mod_doc_shape_0,
     long long mod_doc_shape_1,
     long long mod_doc_stride_0,
@@ -784,7 +784,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fa_fwd_v2_tc_bf16_d128_m64_
 
   // The arrays the user expressions read (docs/expressions.md).
   KgModInputs mod_inputs;
-  mod_inputs.doc_ptr = mod_doc;
+  mod_inputs.doc_ptr = mod_doc_ptr;
   mod_inputs.doc_shape[0] = mod_doc_shape_0;
   mod_inputs.doc_stride[0] = mod_doc_stride_0;
   mod_inputs.doc_shape[1] = mod_doc_shape_1;

@@ -737,12 +737,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) fa_fwd_v2_tc_f16_d64_m64_n6
     long long mask_stride_q,
     long long mask_stride_k,
     float scale_log2,
-    const float* __restrict__ mod_bias,
+    const float* __restrict__ mod_bias_ptr,
     long long mod_bias_shape_0,
     long long mod_bias_shape_1,
     long long mod_bias_stride_0,
     long long mod_bias_stride_1,
-    const int* __restrict__ mod_prefix,
+    const int* __restrict__ mod_prefix_ptr,
     long long mod_prefix_shape_0,
     long long mod_prefix_stride_0) {
   using namespace fa_fwd_v2_tc_f16_d64_m64_n64_w4_s2_swz_smod5cf5bab54d9b_mmodbdabc2af05e1_impl;
@@ -778,12 +778,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) fa_fwd_v2_tc_f16_d64_m64_n6
 
   // The arrays the user expressions read (docs/expressions.md).
   KgModInputs mod_inputs;
-  mod_inputs.bias_ptr = mod_bias;
+  mod_inputs.bias_ptr = mod_bias_ptr;
   mod_inputs.bias_shape[0] = mod_bias_shape_0;
   mod_inputs.bias_stride[0] = mod_bias_stride_0;
   mod_inputs.bias_shape[1] = mod_bias_shape_1;
   mod_inputs.bias_stride[1] = mod_bias_stride_1;
-  mod_inputs.prefix_ptr = mod_prefix;
+  mod_inputs.prefix_ptr = mod_prefix_ptr;
   mod_inputs.prefix_shape[0] = mod_prefix_shape_0;
   mod_inputs.prefix_stride[0] = mod_prefix_stride_0;
   const Variant va = make_variant(-1, -1, 0.f, b, mod_inputs);

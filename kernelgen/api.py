@@ -7,6 +7,7 @@ typed error naming the argument and leaves the GPU untouched.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from kernelgen.expression_inputs import (
     check_spec_expressions,
     with_expressions,
 )
+from kernelgen.expressions import FLOAT32_MAX
 from kernelgen.frameworks import (
     Arrays,
     CupyArrays,
@@ -213,10 +215,7 @@ def check_inputs(
             )
     if mask is not None:
         mask = _check_mask(mask, (batch, heads, q.shape[2], k.shape[2]))
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise InputError(f"scale={scale!r} is not allowed; use a finite number or None")
+    scale = _checked_scale(scale, head_dim)
     variants = check_variants(
         window_size=window_size,
         softcap=softcap,
@@ -430,6 +429,28 @@ def attention(
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
         del temporaries  # each library frees in stream order: safe once queued
     return (out, lse) if return_lse else out
+
+
+# The kernels take scale * log2(e) as a float32: the largest |scale| it is finite for.
+MAX_SCALE = FLOAT32_MAX / math.log2(math.e)
+
+
+def _checked_scale(scale: Any, head_dim: int) -> float:
+    """``scale`` as a float (None: 1 / sqrt(head_dim)): a real number, not a boolean, whose
+    log2-domain factor the kernels receive is finite in float32 (docs/variants.md, Scale)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise InputTypeError(
+            f"scale has type {type(scale).__name__}; use a real number (or None: 1/sqrt(head_dim))"
+        )
+    value = float(scale)
+    if not (math.isfinite(value) and abs(value) <= MAX_SCALE):
+        raise InputError(
+            f"scale={scale!r} is not allowed; use a finite number with |scale| <= "
+            f"{MAX_SCALE:.4g} (scale * log2(e) must be finite in float32) or None"
+        )
+    return value
 
 
 def common_device(named: dict[str, Any]) -> int:
@@ -671,7 +692,7 @@ def _call_plan_key(
 
     key = (
         *arrays.signature(q), *arrays.signature(k), *arrays.signature(v),
-        lengths, bool(causal), scale, spec, layout, num_splits,
+        lengths, bool(causal), type(scale), scale, spec, layout, num_splits,  # True == 1
         arrays.device_of(q), os.environ.get("KERNELGEN_AUTOTUNE"), memo_generation(),
         options, *variant_signatures,
     )  # fmt: skip

@@ -21,7 +21,15 @@ import re
 from dataclasses import dataclass
 
 from kernelgen.errors import SpecError
-from kernelgen.expressions import Expression, ModInput, Node, canonical_text, walk
+from kernelgen.expressions import (
+    Expression,
+    ModInput,
+    Node,
+    canonical_text,
+    verified_inputs,
+    verify_tree,
+    walk,
+)
 
 STRUCT_NAME = "KgModInputs"
 STRUCT_ARG = "in"
@@ -35,6 +43,11 @@ NAME_CXX = {name: name for name in (SCORE_NAME, *INDEX_PARAMS)}
 VALUE_CTYPE = {"int": "long long", "float": "float", "bool": "bool"}
 ZERO = {"int": "0LL", "float": "0.0f", "bool": "false"}
 INDEX_CTYPE = "long long"
+LOCAL_PREFIX = "kg_v"  # locals of a device function: kg_v0, kg_v1, ...
+# The most characters one device function may hold. Emission is linear in the tree (each node
+# is written once, in at most a few dozen characters), so a tree within the parser's limits
+# stays far below it; a backstop against what the limits miss.
+MAX_FUNCTION_CHARS = 65536
 
 
 @dataclass(frozen=True)
@@ -180,8 +193,44 @@ def _convert(node: Node, code: str, target: str) -> str:
     return _fill(CONVERT_CXX[node.type, target], code)
 
 
+def _too_large(kind: str) -> str:
+    return (
+        f"{kind}: its CUDA function would hold more than {MAX_FUNCTION_CHARS} characters, the "
+        "most allowed (write a shorter expression)"
+    )
+
+
 class _Emitter:
+    """The C++ of one checked tree: an expression, plus statements binding each operand that a
+    chained comparison spells twice (``a < b < c`` tests ``a < b`` and ``b < c``) to a local, so
+    that every node is written once and the source grows linearly with the tree. The bound
+    operands are evaluated before the expression (pure and total: reads are bounds-checked, a
+    zero int divisor gives 0), which changes no value."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.statements: list[str] = []
+        self.statement_chars = 0
+
     def code(self, node: Node) -> str:
+        """``node``'s C++; a SpecError as soon as it or the statements outgrow the function's
+        limit (checked at every node, so no emission runs far past it)."""
+        code = self._code(node)
+        if len(code) + self.statement_chars > MAX_FUNCTION_CHARS:
+            raise SpecError([_too_large(self.kind)])
+        return code
+
+    def bind(self, node: Node, code: str) -> str:
+        """A local holding ``code`` (the value of ``node``); leaves need none."""
+        if node.kind in ("const", "name"):
+            return code
+        local = f"{LOCAL_PREFIX}{len(self.statements)}"
+        statement = f"const {VALUE_CTYPE[node.type]} {local} = {_bare(code)};"
+        self.statements.append(statement)
+        self.statement_chars += len(statement)
+        return local
+
+    def _code(self, node: Node) -> str:
         kind = node.kind
         if kind == "const":
             return _literal(node)
@@ -196,16 +245,7 @@ class _Emitter:
         if kind == "logic":
             return "(" + LOGIC_CXX[node.op].join(args) + ")"
         if kind == "compare":
-            tests = []
-            for i, op in enumerate(node.value):  # type: ignore[arg-type]
-                x, y = node.args[i], node.args[i + 1]
-                common = "float" if "float" in (x.type, y.type) else x.type
-                left, right = (
-                    _convert(x, args[i], common),
-                    _convert(y, args[i + 1], common),
-                )
-                tests.append(f"({left} {COMPARE_CXX[op]} {right})")
-            return tests[0] if len(tests) == 1 else "(" + " && ".join(tests) + ")"
+            return self.compare(node, args)
         if kind == "binary":
             operand_type = node.type
             left = _convert(node.args[0], args[0], operand_type)
@@ -225,6 +265,20 @@ class _Emitter:
             return result
         return _fill(CALL_CXX[node.op, node.type], converted[0])
 
+    def compare(self, node: Node, args: list[str]) -> str:
+        """A comparison; in a chain each operand between two operators is bound once."""
+        operands = [
+            code if i in (0, len(args) - 1) else self.bind(operand, code)
+            for i, (operand, code) in enumerate(zip(node.args, args, strict=True))
+        ]
+        tests = []
+        for i, op in enumerate(node.value):  # type: ignore[arg-type]
+            x, y = node.args[i], node.args[i + 1]
+            common = "float" if "float" in (x.type, y.type) else x.type
+            left, right = _convert(x, operands[i], common), _convert(y, operands[i + 1], common)
+            tests.append(f"({left} {COMPARE_CXX[op]} {right})")
+        return tests[0] if len(tests) == 1 else "(" + " && ".join(tests) + ")"
+
 
 def headers(inputs: tuple[ModInput, ...]) -> list[str]:
     """The CUDA headers the inputs' element types need."""
@@ -239,6 +293,7 @@ def input_struct(inputs: tuple[ModInput, ...]) -> str:
         "// strides in elements (a stride of 0 broadcasts).",
         f"struct {STRUCT_NAME} {{",
     ]
+    inputs = verified_inputs(tuple(inputs))
     for spec in inputs:
         element = INPUT_ELEMENT[spec.dtype]
         lines += [
@@ -270,8 +325,13 @@ def input_struct(inputs: tuple[ModInput, ...]) -> str:
 
 def device_function(expression: Expression) -> str:
     """``expression`` as a ``__device__ __forceinline__`` function under a comment holding its
-    canonical text (docs/expressions.md for the signatures)."""
+    canonical text (docs/expressions.md for the signatures). The tree is verified again here
+    (:func:`kernelgen.expressions.verify_tree`), so that only trees the checker builds become
+    CUDA, and the function may hold at most MAX_FUNCTION_CHARS characters."""
+    if type(expression) is not Expression:
+        raise SpecError([f"expected a checked Expression, not {type(expression).__name__}"])
     kind = expression.kind
+    verify_tree(kind, expression.root, expression.inputs)
     comment = canonical_text(expression.root)
     if not _COMMENT_SAFE.match(comment):  # unreachable: the printer writes only these
         raise SpecError([f"{kind}: canonical text {comment[:80]!r} cannot go into a comment"])
@@ -283,58 +343,80 @@ def device_function(expression: Expression) -> str:
     unused = [n for n in names if not expression.uses(n)]
     if not any(node.kind == "read" for node in walk(expression.root)):
         unused.append(STRUCT_ARG)
-    body = _bare(_Emitter().code(expression.root))
-    return "\n".join(
+    emitter = _Emitter(kind)
+    body = _bare(emitter.code(expression.root))
+    source = "\n".join(
         [
             f"// {kind} {expression.hash}: {comment}",
             f"// inputs: {expression.signature or 'none'}",
             f"__device__ __forceinline__ {RETURN_CTYPE[kind]} {FUNCTION_NAMES[kind]}(",
             f"    {', '.join(params)}) {{",
             *[f"  (void){name};" for name in unused],
+            *[f"  {statement}" for statement in emitter.statements],
             f"  return {body};",
             "}",
             "",
         ]
     )
+    if len(source) > MAX_FUNCTION_CHARS:  # unreachable within the parser's limits: a backstop
+        raise SpecError([_too_large(kind)])
+    return source
 
 
 def expression_source(*expressions: Expression | None) -> str:
     """The helpers, the input struct and readers, and each expression's function: what a kernel
     source includes before its kernels. Every expression must declare the same inputs."""
     given = [e for e in expressions if e is not None]
+    functions = [device_function(e) for e in given]  # each verified first
     inputs = given[0].inputs if given else ()
     if any(e.inputs != inputs for e in given):
         raise SpecError(["score_mod and mask_mod must be checked against the same mod inputs"])
     if len({e.kind for e in given}) != len(given):
         raise SpecError(["at most one score_mod and one mask_mod per kernel"])
-    parts = [HELPERS, input_struct(inputs)]
-    parts += [device_function(e) for e in given]
-    return "\n".join(parts)
+    return "\n".join([HELPERS, input_struct(inputs), *functions])
+
+
+def pointer_param(name: str) -> str:
+    """The kernel parameter of input ``name``'s element pointer.
+
+    The parameters of the inputs are ``mod_<name>_ptr``, ``mod_<name>_shape_<d>`` and
+    ``mod_<name>_stride_<d>`` (d: one digit, ranks are at most 4). The ending says which of the
+    three a parameter is and what is left is the name, so distinct (input, role, axis) give
+    distinct parameters (``a``'s shape and an input ``a_shape_0`` included); and none ends like
+    the kernels' own ``mod_``-names (the struct variable ``mod_inputs``)."""
+    return f"mod_{name}_ptr"
+
+
+def shape_param(name: str, axis: int) -> str:
+    """The kernel parameter of input ``name``'s size along ``axis`` (:func:`pointer_param`)."""
+    return f"mod_{name}_shape_{axis}"
+
+
+def stride_param(name: str, axis: int) -> str:
+    """The kernel parameter of input ``name``'s stride (elements) along ``axis``."""
+    return f"mod_{name}_stride_{axis}"
 
 
 def input_params(inputs: tuple[ModInput, ...]) -> list[tuple[str, str]]:
     """(C++ type, name) of the kernel parameters that carry the inputs, in order: for each
     input its pointer, then its shape, then its strides (elements)."""
     params = []
-    for spec in inputs:
-        params.append((f"const {INPUT_ELEMENT[spec.dtype].ctype}*", f"mod_{spec.name}"))
-        params += [(INDEX_CTYPE, f"mod_{spec.name}_shape_{d}") for d in range(spec.rank)]
-        params += [(INDEX_CTYPE, f"mod_{spec.name}_stride_{d}") for d in range(spec.rank)]
+    for spec in verified_inputs(tuple(inputs)):
+        params.append((f"const {INPUT_ELEMENT[spec.dtype].ctype}*", pointer_param(spec.name)))
+        params += [(INDEX_CTYPE, shape_param(spec.name, d)) for d in range(spec.rank)]
+        params += [(INDEX_CTYPE, stride_param(spec.name, d)) for d in range(spec.rank)]
     return params
 
 
 def input_struct_init(inputs: tuple[ModInput, ...], variable: str = "mod_inputs") -> str:
     """C++ statements declaring ``variable`` and filling it from :func:`input_params`."""
     lines = [f"{STRUCT_NAME} {variable};"]
-    for spec in inputs:
-        lines.append(f"{variable}.{_member(spec.name, 'ptr')} = mod_{spec.name};")
+    for spec in verified_inputs(tuple(inputs)):
+        name = spec.name
+        lines.append(f"{variable}.{_member(name, 'ptr')} = {pointer_param(name)};")
         for d in range(spec.rank):
-            lines.append(
-                f"{variable}.{_member(spec.name, 'shape')}[{d}] = mod_{spec.name}_shape_{d};"
-            )
-            lines.append(
-                f"{variable}.{_member(spec.name, 'stride')}[{d}] = mod_{spec.name}_stride_{d};"
-            )
+            lines.append(f"{variable}.{_member(name, 'shape')}[{d}] = {shape_param(name, d)};")
+            lines.append(f"{variable}.{_member(name, 'stride')}[{d}] = {stride_param(name, d)};")
     if not inputs:
         lines.append(f"(void){variable};")
     return "\n".join(lines)

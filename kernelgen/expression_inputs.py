@@ -13,6 +13,7 @@ from typing import Any
 
 from kernelgen.block_mask import BlockMask, element_strides, is_array
 from kernelgen.errors import InputError, InputTypeError, SpecError
+from kernelgen.expression_cuda import pointer_param, shape_param, stride_param
 from kernelgen.expressions import (
     Expression,
     ExpressionKind,
@@ -65,10 +66,9 @@ class CallExpressions:
         values: list[tuple[str, int]] = []
         for spec in self.inputs:
             array = self.arrays[spec.name]
-            values += [(f"mod_{spec.name}_shape_{d}", int(n)) for d, n in enumerate(array.shape)]
+            values += [(shape_param(spec.name, d), int(n)) for d, n in enumerate(array.shape)]
             values += [
-                (f"mod_{spec.name}_stride_{d}", int(s))
-                for d, s in enumerate(element_strides(array))
+                (stride_param(spec.name, d), int(s)) for d, s in enumerate(element_strides(array))
             ]
         mask = self.block_mask
         if mask is not None:
@@ -87,11 +87,31 @@ class CallExpressions:
 
     def tensors(self, arrays: Arrays) -> dict[str, Any]:
         """The kernel's array arguments by parameter name, in ``arrays``' library."""
-        tensors = {f"mod_{name}": launch_arg(arrays, a) for name, a in self.arrays.items()}
+        tensors = {pointer_param(name): launch_arg(arrays, a) for name, a in self.arrays.items()}
         if self.block_mask is not None:
             for param, name in BLOCK_MASK_ARRAYS.items():
                 tensors[param] = launch_arg(arrays, getattr(self.block_mask, name))
         return tensors
+
+
+KERNEL_DEVICE_TYPES = ("cpu", "cuda")  # where a torch tensor's memory can be read
+
+
+def _check_array(name: str, array: Any) -> None:
+    """A mod input must be an array the kernels can read: NumPy, CuPy, or a CPU or CUDA torch
+    tensor (not a meta, MPS, ... one)."""
+    if not is_array(array):
+        raise InputTypeError(
+            f"mod_inputs[{name!r}] is {type(array).__name__}; pass a NumPy, CuPy or torch array"
+        )
+    device = getattr(array, "device", None)
+    if type(array).__module__.split(".")[0] == "torch" and (
+        getattr(device, "type", None) not in KERNEL_DEVICE_TYPES
+    ):
+        raise InputTypeError(
+            f"mod_inputs[{name!r}] is a torch tensor on device {device}; pass it on the CPU or "
+            "on q's CUDA device"
+        )
 
 
 def _checked(kind: ExpressionKind, value: Any, declared: tuple[ModInput, ...]) -> Expression:
@@ -134,10 +154,14 @@ def check_expressions(
     declared = inputs_from_arrays(mod_inputs)
     arrays = dict(mod_inputs or {})
     for name, array in arrays.items():
-        if not is_array(array):
-            raise InputTypeError(
-                f"mod_inputs[{name!r}] is {type(array).__name__}; pass a NumPy, CuPy or torch array"
-            )
+        _check_array(name, array)
+    if block_mask is not None and block_mask.mask_mod.inputs != declared:
+        raise InputError(
+            f"block_mask's mask_mod was checked against mod inputs "
+            f"{block_mask.mask_mod.signature or 'none'} but the call's mod_inputs are "
+            f"{','.join(i.signature for i in declared) or 'none'}; build the block mask with the "
+            "mod_inputs the call passes (kernelgen.block_mask(..., mod_inputs=<the same dict>))"
+        )
     try:
         score = None if score_mod is None else _checked("score_mod", score_mod, declared)
         mask = None if mask_mod is None else _checked("mask_mod", mask_mod, declared)

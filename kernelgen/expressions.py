@@ -18,7 +18,7 @@ import keyword
 import math
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -238,8 +238,9 @@ _PARSER = object()  # parse_expression's mark on the trees it checked
 class Expression:
     """A checked ``score_mod`` or ``mask_mod``: its tree, canonical text, declared inputs and
     hash. Build with :func:`parse_score_mod` / :func:`parse_mask_mod`; a tree built by hand is
-    replaced by what its canonical text checks to (or refused), so that the emitter only ever
-    sees checked trees."""
+    replaced by what its canonical text checks to (or refused), and every tree (a copy made with
+    ``dataclasses.replace`` too) is verified (:func:`verify_tree`), so that the emitter, which
+    verifies it again, only ever sees checked trees."""
 
     kind: ExpressionKind
     root: Node
@@ -248,16 +249,18 @@ class Expression:
     origin: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        try:
-            text = canonical_text(self.root)
-        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-            raise SpecError([f"{self.kind}: not a checked expression tree"]) from None
         if self.origin is not _PARSER:  # built by hand: keep only what its text checks to
+            _check_tree_size(self.kind, self.root)  # before printing it: a DAG could explode
+            try:
+                text = canonical_text(self.root)
+            except (AttributeError, KeyError, TypeError, ValueError, IndexError, RecursionError):
+                raise SpecError([f"{self.kind}: not a checked expression tree"]) from None
             checked = parse_expression(self.kind, text, self.inputs)
             object.__setattr__(self, "root", checked.root)
             object.__setattr__(self, "inputs", checked.inputs)
-            text = checked.text
-        object.__setattr__(self, "text", text)
+        # every tree, dataclasses.replace's copies of parsed ones included, is checked again
+        verify_tree(self.kind, self.root, self.inputs)
+        object.__setattr__(self, "text", canonical_text(self.root))
 
     @property
     def signature(self) -> str:
@@ -506,6 +509,23 @@ _HANDLERS = {
 }
 
 
+_LINE_BREAK_RE = re.compile(r"\r\n?|\n")
+
+
+def _joined_lines(text: str) -> str:
+    """``text`` with its line breaks (``\\n``, ``\\r\\n``, ``\\r``) made whitespace: each line
+    loses its comment and all but the last end in a line continuation, so that an expression
+    may span lines (a YAML block, a Windows file) and keep its lines and columns for errors. A
+    ``#`` inside a string literal is cut too: strings are refused anyway."""
+    lines = [line.split("#", 1)[0] for line in _LINE_BREAK_RE.split(text)]
+    while lines and not lines[-1].strip():  # nothing to continue onto
+        lines.pop()
+    return "".join(
+        line if i == len(lines) - 1 else line + ("\n" if line.endswith("\\") else "\\\n")
+        for i, line in enumerate(lines)
+    )
+
+
 def parse_expression(
     kind: ExpressionKind, text: str, inputs: Iterable[ModInput] | None = None
 ) -> Expression:
@@ -528,6 +548,7 @@ def parse_expression(
                 "expressions are printable ASCII"
             ]
         )
+    text = _joined_lines(text)
     if not text.strip():
         raise SpecError([f"{kind} is empty; write an expression, e.g. q_idx >= kv_idx"])
     try:
@@ -549,7 +570,7 @@ def parse_expression(
     if kind == "score_mod" and root.type == "bool":
         raise SpecError(["score_mod must be a number (the new score), not a boolean"])
     if root.type != expected:  # an int score_mod: the score is float
-        root = Node("call", "float", op="float", args=(root,))
+        root = Node("call", "float", op=FLOAT_CONVERSION, args=(root,))
     return Expression(kind, root, declared, origin=_PARSER)
 
 
@@ -565,7 +586,9 @@ def checked_expression(
         if value.inputs != declared:
             raise InputError(
                 f"{kind} was checked against inputs {value.signature or 'none'}; mod_inputs are "
-                f"{','.join(i.signature for i in declared) or 'none'}"
+                f"{','.join(i.signature for i in declared) or 'none'}; pass the {kind} as a "
+                "string (it is checked against the call's mod_inputs) or pass mod_inputs with "
+                "the arrays it was checked against"
             )
         return value
     return _parsed(kind, value, declared)
@@ -597,21 +620,253 @@ def inputs_from_arrays(arrays: Mapping[str, Any] | None) -> tuple[ModInput, ...]
         raise InputTypeError(f"mod_inputs is {type(arrays).__name__}; pass a dict of name -> array")
     declared = []
     for name, array in arrays.items():
-        dtype = getattr(array, "dtype", None)
+        label = f"mod_inputs[{_cut(repr(name))}]"
+        dtype, shape = getattr(array, "dtype", None), getattr(array, "shape", None)
+        if dtype is None or not isinstance(shape, Iterable):
+            raise InputTypeError(
+                f"{label} is {_cut(type(array).__name__)}; pass a NumPy, CuPy or torch array"
+            )
         dtype_name = str(getattr(dtype, "name", dtype)).removeprefix("torch.")
         if dtype_name not in INPUT_DTYPES:
             raise InputTypeError(
-                f"mod_inputs[{_cut(repr(name))}] has dtype {_cut(dtype_name)}; allowed: "
-                f"{', '.join(INPUT_DTYPES)}"
+                f"{label} has dtype {_cut(dtype_name)}; allowed: {', '.join(INPUT_DTYPES)}"
             )
-        shape = tuple(array.shape)
+        shape = tuple(shape)
         if not 1 <= len(shape) <= MAX_RANK:
-            raise InputError(
-                f"mod_inputs[{_cut(repr(name))}] has shape {shape}; allowed: 1 to {MAX_RANK} "
-                "dimensions"
+            raise InputError(f"{label} has shape {shape}; allowed: 1 to {MAX_RANK} dimensions")
+        try:
+            declared.append(ModInput(name, dtype_name, len(shape)))
+        except SpecError as exc:  # a bad name: the key of this argument
+            raise InputError(f"mod_inputs: {'; '.join(exc.problems)}") from None
+    try:
+        return declare_inputs(declared)
+    except SpecError as exc:
+        raise InputError(f"mod_inputs: {'; '.join(exc.problems)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Verifying a tree (what the checker builds, and nothing else)
+# --------------------------------------------------------------------------------------------
+
+# A checked tree may exceed the text's limits a little: `x ** 2` holds a literal 2 the checker
+# does not count, and an int score_mod is wrapped in a conversion to float.
+MAX_TREE_NODES = 2 * MAX_NODES
+MAX_TREE_DEPTH = MAX_DEPTH + 2
+_VALUE_TYPES = ("int", "float", "bool")
+_BINARY_SPELLINGS = frozenset(BINARY_OPS.values())
+_COMPARE_SPELLINGS = frozenset(COMPARE_OPS.values())
+_LOGIC_SPELLINGS = frozenset(LOGIC_OPS.values())
+_NUMERIC = ("int", "float")
+FLOAT_CONVERSION = "float"  # the call an int score_mod's root is wrapped in
+
+
+def verified_inputs(inputs: Any) -> tuple[ModInput, ...]:
+    """``inputs`` if it is a tuple of valid ModInputs in name order, declared once each (each is
+    validated again, so none can hold a name the checks refuse); SpecError otherwise."""
+    if type(inputs) is not tuple or not all(type(i) is ModInput for i in inputs):
+        raise SpecError(["mod inputs must be a tuple of ModInput(name, dtype, rank) values"])
+    rebuilt = tuple(ModInput(i.name, i.dtype, i.rank) for i in inputs)  # validates each again
+    if declare_inputs(rebuilt) != rebuilt:
+        raise SpecError(["mod inputs must be in name order"])
+    return rebuilt
+
+
+def verify_tree(kind: Any, root: Any, inputs: Any) -> None:
+    """Raise a SpecError unless ``root`` is a tree the checker builds for a ``kind`` expression
+    over ``inputs``: exact Node objects of the known kinds, operators and functions from the
+    tables, names from the language or the declared inputs, literals that are plain finite
+    numbers, types that follow the typing rules, within the size limits. Linear in the tree
+    (and stops at MAX_TREE_NODES, so a tree that shares subtrees cannot make it exponential);
+    the emitter calls it again, so that only such trees become CUDA."""
+    if type(kind) is not str or kind not in ("score_mod", "mask_mod"):
+        raise SpecError(
+            [f"expression kind {_cut(repr(kind))} is not allowed; use score_mod or mask_mod"]
+        )
+    declared = {i.name: i for i in verified_inputs(inputs)}
+    for node, depth in _bounded_walk(kind, root):
+        problem = _node_problem(kind, node, declared, depth == 0)
+        if problem:
+            raise SpecError([f"{kind}: not a checked expression tree: {problem}"])
+    expected = "bool" if kind == "mask_mod" else "float"
+    if root.type != expected:
+        raise SpecError(
+            [f"{kind}: not a checked expression tree: it gives {root.type}, not {expected}"]
+        )
+
+
+def _bounded_walk(kind: str, root: Any) -> Iterator[tuple[Any, int]]:
+    """(node, depth) of every node under ``root``, depth first; a SpecError past MAX_TREE_NODES
+    visits or MAX_TREE_DEPTH levels (a node reached twice counts twice). Only a Node's args are
+    entered: the caller checks each node as it comes."""
+    visited = 0
+    pending: list[tuple[Any, int]] = [(root, 0)]
+    while pending:
+        node, depth = pending.pop()
+        visited += 1
+        if visited > MAX_TREE_NODES or depth > MAX_TREE_DEPTH:
+            raise SpecError(
+                [
+                    f"{kind}: not a checked expression tree: more than {MAX_TREE_NODES} "
+                    f"nodes or {MAX_TREE_DEPTH} levels"
+                ]
             )
-        declared.append(ModInput(name, dtype_name, len(shape)))
-    return declare_inputs(declared)
+        yield node, depth
+        if type(node) is Node and type(node.args) is tuple:
+            pending += [(arg, depth + 1) for arg in node.args]
+
+
+def _check_tree_size(kind: str, root: Any) -> None:
+    """A SpecError if the tree under ``root`` is larger or deeper than a checked tree can be."""
+    for _ in _bounded_walk(kind, root):
+        pass
+
+
+def _node_problem(kind: str, node: Any, declared: Mapping[str, ModInput], is_root: bool) -> str:
+    """What makes ``node`` (not its arguments' own contents) unlike a checked node, or ''."""
+    if type(node) is not Node:
+        return f"{_cut(type(node).__name__)} is not a Node"
+    if type(node.kind) is not str or type(node.op) is not str or type(node.args) is not tuple:
+        return "a node's kind, op or args has the wrong type"
+    if node.type not in _VALUE_TYPES or type(node.type) is not str:
+        return f"type {_cut(repr(node.type))} is not one of {', '.join(_VALUE_TYPES)}"
+    if not all(type(a) is Node for a in node.args):
+        return f"an argument of a {_cut(node.kind)} node is not a Node"
+    types = tuple(a.type for a in node.args)
+    if not all(t in _VALUE_TYPES and type(t) is str for t in types):
+        return "an argument has an unknown type"
+    check = _NODE_CHECKS.get(node.kind)
+    if check is None:
+        return f"node kind {_cut(repr(node.kind))} is not allowed"
+    if node.kind not in ("const", "compare") and node.value is not None:
+        return f"a {node.kind} node holds a value"
+    return check(kind, node, types, declared, is_root)
+
+
+def _const_problem(kind: str, node: Node, types: tuple[str, ...], *_: Any) -> str:
+    value = node.value
+    if node.op or node.args:
+        return "a literal has an operator or arguments"
+    if node.type == "int" and type(value) is int and 0 <= value <= INT64_MAX:
+        return ""
+    if (
+        node.type == "float"
+        and type(value) is float
+        and math.isfinite(value)
+        and 0.0 <= value <= FLOAT32_MAX
+        and math.copysign(1.0, value) > 0
+    ):
+        return ""
+    return f"literal {_cut(repr(value))} of type {node.type} is not a literal the language has"
+
+
+def _name_problem(kind: str, node: Node, types: tuple[str, ...], *_: Any) -> str:
+    if node.args:
+        return "a name has arguments"
+    if node.op in INDEX_NAMES and node.type == "int":
+        return ""
+    if node.op == SCORE_NAME and node.type == "float" and kind == "score_mod":
+        return ""
+    return f"name {_cut(repr(node.op))} ({node.type}) is not allowed in {kind}"
+
+
+def _read_problem(
+    kind: str, node: Node, types: tuple[str, ...], declared: Mapping[str, ModInput], *_: Any
+) -> str:
+    spec = declared.get(node.op)
+    if spec is None:
+        return f"read of {_cut(repr(node.op))}, which is not a declared input"
+    if len(types) != spec.rank or any(t != "int" for t in types):
+        return f"a read of {spec.name!r} needs {spec.rank} int index(es)"
+    if node.type != spec.value_type:
+        return f"a read of {spec.name!r} gives {spec.value_type}, not {node.type}"
+    return ""
+
+
+def _unary_problem(kind: str, node: Node, types: tuple[str, ...], *_: Any) -> str:
+    if node.op or len(types) != 1:
+        return f"a {node.kind} node takes one argument and no operator"
+    wanted = ("bool",) if node.kind == "not" else _NUMERIC
+    if types[0] not in wanted or node.type != (types[0] if node.kind == "neg" else "bool"):
+        return f"{node.kind} of {types[0]} giving {node.type}"
+    return ""
+
+
+def _binary_problem(kind: str, node: Node, types: tuple[str, ...], *_: Any) -> str:
+    if node.op not in _BINARY_SPELLINGS or len(types) != 2 or "bool" in types:
+        return f"binary {_cut(repr(node.op))} of {', '.join(types) or 'nothing'}"
+    if node.op == "**":
+        exponent = node.args[1]
+        if not (exponent.kind == "const" and type(exponent.value) is int and exponent.value == 2):
+            return "** takes only the literal 2"
+        wanted = types[0]
+    else:
+        wanted = "int" if types == ("int", "int") and node.op != "/" else "float"
+    return "" if node.type == wanted else f"{node.op} giving {node.type}, not {wanted}"
+
+
+def _compare_problem(kind: str, node: Node, types: tuple[str, ...], *_: Any) -> str:
+    ops = node.value
+    if (
+        node.op
+        or node.type != "bool"
+        or type(ops) is not tuple
+        or len(ops) < 1
+        or len(types) != len(ops) + 1
+        or not all(type(op) is str and op in _COMPARE_SPELLINGS for op in ops)
+    ):
+        return "a comparison's operators or operands are malformed"
+    for op, pair in zip(ops, itertools.pairwise(types), strict=True):
+        numeric = "bool" not in pair
+        if (op in ORDERED_COMPARISONS and not numeric) or (
+            not numeric and pair != ("bool", "bool")
+        ):
+            return f"'{op}' of {pair[0]} and {pair[1]}"
+    return ""
+
+
+def _logic_problem(kind: str, node: Node, types: tuple[str, ...], *_: Any) -> str:
+    if node.op not in _LOGIC_SPELLINGS or len(types) < 2 or node.type != "bool":
+        return f"logic {_cut(repr(node.op))} of {len(types)} operand(s)"
+    return "" if all(t == "bool" for t in types) else f"'{node.op}' of a number"
+
+
+def _call_problem(
+    kind: str, node: Node, types: tuple[str, ...], declared: Any, is_root: bool
+) -> str:
+    name = node.op
+    if name == FLOAT_CONVERSION:  # only around an int score_mod
+        ok = is_root and kind == "score_mod" and types == ("int",) and node.type == "float"
+        return "" if ok else "a conversion to float other than around an int score_mod"
+    if name not in FUNCTIONS:
+        return f"call of {_cut(repr(name))}, which is not a function of the language"
+    least, most = FUNCTIONS[name]
+    if not least <= len(types) <= most:
+        return f"{name}() with {len(types)} argument(s)"
+    if name == "where":
+        condition, then, other = types
+        if condition != "bool" or (then == "bool") != (other == "bool"):
+            return "where() with a number condition or a boolean and a number"
+        wanted = "bool" if then == "bool" else ("int" if then == other == "int" else "float")
+    elif "bool" in types:
+        return f"{name}() of a boolean"
+    elif name in FLOAT_FUNCTIONS:
+        wanted = "float"
+    else:
+        wanted = "int" if all(t == "int" for t in types) else "float"
+    return "" if node.type == wanted else f"{name}() giving {node.type}, not {wanted}"
+
+
+_NODE_CHECKS: dict[str, Any] = {
+    "const": _const_problem,
+    "name": _name_problem,
+    "read": _read_problem,
+    "neg": _unary_problem,
+    "not": _unary_problem,
+    "binary": _binary_problem,
+    "compare": _compare_problem,
+    "logic": _logic_problem,
+    "call": _call_problem,
+}
 
 
 # --------------------------------------------------------------------------------------------

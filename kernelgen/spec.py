@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Any, Literal
 
@@ -360,13 +361,16 @@ class KernelSpec(BaseModel):
     )
     @classmethod
     def _strict_integer(cls, value: Any, info: Any) -> Any:
-        """Integer fields take integers only: ``true`` is not 1 and ``64.0`` is not 64."""
-        if isinstance(value, (bool, float)):
+        """Integer fields take integers only (a NumPy integer too): ``true`` is not 1, ``64.0``
+        is not 64 and the string ``'64'`` is not 64."""
+        if value is None and info.field_name in ("stages", "smem_pad"):
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(
                 f"{info.field_name}={_echo(value)} is not allowed; use an integer "
                 f"({type(value).__name__} given)"
             )
-        return value
+        return int(value)
 
     @field_validator(
         "causal",

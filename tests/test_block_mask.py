@@ -266,7 +266,7 @@ def test_the_device_path_launches_the_builder_with_its_parameter_types(monkeypat
         ({"mask_mod": "bias[q_idx] > 0"}, SpecError, "only declared inputs"),
         ({"mod_inputs": {"doc": np.zeros((1, 4))}}, InputTypeError, "dtype float64"),
         ({"mod_inputs": {"doc": np.zeros((1,) * 5, np.int32)}}, InputError, "1 to 4 dimensions"),
-        ({"mod_inputs": {"__doc": np.zeros(4, np.int32)}}, SpecError, "'__doc' is not allowed"),
+        ({"mod_inputs": {"__doc": np.zeros(4, np.int32)}}, InputError, "'__doc' is not allowed"),
         ({"mod_inputs": [np.zeros(4, np.int32)]}, InputTypeError, "dict of name -> array"),
         ({"mask_mod": parse_mask_mod("q_idx >= kv_idx", [DOCS])}, InputError, "checked against"),
         ({"mask_mod": parse_score_mod("score")}, InputError, "checked score_mod"),

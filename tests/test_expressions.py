@@ -443,7 +443,7 @@ def test_generated_identifiers_come_from_tables_and_checked_names():
     assert "const long long* int_ptr;" in source  # an input named like a C++ keyword is fine
     assert source.startswith(HELPERS)
     assert input_params(score.inputs)[:3] == [
-        ("const long long*", "mod_int"),
+        ("const long long*", "mod_int_ptr"),
         ("long long", "mod_int_shape_0"),
         ("long long", "mod_int_stride_0"),
     ]
@@ -776,8 +776,8 @@ def test_any_text_is_an_expression_or_a_spec_error(tokens, kind):
 
 
 def test_hand_built_trees_are_checked_again():
-    """The emitter trusts the tree; an Expression built around a forged tree keeps only what its
-    canonical text checks to."""
+    """An Expression built around a forged tree keeps only what its canonical text checks to
+    (tests/test_security_expressions.py: the trees are verified again at emission)."""
     from kernelgen.expressions import Expression, Node
 
     forged_read = Node("read", "int", op='doc); system("x', args=(Node("name", "int", op="b"),))
