@@ -58,10 +58,7 @@ SETUP = {
     "docs/emulator.md#5": "import numpy as np\nq = np.zeros((1000, 128), dtype=np.uint16)\n",
 }
 # An example that fails until its text is fixed: block -> the reason (removed once it passes).
-KNOWN_FAILING: dict[str, str] = {
-    "docs/expressions.md#1": "the block-mask example's last call passes mod_inputs (doc and bias) "
-    "that differ from the inputs its block mask was checked against (doc)",
-}
+KNOWN_FAILING: dict[str, str] = {}  # name -> why it fails (none today)
 
 
 def test_every_listed_example_exists():
