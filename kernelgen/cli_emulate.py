@@ -158,9 +158,7 @@ def expression_values(
         if given:
             raise ValueError(f"--mod-input needs a spec with user expressions; {spec.uri} has none")
         return {}, {}
-    from kernelgen.block_mask import block_mask_reference
-    from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS, ProblemSizes
-    from kernelgen.expression_eval import evaluate
+    from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS, ProblemSizes, expression_arguments
 
     b, h, _, sq, sk = shape
     sizes = ProblemSizes(b, h, sq, sk)
@@ -176,22 +174,7 @@ def expression_values(
                 f"--mod-input {name}=FILE.npy"
             )
         inputs[name] = EXAMPLE_MOD_INPUTS[name](sizes, rng)
-    score_mod, mask_mod = spec.expressions
-    kernel: dict = {"score_mod": spec.score_mod, "mask_mod": spec.mask_mod, "mod_inputs": inputs}
-    hooks: dict = {}
-    if score_mod is not None:
-        hooks["score_mod"] = lambda s, b, h, q, k: evaluate(
-            score_mod, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
-        )
-    if mask_mod is not None:
-        hooks["mask_mod"] = lambda b, h, q, k: evaluate(
-            mask_mod, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
-        )
-    if spec.block_sparse:
-        kernel["block_mask"] = block_mask_reference(
-            mask_mod, b, h, sq, sk, block_m=spec.block_m, block_n=spec.block_n, mod_inputs=inputs
-        )
-    return kernel, hooks
+    return expression_arguments(spec, sizes, inputs)
 
 
 def _error_rows(spec: KernelSpec, run, q, k, v, variants: dict) -> list[Row]:

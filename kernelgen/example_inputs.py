@@ -35,3 +35,29 @@ EXAMPLE_MOD_INPUTS: dict[str, ExampleMaker] = {
     # a tree mask: key j visible to query i, per batch entry
     "anc": lambda c, rng: rng.random((c.batch, c.seqlen_q, c.seqlen_k)) < 0.6,
 }
+
+
+def expression_arguments(spec: Any, sizes: Any, inputs: dict[str, Any]) -> tuple[dict, dict]:
+    """For a spec with user expressions and its mod ``inputs`` (host arrays): attention()'s
+    expression arguments (a block-sparse spec also gets the block mask of its mask_mod, from the
+    NumPy builder) and the float64 reference's hooks (the expressions' evaluator)."""
+    from kernelgen.block_mask import block_mask_reference
+    from kernelgen.expression_eval import evaluate
+
+    score_mod, mask_mod = spec.expressions
+    kernel: dict = {"score_mod": spec.score_mod, "mask_mod": spec.mask_mod, "mod_inputs": inputs}
+    hooks: dict = {}
+    if score_mod is not None:
+        hooks["score_mod"] = lambda s, b, h, q, k: evaluate(
+            score_mod, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        )
+    if mask_mod is not None:
+        hooks["mask_mod"] = lambda b, h, q, k: evaluate(
+            mask_mod, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        )
+    if spec.block_sparse:
+        kernel["block_mask"] = block_mask_reference(
+            mask_mod, sizes.batch, sizes.heads, sizes.seqlen_q, sizes.seqlen_k,
+            block_m=spec.block_m, block_n=spec.block_n, mod_inputs=inputs,
+        )  # fmt: skip
+    return kernel, hooks

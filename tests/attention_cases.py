@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernelgen.emulator.launches import to_device_dtype
-from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS
+from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS, expression_arguments
 from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 
 
@@ -96,29 +96,11 @@ def example_expressions(spec, case: Case, seed: int) -> tuple[dict, dict]:
     hooks (the float64 evaluator); two empty dicts for a spec without expressions."""
     if not spec.has_expressions:
         return {}, {}
-    from kernelgen.block_mask import block_mask_reference
-    from kernelgen.expression_eval import evaluate
-
     rng = np.random.default_rng(seed + 13)
     score_mod, mask_mod = spec.expressions
     declared = (score_mod or mask_mod).inputs
     inputs = {i.name: EXPRESSION_INPUTS[i.name](case, rng) for i in declared}
-    kernel = {"score_mod": spec.score_mod, "mask_mod": spec.mask_mod, "mod_inputs": inputs}
-    hooks = {}
-    if score_mod is not None:
-        hooks["score_mod"] = lambda s, b, h, q, k: evaluate(
-            score_mod, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
-        )
-    if mask_mod is not None:
-        hooks["mask_mod"] = lambda b, h, q, k: evaluate(
-            mask_mod, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
-        )
-    if spec.block_sparse:
-        kernel["block_mask"] = block_mask_reference(
-            mask_mod, case.batch, case.heads, case.seqlen_q, case.seqlen_k,
-            block_m=spec.block_m, block_n=spec.block_n, mod_inputs=inputs,
-        )  # fmt: skip
-    return kernel, hooks
+    return expression_arguments(spec, case, inputs)
 
 
 def make_case(

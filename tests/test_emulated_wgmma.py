@@ -93,16 +93,21 @@ def test_the_unmutated_kernel_passes():
     assert_matches(out, lse, data, MUTANT_SPEC.dtype)
 
 
+def assert_mutant_fails(spec, mutation: tuple[str, str], case: Case, seed: int) -> None:
+    """The spec's source with ``original`` (present once) replaced by ``mutated`` must fail:
+    a hazard, a deadlock or a wrong result."""
+    original, mutated = mutation
+    source = render(spec)
+    assert source.count(original) == 1, original
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
+    with pytest.raises((EmulatorError, AssertionError)):
+        out, lse = run_emulated(spec, case, data, source=source.replace(original, mutated))
+        assert_matches(out, lse, data, spec.dtype)
+
+
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_mutated_kernel_fails(name):
-    original, mutated = MUTATIONS[name]
-    source = render(MUTANT_SPEC)
-    assert source.count(original) == 1, name
-    case = Case(1, 2, 1, 70, 100)
-    data = make_case(case, MUTANT_SPEC.dtype, MUTANT_SPEC.head_dim, MUTANT_SPEC.causal, 9)
-    with pytest.raises((EmulatorError, AssertionError)):
-        out, lse = run_emulated(MUTANT_SPEC, case, data, source=source.replace(original, mutated))
-        assert_matches(out, lse, data, MUTANT_SPEC.dtype)
+    assert_mutant_fails(MUTANT_SPEC, MUTATIONS[name], Case(1, 2, 1, 70, 100), seed=9)
 
 
 def test_attention_on_host_arrays_runs_a_wgmma_spec():
@@ -230,11 +235,4 @@ def test_pingpong_matches_float64_with_any_tile_count(case):
 
 @pytest.mark.parametrize("name", PINGPONG_MUTATIONS)
 def test_mutated_pingpong_fails(name):
-    original, mutated = PINGPONG_MUTATIONS[name]
-    source = render(PINGPONG_SPEC)
-    assert source.count(original) == 1, name
-    case = Case(1, 2, 1, 200, 333)
-    data = make_case(case, PINGPONG_SPEC.dtype, PINGPONG_SPEC.head_dim, True, 4)
-    with pytest.raises((EmulatorError, AssertionError)):
-        out, lse = run_emulated(PINGPONG_SPEC, case, data, source=source.replace(original, mutated))
-        assert_matches(out, lse, data, PINGPONG_SPEC.dtype)
+    assert_mutant_fails(PINGPONG_SPEC, PINGPONG_MUTATIONS[name], Case(1, 2, 1, 200, 333), seed=4)
