@@ -365,13 +365,15 @@ def analytic_figures(spec: KernelSpec) -> UnitFigures:
 def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
     """analytic_figures of a wgmma spec. A consumer warp's key tile issues head_dim / 16 HGMMA
     for S (m64 x block_n x k16, both operands in shared memory) and block_n / 16 for O (A, the
-    probabilities, in registers); per warpgroup and tile they read Q (64 rows) and the K and V
+    probabilities, in registers); per warpgroup and tile they read Q (64 rows; not with
+    ``q_in_registers``, whose one read per block the steady state does not see) and the K and V
     tiles once. The TMA copies write the K and V tiles once per block. MUFU as for mma.sync."""
     keys, dim = spec.block_n, spec.head_dim_padded
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * keys)
     per_warpgroup_tile = UNIT_QUERIES * UNIT_KEYS / (64 * keys)
     hgmma = (dim // 16 + keys // 16) * per_unit
-    reads = (64 + 2 * keys) * dim * spec.elem_bytes * per_warpgroup_tile
+    q_rows = 0 if spec.q_in_registers else 64
+    reads = (q_rows + 2 * keys) * dim * spec.elem_bytes * per_warpgroup_tile
     writes = tma_tile_bytes(spec) * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
     per_score = 2 if spec.softcap else 1  # exp2, and the cap's tanh
     mufu = (per_score * spec.rows_per_warp * keys / 32 + 2) * per_unit

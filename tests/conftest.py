@@ -83,12 +83,18 @@ def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
     from kernelgen import api
     from kernelgen.launch import RuntimeKernel, clear_kernel_cache
     from kernelgen.testing import fake_cupy, fake_torch
+    from kernelgen.tuning import gpu
 
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy.module(backed=backed))
     monkeypatch.setitem(sys.modules, "torch", fake_torch.module(backed=backed))
     monkeypatch.setattr(RuntimeKernel, "_compile", fake_cupy.stub_compile(launch))
+    monkeypatch.setattr(
+        RuntimeKernel, "encode_tensor_map", staticmethod(fake_cupy.encode_tensor_map)
+    )
     monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
     monkeypatch.setattr(api, "_CALL_PLANS", {})
+    # the devices' facts are read afresh (a test may set fake_cupy.COMPUTE_CAPABILITY)
+    monkeypatch.setattr(gpu, "_device", cache(gpu._device.__wrapped__))
     clear_kernel_cache()
 
 

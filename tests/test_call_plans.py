@@ -23,6 +23,9 @@ def recorded(monkeypatch, tuning_sandbox):
     check_inputs counted."""
     launches: list[tuple] = []
     install_fake_libraries(monkeypatch, lambda *launch: launches.append(launch))
+    # a fake A100: untuned calls run the pointer kernels, whose arguments these tests follow
+    # (the wgmma kernels' tensor maps: test_call_plans.py's Hopper test)
+    monkeypatch.setattr(fake_cupy, "COMPUTE_CAPABILITY", "80")
     checks = []
     real_check = api.check_inputs
     monkeypatch.setattr(
@@ -207,3 +210,25 @@ def test_variant_values_are_part_of_the_plan(recorded):
     assert len(checks) == 3  # (B, H) slopes: another plan (a batch stride)
     windows = [[int(x) for x in args[-4:-2]] for _, _, _, args, _ in launches]
     assert windows == [[8, 0], [9, 0], [9, 0], [9, 0]]
+
+
+def test_an_untuned_call_on_a_9_0_device_runs_the_hopper_kernel_with_its_tensor_maps(
+    monkeypatch, tuning_sandbox
+):
+    """On an H100 (the fakes' default device) the untuned prefill spec is the wgmma kernel: its
+    q, k and v travel as 128-byte tensor maps, encoded for each call's arrays; a repeated call
+    takes the plan and encodes the new arrays' maps."""
+    from kernelgen.tensor_maps import TENSOR_MAP_DTYPE
+
+    launches: list[tuple] = []
+    install_fake_libraries(monkeypatch, lambda *launch: launches.append(launch))
+    first, second = qkv(), qkv()
+    kernelgen.attention(*first, causal=True)
+    kernelgen.attention(*second, causal=True)
+    (sym1, _, block1, args1, _), (sym2, _, _, args2, _) = launches
+    assert sym1 == sym2 and sym1.startswith("fa_fwd_v2_wg_f16_d64_m128_n128_w12")
+    assert block1 == (384, 1, 1)  # a producer and two consumer warpgroups
+    for args, arrays in ((args1, first), (args2, second)):
+        maps = [a for a in args if isinstance(a, np.ndarray) and a.dtype == TENSOR_MAP_DTYPE]
+        assert [int(m["opaque"][0][0]) for m in maps] == [pointer(x) for x in arrays]
+        assert all(m.nbytes == 128 for m in maps)

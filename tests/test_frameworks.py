@@ -34,6 +34,9 @@ def recorded(monkeypatch, tuning_sandbox):
         )
 
     install_fake_libraries(monkeypatch, launch)
+    # a fake A100: untuned calls run the pointer kernels, whose arguments these tests follow
+    # (the wgmma kernels' tensor maps: test_call_plans.py's Hopper test)
+    monkeypatch.setattr(fake_cupy, "COMPUTE_CAPABILITY", "80")
     yield launches
     clear_kernel_cache()
 

@@ -187,6 +187,11 @@ class _MakesCurrent:
         CURRENT[self.slot] = self.__dict__["_saved"].pop()
 
 
+# Every fake device's compute capability ("90": an H100, whose untuned prefill runs the wgmma
+# kernels; tests of the pointer kernels' plumbing set "80").
+COMPUTE_CAPABILITY = "90"
+
+
 class _Device(_MakesCurrent):
     """``cupy.cuda.Device``: a device, and a context that makes it current."""
 
@@ -194,7 +199,7 @@ class _Device(_MakesCurrent):
 
     def __init__(self, index: int | None = None) -> None:
         self.id = self.current = CURRENT["device"] if index is None else index
-        self.compute_capability = "90"
+        self.compute_capability = COMPUTE_CAPABILITY
         self.attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
 
 
@@ -264,10 +269,11 @@ class CUDARuntimeError(RuntimeError):
 
 
 def _properties(index: int) -> dict[str, Any]:
+    major, minor = int(COMPUTE_CAPABILITY[:-1]), int(COMPUTE_CAPABILITY[-1])
     return {
-        "name": b"Fake sm_90",
-        "major": 9,
-        "minor": 0,
+        "name": f"Fake sm_{COMPUTE_CAPABILITY}".encode(),
+        "major": major,
+        "minor": minor,
         "multiProcessorCount": 132,
         "l2CacheSize": 50 << 20,
     }
@@ -333,6 +339,20 @@ def stub_compile(
     return compile_stub
 
 
+def encode_tensor_map(layout: Any, tensor: Any) -> np.ndarray:
+    """The driver's ``cuTensorMapEncodeTiled`` as far as a launch sees it: the same checks of
+    the address (16-byte aligned, InputError naming the tensor) and a 128-byte by-value map,
+    here the address, dims, byte strides and box in its first 12 words (no GPU reads it)."""
+    from kernelgen.tensor_maps import TENSOR_MAP_DTYPE, check_address, device_pointer
+
+    address = device_pointer(tensor)
+    check_address(layout, address)
+    words = np.zeros(16, np.uint64)
+    fields = [address, *layout.dims, *layout.strides_bytes, *layout.box]
+    words[: len(fields)] = fields
+    return words.view(TENSOR_MAP_DTYPE)
+
+
 def install(launch: Callable[..., None]) -> types.ModuleType:
     """Put a fake ``cupy`` into ``sys.modules`` and make kernelgen's runtime kernels call
     ``launch`` instead of compiling (for a process of its own; tests patch with monkeypatch)."""
@@ -341,4 +361,5 @@ def install(launch: Callable[..., None]) -> types.ModuleType:
     fake = module()
     sys.modules["cupy"] = fake
     RuntimeKernel._compile = stub_compile(launch)  # type: ignore[method-assign]
+    RuntimeKernel.encode_tensor_map = staticmethod(encode_tensor_map)  # type: ignore[assignment]
     return fake
