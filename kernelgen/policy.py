@@ -190,8 +190,10 @@ def default_spec(
 # The Hopper (wgmma) kernel without tuning, on compute capability 9.0 devices: measured on an
 # H100 (bench/NOTES.md, 2026-11-26) at 1.24-1.81x the mma.sync kernel's best tiling, bf16 4k,
 # head dims 64-256. Two consumer warpgroups (128 query rows) always won; 128-key tiles at head
-# dim 64, 64-key tiles above (d128: 568 against 560 TFLOP/s non-causal, within the spread
-# causal; d256: the only one that fits), the plain loop (the overlapped one measured slower).
+# dims 64 and 128 (d128: 560 against 568 TFLOP/s for 64-key tiles, within the noise; causal
+# 497 against 485; and 820 against 1000 instructions per unit), 64-key tiles at 96 (not
+# measured) and 256 (the only ones that fit); the plain loop (the overlapped one measured
+# slower), without ping-pong or Q in registers until a GPU has timed them.
 HOPPER_DEVICE_ARCH = "sm_90"
 
 
@@ -210,7 +212,7 @@ def hopper_default_spec(
             dtype=dtype,
             head_dim=head_dim,
             block_m=128,
-            block_n=128 if head_dim <= 64 else 64,
+            block_n=128 if head_dim in (64, 128) else 64,
             stages=2,
             causal=bool(causal),
             archs=WGMMA_ARCHS,

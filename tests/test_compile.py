@@ -301,3 +301,18 @@ def test_wgmma_kernels_use_hopper_instructions_within_their_register_budgets(pat
     entry = compiled.resources.registers
     warpgroups = spec.consumer_warpgroups
     assert entry - PRODUCER_REGS >= warpgroups * (consumer_registers(spec) - entry)
+
+
+@pytest.mark.parametrize(
+    "variants", [(), ("window", "softcap", "alibi", "sinks")], ids=["plain", "all-variants"]
+)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_hopper_defaults_compile_without_spills(head_dim, variants):
+    """What an untuned prefill call runs on a 9.0 device (kernelgen.policy.hopper_default_spec),
+    with every built-in variant or none, causal: no spill, no stack."""
+    from kernelgen.policy import hopper_default_spec
+
+    spec = hopper_default_spec("bfloat16", head_dim, True, variants)
+    assert spec is not None and spec.mma == "wgmma"
+    res = compile_offline(render(spec), spec.uri, "sm_90a", sass=False).resources
+    assert (res.spill_store_bytes, res.spill_load_bytes, res.stack_bytes) == (0, 0, 0), spec.uri
