@@ -236,3 +236,21 @@ def test_pingpong_matches_float64_with_any_tile_count(case):
 @pytest.mark.parametrize("name", PINGPONG_MUTATIONS)
 def test_mutated_pingpong_fails(name):
     assert_mutant_fails(PINGPONG_SPEC, PINGPONG_MUTATIONS[name], Case(1, 2, 1, 200, 333), seed=4)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "variants"), [(128, ("window", "softcap", "alibi", "sinks")), (64, ())], ids=str
+)
+def test_the_untuned_hopper_default_matches_float64(head_dim, variants):
+    """What an untuned prefill call runs on a 9.0 device (policy.hopper_default_spec), with
+    every built-in variant at head dim 128 (its 128-key tiles), against float64."""
+    from attention_cases import example_variants
+
+    from kernelgen.policy import hopper_default_spec
+
+    spec = hopper_default_spec("bfloat16", head_dim, True, variants)
+    case = Case(1, 2, 1, 150, 300)
+    values = example_variants(spec.variants, case.batch, case.heads, 3, window=(70, 5))
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 3, values)
+    out, lse = run_emulated(spec, case, data, variants=values)
+    assert_matches(out, lse, data, spec.dtype)
