@@ -81,6 +81,7 @@ def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
     shared_mem)`` instead of a GPU, the heuristic specs (no tuning), no remembered call
     plans or kernels. Fixtures that use it call ``clear_kernel_cache()`` when they end."""
     from kernelgen import api
+    from kernelgen import launch as launch_module
     from kernelgen.launch import RuntimeKernel, clear_kernel_cache
     from kernelgen.testing import fake_cupy, fake_torch
     from kernelgen.tuning import gpu
@@ -95,6 +96,8 @@ def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
     monkeypatch.setattr(api, "_CALL_PLANS", {})
     # the devices' facts are read afresh (a test may set fake_cupy.COMPUTE_CAPABILITY)
     monkeypatch.setattr(gpu, "_device", cache(gpu._device.__wrapped__))
+    limits = cache(launch_module._device_limits.__wrapped__)
+    monkeypatch.setattr(launch_module, "_device_limits", limits)
     clear_kernel_cache()
 
 
