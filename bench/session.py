@@ -254,12 +254,15 @@ def dry_run(stages: list[Stage]) -> int:
     problems = [] if total <= WINDOW_S else [f"budgets sum to {total} s > {WINDOW_S} s"]
     commit, changed = check_stamp()
     print(f"stamp: {commit[:12]}, {'clean' if not changed else f'{len(changed)} files differ'}")
+    checked: dict[tuple[str, ...], subprocess.CompletedProcess] = {}  # a command runs once
     for stage in stages:
         status = "not checkable here"
         if stage.dry_command is not None:
-            done = subprocess.run(
-                list(stage.dry_command), cwd=ROOT, capture_output=True, text=True, check=False
-            )
+            if stage.dry_command not in checked:
+                checked[stage.dry_command] = subprocess.run(
+                    list(stage.dry_command), cwd=ROOT, capture_output=True, text=True, check=False
+                )
+            done = checked[stage.dry_command]
             ok = done.returncode == 0 and not _empty_selection(done.stdout)
             status = "ok" if ok else f"FAILED (exit {done.returncode})"
             if not ok:

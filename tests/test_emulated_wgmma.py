@@ -234,7 +234,9 @@ def test_pingpong_matches_float64_with_any_tile_count(case):
 
 
 @pytest.mark.parametrize("name", PINGPONG_MUTATIONS)
-def test_mutated_pingpong_fails(name):
+def test_mutated_pingpong_fails(name, monkeypatch):
+    # both mutants deadlock: a short watchdog (a correct run of this case takes about a second)
+    monkeypatch.setenv("KG_EMULATOR_TIMEOUT", "10")
     assert_mutant_fails(PINGPONG_SPEC, PINGPONG_MUTATIONS[name], Case(1, 2, 1, 200, 333), seed=4)
 
 
