@@ -385,6 +385,7 @@ class KernelSpec(BaseModel):
         "overlap",
         "pingpong",
         "q_in_registers",
+        "additive_mask",
         mode="before",
     )
     @classmethod

@@ -433,7 +433,21 @@ def test_integer_fields_refuse_booleans_and_floats(field, value):
     assert any(p.startswith(f"{field}={value!r} is not allowed; use an integer") for p in problems)
 
 
-@pytest.mark.parametrize("field", ["causal", "pack_gqa", "split_kv", "paged_kv"])
+BOOLEAN_FIELDS = [
+    "causal", "pack_gqa", "split_kv", "paged_kv", "window", "softcap", "alibi", "sinks",
+    "block_sparse", "overlap", "pingpong", "q_in_registers", "additive_mask",
+]  # fmt: skip
+
+
+def test_every_boolean_field_is_in_the_list():
+    """A new boolean field joins BOOLEAN_FIELDS (and so the strictness test below)."""
+    from kernelgen.spec import KernelSpec
+
+    booleans = {n for n, f in KernelSpec.model_fields.items() if f.annotation is bool}
+    assert booleans == set(BOOLEAN_FIELDS)
+
+
+@pytest.mark.parametrize("field", BOOLEAN_FIELDS)
 @pytest.mark.parametrize("value", [1, 0, "yes"])
 def test_boolean_fields_refuse_other_values(field, value):
     problems = problems_of(**{field: value})
