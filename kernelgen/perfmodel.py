@@ -441,5 +441,5 @@ def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) 
         unit=figures,
         prediction=prediction,
         vs_fa2=vs_fa2,
-        schedule=schedule_problem(spec, arch, sass),
+        schedule=schedule_problem(spec, sass),
     )

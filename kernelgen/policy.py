@@ -194,7 +194,7 @@ def default_spec(
 # 497 against 485; and 820 against 1000 instructions per unit), 64-key tiles at 96 (not
 # measured) and 256 (the only ones that fit); the plain loop (the overlapped one measured
 # slower), without ping-pong or Q in registers until a GPU has timed them.
-HOPPER_DEVICE_ARCH = "sm_90"
+HOPPER_DEVICE_ARCH = "sm_90"  # the device arch that runs sm_90a code (wgmma: 9.0 only)
 
 
 def hopper_default_spec(

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kernelgen.compile import SassInstruction
+from kernelgen.compile import SassInstruction, function_sass, sass_instructions
+from kernelgen.spec import KernelSpec
 
 WAIT_OLDER, WAIT_ALL = "0x1", "0x0"  # wgmma.wait_group's count in DEPBAR.LE's operand
 MIN_SHARE_INSIDE = 0.5  # of a window's exponentials, for it to count as overlapped
@@ -93,11 +94,9 @@ def overlap_problem(instructions: Sequence[SassInstruction]) -> str | None:
     )
 
 
-def schedule_problem(spec, arch: str, sass: str) -> str | None:
+def schedule_problem(spec: KernelSpec, sass: str) -> str | None:
     """The overlap check of a wgmma spec with ``overlap: true`` on its SASS text (cuobjdump's,
     every function); None for other specs or when the schedule is as designed."""
-    from kernelgen.compile import function_sass, sass_instructions
-
     if spec.mma != "wgmma" or not spec.overlap:
         return None
     return overlap_problem(sass_instructions(function_sass(sass, spec.uri)))

@@ -141,8 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _runs_wgmma() -> bool:
     from kernelgen.api import device_arch
+    from kernelgen.policy import HOPPER_DEVICE_ARCH
 
-    return device_arch()[1] == "sm_90"
+    return device_arch()[1] == HOPPER_DEVICE_ARCH
 
 
 def dry_run(dtypes: Sequence[str], engines: Sequence[str]) -> int:

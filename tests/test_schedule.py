@@ -73,7 +73,7 @@ def test_the_shipped_overlap_kernel_is_not_overlapped_after_ptxas():
     sass = disassemble(compile_offline(render(spec), spec.uri, "sm_90a", sass=False).cubin)
     windows = overlap_windows(sass_instructions(function_sass(sass, spec.uri)))
     assert windows, "the overlapped loop has pipelined windows in SASS"
-    problem = schedule_problem(spec, "sm_90a", sass)
+    problem = schedule_problem(spec, sass)
     assert problem is not None and "does not overlap" in problem
     plain = load_spec(ROOT / "specs" / "v2_wg_bf16_d128_m128_n128_s2.yaml")
-    assert schedule_problem(plain, "sm_90a", sass) is None  # no overlap promised: no check
+    assert schedule_problem(plain, sass) is None  # no overlap promised: no check

@@ -36,6 +36,7 @@ from kernelgen.compile import Resources
 from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
+from kernelgen.policy import HOPPER_DEVICE_ARCH
 from kernelgen.spec import (
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
@@ -67,8 +68,6 @@ WGMMA_BLOCK_M = (128, 64)
 WGMMA_BLOCK_N = (128, 64)
 WGMMA_STAGES = (2,)
 WGMMA_OVERLAP = (False, True)
-# The device arch whose GPUs run sm_90a code (wgmma exists on 9.0 only, not on later GPUs).
-WGMMA_DEVICE_ARCH = "sm_90"
 # CUDA-core grid (fp32; the first entries double as fp16/bf16 fallbacks).
 SIMT_BLOCK_M = (32, 64, 128)
 SIMT_BLOCK_N = (16, 32, 64)
@@ -206,7 +205,7 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     """The Hopper grid, for fp16/bf16 prefill problems on a 9.0 device (``arch`` sm_90) and
     head dims the wgmma kernels take; nothing elsewhere."""
     if (
-        arch != WGMMA_DEVICE_ARCH
+        arch != HOPPER_DEVICE_ARCH
         or problem.dtype not in ("float16", "bfloat16")
         or problem.head_dim not in WGMMA_HEAD_DIMS
         or decode_rows(problem) is not None
