@@ -4,7 +4,7 @@ for compute-sanitizer (``python -m bench.session``).
 
 Runs, without tuning: a prefill call (GQA, causal, ragged lengths) on the default tensor-core
 spec, split-KV decode calls with per-sequence key lengths (zeros and ones among them) at a few
-split counts, and the same prefill call on one named spec per engine asked for with
+split counts, and the same prefill call on the policy's default of each engine asked for with
 ``--engines`` (CUDA cores, mma.sync, and wgmma on compute capability 9.0 devices). Prints one
 line per call; exits 1 when any is wrong, 2 without a GPU. ``--dry-run`` builds and compiles
 (offline, NVRTC) the engines' specs for sm_90a / sm_90 without a GPU.
@@ -78,14 +78,15 @@ ENGINE_CALL = CALLS[0][1]  # the prefill call: GQA, causal, lengths that fill no
 
 
 def engine_spec(engine: str, dtype: str) -> KernelSpec:
-    """A named spec of ``engine`` for :data:`ENGINE_CALL` (head dim 128, causal)."""
+    """What an untuned :data:`ENGINE_CALL` runs on an H100 with ``engine`` (head dim 128,
+    causal): the policy's default of that engine, for sm_90 (sm_90a for wgmma)."""
+    from kernelgen.policy import HOPPER_DEVICE_ARCH, default_spec, hopper_default_spec
+
     head_dim, causal = ENGINE_CALL["shape"][-1], ENGINE_CALL["causal"]
-    common = {"loop_order": "v2", "dtype": dtype, "head_dim": head_dim, "causal": causal}
-    if engine == "simt":
-        return KernelSpec(mma="simt", block_m=64, block_n=64, num_warps=4, **common)
-    if engine == "mma_sync":
-        return KernelSpec(mma="mma_sync", block_m=128, block_n=32, num_warps=4, stages=2, **common)
-    return KernelSpec(mma="wgmma", block_m=128, block_n=64, stages=2, archs=["sm_90a"], **common)
+    if engine == "wgmma":
+        return hopper_default_spec(dtype, head_dim, causal)
+    tensor_cores = engine == "mma_sync"
+    return default_spec(dtype, head_dim, causal, HOPPER_DEVICE_ARCH, tensor_cores=tensor_cores)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -155,7 +156,7 @@ def dry_run(dtypes: Sequence[str], engines: Sequence[str]) -> int:
     for dtype in dtypes:
         for engine in engines:
             spec = engine_spec(engine, dtype)
-            arch = "sm_90a" if engine == "wgmma" else "sm_90"
+            (arch,) = spec.archs
             try:
                 res = compile_offline(render(spec), spec.uri, arch, sass=False).resources
             except KernelgenError as exc:
