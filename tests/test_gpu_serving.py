@@ -20,6 +20,7 @@ from attention_cases import (
     varlen_reference,
 )
 from conftest import POINTER_SPEC_PATHS
+from test_gpu_attention import device_variants
 
 import kernelgen
 from kernelgen.spec import load_spec
@@ -194,15 +195,9 @@ def test_paged_specs_on_gpu(path, page_size):
     k_device, v_device = (to_device(x, spec.dtype, "cupy") for x in (k_pool, v_pool))
     out, lse = kernelgen.attention_with_kvcache(
         q, k_device, v_device, lengths, block_table=table, k_new=k_new, v_new=v_new,
-        causal=spec.causal, spec=spec, return_lse=True, **on_device(variants),
+        causal=spec.causal, spec=spec, return_lse=True, **device_variants(variants),
     )  # fmt: skip
     want = kvcache_reference(
         data[0], k_logical, v_logical, data[3], data[4], lengths, spec.causal, **variants
     )
     check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, spec.dtype)
-
-
-def on_device(variants: dict) -> dict:
-    import cupy
-
-    return {k: cupy.asarray(x) if isinstance(x, np.ndarray) else x for k, x in variants.items()}
