@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_emulator_hopper import COMMON, bf16_bits, decode, mutated, wgmma_ss  # noqa: F401 (mutated: a fixture)
+from test_emulator_hopper import COMMON, PIPELINE_PARAMS, bf16_bits, decode, mutated, wgmma_ss  # noqa: F401 (mutated: a fixture)
 
 from kernelgen.emulator import (
     EmulatorLaunchError,
@@ -99,13 +99,7 @@ extern "C" __global__ void elected(const __grid_constant__ CUtensorMap tmap_a,
 """
 )
 
-ELECTED_PARAMS = [
-    ("const __grid_constant__ CUtensorMap", "tmap_a"),
-    ("const __grid_constant__ CUtensorMap", "tmap_b"),
-    ("int", "tiles"),
-    ("float*", "out"),
-    ("int", "mutation"),
-]
+ELECTED_PARAMS = PIPELINE_PARAMS  # the same kernel signature as test_emulator_hopper's pipeline
 
 
 @pytest.fixture(scope="module")
