@@ -26,6 +26,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ class Run:
     def meta(self) -> dict[str, Any]:
         return self.data["meta"]
 
-    @property
+    @cached_property
     def origin(self) -> results_io.Provenance:
         return results_io.provenance(self.path, self.meta)
 
@@ -123,8 +124,13 @@ class Run:
             "width of the repetitions over the median"
         )
 
+    @cached_property
+    def rows(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """{(shape key, peer): row}, built once per file."""
+        return results_io.rows_by(self.data)
+
     def row(self, shape: str, peer: str) -> dict[str, Any] | None:
-        return results_io.rows_by(self.data).get((shape, peer))
+        return self.rows.get((shape, peer))
 
     def shapes(self) -> list[str]:
         return results_io.shape_keys(self.data)
