@@ -274,17 +274,6 @@ def overlay_templates(commit_templates: Path, dest: Path) -> Path:
     return folder
 
 
-def folder_hash(folder: Path) -> str:
-    """kernelgen.render.template_hash of a templates folder."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.j2")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def model_missing(
     measured: Sequence[MeasuredSpec],
     models: dict[str, dict[str, Any]],
@@ -297,6 +286,8 @@ def model_missing(
     for m in measured:
         if m.model_key not in models:
             todo.setdefault(m.template_hash, {})[m.model_key] = m
+    from kernelgen.render import TEMPLATE_DIR_ENV, folder_hash
+
     commits = template_commit(measured, results_dir)
     for templates, specs in todo.items():
         commit = commits[templates]
@@ -315,7 +306,7 @@ def model_missing(
                 for key, m in specs.items()
             )
             folder = overlay_templates(exported, Path(tmp))
-            env = {**os.environ, "KERNELGEN_TEMPLATE_DIR": str(folder)}
+            env = {**os.environ, TEMPLATE_DIR_ENV: str(folder)}
             request_file = Path(tmp) / "requests.jsonl"  # a file: no pipe to fill both ways
             request_file.write_text(requests)
             with request_file.open() as stdin:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import metrics, report
+from bench.session import COMMIT_ENV, DIRTY_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_BUDGET_MS = 200.0
@@ -27,9 +28,8 @@ def git_info(root: Path = ROOT) -> dict[str, Any]:
     """Commit of the working tree and whether it has uncommitted changes ("unknown" if no git).
     Under ``python -m bench.session`` the session's stamp check says it (the environment's
     KERNELGEN_SESSION_COMMIT / _DIRTY): a GPU host's copy may carry stale git metadata."""
-    if os.environ.get("KERNELGEN_SESSION_COMMIT"):
-        dirty = os.environ.get("KERNELGEN_SESSION_DIRTY", "")
-        return {"git_commit": os.environ["KERNELGEN_SESSION_COMMIT"], "git_dirty": dirty == "1"}
+    if os.environ.get(COMMIT_ENV):
+        return {"git_commit": os.environ[COMMIT_ENV], "git_dirty": os.environ.get(DIRTY_ENV) == "1"}
     try:
         top = subprocess.run(
             ["git", "rev-parse", "--show-toplevel"],

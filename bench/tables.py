@@ -26,6 +26,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ class Run:
     def meta(self) -> dict[str, Any]:
         return self.data["meta"]
 
-    @property
+    @cached_property
     def origin(self) -> results_io.Provenance:
         return results_io.provenance(self.path, self.meta)
 
@@ -123,8 +124,13 @@ class Run:
             "width of the repetitions over the median"
         )
 
+    @cached_property
+    def rows(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """{(shape key, peer): row}, built once per file."""
+        return results_io.rows_by(self.data)
+
     def row(self, shape: str, peer: str) -> dict[str, Any] | None:
-        return results_io.rows_by(self.data).get((shape, peer))
+        return self.rows.get((shape, peer))
 
     def shapes(self) -> list[str]:
         return results_io.shape_keys(self.data)
@@ -169,105 +175,69 @@ RATIO_LEGEND = (
 
 
 # ---- sections ------------------------------------------------------------------------------------
+RATE_LEGEND = (
+    "TFLOP/s of the median time (in brackets: TFLOP/s at the p90 and p10 times). " + RATIO_LEGEND
+)
+SHAPE_ALIGN = ["---", "---:", "---", "---:"]
+
+
+def versus_torch(
+    run: Run,
+    peer: str,
+    short: str,
+    rated: dict[str, str],
+    extra: dict[str, Callable[[dict[str, Any]], str]] | None = None,
+) -> list[str]:
+    """The table of ``peer``'s rows of ``run`` against torch's flash and cuDNN backends, then
+    one summary line per backend. Columns: the shape, the TFLOP/s of flash, cuDNN and of each
+    ``rated`` peer (peer: column name), ``peer``'s spec, the ``extra`` columns (name: cell of
+    ``peer``'s row), and ``peer``'s ratios (named ``short / flash``, ``short / cuDNN``)."""
+    extra = extra or {}
+    lines = []
+    for shape in run.shapes():
+        mine = run.row(shape, peer)
+        if mine is None:
+            continue
+        flash, cudnn = run.row(shape, FLASH), run.row(shape, CUDNN)
+        lines.append(
+            [
+                *shape_cells(mine),
+                rate_cell(flash),
+                rate_cell(cudnn),
+                *(rate_cell(run.row(shape, other)) for other in rated),
+                f"`{mine.get('best_label', '-')}`",
+                *(make(mine) for make in extra.values()),
+                ratio_cell(mine, flash),
+                ratio_cell(mine, cudnn),
+            ]
+        )
+    header = [*SHAPE_HEADER, "torch flash", "torch cuDNN", *rated.values(), "its spec", *extra]
+    header += [f"{short} / flash", f"{short} / cuDNN"]
+    align = [*SHAPE_ALIGN, *["---:"] * (2 + len(rated)), "---", *["---:"] * (len(extra) + 2)]
+    return [
+        md_table(header, lines, align),
+        "",
+        f"- {ratio_summary(run, peer, FLASH)}",
+        f"- {ratio_summary(run, peer, CUDNN)}",
+    ]
+
+
 def prefill_section(run: Run) -> str:
     """A kg-tc-v2 run against torch's flash and cuDNN backends, with the candidate labelled
     ``default`` (the heuristic default of that commit, screening figure)."""
-    lines = []
-    for shape in run.shapes():
-        tc = run.row(shape, TC)
-        if tc is None:
-            continue
-        default = candidate(tc, "default")
-        lines.append(
-            [
-                *shape_cells(tc),
-                rate_cell(run.row(shape, FLASH)),
-                rate_cell(run.row(shape, CUDNN)),
-                rate_cell(tc),
-                f"`{tc.get('best_label', '-')}`",
-                rate_cell(default, spread=False) if default else "-",
-                ratio_cell(tc, run.row(shape, FLASH)),
-                ratio_cell(tc, run.row(shape, CUDNN)),
-            ]
-        )
-    header = [
-        *SHAPE_HEADER,
-        "torch flash",
-        "torch cuDNN",
-        "kg-tc-v2 (best spec, re-timed)",
-        "its spec",
-        "`default` spec (screening)",
-        "kg-tc / flash",
-        "kg-tc / cuDNN",
-    ]
-    align = ["---", "---:", "---", "---:", "---:", "---:", "---:", "---", "---:", "---:", "---:"]
-    return "\n".join(
-        [
-            run.heading(),
-            "TFLOP/s of the median time (in brackets: TFLOP/s at the p90 and p10 times). "
-            + RATIO_LEGEND,
-            "",
-            md_table(header, lines, align),
-            "",
-            f"- {ratio_summary(run, TC, FLASH)}",
-            f"- {ratio_summary(run, TC, CUDNN)}",
-        ]
-    )
+    default = {
+        "`default` spec (screening)": lambda tc: rate_cell(candidate(tc, "default"), spread=False)
+    }
+    table = versus_torch(run, TC, "kg-tc", {TC: "kg-tc-v2 (best spec, re-timed)"}, default)
+    return "\n".join([run.heading(), RATE_LEGEND, "", *table])
 
 
 def wgmma_section(runs: Sequence[Run]) -> str:
     """kg-wgmma (best of its candidates, re-timed) against torch flash, cuDNN and kg-tc-v2."""
-    parts = [
-        "TFLOP/s of the median time (in brackets: TFLOP/s at the p90 and p10 times). "
-        + RATIO_LEGEND
-    ]
+    parts = [RATE_LEGEND]
     for run in runs:
-        lines = []
-        for shape in run.shapes():
-            wg = run.row(shape, WGMMA)
-            if wg is None:
-                continue
-            lines.append(
-                [
-                    *shape_cells(wg),
-                    rate_cell(run.row(shape, FLASH)),
-                    rate_cell(run.row(shape, CUDNN)),
-                    rate_cell(run.row(shape, TC)),
-                    rate_cell(wg),
-                    f"`{wg.get('best_label', '-')}`",
-                    ratio_cell(wg, run.row(shape, FLASH)),
-                    ratio_cell(wg, run.row(shape, CUDNN)),
-                ]
-            )
-        header = [
-            *SHAPE_HEADER,
-            "torch flash",
-            "torch cuDNN",
-            "kg-tc-v2",
-            "kg-wgmma",
-            "its spec",
-            "wgmma / flash",
-            "wgmma / cuDNN",
-        ]
-        align = [
-            "---",
-            "---:",
-            "---",
-            "---:",
-            "---:",
-            "---:",
-            "---:",
-            "---:",
-            "---",
-            "---:",
-            "---:",
-        ]
-        parts += ["", run.heading(), "", md_table(header, lines, align)]
-        parts += [
-            "",
-            f"- {ratio_summary(run, WGMMA, FLASH)}",
-            f"- {ratio_summary(run, WGMMA, CUDNN)}",
-        ]
+        table = versus_torch(run, WGMMA, "wgmma", {TC: "kg-tc-v2", WGMMA: "kg-wgmma"})
+        parts += ["", run.heading(), "", *table]
     return "\n".join(parts)
 
 
@@ -293,7 +263,7 @@ def measured_section(runs: Sequence[Run]) -> str:
             )
     header = ["run", *SHAPE_HEADER, "kg-tc-v2 / flash", "kg-tc-v2 / cuDNN"]
     header += ["kg-wgmma / flash", "kg-wgmma / cuDNN"]
-    align = ["---", "---", "---:", "---", "---:", "---:", "---:", "---:", "---:"]
+    align = ["---", *SHAPE_ALIGN, "---:", "---:", "---:", "---:"]
     notes = [
         f"[{i}] `{rel(run.path)}`: {run.origin.describe()}, {results_io.device(run.meta)}, "
         f"{run.meta.get('date')}; {run.noise_words()}."

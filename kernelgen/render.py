@@ -257,8 +257,13 @@ def template_dir() -> Path:
 @cache
 def template_hash() -> str:
     """sha256 over every template file: part of every cache key."""
+    return folder_hash(template_dir())
+
+
+def folder_hash(folder: Path) -> str:
+    """sha256 over every template file (name and bytes) of ``folder``, read afresh."""
     digest = hashlib.sha256()
-    for path in sorted(template_dir().glob("*.j2")):
+    for path in sorted(folder.glob("*.j2")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
