@@ -132,7 +132,7 @@ class BlockMask:
             )
         for name in ("seqlen_q", "seqlen_k", "block_m", "block_n"):
             value = getattr(self, name)
-            if not _is_int(value) or not 1 <= value <= INT32_MAX:
+            if not _is_size(value):
                 raise InputError(
                     f"block_mask.{name} is {value!r}; expected an integer from 1 to {INT32_MAX}"
                 )
@@ -257,8 +257,9 @@ class BlockMask:
 _LISTS = (("partial_counts", "partial_indices"), ("full_counts", "full_indices"))
 
 
-def _is_int(value: Any) -> bool:
-    return (type(value) is int) or isinstance(value, np.integer)
+def _is_size(value: Any) -> bool:
+    """An integer (a NumPy one too, not a bool) from 1 to INT32_MAX: a size the builder takes."""
+    return (type(value) is int or isinstance(value, np.integer)) and 1 <= value <= INT32_MAX
 
 
 def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -323,8 +324,7 @@ def to_host(array: Any) -> np.ndarray:
 
 def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
     for name, value in sizes.items():
-        integer = type(value) is int or isinstance(value, np.integer)
-        if not integer or not 1 <= value <= INT32_MAX:
+        if not _is_size(value):
             raise InputError(
                 f"{name}={value!r} is not allowed; use an integer from 1 to {INT32_MAX}"
             )
