@@ -286,13 +286,14 @@ def _check_list_type(name: str, array: Any, library: str, device: int) -> None:
         raise InputTypeError(
             f"block_mask.{name} has type {type(array).__name__}; expected an int32 array"
         )
-    own = arrays_of(array).name
-    if own != library:
-        raise InputTypeError(
-            f"block_mask.{name} is a {LIBRARY_NAMES.get(own, own)} but q is a "
-            f"{LIBRARY_NAMES.get(library, library)}; build the block mask in q's library (pass "
-            "mod_inputs, or like=q, of q's library to kernelgen.block_mask)"
-        )
+    check_library(
+        f"block_mask.{name}",
+        array,
+        "q",
+        library,
+        "build the block mask in q's library (pass mod_inputs, or like=q, of q's library to "
+        "kernelgen.block_mask)",
+    )
     if device_of(array) != device:
         raise InputTypeError(
             f"block_mask.{name} is on device {device_of(array)} but q is on device {device} "
@@ -301,6 +302,17 @@ def _check_list_type(name: str, array: Any, library: str, device: int) -> None:
     if dtype_name(array.dtype) != "int32":
         raise InputTypeError(
             f"block_mask.{name} has dtype {dtype_name(array.dtype)}; expected int32"
+        )
+
+
+def check_library(label: str, array: Any, other: str, library: str, fix: str) -> None:
+    """An InputTypeError naming ``label`` and ``other`` unless ``array`` is of ``library``
+    (``other``'s: "numpy", "torch" or "cupy"); ``fix`` says what to pass instead."""
+    own = arrays_of(array).name
+    if own != library:
+        raise InputTypeError(
+            f"{label} is a {LIBRARY_NAMES.get(own, own)} but {other} is a "
+            f"{LIBRARY_NAMES.get(library, library)}; {fix}"
         )
 
 
@@ -356,12 +368,13 @@ def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
     library = arrays_of(first)
     device = device_of(first)
     for label, array in named[1:]:
-        own = arrays_of(array).name
-        if own != library.name:
-            raise InputTypeError(
-                f"{label} is a {LIBRARY_NAMES[own]} but {first_label} is a "
-                f"{LIBRARY_NAMES[library.name]}; every array of the call must be of one library"
-            )
+        check_library(
+            label,
+            array,
+            first_label,
+            library.name,
+            "every array of the call must be of one library",
+        )
         if device_of(array) != device:
             raise InputTypeError(
                 f"{label} is on device {device_of(array)}; every array of the call must be on "
