@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kernelgen.block_mask import LIBRARY_NAMES, BlockMask
+from kernelgen.block_mask import BlockMask, check_library
 from kernelgen.errors import InputError, InputTypeError, KernelgenError
 from kernelgen.expression_inputs import (
     CallExpressions,
@@ -477,12 +477,13 @@ def check_expression_libraries(q: Any, expressions: CallExpressions) -> None:
     CuPy (or an array CuPy views: ``__cuda_array_interface__``, DLPack) with any other q."""
     library = arrays_of(q).name
     for name, array in expressions.arrays.items():
-        own = arrays_of(array).name
-        if own != library:
-            raise InputTypeError(
-                f"mod_inputs[{name!r}] is a {LIBRARY_NAMES[own]} but q is a "
-                f"{LIBRARY_NAMES[library]}; pass mod inputs of q's library and device"
-            )
+        check_library(
+            f"mod_inputs[{name!r}]",
+            array,
+            "q",
+            library,
+            "pass mod inputs of q's library and device",
+        )
 
 
 def _device_name(index: int) -> str:

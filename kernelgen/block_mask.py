@@ -132,7 +132,7 @@ class BlockMask:
             )
         for name in ("seqlen_q", "seqlen_k", "block_m", "block_n"):
             value = getattr(self, name)
-            if not _is_int(value) or not 1 <= value <= INT32_MAX:
+            if not _is_size(value):
                 raise InputError(
                     f"block_mask.{name} is {value!r}; expected an integer from 1 to {INT32_MAX}"
                 )
@@ -257,8 +257,9 @@ class BlockMask:
 _LISTS = (("partial_counts", "partial_indices"), ("full_counts", "full_indices"))
 
 
-def _is_int(value: Any) -> bool:
-    return (type(value) is int) or isinstance(value, np.integer)
+def _is_size(value: Any) -> bool:
+    """An integer (a NumPy one too, not a bool) from 1 to INT32_MAX: a size the builder takes."""
+    return (type(value) is int or isinstance(value, np.integer)) and 1 <= value <= INT32_MAX
 
 
 def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -285,13 +286,14 @@ def _check_list_type(name: str, array: Any, library: str, device: int) -> None:
         raise InputTypeError(
             f"block_mask.{name} has type {type(array).__name__}; expected an int32 array"
         )
-    own = arrays_of(array).name
-    if own != library:
-        raise InputTypeError(
-            f"block_mask.{name} is a {LIBRARY_NAMES.get(own, own)} but q is a "
-            f"{LIBRARY_NAMES.get(library, library)}; build the block mask in q's library (pass "
-            "mod_inputs, or like=q, of q's library to kernelgen.block_mask)"
-        )
+    check_library(
+        f"block_mask.{name}",
+        array,
+        "q",
+        library,
+        "build the block mask in q's library (pass mod_inputs, or like=q, of q's library to "
+        "kernelgen.block_mask)",
+    )
     if device_of(array) != device:
         raise InputTypeError(
             f"block_mask.{name} is on device {device_of(array)} but q is on device {device} "
@@ -300,6 +302,17 @@ def _check_list_type(name: str, array: Any, library: str, device: int) -> None:
     if dtype_name(array.dtype) != "int32":
         raise InputTypeError(
             f"block_mask.{name} has dtype {dtype_name(array.dtype)}; expected int32"
+        )
+
+
+def check_library(label: str, array: Any, other: str, library: str, fix: str) -> None:
+    """An InputTypeError naming ``label`` and ``other`` unless ``array`` is of ``library``
+    (``other``'s: "numpy", "torch" or "cupy"); ``fix`` says what to pass instead."""
+    own = arrays_of(array).name
+    if own != library:
+        raise InputTypeError(
+            f"{label} is a {LIBRARY_NAMES.get(own, own)} but {other} is a "
+            f"{LIBRARY_NAMES.get(library, library)}; {fix}"
         )
 
 
@@ -323,8 +336,7 @@ def to_host(array: Any) -> np.ndarray:
 
 def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
     for name, value in sizes.items():
-        integer = type(value) is int or isinstance(value, np.integer)
-        if not integer or not 1 <= value <= INT32_MAX:
+        if not _is_size(value):
             raise InputError(
                 f"{name}={value!r} is not allowed; use an integer from 1 to {INT32_MAX}"
             )
@@ -356,12 +368,13 @@ def _library(mod_inputs: Mapping[str, Any], like: Any) -> tuple[Arrays, int]:
     library = arrays_of(first)
     device = device_of(first)
     for label, array in named[1:]:
-        own = arrays_of(array).name
-        if own != library.name:
-            raise InputTypeError(
-                f"{label} is a {LIBRARY_NAMES[own]} but {first_label} is a "
-                f"{LIBRARY_NAMES[library.name]}; every array of the call must be of one library"
-            )
+        check_library(
+            label,
+            array,
+            first_label,
+            library.name,
+            "every array of the call must be of one library",
+        )
         if device_of(array) != device:
             raise InputTypeError(
                 f"{label} is on device {device_of(array)}; every array of the call must be on "

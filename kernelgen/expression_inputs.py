@@ -21,7 +21,7 @@ from kernelgen.expressions import (
     checked_expression,
     inputs_from_arrays,
 )
-from kernelgen.frameworks import Arrays, launch_arg
+from kernelgen.frameworks import Arrays, launch_arg, module_of
 from kernelgen.spec import KernelSpec, spec_from_dict
 
 __all__ = ["CallExpressions", "check_expressions", "check_spec_expressions", "with_expressions"]
@@ -105,9 +105,7 @@ def _check_array(name: str, array: Any) -> None:
             f"mod_inputs[{name!r}] is {type(array).__name__}; pass a NumPy, CuPy or torch array"
         )
     device = getattr(array, "device", None)
-    if type(array).__module__.split(".")[0] == "torch" and (
-        getattr(device, "type", None) not in KERNEL_DEVICE_TYPES
-    ):
+    if module_of(array) == "torch" and getattr(device, "type", None) not in KERNEL_DEVICE_TYPES:
         raise InputTypeError(
             f"mod_inputs[{name!r}] is a torch tensor on device {device}; pass it on the CPU or "
             "on q's CUDA device"

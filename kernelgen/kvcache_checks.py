@@ -74,21 +74,18 @@ def check_pages(table: np.ndarray, total_lengths: np.ndarray, layout: PagedLayou
     if bad.size:
         b, j = (int(x) for x in bad[0])
         raise InputError(_page_message(b, j, int(table[b, j]), int(total_lengths[b]), layout))
-    repeated = np.flatnonzero(_repeats_in_rows(np.where(used, table, _unused(table.shape))))
+    repeated = np.flatnonzero(_repeated_pages(ArrayOps(table), table, used).any(axis=1))
     if repeated.size:
         b = int(repeated[0])
         raise InputError(_repeat_message(b, table[b], int(total_lengths[b]), layout))
 
 
-def _unused(shape: tuple[int, ...]) -> np.ndarray:
-    """Distinct negative stand-ins for the unused entries of a (B, pages) table."""
-    return np.broadcast_to(-1 - np.arange(shape[1]), shape)
-
-
-def _repeats_in_rows(rows: np.ndarray) -> np.ndarray:
-    """(B,) booleans: whether row b holds some value twice."""
-    ordered = np.sort(rows, axis=1)
-    return (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+def _repeated_pages(ops: ArrayOps, pages: Any, used: Any) -> Any:
+    """(B, pages - 1) booleans, by ``ops``' library: True where a row's used entries, sorted,
+    name one page twice (unused entries get distinct negative stand-ins, never pages)."""
+    unused = -1 - ops.arange(pages.shape[1])[None, :]
+    ordered = ops.sort_rows(ops.xp.where(used, pages, unused))
+    return ordered[:, 1:] == ordered[:, :-1]
 
 
 def _repeat_message(b: int, row: np.ndarray, keys: int, layout: PagedLayout) -> str:
@@ -186,9 +183,7 @@ def validate_on_device(
         needed = (lengths + new_len + layout.page_size - 1) // layout.page_size
         used = ops.arange(layout.pages_per_seq)[None, :] < needed[:, None]
         flags.append(used & ((pages < 0) | (pages >= layout.num_pages)))
-        unused = -1 - ops.arange(layout.pages_per_seq)[None, :]  # distinct, never pages
-        ordered = ops.sort_rows(ops.xp.where(used, pages, unused))
-        flags.append(ordered[:, 1:] == ordered[:, :-1])
+        flags.append(_repeated_pages(ops, pages, used))
     bad_length, *bad_pages = ops.first_true_each(flags)
     if bad_length >= 0:
         values = ops.host(lengths)

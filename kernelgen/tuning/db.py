@@ -22,7 +22,7 @@ from typing import Any
 
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, SpecError
-from kernelgen.fileio import atomic_write_text
+from kernelgen.fileio import atomic_write_text, user_cache_home
 from kernelgen.spec import spec_from_dict
 from kernelgen.tuning.key import TuningKey, canonical_digest, spec_fields
 
@@ -39,8 +39,7 @@ def cache_dir() -> Path:
     """``$KERNELGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernelgen``, else ``~/.cache/kernelgen``."""
     if explicit := os.environ.get("KERNELGEN_CACHE_DIR"):
         return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kernelgen"
+    return user_cache_home() / "kernelgen"
 
 
 def wrap(payload: dict[str, Any]) -> dict[str, Any]:
