@@ -547,8 +547,8 @@ def render_documents(
 
 
 def write_keeping_mode(path: Path, text: str) -> None:
-    """Replace ``path`` atomically, keeping its permission bits (the temporary file's are
-    owner-only); a new file gets 0o644."""
+    """Replace ``path`` atomically, keeping its permission bits (the atomic writer gives the
+    umask's); a new file gets 0o644."""
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
     write_atomic(path, text)
     path.chmod(mode)
