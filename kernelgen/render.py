@@ -223,7 +223,8 @@ def workspace_floats(spec: KernelSpec, batch: int, num_heads: int, seqlen_q: int
 
 
 @cache
-def _environment() -> jinja2.Environment:
+def environment() -> jinja2.Environment:
+    """The Jinja environment of the templates folder (every family renders through it)."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,
@@ -285,7 +286,7 @@ def render(spec: KernelSpec) -> str:
             f"{VARIANT_PIECE}); use kernelgen's own templates for a spec with "
             f"{', '.join(spec.variants)}"
         )
-    template = _environment().get_template(template_name(spec))
+    template = environment().get_template(template_name(spec))
     return template.render(
         spec=spec,
         uri=spec.uri,
@@ -312,7 +313,7 @@ def render_template(template: str, **context: object) -> str:
     """Render template file ``template`` of the templates folder with ``context`` (kernels other
     than a spec's attention kernels, e.g. the block-mask builder)."""
     try:
-        loaded = _environment().get_template(template)
+        loaded = environment().get_template(template)
     except jinja2.TemplateNotFound:
         raise SettingError(
             f"the templates folder {template_dir()} has no {template}; point "

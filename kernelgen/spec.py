@@ -832,14 +832,15 @@ def _cached_expressions(
 
 
 # ---- loading ----------------------------------------------------------------------------
-def format_validation_error(exc: ValidationError) -> list[str]:
-    """One readable line per problem: the field, the value and what is allowed."""
+def format_validation_error(exc: ValidationError, fields: Any = None) -> list[str]:
+    """One readable line per problem: the field, the value and what is allowed (``fields``: the
+    model's fields, for the list an unknown field's message gives; default a KernelSpec's)."""
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "spec"
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            allowed = ", ".join(KernelSpec.model_fields)
+            allowed = ", ".join(fields if fields is not None else KernelSpec.model_fields)
             message = (
                 f"unknown field {_echo(field)} (value {_echo(err['input'])}); "
                 f"allowed fields: {allowed}"
@@ -951,6 +952,12 @@ def parse_spec_yaml(text: str) -> Any:
 def load_spec(path: str | Path) -> KernelSpec:
     """Read one spec from a YAML file (safe loading, UTF-8, at most 1 MiB, no aliases, no
     duplicate keys)."""
+    return spec_from_dict(load_spec_data(path), str(path))
+
+
+def load_spec_data(path: str | Path) -> Any:
+    """The parsed YAML of a spec file (any family), read safely: UTF-8, at most 1 MiB, no
+    aliases, no duplicate keys; raises :class:`SpecError` naming the file."""
     path = Path(path)
     try:
         with path.open("rb") as handle:
@@ -977,7 +984,7 @@ def load_spec(path: str | Path) -> KernelSpec:
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError([f"invalid YAML: {where}{problem}"], str(path)) from None
-    return spec_from_dict(data, str(path))
+    return data
 
 
 def spec_json_schema() -> dict[str, Any]:

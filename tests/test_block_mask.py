@@ -342,14 +342,14 @@ def test_a_templates_folder_without_the_builder_is_a_setting_error(tmp_path, mon
     for name in ENTRY_TEMPLATE.values():
         (tmp_path / name).write_text((ROOT / "templates" / name).read_text())
     monkeypatch.setenv("KERNELGEN_TEMPLATE_DIR", str(tmp_path))
-    for cached in (render.template_dir, render.template_hash, render._environment):
+    for cached in (render.template_dir, render.template_hash, render.environment):
         cached.cache_clear()
     try:
         with pytest.raises(SettingError, match=r"has no block_mask\.cu\.j2"):
             builder_source(parse_mask_mod("q_idx >= kv_idx"), 16, 16)
     finally:
         monkeypatch.undo()
-        for cached in (render.template_dir, render.template_hash, render._environment):
+        for cached in (render.template_dir, render.template_hash, render.environment):
             cached.cache_clear()
 
 

@@ -135,7 +135,7 @@ def reread_templates():
     render_module = importlib.import_module("kernelgen.render")  # the package exports render()
 
     def forget() -> None:
-        for cached in (template_dir, template_hash, render_module._environment):
+        for cached in (template_dir, template_hash, render_module.environment):
             cached.cache_clear()
 
     forget()
