@@ -32,6 +32,8 @@ The models:
 * :func:`tiled_v1` - FlashAttention-1 loop order (K/V tiles outside, Q tiles inside).
 * :func:`tiled_v2` - FlashAttention-2 loop order (Q tiles outside, K/V tiles inside).
 * :func:`split_kv` - the split-KV (flash-decoding) model: partial states folded at the end.
+* :func:`attention_backward` - the backward pass: the analytic gradients of
+  ``sum(out * dout)`` with respect to q, k, v and the sinks (:class:`BackwardGrads`).
 
 The streaming models are all built on the attention monoid of partial softmax states
 ``(o, l, m)`` (:class:`SoftmaxState`, :func:`combine`, :func:`identity_state`): the state of
@@ -45,15 +47,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "BackwardGrads",
     "SoftmaxState",
     "Variants",
+    "attention_backward",
     "combine",
     "combine_partials",
     "finalize",
@@ -165,6 +169,18 @@ def finalize(state: SoftmaxState) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, eq=False)
+class _ScoreStages:
+    """The scores of one block at each stage: ``raw = scale * q.k``, ``capped`` (after softcap,
+    what ``score_mod`` receives), ``final`` (all variants, ``-inf`` where hidden), and the
+    broadcastable ``(b, h, q_idx, kv_idx)`` index arrays the hooks were called with."""
+
+    raw: np.ndarray
+    capped: np.ndarray
+    final: np.ndarray
+    index: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass(frozen=True)
 class _Problem:
     """Validated float64 inputs with K/V expanded to the query heads (GQA/MQA)."""
@@ -191,17 +207,23 @@ class _Problem:
 
     def scores(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
         """Masked scaled scores of query rows ``[i0, i1)`` against keys ``[j0, j1)``."""
+        return self.score_stages(i0, i1, j0, j1).final
+
+    def score_stages(self, i0: int, i1: int, j0: int, j1: int) -> _ScoreStages:
+        """:meth:`scores` with the intermediate scores the backward pass differentiates."""
         # einsum (not matmul/BLAS) so that every score is bitwise the same whatever the tiling:
         # the models then differ only in how they combine the softmax.
-        s = np.einsum("bhid,bhjd->bhij", self.q[:, :, i0:i1], self.k[:, :, j0:j1]) * self.scale
+        raw = np.einsum("bhid,bhjd->bhij", self.q[:, :, i0:i1], self.k[:, :, j0:j1]) * self.scale
         var = self.variants
         b = np.arange(self.q.shape[0])[:, None, None, None]
         h = np.arange(self.q.shape[1])[None, :, None, None]
         rows = np.arange(i0, i1)[None, None, :, None]
         cols = np.arange(j0, j1)[None, None, None, :]
         diagonal = rows + (self.sk - self.sq)  # the key query i is aligned with
+        s = raw
         if var.softcap is not None:
             s = var.softcap * np.tanh(s / var.softcap)
+        capped = s
         if var.score_mod is not None:  # user expressions are inserted here
             s = np.asarray(var.score_mod(s, b, h, rows, cols), dtype=np.float64)
         if var.alibi_slopes is not None:
@@ -216,7 +238,7 @@ class _Problem:
             visible = visible & (cols <= diagonal + right)[0, 0]
         if var.mask_mod is not None:  # user expressions are inserted here
             visible = visible & np.asarray(var.mask_mod(b, h, rows, cols), dtype=bool)
-        return np.where(visible, s, -np.inf)
+        return _ScoreStages(raw, capped, np.where(visible, s, -np.inf), (b, h, rows, cols))
 
     @property
     def window(self) -> tuple[int, int]:
@@ -383,55 +405,67 @@ def naive_attention(
     [0, Sk]); causal alignment is then to that length.
     """
     if seqlens_k is not None:
-        return _per_sequence(q, k, v, seqlens_k, causal=causal, scale=scale, mask=mask, **variants)
+        kw = dict(causal=causal, scale=scale, mask=mask, **variants)
+        results = [
+            naive_attention(*qkv, **kw_b) for _, qkv, kw_b in _sequences(q, k, v, seqlens_k, kw)
+        ]
+        return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
     p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
-    s = p.scores(0, p.sq, 0, p.sk)
-    if p.variants.sinks is not None:  # the sink: one more score, with value 0
-        sink = np.broadcast_to(p.variants.sinks[None, :, None, None], (*s.shape[:-1], 1))
-        s = np.concatenate([s, sink], axis=-1)
-        sink_value = np.zeros((*p.v.shape[:2], 1, p.v.shape[3]))
-        p = dataclasses.replace(p, v=np.concatenate([p.v, sink_value], axis=2))
+    s = _with_sinks(p.scores(0, p.sq, 0, p.sk), p.variants.sinks)
+    e, denom, seen, lse = _softmax_parts(s)
+    out = np.where(seen[..., None], np.matmul(e[..., : p.sk], p.v) / denom[..., None], 0.0)
+    return out, lse
+
+
+def _with_sinks(s: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """The scores (B, H, Sq, Sk) with the sinks (a key of value 0) as one more column."""
+    if sinks is None:
+        return s
+    sink = np.broadcast_to(sinks[None, :, None, None], (*s.shape[:-1], 1))
+    return np.concatenate([s, sink], axis=-1)
+
+
+def _softmax_parts(s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(e, denom, seen, lse)`` of rows of scores ``s`` (..., n): ``e = e^{s - m}`` with ``m``
+    the row max, ``denom`` its row sum (1 where no key is seen), ``seen = denom > 0`` and ``lse``
+    (``-inf`` where no key is seen). The softmax is ``e / denom`` where ``seen``, else 0."""
     m = s.max(axis=-1) if s.shape[-1] > 0 else np.full(s.shape[:-1], -np.inf)
     m_safe = np.where(np.isneginf(m), 0.0, m)
     e = np.exp(s - m_safe[..., None])
     denom = e.sum(axis=-1)
     seen = denom > 0
     denom_safe = np.where(seen, denom, 1.0)
-    out = np.where(seen[..., None], np.matmul(e, p.v) / denom_safe[..., None], 0.0)
     lse = np.where(seen, m_safe + np.log(denom_safe), -np.inf)
-    return out, lse
+    return e, denom_safe, seen, lse
 
 
-def _per_sequence(
+def _sequences(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
     seqlens_k: Sequence[int] | np.ndarray,
-    **kw: Any,
-) -> tuple[np.ndarray, np.ndarray]:
-    """naive_attention of each batch entry over its own first seqlens_k[b] keys."""
+    kw: dict[str, Any],
+) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray], dict[str, Any]]]:
+    """Each batch entry b as its own problem over its first ``seqlens_k[b]`` keys: yields
+    ``(keys, (q_b, k_b, v_b), kw_b)``, ``kw`` with its mask and ALiBi slopes cut to entry b.
+    The problems have batch 1, so the hooks see batch index 0."""
     batch, heads, seqlen_q = np.shape(q)[:3]
     seqlen_k = np.shape(k)[2]
     if len(seqlens_k) != batch:
         raise ValueError(f"seqlens_k: expected {batch} lengths, got {len(seqlens_k)}")
-    mask = kw.pop("mask")
+    mask = kw.get("mask")
     if mask is not None:
         mask = np.broadcast_to(mask, (batch, heads, seqlen_q, seqlen_k))
-    slopes = kw.pop("alibi_slopes", None)
+    slopes = kw.get("alibi_slopes")
     if slopes is not None:
         slopes = np.broadcast_to(np.asarray(slopes, dtype=np.float64), (batch, heads))
-    outs, lses = [], []
     for b, length in enumerate(seqlens_k):
         keys = min(max(int(length), 0), seqlen_k)
-        mask_b = None if mask is None else mask[b : b + 1, :, :, :keys]
+        kw_b = dict(kw, mask=None if mask is None else mask[b : b + 1, :, :, :keys])
         if slopes is not None:
-            kw["alibi_slopes"] = slopes[b : b + 1]
-        out, lse = naive_attention(
-            q[b : b + 1], k[b : b + 1, :, :keys], v[b : b + 1, :, :keys], mask=mask_b, **kw
-        )
-        outs.append(out)
-        lses.append(lse)
-    return np.concatenate(outs), np.concatenate(lses)
+            kw_b["alibi_slopes"] = slopes[b : b + 1]
+        qkv = (q[b : b + 1], k[b : b + 1, :, :keys], v[b : b + 1, :, :keys])
+        yield keys, qkv, kw_b
 
 
 def online_softmax_attention(
@@ -616,6 +650,153 @@ def combine_partials(
         part = SoftmaxState(np.asarray(out, dtype=np.float64), np.ones_like(lse), lse)
         state = combine(state, part)
     return finalize(state)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward pass
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class BackwardGrads:
+    """The gradients of ``L = sum(out * dout)`` from :func:`attention_backward`, float64.
+
+    ``dq`` is (B, H, Sq, D); ``dk`` and ``dv`` are (B, Hkv, Sk, D), summed over the query heads
+    of each GQA group; ``dsinks`` is (H,), or None without sinks. ``out`` and ``lse`` are the
+    forward's (as :func:`naive_attention`), ``delta`` (B, H, Sq) is ``D_i = dout_i . out_i``.
+    """
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dsinks: np.ndarray | None
+    out: np.ndarray
+    lse: np.ndarray
+    delta: np.ndarray
+
+
+# Relative step of the central difference that differentiates a score_mod given without its
+# score_mod_grad: eps^(1/3) balances rounding (eps / h) against truncation (h^2), ~1e-10 error.
+SCORE_MOD_FD_STEP = float(np.finfo(np.float64).eps) ** (1 / 3)
+
+
+def _softcap_grad(raw: np.ndarray, softcap: float) -> np.ndarray:
+    """``d/ds c tanh(s / c) = 1 - tanh(s / c)^2``."""
+    return 1.0 - np.tanh(raw / softcap) ** 2
+
+
+def _score_mod_grad(
+    stages: _ScoreStages, score_mod: ScoreMod, score_mod_grad: ScoreMod | None
+) -> np.ndarray:
+    """``d score_mod / d score`` at ``stages.capped``: ``score_mod_grad`` if given, else a
+    central difference with relative step :data:`SCORE_MOD_FD_STEP`."""
+    s = stages.capped
+    if score_mod_grad is not None:
+        grad = score_mod_grad(s, *stages.index)
+    else:
+        h = SCORE_MOD_FD_STEP * np.maximum(1.0, np.abs(s))
+        hi = np.asarray(score_mod(s + h, *stages.index), dtype=np.float64)
+        lo = np.asarray(score_mod(s - h, *stages.index), dtype=np.float64)
+        with np.errstate(invalid="ignore"):  # -inf - -inf where score_mod hides a key
+            grad = (hi - lo) / (2 * h)
+    return np.broadcast_to(np.asarray(grad, dtype=np.float64), s.shape)
+
+
+def attention_backward(
+    dout: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    mask: np.ndarray | None = None,
+    seqlens_k: Sequence[int] | np.ndarray | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
+    score_mod: ScoreMod | None = None,
+    score_mod_grad: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+) -> BackwardGrads:
+    """The analytic gradients of ``L = sum(out * dout)`` for :func:`naive_attention`'s forward.
+
+    With ``x`` the final scores, ``P = e^{x - lse}`` (0 where hidden or no key is seen):
+    ``dv = P^T dout``, ``dP = dout v^T``, ``D_i = dout_i . out_i``, ``dx = P (dP - D)``; ``ds``
+    is ``dx`` times ``dx/ds`` through the transforms (softcap ``1 - tanh^2(s / c)``, score_mod's
+    derivative, ALiBi and mask 1); ``dq = scale ds k``, ``dk = scale ds^T q``. The sink is a key
+    of value 0, so ``dsinks_h = -sum_{b,i} P_sink D_i``. No gradient flows into ``mask`` or the
+    slopes.
+
+    ``score_mod_grad(score, b, h, q_idx, kv_idx)`` returns ``d score_mod / d score`` at the
+    softcapped score; without it the derivative is a float64 central difference of
+    ``score_mod`` (:data:`SCORE_MOD_FD_STEP`). ``seqlens_k`` is as in :func:`naive_attention`:
+    keys past an entry's length get zero ``dk``/``dv``.
+    """
+    dout = np.asarray(dout, dtype=np.float64)
+    if dout.shape != np.shape(q):
+        raise ValueError(f"dout: shape {dout.shape} must equal q's shape {np.shape(q)}")
+    if score_mod_grad is not None and score_mod is None:
+        raise ValueError("score_mod_grad: given without a score_mod")
+    variants = dict(
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+    )
+    kw: dict[str, Any] = dict(causal=causal, scale=scale, mask=mask, **variants)
+    if seqlens_k is not None:
+        return _backward_per_sequence(dout, q, k, v, seqlens_k, kw, score_mod_grad)
+    p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
+    var = p.variants
+    stages = p.score_stages(0, p.sq, 0, p.sk)
+    e, denom, seen, lse = _softmax_parts(_with_sinks(stages.final, var.sinks))
+    prob = np.where(seen[..., None], e / denom[..., None], 0.0)
+    p_keys = prob[..., : p.sk]
+    out = np.matmul(p_keys, p.v)
+    delta = np.einsum("bhid,bhid->bhi", dout, out)
+    dp = np.matmul(dout, np.swapaxes(p.v, -1, -2))
+    dx = p_keys * (dp - delta[..., None])
+    chain = np.ones_like(dx)
+    if var.softcap is not None:
+        chain = chain * _softcap_grad(stages.raw, var.softcap)
+    if var.score_mod is not None:
+        chain = chain * _score_mod_grad(stages, var.score_mod, score_mod_grad)
+    ds = np.where(p_keys > 0, dx * chain, 0.0)  # hidden keys: no 0 * inf/NaN from the chain
+    dq = p.scale * np.matmul(ds, p.k)
+    group = p.q.shape[1] // np.shape(k)[1]
+    dk = p.scale * np.matmul(np.swapaxes(ds, -1, -2), p.q)
+    dv = np.matmul(np.swapaxes(p_keys, -1, -2), dout)
+    dk, dv = (x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(axis=2) for x in (dk, dv))
+    dsinks = None if var.sinks is None else -(prob[..., p.sk] * delta).sum(axis=(0, 2))
+    return BackwardGrads(dq, dk, dv, dsinks, out, lse, delta)
+
+
+def _backward_per_sequence(
+    dout: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    seqlens_k: Sequence[int] | np.ndarray,
+    kw: dict[str, Any],
+    score_mod_grad: ScoreMod | None,
+) -> BackwardGrads:
+    """attention_backward of each batch entry over its own first seqlens_k[b] keys."""
+    dk = np.zeros(np.shape(k))
+    dv = np.zeros(np.shape(k))
+    parts = []
+    for b, (keys, qkv, kw_b) in enumerate(_sequences(q, k, v, seqlens_k, kw)):
+        g = attention_backward(dout[b : b + 1], *qkv, score_mod_grad=score_mod_grad, **kw_b)
+        dk[b, :, :keys], dv[b, :, :keys] = g.dk[0], g.dv[0]
+        parts.append(g)
+    dsinks = None if kw["sinks"] is None else np.sum([g.dsinks for g in parts], axis=0)
+    dq, out, lse, delta = (
+        np.concatenate([getattr(g, name) for g in parts]) for name in ("dq", "out", "lse", "delta")
+    )
+    return BackwardGrads(dq, dk, dv, dsinks, out, lse, delta)
 
 
 # --------------------------------------------------------------------------------------------
