@@ -85,6 +85,11 @@ class EmulatorCompileError(EmulatorError, RuntimeError):
         )
 
 
+class EmulatorSettingError(EmulatorError, SettingError):
+    """An environment variable the emulator reads at launch (e.g. KG_EMULATOR_BLOCK_ORDER) holds
+    a value it cannot use; names the variable, the value and what is allowed."""
+
+
 class EmulatorArgumentError(EmulatorError, ValueError):
     """A launch argument or configuration has a bad value (grid, block, shared memory, range)."""
 

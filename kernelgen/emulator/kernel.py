@@ -30,6 +30,7 @@ from kernelgen.errors import (
     EmulatorArgumentTypeError,
     EmulatorCompileError,
     EmulatorLaunchError,
+    EmulatorSettingError,
     EmulatorSourceError,
     EmulatorTimeoutError,
     EmulatorUnavailableError,
@@ -54,6 +55,9 @@ MAX_DYNAMIC_SMEM = 227 * 1024
 MAX_POINTER_ARGS = 64  # kMaxArgRanges in kg_emulator.h
 DEFAULT_FILL_BYTE = 0xFF
 DEFAULT_TIMEOUT_S = 120.0
+BLOCK_ORDER_ENV = "KG_EMULATOR_BLOCK_ORDER"
+MAX_BLOCK_ORDER_SEED = 2**63 - 1  # the seed travels in a long long of the launch config
+MAX_SHUFFLED_BLOCKS = 1 << 24  # kMaxShuffledBlocks in kg_emulator.h
 _CODEGEN_VERSION = "4"
 GXX_INSTALL_HINT = (
     "install it with your system's package manager (Debian/Ubuntu: apt-get install g++; "
@@ -401,7 +405,17 @@ class EmulatedKernel:
         args: Sequence[Any] = (),
         *,
         timeout: float | None = None,
+        block_order: int | None = None,
     ) -> LaunchStats:
+        """Run the kernel over ``grid`` blocks of ``block`` threads; ``args`` in parameter order.
+
+        ``timeout`` is the per-block watchdog in seconds (default ``$KG_EMULATOR_TIMEOUT``, else
+        120). ``block_order`` picks the order the blocks run in: 0 in order (x fastest, then y,
+        then z), an integer seed > 0 a pseudo-random permutation of the grid's blocks, the same
+        for the same seed; ``None`` takes ``$KG_EMULATOR_BLOCK_ORDER`` (unset: 0). Running a
+        kernel in several orders shows whether its results depend on block scheduling (e.g.
+        floating-point atomics from different blocks).
+        """
         g, b = _dims(grid, "grid"), _dims(block, "block")
         if b[0] > 1024 or b[1] > 1024 or b[2] > 64:
             raise EmulatorArgumentError(f"block {b} exceeds the CUDA limits (1024, 1024, 64)")
@@ -421,6 +435,12 @@ class EmulatedKernel:
             raise EmulatorArgumentError(
                 f"{self.kernel_name} has {pointers} pointer parameters; at most {MAX_POINTER_ARGS}"
             )
+        seed = _block_order(block_order)
+        if seed > 0 and g[0] * g[1] * g[2] > MAX_SHUFFLED_BLOCKS:
+            raise EmulatorArgumentError(
+                f"block_order={seed} shuffles at most {MAX_SHUFFLED_BLOCKS} blocks, grid {g} has "
+                f"{g[0] * g[1] * g[2]}; use block_order=0 (in order)"
+            )
         if len(args) != len(self._params):
             raise EmulatorArgumentTypeError(
                 f"{self.kernel_name} takes {len(self._params)} arguments "
@@ -431,7 +451,7 @@ class EmulatedKernel:
         if timeout is None:
             timeout = float(os.environ.get("KG_EMULATOR_TIMEOUT", DEFAULT_TIMEOUT_S))
         fill = int(os.environ.get("KG_EMULATOR_SMEM_FILL", str(DEFAULT_FILL_BYTE)), 0) & 0xFF
-        cfg = (ctypes.c_longlong * 9)(*g, *b, shared_mem, fill, int(timeout * 1000))
+        cfg = (ctypes.c_longlong * 10)(*g, *b, shared_mem, fill, int(timeout * 1000), seed)
         err = ctypes.create_string_buffer(1024)
         note = ctypes.create_string_buffer(256)
         stats = (ctypes.c_longlong * _NUM_STATS)()
@@ -464,6 +484,33 @@ def _byte_range(a: np.ndarray) -> tuple[int, int]:
         span = (size - 1) * stride
         lo, hi = (lo + span, hi) if stride < 0 else (lo, hi + span)
     return lo, hi + a.itemsize
+
+
+def _block_order(value: int | None) -> int:
+    """The block order seed of a launch: ``value``, else ``$KG_EMULATOR_BLOCK_ORDER`` (read now,
+    unset or empty: 0); 0 runs the blocks in order, a seed > 0 shuffles them."""
+    allowed = (
+        f"a non-negative integer seed up to {MAX_BLOCK_ORDER_SEED} (0: blocks in order; "
+        "> 0: a pseudo-random block order, the same for the same seed)"
+    )
+    if value is None:
+        raw = os.environ.get(BLOCK_ORDER_ENV, "")
+        if not raw.strip():
+            return 0
+        try:
+            seed = int(raw, 10)
+        except ValueError:
+            seed = -1
+        if not 0 <= seed <= MAX_BLOCK_ORDER_SEED:
+            raise EmulatorSettingError(f"{BLOCK_ORDER_ENV}={raw!r} is not allowed; use {allowed}")
+        return seed
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise EmulatorArgumentTypeError(
+            f"block_order must be None or an integer, got {type(value).__name__}"
+        )
+    if not 0 <= int(value) <= MAX_BLOCK_ORDER_SEED:
+        raise EmulatorArgumentError(f"block_order={int(value)} is not allowed; use {allowed}")
+    return int(value)
 
 
 def _dims(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:

@@ -18,6 +18,7 @@
 #include <cstdarg>
 #include <deque>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <linux/futex.h>
@@ -510,7 +511,35 @@ inline int fail(char* err, int errlen, const char* msg) {
   return 1;
 }
 
-// cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-block timeout in ms (<=0: none)
+// The order a launch runs its blocks in (cfg[9]): seed 0 in order (x fastest, then y, then z);
+// a seed > 0 a pseudo-random permutation of the grid's linear block indices, the same for the
+// same seed and grid: a Fisher-Yates shuffle drawing from splitmix64 seeded with it (for i from
+// the block count down to 2, entry i - 1 swaps with entry j = the high 64 bits of draw * i).
+// tests/test_emulator_block_order.py mirrors it in Python.
+constexpr uint64_t kMaxShuffledBlocks = uint64_t{1} << 24;
+
+inline uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Linear block indices (x + grid.x * (y + grid.y * z)) in the order of `seed` (> 0).
+inline std::vector<uint32_t> shuffled_blocks(uint64_t nblocks, uint64_t seed) {
+  std::vector<uint32_t> order(nblocks);
+  for (uint64_t i = 0; i < nblocks; ++i) order[i] = static_cast<uint32_t>(i);
+  uint64_t state = seed;
+  for (uint64_t i = nblocks; i > 1; --i) {
+    const uint64_t j = static_cast<uint64_t>(
+        (static_cast<unsigned __int128>(splitmix64(state)) * i) >> 64);  // in [0, i)
+    std::swap(order[i - 1], order[j]);
+  }
+  return order;
+}
+
+// cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-block timeout in ms (<=0:
+// none), block order seed (0: in order; see shuffled_blocks)
 // stats: kNumStats counters, filled when the launch succeeds; note: the first bank conflict.
 // ranges: nranges [lo, hi) byte ranges; arg_stats: per range, cp.async copies then bytes.
 // Returns 0, or on error 1 (a trap or bad access), 2 (a race-check hazard), 3 (the watchdog).
@@ -525,9 +554,23 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   const size_t smem_bytes = static_cast<size_t>(cfg[6]);
   const int fill = static_cast<int>(cfg[7]);
   const long long timeout_ms = cfg[8];
+  const long long block_order = cfg[9];
   const uint32_t n = block.x * block.y * block.z;
   if (n == 0 || n % 32 != 0 || n > 1024) return fail(err, errlen, "bad block size");
   if (nranges < 0 || nranges > kMaxArgRanges) return fail(err, errlen, "too many arguments");
+  const uint64_t nblocks = uint64_t{grid.x} * grid.y * grid.z;
+  if (block_order < 0) return fail(err, errlen, "negative block order seed");
+  if (block_order > 0 && nblocks > kMaxShuffledBlocks) {
+    snprintf(msg, sizeof msg,
+             "a shuffled block order takes at most %llu blocks, the grid has %llu",
+             static_cast<unsigned long long>(kMaxShuffledBlocks),
+             static_cast<unsigned long long>(nblocks));
+    return fail(err, errlen, msg);
+  }
+  // Empty: the blocks in order.
+  const std::vector<uint32_t> order =
+      block_order > 0 ? shuffled_blocks(nblocks, static_cast<uint64_t>(block_order))
+                      : std::vector<uint32_t>();
 
   pthread_mutex_lock(&launch_mutex);
   // Heap allocated and deliberately leaked on timeout (stuck threads still reference it).
@@ -573,92 +616,92 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   }
 
   bool timed_out = false;
-  for (unsigned bz = 0; rc == 0 && bz < grid.z; ++bz) {
-    for (unsigned by = 0; rc == 0 && by < grid.y; ++by) {
-      for (unsigned bx = 0; rc == 0 && bx < grid.x; ++bx) {
-        std::memset(buf, kGuardByte, kGuard);
-        std::memset(L.smem, fill, smem_bytes);
-        std::memset(guard_after, kGuardByte, static_cast<size_t>(buf + buf_bytes - guard_after));
-        L.block_bar.reset(n);
-        for (uint32_t w = 0; w < L.nwarps; ++w) L.warps[w].bar.reset(32);
-        for (uint32_t g = 0; g < L.nwarpgroups; ++g) L.warpgroups[g].bar.reset(128);
-        for (size_t i = 0; i < L.chunks; ++i) {
-          L.chunk_reads[i].store(0, std::memory_order_relaxed);
-          L.chunk_writes[i].store(0, std::memory_order_relaxed);
-          L.chunk_tma[i].store(0, std::memory_order_relaxed);
-        }
-        for (size_t i = 0; i < L.n_mbarriers; ++i) L.mbarriers[i].reset();
-        for (NamedBarrierState& b : L.named) b.reset();
-        for (size_t i = 0; i < n_issues; ++i) L.warpgroup_issues[i] = WarpgroupIssue{};
-        L.cur_block = uint3{bx, by, bz};
-        L.remaining.store(n, std::memory_order_relaxed);
-        L.start_seq.fetch_add(1, std::memory_order_acq_rel);
-        futex_wake_all(L.start_seq);
-        const double deadline = now_s() + static_cast<double>(timeout_ms) / 1000.0;
-        uint32_t r;
-        while ((r = L.remaining.load(std::memory_order_acquire)) != 0) {
-          if (timeout_ms > 0) {
-            const double left = deadline - now_s();
-            if (left <= 0) {
-              timed_out = true;
-              break;
-            }
-            struct timespec ts;
-            ts.tv_sec = static_cast<time_t>(left);
-            ts.tv_nsec = static_cast<long>((left - static_cast<double>(ts.tv_sec)) * 1e9);
-            futex_wait(L.remaining, r, &ts);
-          } else {
-            futex_wait(L.remaining, r);
-          }
-        }
-        if (timed_out) {
-          int used = snprintf(msg, sizeof msg,
-                              "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads "
-                              "still running (deadlock at a barrier, shuffle or mbarrier wait, "
-                              "or an endless loop)",
-                              bx, by, bz, timeout_ms, r, n);
-          // Named barriers under way, and the first mbarrier with a phase under way, as hints
-          // (read without the locks: the threads are stuck).
-          for (uint32_t i = 0; i < kNamedBarriers && used > 0 && used < 700; ++i) {
-            const NamedBarrierState& b = L.named[i];
-            if (b.expected == 0) continue;
-            used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
-                             "; named barrier %u has %u of %u threads arrived (%u waiting in "
-                             "bar.sync)", i, b.arrived, b.expected, b.syncing);
-          }
-          for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 850; ++i) {
-            const MbarrierState& b = L.mbarriers[i];
-            if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
-              continue;
-            }
-            snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
-                     "; the mbarrier at shared 0x%zx is in phase %u with %d of %u arrivals and "
-                     "%d transaction bytes pending",
-                     0x400 /* kSharedBase */ + 8 * i, b.phase.load(), b.pending, b.expected,
-                     b.tx);
-            break;
-          }
-          rc = 3;
-          fail(err, errlen, msg);
+  for (uint64_t i_block = 0; rc == 0 && i_block < nblocks; ++i_block) {
+    const uint64_t linear = order.empty() ? i_block : order[i_block];
+    const unsigned bx = static_cast<unsigned>(linear % grid.x);
+    const unsigned by = static_cast<unsigned>(linear / grid.x % grid.y);
+    const unsigned bz = static_cast<unsigned>(linear / grid.x / grid.y);
+    std::memset(buf, kGuardByte, kGuard);
+    std::memset(L.smem, fill, smem_bytes);
+    std::memset(guard_after, kGuardByte, static_cast<size_t>(buf + buf_bytes - guard_after));
+    L.block_bar.reset(n);
+    for (uint32_t w = 0; w < L.nwarps; ++w) L.warps[w].bar.reset(32);
+    for (uint32_t g = 0; g < L.nwarpgroups; ++g) L.warpgroups[g].bar.reset(128);
+    for (size_t i = 0; i < L.chunks; ++i) {
+      L.chunk_reads[i].store(0, std::memory_order_relaxed);
+      L.chunk_writes[i].store(0, std::memory_order_relaxed);
+      L.chunk_tma[i].store(0, std::memory_order_relaxed);
+    }
+    for (size_t i = 0; i < L.n_mbarriers; ++i) L.mbarriers[i].reset();
+    for (NamedBarrierState& b : L.named) b.reset();
+    for (size_t i = 0; i < n_issues; ++i) L.warpgroup_issues[i] = WarpgroupIssue{};
+    L.cur_block = uint3{bx, by, bz};
+    L.remaining.store(n, std::memory_order_relaxed);
+    L.start_seq.fetch_add(1, std::memory_order_acq_rel);
+    futex_wake_all(L.start_seq);
+    const double deadline = now_s() + static_cast<double>(timeout_ms) / 1000.0;
+    uint32_t r;
+    while ((r = L.remaining.load(std::memory_order_acquire)) != 0) {
+      if (timeout_ms > 0) {
+        const double left = deadline - now_s();
+        if (left <= 0) {
+          timed_out = true;
           break;
         }
-        if (L.trapped.load()) {
-          snprintf(msg, sizeof msg, "%s in block (%u,%u,%u) thread (%u,%u,%u)", L.trap_msg, bx,
-                   by, bz, L.trap_thread.x, L.trap_thread.y, L.trap_thread.z);
-          rc = fail(err, errlen, msg) + L.hazard;
-          break;
+        struct timespec ts;
+        ts.tv_sec = static_cast<time_t>(left);
+        ts.tv_nsec = static_cast<long>((left - static_cast<double>(ts.tv_sec)) * 1e9);
+        futex_wait(L.remaining, r, &ts);
+      } else {
+        futex_wait(L.remaining, r);
+      }
+    }
+    if (timed_out) {
+      int used = snprintf(msg, sizeof msg,
+                          "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads "
+                          "still running (deadlock at a barrier, shuffle or mbarrier wait, "
+                          "or an endless loop)",
+                          bx, by, bz, timeout_ms, r, n);
+      // Named barriers under way, and the first mbarrier with a phase under way, as hints
+      // (read without the locks: the threads are stuck).
+      for (uint32_t i = 0; i < kNamedBarriers && used > 0 && used < 700; ++i) {
+        const NamedBarrierState& b = L.named[i];
+        if (b.expected == 0) continue;
+        used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                         "; named barrier %u has %u of %u threads arrived (%u waiting in "
+                         "bar.sync)", i, b.arrived, b.expected, b.syncing);
+      }
+      for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 850; ++i) {
+        const MbarrierState& b = L.mbarriers[i];
+        if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
+          continue;
         }
-        for (size_t i = 0; i < kGuard; ++i) {
-          const bool before = buf[i] != kGuardByte;
-          const bool after = guard_after[i] != kGuardByte;
-          if (before || after) {
-            snprintf(msg, sizeof msg,
-                     "block (%u,%u,%u) wrote %s its %zu bytes of dynamic shared memory", bx, by,
-                     bz, before ? "before the start of" : "past the end of", smem_bytes);
-            rc = fail(err, errlen, msg);
-            break;
-          }
-        }
+        snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                 "; the mbarrier at shared 0x%zx is in phase %u with %d of %u arrivals and "
+                 "%d transaction bytes pending",
+                 0x400 /* kSharedBase */ + 8 * i, b.phase.load(), b.pending, b.expected,
+                 b.tx);
+        break;
+      }
+      rc = 3;
+      fail(err, errlen, msg);
+      break;
+    }
+    if (L.trapped.load()) {
+      snprintf(msg, sizeof msg, "%s in block (%u,%u,%u) thread (%u,%u,%u)", L.trap_msg, bx,
+               by, bz, L.trap_thread.x, L.trap_thread.y, L.trap_thread.z);
+      rc = fail(err, errlen, msg) + L.hazard;
+      break;
+    }
+    for (size_t i = 0; i < kGuard; ++i) {
+      const bool before = buf[i] != kGuardByte;
+      const bool after = guard_after[i] != kGuardByte;
+      if (before || after) {
+        snprintf(msg, sizeof msg,
+                 "block (%u,%u,%u) wrote %s its %zu bytes of dynamic shared memory", bx, by,
+                 bz, before ? "before the start of" : "past the end of", smem_bytes);
+        rc = fail(err, errlen, msg);
+        break;
       }
     }
   }
@@ -769,7 +812,8 @@ inline T atomicAdd(T* p, T v) {
 }
 template <class T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
 inline T atomicAdd(T* p, T v) {
-  T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  T old;
+  __atomic_load(p, &old, __ATOMIC_SEQ_CST);  // (__atomic_load_n takes no floating types)
   for (;;) {
     T next = old + v;
     if (__atomic_compare_exchange(p, &old, &next, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
