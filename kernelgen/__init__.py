@@ -5,6 +5,7 @@ specs) -> tune -> attention().
 """
 
 from kernelgen.api import attention
+from kernelgen.backward_api import attention_backward
 from kernelgen.block_mask import BlockMask, block_mask
 from kernelgen.errors import (
     CompileError,
@@ -19,12 +20,14 @@ from kernelgen.expressions import Expression, ModInput, parse_mask_mod, parse_sc
 from kernelgen.kvcache import attention_with_kvcache
 from kernelgen.policy import default_spec
 from kernelgen.render import render
+from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.spec import KernelSpec, load_spec
 from kernelgen.tuning import TuningMissError, autotune, warmup
 from kernelgen.varlen import attention_varlen
 from kernelgen.version import __version__
 
 __all__ = [
+    "BackwardSpec",
     "BlockMask",
     "CompileError",
     "Expression",
@@ -39,6 +42,7 @@ __all__ = [
     "TuningMissError",
     "__version__",
     "attention",
+    "attention_backward",
     "attention_varlen",
     "attention_with_kvcache",
     "autotune",

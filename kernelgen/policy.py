@@ -4,10 +4,11 @@ API, so each reads it without importing the other."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError
+from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.spec import (
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
@@ -220,3 +221,32 @@ def hopper_default_spec(
         )
     except ValueError:  # a variant the wgmma kernels do not compile
         return None
+
+
+def default_backward_spec(
+    dtype: str,
+    head_dim: int,
+    *,
+    causal: bool,
+    variants: tuple[str, ...] = (),
+    expressions: Any = None,
+    deterministic: bool = False,
+) -> BackwardSpec:
+    """The backward spec for a call: the CUDA-core family with 32 x 32 tiles (16 x 16 above
+    head dim 128, where 32 keys would give each of 128 threads more than 128 dK and dV
+    accumulators), 4 warps, the call's mask, variants and expressions."""
+    tile = 32 if head_dim <= 128 else 16
+    fields: dict[str, Any] = {
+        "family": "backward",
+        "dtype": dtype,
+        "head_dim": head_dim,
+        "block_m": tile,
+        "block_n": tile,
+        "num_warps": 4,
+        "causal": causal,
+        "deterministic": deterministic,
+        **{name: True for name in variants},
+    }
+    if expressions is not None:
+        fields.update(expressions.spec_fields())
+    return BackwardSpec(**fields)

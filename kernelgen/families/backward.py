@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 
+from kernelgen.errors import InputError
 from kernelgen.expression_cuda import expression_source, headers, input_params
 from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.launch import MAX_GRID, Grid, LaunchStep, Problem
-from kernelgen.errors import InputError
 from kernelgen.render import (
     CXX_ELEMENT,
     ENGINE_DESCRIPTION,
@@ -140,9 +140,7 @@ def launch_steps(spec: BackwardSpec, problem: Problem) -> list[LaunchStep]:
         grid = _checked_grid(spec, query_tiles * problem.batch * problem.num_heads)
         steps.append(LaunchStep(f"{spec.uri}_dq", dq_params(spec), grid, block, spec.smem_bytes))
     else:
-        steps.append(
-            LaunchStep(f"{spec.uri}_dq_convert", convert_params(spec), row_grid, block, 0)
-        )
+        steps.append(LaunchStep(f"{spec.uri}_dq_convert", convert_params(spec), row_grid, block, 0))
     return steps
 
 

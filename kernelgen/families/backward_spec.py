@@ -15,8 +15,14 @@ import numbers
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
-from pydantic import model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
 from kernelgen.errors import SpecError
@@ -130,9 +136,7 @@ class BackwardSpec(BaseModel):
             )
         return int(value)
 
-    @field_validator(
-        "causal", "deterministic", "additive_mask", *VARIANT_FLAGS, mode="before"
-    )
+    @field_validator("causal", "deterministic", "additive_mask", *VARIANT_FLAGS, mode="before")
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):

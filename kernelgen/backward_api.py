@@ -1,0 +1,302 @@
+"""``kernelgen.attention_backward``: dq, dk, dv (and dsinks) of attention, from the forward's
+out and lse (docs/backward.md).
+
+The same checks as :func:`kernelgen.attention` (they are its functions), then the backward
+family's launch plan (:mod:`kernelgen.families.backward`) on CuPy, torch or, for NumPy arrays
+and CPU torch tensors, the emulator.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from kernelgen.api import (
+    CheckedCall,
+    TensorInfo,
+    check_flags,
+    check_inputs,
+    common_device,
+    describe,
+    mask_shape,
+    plan,
+)
+from kernelgen.errors import InputError, InputTypeError
+from kernelgen.expression_inputs import check_spec_expressions
+from kernelgen.families import backward
+from kernelgen.families.backward_spec import BackwardSpec
+from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_arg
+from kernelgen.host import HOST_DEVICE, as_numpy
+from kernelgen.launch import (
+    DEFAULT_DYNAMIC_SMEM,
+    Problem,
+    check_fits_device,
+    compile_functions,
+    current_device,
+    import_cupy,
+    kernel_arguments,
+)
+from kernelgen.policy import default_backward_spec
+from kernelgen.variant_inputs import check_spec_variants
+
+__all__ = ["attention_backward"]
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    mask: Any = None,
+    layout: str = "bhsd",
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_inputs: Mapping[str, Any] | None = None,
+    deterministic: bool = False,
+    spec: BackwardSpec | None = None,
+) -> tuple[Any, ...]:
+    """Gradients of ``out = attention(q, k, v, ...)`` given ``dout`` = dL/dout.
+
+    ``out`` and ``lse`` are what the forward returned (``return_lse=True``); every other
+    argument is the forward call's, with its meaning (docs/variants.md, docs/expressions.md).
+    Returns ``(dq, dk, dv)`` in the inputs' dtype and layout (dk and dv summed over the query
+    heads of each GQA group), and with ``sinks`` also ``dsinks`` (fp32, like sinks). No gradient
+    flows into ``mask``, ``alibi_slopes`` or ``mod_inputs``. ``deterministic=True`` computes dQ
+    without atomics: bitwise identical results on every run, at the cost of recomputing the
+    scores once more. CuPy in, CuPy out; torch in, torch out; NumPy or CPU torch run in the
+    emulator.
+    """
+    check_flags(causal=causal, deterministic=deterministic)
+    if spec is not None and not isinstance(spec, BackwardSpec):
+        raise InputTypeError(f"spec has type {type(spec).__name__}; expected a BackwardSpec")
+    infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    call = check_inputs(
+        *infos,
+        describe(mask, "mask") if mask is not None else None,
+        layout=layout,
+        scale=scale,
+        spec=None,
+        causal=bool(causal),
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=describe(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else None,
+        sinks=describe(sinks, "sinks") if sinks is not None else None,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
+        block_mask=None,
+    )
+    order = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
+    grads_in = {
+        name: _check_like_q(describe(x, name).permuted(order), call)
+        for name, x in (("dout", dout), ("out", out))
+    }
+    _check_lse(describe(lse, "lse"), call)
+    spec = _checked_spec(spec, call, bool(causal), bool(deterministic))
+    arrays = arrays_of(q)
+    device = common_device(
+        {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "mask": mask,
+         "alibi_slopes": alibi_slopes, "sinks": sinks, **call.expressions.named_arrays()}
+    )  # fmt: skip
+    with arrays.scope(device):
+        kernels = _kernels(spec, arrays, device)
+        tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
+        tensors.update({name: launch_arg(arrays, t.source) for name, t in grads_in.items()})
+        tensors["lse"] = launch_arg(arrays, lse)
+        temporaries = []
+        if call.mask is not None:
+            mask_array, strides = float32_broadcast(call.mask.source, mask_shape(call))
+            tensors["mask"] = launch_arg(arrays, mask_array)
+            temporaries.append(mask_array)
+            call = replace(call, mask=TensorInfo("mask", mask_shape(call), strides, "float32",
+                                                 mask_array))  # fmt: skip
+        if call.variants.alibi is not None:
+            tensors["alibi_slopes"] = launch_arg(arrays, call.variants.alibi.source)
+        tensors.update(call.expressions.tensors(arrays))
+        problem, q_shape = plan(call, layout)
+        dtype = arrays.dtype_of(call.q.source)
+        k_shape = tuple(call.k.shape[i] for i in order)
+        grads = {
+            "dq": arrays.empty(q_shape, dtype, device),
+            "dk": arrays.empty(k_shape, dtype, device),
+            "dv": arrays.empty(k_shape, dtype, device),
+        }
+        strides = {"dout": grads_in["dout"].strides[:3], "out": grads_in["out"].strides[:3]}
+        for name, array in grads.items():
+            tensors[name] = arrays.launch_arg(array)
+            strides[name] = _contiguous_strides(array.shape, layout)
+        extra = [(f"{t}_stride_{a}", s[i]) for t, s in strides.items() for i, a in enumerate("bhs")]
+        problem = replace(problem, extra_scalars=problem.extra_scalars + tuple(extra))
+        scratch = {
+            name: arrays.empty((floats,), arrays.float32(), device)
+            for name, floats in backward.scratch_floats(spec, problem).items()
+        }
+        tensors.update({name: arrays.launch_arg(x) for name, x in scratch.items()})
+        kernels.launch(problem, tensors, call.scale)
+        result = (grads["dq"], grads["dk"], grads["dv"])
+        if call.variants.sinks is not None:
+            result += (_sink_gradients(arrays, call, lse, scratch["delta"], problem),)
+        del temporaries  # each library frees in stream order: safe once queued
+    return result
+
+
+def _check_like_q(t: TensorInfo, call: CheckedCall) -> TensorInfo:
+    """dout and out: q's shape and dtype (in (B, H, S, D) order), the last dimension contiguous."""
+    if t.shape != call.q.shape:
+        raise InputError(f"{t.name} has shape {t.shape} but q has {call.q.shape}; they must match")
+    if t.dtype != call.q.dtype:
+        raise InputTypeError(f"{t.name} has dtype {t.dtype} but q has {call.q.dtype}")
+    if t.strides[3] != 1:
+        raise InputError(
+            f"{t.name}'s last dimension is not contiguous (stride {t.strides[3]}); pass it with "
+            "stride 1 along head_dim"
+        )
+    return t
+
+
+def _check_lse(t: TensorInfo, call: CheckedCall) -> None:
+    """lse: the forward's fp32 (B, H, Sq), contiguous."""
+    batch, heads, seqlen_q, _ = call.q.shape
+    if t.shape != (batch, heads, seqlen_q) or t.dtype != "float32":
+        raise InputError(
+            f"lse has shape {t.shape} and dtype {t.dtype}; expected float32 "
+            f"{(batch, heads, seqlen_q)}, the forward's return_lse=True output"
+        )
+    if t.strides != (heads * seqlen_q, seqlen_q, 1):
+        raise InputError(f"lse has strides {t.strides}; pass it contiguous")
+
+
+def _contiguous_strides(shape: tuple[int, ...], layout: str) -> tuple[int, int, int]:
+    """(b, h, s) strides of a contiguous array of ``shape`` in ``layout``."""
+    d = shape[3]
+    if layout == "bhsd":
+        return (shape[1] * shape[2] * d, shape[2] * d, d)
+    return (shape[1] * shape[2] * d, d, shape[2] * d)
+
+
+def _checked_spec(
+    spec: BackwardSpec | None, call: CheckedCall, causal: bool, deterministic: bool
+) -> BackwardSpec:
+    """The call's backward spec: the policy's default, or ``spec`` checked against the call."""
+    if spec is None:
+        spec = default_backward_spec(
+            call.dtype,
+            call.q.shape[3],
+            causal=causal,
+            variants=call.variants.flags,
+            expressions=call.expressions,
+            deterministic=deterministic,
+        )
+    else:
+        for name, wanted in (("dtype", call.dtype), ("head_dim", call.q.shape[3]),
+                             ("causal", causal)):  # fmt: skip
+            if getattr(spec, name) != wanted:
+                raise InputError(
+                    f"spec {spec.uri} has {name}={getattr(spec, name)!r} but the call needs "
+                    f"{name}={wanted!r}"
+                )
+        if deterministic and not spec.deterministic:
+            raise InputError(
+                f"deterministic=True but spec {spec.uri} accumulates dQ with atomics; use a "
+                "spec with deterministic: true"
+            )
+    if call.mask is not None:
+        spec = spec.with_additive_mask()
+    check_spec_variants(spec, call.variants)
+    check_spec_expressions(spec, call.expressions)
+    return spec
+
+
+def _sink_gradients(
+    arrays: Arrays, call: CheckedCall, lse: Any, delta: Any, problem: Problem
+) -> Any:
+    """dsinks[h] = -sum over (b, i) of exp(sink_h - lse_bhi) D_bhi: the sink is a key of value 0,
+    so its dP is 0 and its dS is -P D. Summed by the array library (a fixed-order reduction)."""
+    sinks = call.variants.sinks.source
+    rows = (problem.batch, problem.num_heads, problem.seqlen_q)
+    if arrays.host:
+        lse_v, d_v = as_numpy(lse).astype(np.float64), np.asarray(delta).reshape(rows)
+        sinks_v = as_numpy(sinks).astype(np.float64)
+        weights = np.exp(sinks_v[None, :, None] - lse_v)
+        grad = arrays.empty((problem.num_heads,), arrays.float32(), HOST_DEVICE)
+        as_numpy(grad)[:] = -(weights * d_v).sum(axis=(0, 2))
+        return grad
+    if arrays.name == "torch":
+        torch = sys.modules["torch"]
+        d_t = delta.view(rows)
+        return -(torch.exp(sinks.float()[None, :, None] - lse) * d_t).sum(dim=(0, 2))
+    cupy = import_cupy()
+    d_c = delta.reshape(rows)
+    return -(cupy.exp(cupy.asarray(sinks)[None, :, None] - cupy.asarray(lse)) * d_c).sum(
+        axis=(0, 2)
+    )
+
+
+class _BackwardKernels:
+    """A backward spec's kernels, compiled for one device (CuPy) or built by the emulator, and
+    launched in the family's order."""
+
+    def __init__(self, spec: BackwardSpec, host: bool) -> None:
+        self.spec = spec
+        self.host = host
+        source = backward.render(spec)
+        if host:
+            from kernelgen.emulator.launches import spec_kernel
+
+            steps = backward.launch_steps(spec, _UNIT_PROBLEM)
+            self.functions = {
+                s.symbol: spec_kernel(spec, s.symbol, s.params, source) for s in steps
+            }
+        else:
+            self.functions = compile_functions(
+                import_cupy(), spec.uri, source, backward.symbols(spec)
+            )
+            if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM:
+                for symbol in backward.symbols(spec)[1:]:
+                    if not symbol.endswith("_dq_convert"):
+                        self.functions[symbol].max_dynamic_shared_size_bytes = spec.smem_bytes
+
+    def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> None:
+        null = None if self.host else np.uint64(0)
+        for step in backward.launch_steps(self.spec, problem):
+            args = kernel_arguments(step.params, problem, tensors, scale, null=null)
+            function = self.functions[step.symbol]
+            if self.host:
+                function(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
+            else:
+                function(step.grid, step.block, tuple(args), shared_mem=step.shared_mem)
+
+
+# Any problem gives the same symbols and parameters (only the grids depend on it).
+_UNIT_PROBLEM = Problem(1, 1, 1, 1, 1, 8, (8, 8, 8), (8, 8, 8), (8, 8, 8), (8, 8, 8))
+_KERNELS: dict[tuple[BackwardSpec, int], _BackwardKernels] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernels(spec: BackwardSpec, arrays: Arrays, device: int) -> _BackwardKernels:
+    """The spec's kernels for ``device`` (host: the emulator), built once per process."""
+    if not arrays.host:
+        check_fits_device(spec, device)
+        device = current_device()
+    key = (spec, device)
+    kernels = _KERNELS.get(key)
+    if kernels is None:
+        with _KERNELS_LOCK:
+            kernels = _KERNELS.get(key)
+            if kernels is None:
+                kernels = _KERNELS[key] = _BackwardKernels(spec, arrays.host)
+    return kernels
