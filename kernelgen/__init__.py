@@ -17,10 +17,10 @@ from kernelgen.errors import (
     ToolchainMissingError,
 )
 from kernelgen.expressions import Expression, ModInput, parse_mask_mod, parse_score_mod
+from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.kvcache import attention_with_kvcache
 from kernelgen.policy import default_spec
 from kernelgen.render import render
-from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.spec import KernelSpec, load_spec
 from kernelgen.tuning import TuningMissError, autotune, warmup
 from kernelgen.varlen import attention_varlen

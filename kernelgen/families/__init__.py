@@ -9,7 +9,7 @@ loads and renders any of them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -24,7 +24,7 @@ from kernelgen.spec import (
     spec_from_dict,
 )
 
-AnySpec = Union[KernelSpec, BackwardSpec]
+AnySpec = KernelSpec | BackwardSpec
 FAMILIES = ("forward", "backward")
 
 __all__ = ["FAMILIES", "AnySpec", "family_of", "load_any_spec", "render_any", "spec_of_family"]

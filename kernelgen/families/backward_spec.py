@@ -169,7 +169,8 @@ class BackwardSpec(BaseModel):
     def _check_num_warps(cls, value: int) -> int:
         if value not in BACKWARD_WARPS:
             raise ValueError(
-                f"num_warps={value} is not allowed; use one of {', '.join(map(str, BACKWARD_WARPS))}"
+                f"num_warps={value} is not allowed; use one of "
+                f"{', '.join(map(str, BACKWARD_WARPS))}"
             )
         return value
 
