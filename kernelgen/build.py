@@ -11,9 +11,9 @@ from pathlib import Path
 from kernelgen.arch import ARCHS
 from kernelgen.compile import Resources, compile_offline
 from kernelgen.errors import SpecError
+from kernelgen.families import AnySpec, load_any_spec, render_any
 from kernelgen.fileio import atomic_write_text
-from kernelgen.render import render, template_hash
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.render import template_hash
 from kernelgen.version import __version__
 
 MANIFEST = "manifest.json"
@@ -21,7 +21,7 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class BuiltKernel:
-    spec: KernelSpec
+    spec: AnySpec
     source: str
     resources: list[Resources] = field(default_factory=list)
 
@@ -44,7 +44,7 @@ class BuiltKernel:
 SASS_SHOWN = ("HMMA", "LDSM", "LDL", "STL")
 
 
-def static_problems(spec: KernelSpec, res: Resources) -> list[str]:
+def static_problems(spec: AnySpec, res: Resources) -> list[str]:
     """Why a compiled kernel fails the static bar on ``res.arch`` (empty: it passes):
     spill or stack bytes, shared memory over the arch's limit and, where the SASS was
     disassembled, local-memory loads/stores, a tensor-core spec without HMMA and LDSM or a
@@ -72,12 +72,12 @@ def static_problems(spec: KernelSpec, res: Resources) -> list[str]:
     return problems
 
 
-def load_specs(paths: list[Path]) -> list[KernelSpec]:
-    """Load every spec, collecting all problems (one line each) before raising."""
+def load_specs(paths: list[Path]) -> list[AnySpec]:
+    """Load every spec (of any family), collecting all problems (one line each) before raising."""
     specs, problems, seen = [], [], {}
     for path in paths:
         try:
-            spec = load_spec(path)
+            spec = load_any_spec(path)
         except SpecError as exc:
             problems += [f"{path}: {p}" for p in exc.problems]
             continue
@@ -92,7 +92,7 @@ def load_specs(paths: list[Path]) -> list[KernelSpec]:
 
 
 def build_kernels(
-    specs: list[KernelSpec],
+    specs: list[AnySpec],
     archs: list[str] | None,
     on_compiled: Callable[[str], None] | None = None,
 ) -> list[BuiltKernel]:
@@ -100,7 +100,7 @@ def build_kernels(
     hears each (spec, arch) compile as it finishes (the CLI's progress bar)."""
     built = []
     for spec in specs:
-        kernel = BuiltKernel(spec, render(spec))
+        kernel = BuiltKernel(spec, render_any(spec))
         for arch in archs or spec.archs:
             kernel.resources.append(compile_offline(kernel.source, spec.uri, arch).resources)
             if on_compiled is not None:
@@ -148,7 +148,7 @@ def write_generated(built: list[BuiltKernel], out_dir: Path) -> list[str]:
     return warnings
 
 
-def stale_files(specs: list[KernelSpec], out_dir: Path, orphans: bool = True) -> list[str]:
+def stale_files(specs: list[AnySpec], out_dir: Path, orphans: bool = True) -> list[str]:
     """What in ``out_dir`` does not match the specs (no compile needed): one line per problem.
     ``orphans``: also ``.cu`` files no given spec produces (when the specs are the whole set)."""
     manifest, problem = read_manifest(out_dir)
@@ -156,7 +156,7 @@ def stale_files(specs: list[KernelSpec], out_dir: Path, orphans: bool = True) ->
     kernels = manifest["kernels"]
     wanted = set()
     for spec in specs:
-        source = render(spec)
+        source = render_any(spec)
         path = out_dir / f"{spec.uri}.cu"
         wanted.add(path.name)
         if not path.exists():

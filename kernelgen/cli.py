@@ -218,10 +218,10 @@ def build(
 @app.command()
 def show(spec: Annotated[Path, typer.Argument(help="A spec YAML file.")]) -> None:
     """Print the CUDA source a spec generates."""
-    from kernelgen.render import render
+    from kernelgen.families import render_any
 
     (loaded,) = load_spec_files([spec])
-    sys.stdout.write(render(loaded))
+    sys.stdout.write(render_any(loaded))
 
 
 @app.command()

@@ -66,10 +66,10 @@ def load_spec_files(paths: list[Path], archs: list[str] | None = None) -> list:
 def arch_problems(spec, archs: list[str]) -> list[str]:
     """Why ``spec`` cannot target ``archs`` (empty: it can): the spec validator's own lines for
     the same spec with ``archs: archs``."""
-    from kernelgen.spec import spec_from_dict
+    from kernelgen.families import spec_of_family
 
     try:
-        spec_from_dict({**spec.model_dump(), "archs": list(archs)})
+        spec_of_family({**spec.model_dump(), "archs": list(archs)})
     except SpecError as exc:
         return list(exc.problems)
     return []
