@@ -12,7 +12,9 @@ suffixes) and re-spelled numbers. The ABI (docs/expressions.md):
   ``mod_<name>_shape_<d>``, ``mod_<name>_stride_<d>``) and builds the struct with
   :func:`input_struct_init`; the expression functions take it by const reference.
 - ``float kg_score_mod(float score, long long b, long long h, long long q_idx, long long kv_idx,
-  const KgModInputs& in)`` and ``bool kg_mask_mod(long long b, ..., const KgModInputs& in)``.
+  const KgModInputs& in)`` and ``bool kg_mask_mod(long long b, ..., const KgModInputs& in)``;
+  a backward kernel adds ``kg_score_mod_grad``, d(score_mod)/d(score) under kg_score_mod's
+  signature (:func:`score_mod_grad_source`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from kernelgen.expressions import (
 STRUCT_NAME = "KgModInputs"
 STRUCT_ARG = "in"
 FUNCTION_NAMES = {"score_mod": "kg_score_mod", "mask_mod": "kg_mask_mod"}
+GRAD_FUNCTION_NAME = "kg_score_mod_grad"  # d(score_mod)/d(score), kg_score_mod's signature
+# The names a device function of each kind may be emitted under.
+ALLOWED_FUNCTION_NAMES = {
+    "score_mod": (FUNCTION_NAMES["score_mod"], GRAD_FUNCTION_NAME),
+    "mask_mod": (FUNCTION_NAMES["mask_mod"],),
+}
 RETURN_CTYPE = {"score_mod": "float", "mask_mod": "bool"}
 INDEX_PARAMS = ("b", "h", "q_idx", "kv_idx")
 SCORE_NAME = "score"
@@ -323,15 +331,23 @@ def input_struct(inputs: tuple[ModInput, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def device_function(expression: Expression) -> str:
+def device_function(expression: Expression, name: str | None = None) -> str:
     """``expression`` as a ``__device__ __forceinline__`` function under a comment holding its
-    canonical text (docs/expressions.md for the signatures). The tree is verified again here
-    (:func:`kernelgen.expressions.verify_tree`), so that only trees the checker builds become
-    CUDA, and the function may hold at most MAX_FUNCTION_CHARS characters."""
+    canonical text (docs/expressions.md for the signatures), named ``name`` (one of
+    ALLOWED_FUNCTION_NAMES of its kind; by default kg_score_mod / kg_mask_mod). The tree is
+    verified again here (:func:`kernelgen.expressions.verify_tree`), so that only trees the
+    checker builds become CUDA, and the function may hold at most MAX_FUNCTION_CHARS
+    characters."""
     if type(expression) is not Expression:
         raise SpecError([f"expected a checked Expression, not {type(expression).__name__}"])
     kind = expression.kind
     verify_tree(kind, expression.root, expression.inputs)
+    allowed = ALLOWED_FUNCTION_NAMES[kind]
+    function_name = allowed[0] if name is None else name
+    if function_name not in allowed:
+        raise SpecError(
+            [f"{kind}: function name {name!r} is not allowed; use one of {', '.join(allowed)}"]
+        )
     comment = canonical_text(expression.root)
     if not _COMMENT_SAFE.match(comment):  # unreachable: the printer writes only these
         raise SpecError([f"{kind}: canonical text {comment[:80]!r} cannot go into a comment"])
@@ -349,7 +365,7 @@ def device_function(expression: Expression) -> str:
         [
             f"// {kind} {expression.hash}: {comment}",
             f"// inputs: {expression.signature or 'none'}",
-            f"__device__ __forceinline__ {RETURN_CTYPE[kind]} {FUNCTION_NAMES[kind]}(",
+            f"__device__ __forceinline__ {RETURN_CTYPE[kind]} {function_name}(",
             f"    {', '.join(params)}) {{",
             *[f"  (void){name};" for name in unused],
             *[f"  {statement}" for statement in emitter.statements],
@@ -374,6 +390,20 @@ def expression_source(*expressions: Expression | None) -> str:
     if len({e.kind for e in given}) != len(given):
         raise SpecError(["at most one score_mod and one mask_mod per kernel"])
     return "\n".join([HELPERS, input_struct(inputs), *functions])
+
+
+def score_mod_grad_source(score_mod: Expression) -> str:
+    """``kg_score_mod_grad``, d(score_mod)/d(score) (:func:`kernelgen.expression_grad.
+    score_mod_derivative`), with kg_score_mod's signature: a backward kernel includes it after
+    :func:`expression_source` (the helpers and the inputs' struct it uses). InputError where
+    the derivative is not defined."""
+    from kernelgen.expression_grad import score_mod_derivative
+
+    derivative = score_mod_derivative(score_mod)
+    return (
+        f"// {GRAD_FUNCTION_NAME}: the derivative of score_mod {score_mod.hash} with respect to "
+        "score\n" + device_function(derivative, GRAD_FUNCTION_NAME)
+    )
 
 
 def pointer_param(name: str) -> str:

@@ -5,7 +5,8 @@ typed tree (:class:`Node`). Nothing of the user's text survives but what this tr
 validated names, finite numbers and operators from fixed tables. The tree has one canonical
 spelling (:attr:`Expression.text`) and a short stable hash of that spelling and the declared
 inputs (:attr:`Expression.hash`), which names kernels and keys caches. The C++ emitter is
-:mod:`kernelgen.expression_cuda`, the float64 NumPy evaluator :mod:`kernelgen.expression_eval`.
+:mod:`kernelgen.expression_cuda`, the float64 NumPy evaluator :mod:`kernelgen.expression_eval`,
+the derivative of a score_mod with respect to the score :mod:`kernelgen.expression_grad`.
 """
 
 from __future__ import annotations
@@ -237,10 +238,11 @@ _PARSER = object()  # parse_expression's mark on the trees it checked
 @dataclass(frozen=True)
 class Expression:
     """A checked ``score_mod`` or ``mask_mod``: its tree, canonical text, declared inputs and
-    hash. Build with :func:`parse_score_mod` / :func:`parse_mask_mod`; a tree built by hand is
-    replaced by what its canonical text checks to (or refused), and every tree (a copy made with
-    ``dataclasses.replace`` too) is verified (:func:`verify_tree`), so that the emitter, which
-    verifies it again, only ever sees checked trees."""
+    hash. Build with :func:`parse_score_mod` / :func:`parse_mask_mod` (a derivative: with
+    :func:`derived_expression`); a tree built by hand is replaced by what its canonical text
+    checks to (or refused), and every tree (a copy made with ``dataclasses.replace`` too) is
+    verified (:func:`verify_tree`), so that the emitter, which verifies it again, only ever sees
+    checked trees."""
 
     kind: ExpressionKind
     root: Node
@@ -572,6 +574,17 @@ def parse_expression(
     if root.type != expected:  # an int score_mod: the score is float
         root = Node("call", "float", op=FLOAT_CONVERSION, args=(root,))
     return Expression(kind, root, declared, origin=_PARSER)
+
+
+def derived_expression(
+    kind: ExpressionKind, root: Node, inputs: tuple[ModInput, ...]
+) -> Expression:
+    """An Expression over a tree kernelgen derived from a checked one (a score_mod's
+    derivative, :mod:`kernelgen.expression_grad`): verified like every tree
+    (:func:`verify_tree`, within MAX_TREE_NODES and MAX_TREE_DEPTH) but not re-parsed from its
+    text, which may be longer than MAX_EXPRESSION_CHARS. SpecError if it is not a checked
+    tree."""
+    return Expression(kind, root, verified_inputs(inputs), origin=_PARSER)
 
 
 def checked_expression(
