@@ -247,6 +247,6 @@ def default_backward_spec(
         "deterministic": deterministic,
         **{name: True for name in variants},
     }
-    if expressions is not None:
-        fields.update(expressions.spec_fields())
+    if expressions is not None:  # the backward visits every key tile: no block_sparse
+        fields.update((k, v) for k, v in expressions.spec_fields().items() if k != "block_sparse")
     return BackwardSpec(**fields)

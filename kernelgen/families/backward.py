@@ -17,7 +17,12 @@ from __future__ import annotations
 import math
 
 from kernelgen.errors import InputError
-from kernelgen.expression_cuda import expression_source, headers, input_params
+from kernelgen.expression_cuda import (
+    expression_source,
+    headers,
+    input_params,
+    score_mod_grad_source,
+)
 from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.launch import MAX_GRID, Grid, LaunchStep, Problem
 from kernelgen.render import (
@@ -164,8 +169,6 @@ def render(spec: BackwardSpec) -> str:
     score_mod, mask_mod = spec.expressions
     sources = [expression_source(score_mod, mask_mod)] if spec.has_expressions else []
     if score_mod is not None:
-        from kernelgen.expression_grad import score_mod_grad_source
-
         sources.append(score_mod_grad_source(score_mod))
     template = environment().get_template(ENTRY_TEMPLATE[spec.mma])
     return template.render(

@@ -1,0 +1,309 @@
+"""Emulation tier: the backward family (dq, dk, dv, dsinks) run by the emulator through
+``kernelgen.attention_backward``, against the float64 analytic gradients of
+``kernelgen.reference.attention_backward`` (itself checked against finite differences in
+test_reference_backward.py): every backward spec in specs/, every variant and expression, GQA,
+odd lengths, Sq != Sk, rows that see no key, layouts and strides; determinism across emulated
+block orders; mutations of the template that the checks must catch.
+
+Shapes are small: each spec is one g++ build of its generated CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import BACKWARD_SPEC_PATHS
+
+import kernelgen
+from kernelgen import backward_api
+from kernelgen.errors import EmulatorLaunchError, InputError, InputTypeError
+from kernelgen.expression_eval import evaluate
+from kernelgen.expression_grad import score_mod_grad_callable
+from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
+from kernelgen.families import backward, load_any_spec
+from kernelgen.families.backward_spec import BackwardSpec
+from kernelgen.reference import OUT_TOLERANCE, attention_backward, relative_error
+
+pytestmark = pytest.mark.emulate
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def _bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+@dataclasses.dataclass
+class Problem:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dout: np.ndarray
+    options: dict
+    ref_options: dict
+
+
+def make_problem(
+    dtype="float32", shape=(1, 4, 2, 37, 53, 32), seed=0, options=None, ref_options=None
+) -> Problem:
+    """Random q, k, v and dout in ``dtype`` (B, H, Sq, D) / (B, Hkv, Sk, D)."""
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
+    rng = np.random.default_rng(seed)
+    np_dtype = _bf16() if dtype == "bfloat16" else NP_DTYPES[dtype]
+
+    def draw(*s):
+        return rng.standard_normal(s).astype(np.float32).astype(np_dtype)
+
+    return Problem(
+        draw(batch, heads, seqlen_q, head_dim),
+        draw(batch, kv_heads, seqlen_k, head_dim),
+        draw(batch, kv_heads, seqlen_k, head_dim),
+        draw(batch, heads, seqlen_q, head_dim),
+        dict(options or {}),
+        dict(ref_options if ref_options is not None else options or {}),
+    )
+
+
+def run(p: Problem, **extra):
+    """Forward (for out and lse) and backward through kernelgen on the emulator."""
+    out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True, **p.options)
+    options = {k: v for k, v in p.options.items() if k != "spec"}
+    return kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse, **options, **extra)
+
+
+def check(p: Problem, grads, dtype: str) -> dict[str, float]:
+    """Relative Frobenius errors of dq, dk, dv (and dsinks) against the float64 reference of the
+    rounded inputs; asserts each within the forward's tolerance for ``dtype``."""
+    wide = [np.asarray(x, dtype=np.float64) for x in (p.dout, p.q, p.k, p.v)]
+    ref = attention_backward(*wide, **p.ref_options)
+    names = ["dq", "dk", "dv"] + (["dsinks"] if ref.dsinks is not None else [])
+    assert len(grads) == len(names)
+    errors = {}
+    for name, got in zip(names, grads, strict=True):
+        got = np.asarray(got, dtype=np.float64)
+        want = getattr(ref, name)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        assert np.isfinite(got).all(), name
+        errors[name] = relative_error(got, want)
+    assert all(e <= OUT_TOLERANCE[dtype] for e in errors.values()), errors
+    return errors
+
+
+# ---- every backward spec of specs/ ---------------------------------------------------------
+def _variant_values(spec: BackwardSpec, heads: int) -> dict:
+    rng = np.random.default_rng(3)
+    values = {}
+    if spec.window:
+        values["window_size"] = (11, 5)
+    if spec.softcap:
+        values["softcap"] = 3.0
+    if spec.alibi:
+        values["alibi_slopes"] = rng.uniform(0.05, 0.5, heads).astype(np.float32)
+    if spec.sinks:
+        values["sinks"] = rng.normal(0, 1, heads).astype(np.float32)
+    return values
+
+
+@pytest.mark.parametrize("path", BACKWARD_SPEC_PATHS, ids=lambda p: p.stem)
+def test_backward_spec_matches_the_float64_gradients(path):
+    spec = load_any_spec(path)
+    assert isinstance(spec, BackwardSpec)
+    options = {"causal": spec.causal, **_variant_values(spec, 4)}
+    p = make_problem(spec.dtype, (1, 4, 2, 37, 53, spec.head_dim), options=options)
+    errors = check(p, run(p, spec=spec, deterministic=spec.deterministic), spec.dtype)
+    assert errors["dq"] > 0  # a real comparison, not two copies
+
+
+# ---- features through the default spec ------------------------------------------------------
+CASES = {
+    "plain-f16": ("float16", (1, 2, 2, 33, 47, 24), {}),
+    "bf16-gqa": ("bfloat16", (2, 4, 1, 20, 31, 64), {}),
+    "causal-sq-gt-sk": ("float32", (1, 2, 1, 45, 19, 16), {"causal": True}),  # rows see no key
+    "causal-sq-lt-sk": ("float16", (1, 3, 3, 9, 70, 40), {"causal": True}),
+    "window-causal": ("float32", (1, 2, 2, 40, 40, 16), {"causal": True, "window_size": (6, -1)}),
+    "window-two-sided": ("float16", (1, 2, 1, 30, 50, 32), {"window_size": (4, 9)}),
+    "softcap": ("float32", (1, 2, 2, 25, 33, 32), {"softcap": 2.5}),
+    "d256": ("float16", (1, 2, 1, 17, 23, 256), {"causal": True}),
+    "d136-odd": ("float32", (1, 1, 1, 13, 29, 136), {}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_backward_feature_matches_the_float64_gradients(name):
+    dtype, shape, options = CASES[name]
+    p = make_problem(dtype, shape, seed=len(name), options=options)
+    check(p, run(p), dtype)
+
+
+def test_rows_that_see_no_key_get_zero_gradients():
+    p = make_problem("float32", (1, 2, 1, 30, 10, 16), options={"causal": True})
+    dq, dk, dv = run(p)
+    assert np.all(dq[:, :, :20] == 0)  # queries 0..19 see no key (offset -20)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    check(p, (dq, dk, dv), "float32")
+
+
+def test_alibi_per_batch_and_sinks():
+    rng = np.random.default_rng(5)
+    options = {
+        "causal": True,
+        "alibi_slopes": rng.uniform(0.1, 0.4, (2, 4)).astype(np.float32),
+        "sinks": rng.normal(0, 1, 4).astype(np.float32),
+    }
+    p = make_problem("float16", (2, 4, 2, 21, 21, 32), options=options)
+    errors = check(p, run(p), "float16")
+    assert set(errors) == {"dq", "dk", "dv", "dsinks"}
+
+
+def test_additive_mask_with_hidden_rows():
+    p = make_problem("float32", (1, 2, 2, 12, 20, 16))
+    mask = np.random.default_rng(1).normal(0, 1, (1, 1, 12, 20)).astype(np.float32)
+    mask[..., 3, :] = -np.inf  # a row with no visible key
+    mask[..., :, 7] = -np.inf
+    p.options["mask"] = mask
+    p.ref_options["mask"] = mask.astype(np.float64)
+    grads = run(p)
+    check(p, grads, "float32")
+    assert np.all(grads[0][:, :, 3] == 0) and np.all(grads[1][:, :, 7] == 0)
+
+
+def test_bshd_layout_and_strided_inputs():
+    p = make_problem("float16", (2, 4, 2, 19, 26, 32), options={"causal": True})
+    bshd = {n: np.ascontiguousarray(getattr(p, n).transpose(0, 2, 1, 3)) for n in "qkv"}
+    do_bshd = np.ascontiguousarray(p.dout.transpose(0, 2, 1, 3))
+    out, lse = kernelgen.attention(*bshd.values(), causal=True, layout="bshd", return_lse=True)
+    grads = kernelgen.attention_backward(
+        do_bshd, *bshd.values(), out, lse, causal=True, layout="bshd"
+    )
+    assert grads[0].shape == bshd["q"].shape and grads[1].shape == bshd["k"].shape
+    check(p, [g.transpose(0, 2, 1, 3) for g in grads], "float16")
+    # q, dout as views of wider arrays: strides in elements other than contiguous
+    wide = np.zeros((2, 4, 19, 48), np.float16)
+    wide[..., :32] = p.q
+    q_view = wide[..., :32]
+    assert not q_view.flags.c_contiguous
+    strided = dataclasses.replace(p, q=q_view)
+    check(strided, run(strided), "float16")
+
+
+# ---- user expressions ------------------------------------------------------------------------
+SCORE_MODS = ("score + 0.5 * bias[h, q_idx, kv_idx] - 0.01 * abs(q_idx - kv_idx)",
+              "where(score > 0, 2 * tanh(score / 2), score * score / 4)")  # fmt: skip
+MASK_MOD = "doc[b, q_idx + offset[0]] == doc[b, kv_idx]"
+
+
+@pytest.mark.parametrize("score_mod", [*SCORE_MODS, None], ids=["bias", "tanh", "mask-only"])
+def test_expressions_match_the_float64_gradients(score_mod):
+    batch, heads, seqlen_q, seqlen_k = 1, 2, 18, 27
+    rng = np.random.default_rng(9)
+    doc = np.sort(rng.integers(0, 3, (batch, seqlen_k)), axis=1).astype(np.int32)
+    inputs = {
+        "bias": rng.standard_normal((heads, seqlen_q, seqlen_k)).astype(np.float32),
+        "doc": doc,
+        "offset": np.array([seqlen_k - seqlen_q], np.int64),
+    }
+    declared = inputs_from_arrays(inputs)
+    mask_expression = parse_mask_mod(MASK_MOD, declared)
+    ref = {
+        "causal": True,
+        "softcap": 4.0,
+        "mask_mod": lambda b, h, q, k: evaluate(
+            mask_expression, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        ),
+    }
+    if score_mod is not None:
+        expression = parse_score_mod(score_mod, declared)
+        ref["score_mod"] = lambda s, b, h, q, k: evaluate(
+            expression, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        )
+        ref["score_mod_grad"] = score_mod_grad_callable(expression, inputs)
+    options = {"causal": True, "softcap": 4.0, "score_mod": score_mod, "mask_mod": MASK_MOD,
+               "mod_inputs": inputs}  # fmt: skip
+    p = make_problem("float32", (batch, heads, 1, seqlen_q, seqlen_k, 16), 4, options, ref)
+    check(p, run(p), "float32")
+
+
+# ---- determinism -------------------------------------------------------------------------------
+def test_atomic_dq_depends_on_block_order_and_deterministic_does_not(monkeypatch):
+    """Blocks of many key tiles (and a GQA group) add into each dq row: in a different block
+    order the atomic sum rounds differently, while the deterministic dQ kernel (and dk, dv, which
+    never use atomics) give the same bits in every order."""
+    p = make_problem("float32", (1, 4, 1, 24, 160, 16), seed=11)
+    out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True)
+    atomic, fixed = {}, {}
+    for seed in (0, 1, 2, 3, 4):
+        monkeypatch.setenv("KG_EMULATOR_BLOCK_ORDER", str(seed))
+        atomic[seed] = kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse)
+        fixed[seed] = kernelgen.attention_backward(
+            p.dout, p.q, p.k, p.v, out, lse, deterministic=True
+        )
+    assert len({g[0].tobytes() for g in atomic.values()}) >= 2, "atomic dq never changed"
+    for grads in (atomic, fixed):
+        for i in (1, 2):  # dk, dv
+            assert len({g[i].tobytes() for g in grads.values()}) == 1
+    assert len({g[0].tobytes() for g in fixed.values()}) == 1
+    check(p, fixed[3], "float32")
+    check(p, atomic[3], "float32")
+
+
+# ---- mutations of the template must fail the checks ---------------------------------------------
+MUTATIONS = {
+    # dK summed with P instead of dS (a wrong operand of the transposed product)
+    "dk-from-p": ("dk += t.ds[i * PROB_ROW + j]", "dk += t.p[i * PROB_ROW + j]"),
+    # D read from the tile's first row for every row
+    "delta-wrong-row": ("ds = p * (dp - t.delta[i])", "ds = p * (dp - t.delta[0])"),
+    # dS^T Q read as dS Q (the transpose dropped: key j indexes the row of dS)
+    "ds-untransposed": ("dk += t.ds[i * PROB_ROW + j]", "dk += t.ds[j * PROB_ROW + i]"),
+    # the softcap's chain factor left out
+    "no-softcap-chain": ("grad *= 1.f - th * th;", "grad *= 1.f;"),
+    # lse not rescaled to the log2 domain
+    "lse-natural": ("lse[lse_row0 + m0 + i] * LOG2E", "lse[lse_row0 + m0 + i]"),
+    # no barrier between the recomputed P/dS and the products that read them
+    "dropped-syncthreads": (
+        "mask_stride_q, mask_stride_k);\n      __syncthreads();",
+        "mask_stride_q, mask_stride_k);\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_template_mutations_are_caught(name, monkeypatch):
+    original, mutated = MUTATIONS[name]
+    options = {"causal": True, "softcap": 2.0}
+    p = make_problem("float32", (1, 2, 1, 64, 64, 16), seed=2, options=options)
+    render = backward.render
+    spec = backward_api.default_backward_spec("float32", 16, causal=True, variants=("softcap",))
+    assert original in render(spec), name  # the mutation applies to the kernel under test
+
+    monkeypatch.setattr(backward, "render", lambda s: render(s).replace(original, mutated))
+    monkeypatch.setattr(backward_api, "_KERNELS", {})
+    try:
+        grads = run(p)
+    except EmulatorLaunchError:  # a trap or hazard the emulator found is a catch too
+        return
+    with pytest.raises(AssertionError):
+        check(p, grads, "float32")
+
+
+# ---- input errors ------------------------------------------------------------------------------
+def test_bad_inputs_raise_typed_errors():
+    p = make_problem("float32", (1, 2, 2, 8, 8, 16))
+    out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True)
+    with pytest.raises(InputError, match="lse"):
+        kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse[:, :1])
+    with pytest.raises(InputError, match="dout"):
+        kernelgen.attention_backward(p.dout[:, :1], p.q, p.k, p.v, out, lse)
+    with pytest.raises(InputTypeError, match="out"):
+        kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out.astype(np.float16), lse)
+    with pytest.raises(InputTypeError, match="deterministic"):
+        kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse, deterministic="yes")
+    with pytest.raises(InputTypeError, match="BackwardSpec"):
+        kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse, spec="fa_bwd")
+    spec = BackwardSpec(family="backward", dtype="float32", head_dim=16)
+    with pytest.raises(InputError, match="causal"):
+        kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse, causal=True, spec=spec)
+    with pytest.raises(InputError, match="deterministic"):
+        kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse, spec=spec, deterministic=True)
