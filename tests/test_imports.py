@@ -5,6 +5,8 @@ import hides a cycle from the interpreter, not from the design."""
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -63,3 +65,103 @@ def test_the_tuner_sits_below_the_api():
     tuning = [m for m in graph if m.startswith("kernelgen.tuning")]
     assert not [m for m in tuning if "kernelgen.api" in graph[m]]
     assert "kernelgen.policy" in graph["kernelgen.api"]
+
+
+# ---- the stage order of docs/design.md ("From spec to launch") ---------------------------------
+STAGES = ("spec", "render", "compile", "launch", "policy", "tuning", "api", "cli")
+# The emulator's core runs CUDA on the CPU and needs nothing of kernelgen's flow; its adapters
+# run kernelgen's specs and calls (the design names them as the debt of issue 30: they belong
+# with the launch and api stages).
+EMULATOR_ADAPTERS = ("kernelgen.emulator.launches", "kernelgen.emulator.attention")
+EMULATOR_CORE_MAY_IMPORT = ("kernelgen.errors", "kernelgen.fileio")
+
+
+def design_stages() -> dict[str, int]:
+    """Module (or package prefix ending in '.') -> its stage index, read from the module table
+    of docs/design.md."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    stages = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[0] not in STAGES:
+            continue
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            if name.endswith(".j2"):
+                continue
+            dotted = "kernelgen." + name.removesuffix(".py").replace("/", ".")
+            dotted = dotted.removesuffix(".__init__")
+            stages[dotted] = STAGES.index(cells[0])
+    return stages
+
+
+def stage_of(module: str, stages: dict[str, int]) -> int | None:
+    if module in stages:
+        return stages[module]
+    for name, stage in stages.items():
+        if name.endswith(".") and module.startswith(name):
+            return stage
+    return None
+
+
+def test_design_table_is_read():
+    stages = design_stages()
+    assert stages["kernelgen.spec"] == 0 and stages["kernelgen.cli"] == STAGES.index("cli")
+    assert stage_of("kernelgen.tuning.autotune", stages) == STAGES.index("tuning")
+    assert stages["kernelgen.families"] == STAGES.index("launch")
+
+
+def test_modules_import_only_earlier_stages():
+    stages = design_stages()
+    graph = import_graph()
+    wrong = []
+    for module, deps in graph.items():
+        own = stage_of(module, stages)
+        for dep in deps:
+            theirs = stage_of(dep, stages)
+            if own is not None and theirs is not None and theirs > own:
+                wrong.append(f"{module} ({STAGES[own]}) imports {dep} ({STAGES[theirs]})")
+    assert not wrong, wrong
+
+
+def test_the_emulator_core_needs_nothing_of_the_flow():
+    graph = import_graph()
+    core = [m for m in graph if m.startswith("kernelgen.emulator") and m not in EMULATOR_ADAPTERS]
+    wrong = {
+        m: sorted(d for d in graph[m] if not d.startswith("kernelgen.emulator"))
+        for m in core
+        if any(
+            not d.startswith("kernelgen.emulator") and d not in EMULATOR_CORE_MAY_IMPORT
+            for d in graph[m]
+        )
+    }
+    assert not wrong, wrong
+
+
+def test_every_module_is_named_in_the_design():
+    text = (ROOT / "docs" / "design.md").read_text()
+    unnamed = [
+        path.relative_to(ROOT / "kernelgen").as_posix()
+        for path in (ROOT / "kernelgen").rglob("*.py")
+        if path.name != "__init__.py" or path.parent.name in ("families",)
+        if not _named(path, text)
+    ]
+    assert not unnamed, f"modules docs/design.md does not name: {unnamed}"
+
+
+def _named(path: Path, text: str) -> bool:
+    relative = path.relative_to(ROOT / "kernelgen")
+    if relative.parts[0] in ("emulator", "testing", "tuning", "integrations"):
+        return f"`{relative.parts[0]}/`" in text
+    return f"`{relative.as_posix()}`" in text
+
+
+def test_the_stage_check_catches_a_planted_violation(monkeypatch, tmp_path):
+    """A spec-stage module importing the api (written into a copy of the graph) is reported."""
+    stages = design_stages()
+    graph = import_graph()
+    graph["kernelgen.spec"] = graph["kernelgen.spec"] | {"kernelgen.api"}
+    monkeypatch.setattr(sys.modules[__name__], "import_graph", lambda: graph)
+    planted = re.escape("kernelgen.spec (spec) imports kernelgen.api")
+    with pytest.raises(AssertionError, match=planted):
+        test_modules_import_only_earlier_stages()
+    assert stages  # the table was read
