@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -39,6 +40,8 @@ from kernelgen.errors import (
 from kernelgen.fileio import private_dir, user_cache_home
 
 __all__ = ["EmulatedKernel", "LaunchStats", "build_kernel", "include_dir"]
+
+log = logging.getLogger(__name__)
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 SHIM_NAME = "kg_emulator.h"
@@ -243,6 +246,50 @@ def _shim_text() -> str:
     here = Path(__file__).resolve().parent
     parts += [f"== {name}\n{(here / name).read_text()}" for name in ("kernel.py", "transform.py")]
     return "\n".join(parts)
+
+
+# The shim (kg_emulator.h and the C++ standard headers it pulls in: some 66,000 preprocessed
+# lines) is the same for every kernel and took most of a small kernel's build. It is compiled
+# once into a precompiled header, and each kernel's translation unit starts with
+# `#include "kg_emulator.h"` in place of the shim's preprocessed text (g++ picks the .gch up
+# from the folder searched first; any mismatch falls back to the header itself).
+PCH_FLAGS = tuple(f for f in CXX_FLAGS if f != "-shared")
+
+
+def _precompiled_shim(cxx: str, cache: Path) -> Path | None:
+    """The folder holding ``kg_emulator.h.gch`` for this compiler, flags and shim, built once
+    (atomically); None when it cannot be built (then kernels compile the shim's text)."""
+    key = hashlib.sha256(
+        "\0".join([_compiler_version(cxx), " ".join(PCH_FLAGS), _shim_text()]).encode()
+    ).hexdigest()[:24]
+    folder = cache / f"pch-{key}"
+    gch = folder / f"{SHIM_NAME}.gch"
+    if gch.exists():
+        return folder
+    folder.mkdir(exist_ok=True)
+    tmp = gch.with_name(f".{gch.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    res = subprocess.run(
+        [cxx, *PCH_FLAGS, "-x", "c++-header", str(INCLUDE_DIR / SHIM_NAME), "-o", str(tmp)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        log.warning("cannot precompile the emulator's shim; kernels compile it each time")
+        return None
+    os.replace(tmp, gch)
+    return folder
+
+
+def _without_shim_text(text: str, kernel_name: str) -> str | None:
+    """Preprocessed ``text`` with everything before the kernel's own source (the force-included
+    shim) replaced by ``#include "kg_emulator.h"``; None when the boundary is not found."""
+    marker = f'\n# 1 "{kernel_name}.cu"\n'
+    start = text.find(marker)
+    if start < 0:
+        return None
+    return f'#include "{SHIM_NAME}"\n' + text[start + 1 :]
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -582,11 +629,14 @@ def build_kernel(
             + '\n# 1 "kg_emulator_wrapper.cpp"\n'
             + _wrapper(kernel_name, parsed)
         )
+        pch = None if defs else _precompiled_shim(cxx, cache)
+        short = _without_shim_text(cpp, kernel_name) if pch is not None else None
+        search = ["-I", str(pch), "-I", str(INCLUDE_DIR)] if short is not None else []
         cpp_path = cache / f"{kernel_name}-{key}.cpp"
-        _write_atomic(cpp_path, cpp.encode())
+        _write_atomic(cpp_path, (short if short is not None else cpp).encode())
         tmp_so = so_path.with_name(f".{so_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         res = subprocess.run(
-            [cxx, *CXX_FLAGS, "-o", str(tmp_so), str(cpp_path)],
+            [cxx, *CXX_FLAGS, *search, "-o", str(tmp_so), str(cpp_path)],
             capture_output=True,
             text=True,
             check=False,
