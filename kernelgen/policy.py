@@ -248,5 +248,6 @@ def default_backward_spec(
         **{name: True for name in variants},
     }
     if expressions is not None:
-        fields.update(expressions.spec_fields())
+        # the backward visits every key tile: a forward's block sparsity is not a field here
+        fields.update({k: v for k, v in expressions.spec_fields().items() if k != "block_sparse"})
     return BackwardSpec(**fields)
