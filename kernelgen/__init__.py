@@ -4,7 +4,6 @@ spec (YAML, Pydantic) -> render (Jinja2) -> compile (NVRTC) -> launch (CuPy) -> 
 specs) -> tune -> attention().
 """
 
-from kernelgen.api import attention
 from kernelgen.backward_api import attention_backward
 from kernelgen.block_mask import BlockMask, block_mask
 from kernelgen.errors import (
@@ -22,6 +21,7 @@ from kernelgen.kvcache import attention_with_kvcache
 from kernelgen.policy import default_spec
 from kernelgen.render import render
 from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.training import attention
 from kernelgen.tuning import TuningMissError, autotune, warmup
 from kernelgen.varlen import attention_varlen
 from kernelgen.version import __version__

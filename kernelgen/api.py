@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kernelgen.block_mask import BlockMask, check_library
-from kernelgen.errors import InputError, InputTypeError, KernelgenError
+from kernelgen.errors import InputError, InputTypeError, KernelgenError, caller_stacklevel
 from kernelgen.expression_inputs import (
     CallExpressions,
     check_expressions,
@@ -292,9 +292,10 @@ def _check_mask(mask: TensorInfo, full: tuple[int, int, int, int]) -> TensorInfo
 _warned_no_backward = False
 
 
-def warn_if_grad_wanted(*arrays: Any) -> None:
-    """Warn once per process when a torch input asks for gradients while autograd records: the
-    output is computed without a graph (there is no backward pass yet) and carries none."""
+def warn_if_grad_wanted(*arrays: Any, why: str) -> None:
+    """Warn once per process when a torch input asks for gradients while autograd records but
+    the call cannot give them (``why``): its output is computed without a graph and carries
+    none. :func:`kernelgen.attention` differentiates the other calls (kernelgen.training)."""
     global _warned_no_backward
     if _warned_no_backward or not any(getattr(x, "requires_grad", False) for x in arrays):
         return
@@ -305,11 +306,10 @@ def warn_if_grad_wanted(*arrays: Any) -> None:
         import warnings
 
         warnings.warn(
-            "kernelgen.attention: an input requires grad, but kernelgen implements the forward "
-            "pass only (no backward pass yet): the output carries no gradient and is detached "
-            "from the autograd graph",
+            f"kernelgen.attention: an input requires grad, but {why} (no backward pass): the "
+            "output carries no gradient and is detached from the autograd graph",
             UserWarning,
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
 
 
@@ -338,6 +338,9 @@ def attention(
 ) -> Any:
     """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
 
+    The forward pass only: :func:`kernelgen.attention` (kernelgen.training) is this call,
+    differentiable by torch autograd (docs/backward.md).
+
     q is (B, H, Sq, D), k and v (B, Hkv, Sk, D) with H % Hkv == 0 (or (B, S, H, D) with
     ``layout="bshd"``); mask is an additive float array broadcastable to (B, H, Sq, Sk).
     ``seqlens_k`` (a KV cache): one key length per batch entry, K/V padded to Sk; a host
@@ -365,7 +368,16 @@ def attention(
     with ``validate=True`` (one synchronisation, checked there by their own library).
     """
     check_flags(causal=causal, return_lse=return_lse, validate=validate)
-    warn_if_grad_wanted(q, k, v)
+    warn_if_grad_wanted(
+        q,
+        k,
+        v,
+        sinks,
+        why="calls with seqlens_k are not differentiable"
+        if seqlens_k is not None
+        else "kernelgen.api.attention is the forward pass only (kernelgen.attention "
+        "differentiates)",
+    )
     options = (window_size, softcap)
     arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
     expressions_given = any(x is not None for x in (score_mod, mask_mod, mod_inputs, block_mask))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class KernelgenError(Exception):
     """Base class of every error kernelgen raises on purpose."""
@@ -130,3 +132,18 @@ class KernelgenWarning(UserWarning):
 class CPUBackendWarning(KernelgenWarning):
     """attention() got host arrays and runs its kernels in the CPU emulator: correct, slow
     (issued once per process)."""
+
+
+_INNER_PACKAGES = ("kernelgen", "torch")  # frames a warning skips to reach the caller's
+
+
+def caller_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, for the function that calls it, naming the first frame
+    outside kernelgen and torch (the user's call, however deep the call chain: the public
+    wrappers, torch autograd's Function.apply)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+        _INNER_PACKAGES
+    ):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1

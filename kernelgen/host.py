@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kernelgen.errors import CPUBackendWarning
+from kernelgen.errors import CPUBackendWarning, caller_stacklevel
 from kernelgen.launch import RuntimeKernel, default_num_splits
 from kernelgen.spec import KernelSpec
 from kernelgen.tensor_maps import TensorMapLayout, encode_on_host
@@ -69,7 +69,7 @@ def warn_once() -> None:
             "CUDA in the CPU emulator, which is for correctness and debugging, not speed (a "
             "small call takes seconds); pass CUDA arrays to run on a GPU",
             CPUBackendWarning,
-            stacklevel=4,
+            stacklevel=caller_stacklevel(),
         )
 
 

@@ -1,5 +1,6 @@
 """``kernelgen.attention`` as a torch operator, ``torch.ops.kernelgen.attention``, so that
-``torch.compile`` (``fullgraph=True`` included) and ``torch.export`` trace through it.
+``torch.compile`` (``fullgraph=True`` included) and ``torch.export`` trace through it, forward
+and backward.
 
 Importing this module registers the operator (torch is optional: kernelgen itself never imports
 this module). The operator takes CUDA tensors (the GPU path) and CPU tensors (the CPU backend,
@@ -10,21 +11,33 @@ metadata alone::
 
     out = kt.attention(q, k, v, causal=True)  # in a torch.compile'd function too
 
-There is no autograd formula: it is a forward (inference) operator. Inputs that require grad
-give outputs whose backward raises; ``kernelgen.attention`` itself warns once and returns outputs
-detached from the graph.
+Its autograd formula (``torch.library.register_autograd``) calls a second operator,
+``torch.ops.kernelgen.attention_backward`` (:func:`kernelgen.attention_backward`, with its own
+fake implementation), so a compiled training step traces both passes. Gradients flow into q, k,
+v and sinks; none into mask or alibi_slopes, nor through the log-sum-exp (non-differentiable).
+Calls with ``seqlens_k`` have no backward (it raises). ``deterministic`` (or
+``torch.use_deterministic_algorithms(True)``) makes the backward bitwise reproducible.
 
-The operator's schema: ``kernelgen::attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None,
-bool causal=False, float? scale=None, str layout="bhsd", Tensor? seqlens_k=None, SymInt?
-num_splits=None, SymInt[]? window=None, float? softcap=None, Tensor? alibi_slopes=None, Tensor?
-sinks=None) -> (Tensor, Tensor)``: out and the fp32 log-sum-exp.
+The operators' schemas: ``kernelgen::attention(Tensor q, Tensor k, Tensor v, Tensor?
+mask=None, bool causal=False, float? scale=None, str layout="bhsd", Tensor? seqlens_k=None,
+SymInt? num_splits=None, SymInt[]? window=None, float? softcap=None, Tensor? alibi_slopes=None,
+Tensor? sinks=None, bool deterministic=False) -> (Tensor, Tensor)``: out and the fp32
+log-sum-exp; ``kernelgen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor
+out, Tensor lse, Tensor? mask, bool causal, float? scale, str layout, SymInt[]? window, float?
+softcap, Tensor? alibi_slopes, Tensor? sinks, bool deterministic) -> (Tensor, Tensor, Tensor,
+Tensor)``: dq, dk, dv and dsinks (fp32; empty, shape (0,), without sinks).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kernelgen.api import attention as _attention
+from kernelgen.api import check_flags
+from kernelgen.backward_api import attention_backward as _attention_backward
+from kernelgen.errors import InputError
 
 __all__ = ["attention"]
 
@@ -49,10 +62,12 @@ def _attention_op(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out in q's layout and dtype, and the fp32 log-sum-exp (B, H, Sq): :func:`kernelgen.attention`
     with ``return_lse=True`` (an operator's outputs are fixed). Every argument after q, k, v has
-    kernelgen.attention's default: ``torch.ops.kernelgen.attention(q, k, v, causal=True)``."""
+    kernelgen.attention's default: ``torch.ops.kernelgen.attention(q, k, v, causal=True)``.
+    ``deterministic``: the backward's (the forward ignores it)."""
     return _attention(
         q,
         k,
@@ -86,10 +101,131 @@ def _attention_fake(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32)
     return out, lse
+
+
+@torch.library.custom_op("kernelgen::attention_backward", mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    window: list[int] | None,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (q's and k's layout and dtype, contiguous) and dsinks (fp32 (H,), or empty
+    without sinks): :func:`kernelgen.attention_backward` (an operator's outputs are fixed)."""
+    grads = _attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        causal=causal,
+        scale=scale,
+        mask=mask,
+        layout=layout,
+        window_size=None if window is None else (window[0], window[1]),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        deterministic=deterministic,
+    )
+    dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return grads[0], grads[1], grads[2], dsinks
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    window: list[int] | None,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dsinks_shape = tuple(sinks.shape) if sinks is not None else (0,)
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        k.new_empty(k.shape),
+        q.new_empty(dsinks_shape, dtype=torch.float32),
+    )
+
+
+_INPUTS = ("q", "k", "v", "mask", "causal", "scale", "layout", "seqlens_k", "num_splits",
+           "window", "softcap", "alibi_slopes", "sinks", "deterministic")  # fmt: skip
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    """Save what the backward reads; the lse carries no gradient."""
+    args = dict(zip(_INPUTS, inputs, strict=True))
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(
+        args["q"], args["k"], args["v"], out, lse, args["mask"], args["alibi_slopes"],
+        args["sinks"],
+    )  # fmt: skip
+    ctx.options = {
+        name: args[name]
+        for name in ("causal", "scale", "layout", "window", "softcap", "deterministic")
+    }
+    ctx.with_seqlens_k = args["seqlens_k"] is not None
+
+
+def _backward(
+    ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients for (q, k, v, ..., sinks, ...) in the forward's argument order: dq, dk, dv,
+    dsinks, None for the rest (mask and alibi_slopes included)."""
+    if ctx.with_seqlens_k:
+        raise InputError(
+            "torch.ops.kernelgen.attention with seqlens_k has no backward pass; pass the keys "
+            "without seqlens_k (or a mask) to differentiate"
+        )
+    q, k, v, out, lse, mask, alibi_slopes, sinks = ctx.saved_tensors
+    options = dict(ctx.options)
+    options["deterministic"] = bool(
+        options["deterministic"] or torch.are_deterministic_algorithms_enabled()
+    )
+    dq, dk, dv, dsinks = torch.ops.kernelgen.attention_backward(
+        dout.contiguous(), q, k, v, out, lse, mask, options["causal"], options["scale"],
+        options["layout"], options["window"], options["softcap"], alibi_slopes, sinks,
+        options["deterministic"],
+    )  # fmt: skip
+    wanted = ctx.needs_input_grad
+    grads: list[torch.Tensor | None] = [None] * len(_INPUTS)
+    for index, grad in ((0, dq), (1, dk), (2, dv)):
+        grads[index] = grad if wanted[index] else None
+    if sinks is not None and wanted[12]:
+        grads[12] = dsinks
+    return tuple(grads)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(
@@ -108,13 +244,16 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`kernelgen.attention` on torch tensors through ``torch.ops.kernelgen.attention``
-    (same arguments, but no ``spec``, and ``seqlens_k`` a tensor); traceable by torch.compile.
-    The variants (docs/variants.md) as in ``kernelgen.attention``."""
+    (same arguments, but no ``spec``, and ``seqlens_k`` a tensor); traceable by torch.compile,
+    and differentiable (a compiled backward included). The variants (docs/variants.md) as in
+    ``kernelgen.attention``."""
+    check_flags(deterministic=deterministic)
     window = None if window_size is None else [int(side) for side in window_size]
     out, lse = torch.ops.kernelgen.attention(
         q, k, v, mask, bool(causal), scale, layout, seqlens_k, num_splits,
-        window, softcap, alibi_slopes, sinks,
+        window, softcap, alibi_slopes, sinks, bool(deterministic),
     )  # fmt: skip
     return (out, lse) if return_lse else out

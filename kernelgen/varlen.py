@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from kernelgen.api import TensorInfo, attention, check_flags, check_inputs, describe
+from kernelgen.api import TensorInfo, check_flags, check_inputs, describe
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.frameworks import arrays_of, device_of, module_of, refuse_during_capture
 from kernelgen.spec import KernelSpec
+from kernelgen.training import attention
 from kernelgen.variant_inputs import check_variants
 
 __all__ = ["attention_varlen", "sequence_runs"]

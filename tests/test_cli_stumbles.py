@@ -233,7 +233,9 @@ def test_torch_op_runs_with_only_causal(recwarn):
 
 
 @pytest.mark.emulate
-def test_an_input_that_requires_grad_warns_once(monkeypatch):
+def test_a_call_that_cannot_differentiate_warns_once(monkeypatch):
+    """Inputs that require grad: kernelgen.attention differentiates, but calls with seqlens_k
+    (and kernelgen.api.attention, the forward alone) warn once and return detached outputs."""
     torch = pytest.importorskip("torch")
     import kernelgen
     from kernelgen import api
@@ -246,13 +248,19 @@ def test_an_input_that_requires_grad_warns_once(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():  # autograd off: nothing to warn about
-            kernelgen.attention(qt, kt, vt)
-        out = kernelgen.attention(qt, kt, vt)
-        kernelgen.attention(qt, kt, vt)
+            kernelgen.attention(qt, kt, vt, seqlens_k=[12])
+        assert kernelgen.attention(qt, kt, vt).requires_grad  # differentiable: no warning
+        out = kernelgen.attention(qt, kt, vt, seqlens_k=[12])
+        kernelgen.attention(qt, kt, vt, seqlens_k=[12])
+        api.attention(qt, kt, vt)
     grad = [w for w in caught if "no backward pass" in str(w.message)]
     assert len(grad) == 1 and grad[0].category is UserWarning
+    assert "seqlens_k" in str(grad[0].message) and grad[0].filename == __file__
     assert "output carries no gradient" in str(grad[0].message)
     assert not out.requires_grad
+    monkeypatch.setattr(api, "_warned_no_backward", False)
+    with pytest.warns(UserWarning, match="forward pass only"):
+        api.attention(qt, kt, vt)
 
 
 # ---- BlockMask and the schema -------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A real client end to end: a small Llama-architecture transformers model (random weights,
 nothing downloaded; GQA, 2 layers, head_dim 16) in float32 on the CPU with
 ``attn_implementation="kernelgen"`` (kernelgen.integrations.transformers: the emulator runs the
-generated kernels) against ``"eager"``: logits of prefill with and without left padding, and
-greedy ``generate()`` with the KV cache (decode steps)."""
+generated kernels) against ``"eager"``: logits of prefill with and without left padding,
+greedy ``generate()`` with the KV cache (decode steps), and a training step's loss and parameter
+gradients (torch autograd through ``torch.ops.kernelgen.attention``'s backward)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,50 @@ def test_greedy_generate_with_the_kv_cache_gives_eager_tokens(models, calls):
     assert [(sq, sk) for sq, sk, _, _ in calls] == [(9, 9)] * 2 + [
         (1, n) for n in (10, 11, 12) for _ in range(2)
     ]
+
+
+def training_batch(kind: str) -> dict:
+    """A batch with labels: ``left-padded`` (the second sequence left-padded by 3, its padding
+    and its first real token unlabelled: a padded query row sees no key, so its output, which
+    predicts that token, differs between implementations by design), ``right-padded`` or
+    ``packed`` (two documents in one row: without an attention_mask and a cache, transformers
+    derives a block-diagonal causal mask from the restarting position_ids)."""
+    if kind == "packed":
+        ids = batch(padded=False)["input_ids"][:1]
+        positions = torch.tensor([[*range(4), *range(5)]])
+        # no cache: transformers looks for packed sequences only without one
+        return {"input_ids": ids, "labels": ids, "position_ids": positions, "use_cache": False}
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    pads = slice(0, 3) if kind == "left-padded" else slice(6, 9)
+    ids[1, pads], mask[1, pads] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if kind == "left-padded":
+        labels[1, 3] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("kind", ["left-padded", "right-padded", "packed"])
+def test_a_training_step_matches_eager(models, calls, kind):
+    """One step of training (model.train(), loss.backward()): the same loss and the same
+    gradient in every parameter (relative Frobenius error at fp32 tolerance)."""
+    inputs = training_batch(kind)
+    losses, grads = [], []
+    for model in models:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        try:
+            loss = model(**inputs).loss
+            loss.backward()
+        finally:
+            model.eval()
+        losses.append(loss.item())
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    want, got = grads
+    assert got.keys() == want.keys()
+    assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0]), losses
+    errors = {name: relative_error(got[name], want[name]) for name in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= OUT_TOLERANCE["float32"], f"{worst}: relative error {errors[worst]:.3g}"
+    assert [c[3] for c in calls] == [True] * 2  # a mask (padding, documents) in every layer

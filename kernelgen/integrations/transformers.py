@@ -10,8 +10,9 @@ boolean or None), so that any model built on the attention interface runs with i
 
 CUDA tensors run on the GPU; CPU tensors run the generated kernels in the emulator (for
 correctness, not speed). The call goes through ``torch.ops.kernelgen.attention``
-(:mod:`kernelgen.torch_ops`), so compiled models trace through it. Forward only (inference): no
-dropout, no logit soft-capping, no attention sinks.
+(:mod:`kernelgen.torch_ops`), so compiled models trace through it and training differentiates
+it (its backward: :func:`kernelgen.attention_backward`). No attention dropout, no logit
+soft-capping, no attention sinks.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def kernelgen_attention_forward(
     transformers' SDPA path ((B, 1, Sq, Sk), True: attend; or None: ``is_causal`` applies, from
     the keyword or ``module.is_causal``). Returns (out (B, Sq, H, D), None): no weights."""
     if dropout:
-        raise InputError(f"dropout={dropout} is not supported by kernelgen (inference only)")
+        raise InputError(f"dropout={dropout} is not supported by kernelgen (no attention dropout)")
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
             raise InputError(f"{name} is not supported by kernelgen's attention")

@@ -1,0 +1,138 @@
+"""``kernelgen.attention``: the forward of :mod:`kernelgen.api`, differentiable by torch autograd.
+
+A call whose torch q, k, v or sinks requires grad while autograd records (``torch.no_grad`` and
+``torch.inference_mode`` off) goes through :class:`kernelgen.autograd.AttentionFunction`; every
+other call (NumPy, CuPy, torch inference) is :func:`kernelgen.api.attention` itself, after a
+check of q's type. See docs/backward.md, "torch autograd".
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from kernelgen.api import Layout, check_flags
+from kernelgen.api import attention as forward_attention
+from kernelgen.block_mask import BlockMask
+from kernelgen.spec import KernelSpec
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    mask: Any = None,
+    spec: KernelSpec | None = None,
+    return_lse: bool = False,
+    layout: Layout = "bhsd",
+    seqlens_k: Any = None,
+    num_splits: int | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_inputs: Mapping[str, Any] | None = None,
+    block_mask: BlockMask | None = None,
+    validate: bool = False,
+    deterministic: bool = False,
+) -> Any:
+    """kernelgen.api.attention, differentiable (the full text is set below)."""
+    if deterministic is not False and deterministic is not True:
+        check_flags(deterministic=deterministic)
+    if (
+        seqlens_k is None
+        and type(q).__module__.startswith("torch")
+        and _records_grad(q, k, v, sinks)
+    ):
+        check_flags(causal=causal, return_lse=return_lse, validate=validate)
+        from kernelgen.autograd import AttentionOptions, differentiable_attention
+
+        options = AttentionOptions(
+            causal=bool(causal),
+            scale=scale,
+            layout=layout,
+            spec=spec,
+            num_splits=num_splits,
+            window_size=window_size,
+            softcap=softcap,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            mod_inputs=mod_inputs,
+            block_mask=block_mask,
+            validate=bool(validate),
+            deterministic=bool(deterministic),
+        )
+        return differentiable_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            return_lse=bool(return_lse),
+            options=options,
+        )
+    return forward_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        mask=mask,
+        spec=spec,
+        return_lse=return_lse,
+        layout=layout,
+        seqlens_k=seqlens_k,
+        num_splits=num_splits,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
+        block_mask=block_mask,
+        validate=validate,
+    )
+
+
+def _records_grad(q: Any, k: Any, v: Any, sinks: Any) -> bool:
+    """Whether autograd records this torch call: an input requires grad, grad mode is on."""
+    if not (
+        getattr(q, "requires_grad", False)
+        or getattr(k, "requires_grad", False)
+        or getattr(v, "requires_grad", False)
+        or getattr(sinks, "requires_grad", False)
+    ):
+        return False
+    return bool(sys.modules["torch"].is_grad_enabled())
+
+
+_DIFFERENTIABLE = """\
+    Differentiable by torch autograd (docs/backward.md): when a torch q, k, v or sinks requires
+    grad and grad mode is on, a loss's ``backward()`` (e.g. ``out.sum().backward()``) fills
+    their ``.grad`` through :func:`kernelgen.attention_backward`. No gradient flows into
+    ``mask``, ``alibi_slopes``, ``mod_inputs`` or through the returned lse; a ``block_mask``
+    call's backward evaluates its mask_mod on every key tile; calls with ``seqlens_k`` are not
+    differentiable (they warn once and return detached outputs). ``deterministic=True`` (or
+    ``torch.use_deterministic_algorithms(True)``) makes the backward bitwise reproducible, at
+    some cost; the forward ignores it. No double backward."""
+
+
+def _docstring() -> str | None:
+    """The forward's docstring with its "forward pass only" paragraph made this one's."""
+    if forward_attention.__doc__ is None:  # python -OO
+        return None
+    paragraphs = forward_attention.__doc__.split("\n\n")
+    return "\n\n".join([paragraphs[0], _DIFFERENTIABLE, *paragraphs[2:]])
+
+
+attention.__doc__ = _docstring()
