@@ -246,7 +246,7 @@ def check_inputs(
                 )
         check_spec_variants(spec, variants)
         check_spec_expressions(spec, expressions)
-        if spec.mma != "simt":  # tensor-core specs copy 16-byte chunks (cp.async or TMA)
+        if spec.engine.chunk_bytes:  # tensor-core specs copy 16-byte chunks (cp.async, TMA)
             for t in (q, k, v):
                 problem = _misaligned_strides(t)
                 if problem:
@@ -555,7 +555,7 @@ def checked_plan(
         )
         spec = with_expressions(spec, call.expressions)
         num_splits = num_splits or tuned_splits
-    elif spec.mma != "simt" and misaligned:
+    elif spec.engine.chunk_bytes and misaligned:
         raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     # only kernels compiled with additive_mask read a mask (docs/design.md)
     if call.mask is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kernelgen.arch import ARCHS
 from kernelgen.compile import Resources, compile_offline
+from kernelgen.engines import engine_of
 from kernelgen.errors import SpecError
 from kernelgen.families import AnySpec, load_any_spec, render_any
 from kernelgen.fileio import atomic_write_text
@@ -65,10 +66,11 @@ def static_problems(spec: AnySpec, res: Resources) -> list[str]:
             f"local memory in the SASS for {res.arch} "
             f"(LDL {sass.get('LDL', 0)}, STL {sass.get('STL', 0)})"
         )
-    if sass and spec.mma == "mma_sync" and not (sass.get("HMMA", 0) and sass.get("LDSM", 0)):
-        problems.append(f"tensor-core spec without HMMA or LDSM in its SASS for {res.arch}")
-    if sass and spec.mma == "wgmma" and not (sass.get("HGMMA", 0) and sass.get("UTMALDG", 0)):
-        problems.append(f"wgmma spec without HGMMA or UTMALDG in its SASS for {res.arch}")
+    required = engine_of(spec).required_sass
+    if sass and required and not all(sass.get(name, 0) for name in required):
+        problems.append(
+            f"{spec.mma} spec without {' or '.join(required)} in its SASS for {res.arch}"
+        )
     return problems
 
 

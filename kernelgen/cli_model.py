@@ -25,7 +25,7 @@ def model_reports(specs, archs: list[str] | None, built=None) -> list:
         return [
             model_spec(spec, arch, resources.get((spec.uri, arch)))
             for spec in specs
-            if spec.mma != "simt"
+            if spec.engine.modelled
             for arch in (archs or spec.archs)
             if arch in RATES
         ]
@@ -39,7 +39,7 @@ def unmodelled(specs, archs: list[str] | None) -> list[str]:
 
     lines = []
     for spec in specs:
-        if spec.mma == "simt":
+        if not spec.engine.modelled:
             lines.append(
                 f"{spec.uri}: not modelled: the static model covers tensor-core specs only "
                 "(mma: mma_sync or wgmma), not CUDA-core (simt) ones"

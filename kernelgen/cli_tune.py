@@ -101,7 +101,7 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
         occupancy = kernel_occupancy(c.spec, device.target_arch, c.resources)
         short = {"registers": "regs", "shared memory": "smem"}.get(occupancy.limiter)
         blocks = f"{occupancy.blocks} {short or occupancy.limiter}"
-        modelled = c.spec.mma != "simt" and not c.spec.split_kv  # as prune_by_model
+        modelled = c.spec.engine.modelled and not c.spec.split_kv  # as prune_by_model
         model = f"{analytic_cost(c.spec, device.target_arch):.0f}" if modelled else "-"
         table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes), blocks, model)
     out_console.print(table)

@@ -219,7 +219,7 @@ def _spec_with(
     calls with expressions take this path every time."""
     data = {**spec.model_dump(), **dict(fields)}
     if tiles is not None:
-        if spec.mma != "mma_sync":
+        if not spec.engine.block_sparse:
             raise InputError(
                 f"block_mask needs a tensor-core (mma_sync) kernel: float16/bfloat16 inputs with "
                 f"16-byte aligned rows; this call runs {spec.uri}"

@@ -17,6 +17,7 @@ import numpy as np
 
 from kernelgen.arch import nearest_arch
 from kernelgen.compile import COMMON_OPTIONS, cuda_include_dir
+from kernelgen.engines import engine_of
 from kernelgen.errors import CompileError, InputError, ToolchainMissingError
 from kernelgen.occupancy import blocks_per_sm
 from kernelgen.render import (
@@ -264,7 +265,7 @@ class RuntimeKernel:
     def _compile(self, cupy: Any, symbols: list[str]) -> dict[str, Any]:
         """The spec's functions, compiled from its rendered source by CuPy (NVRTC)."""
         source = render(self.spec)
-        if self.spec.mma == "wgmma":
+        if self.spec.engine.arch_target is not None:
             return self._compile_arch_specific(cupy, source, symbols)
         return compile_functions(cupy, self.spec.uri, source, symbols)
 
@@ -355,7 +356,7 @@ class PreparedLaunch:
         # wgmma: the TMA tensor maps' layouts are checked and fixed here, once per call shape
         self.tensor_maps = (
             TensorMapCache(tensor_map_layouts(spec, problem), encode_tensor_map)
-            if spec.mma == "wgmma"
+            if spec.engine.warp_specialized
             else None
         )
         buffers = tuple(scratch_floats(spec, problem).items())
@@ -434,27 +435,22 @@ def _device_limits(device: int) -> DeviceLimits:
     )
 
 
-# ldmatrix, cp.async and bf16 mma.sync: sm_80; wgmma, TMA and setmaxnreg: sm_90a, which runs on
-# compute capability 9.0 only (not on later GPUs).
-MIN_CAPABILITY = {"simt": 0, "mma_sync": 80, "wgmma": 90}
-EXACT_CAPABILITY = {"wgmma": 90}
-
-
 def check_fits_device(spec: KernelSpec, device: int) -> None:
     """Raise an InputError naming the spec when ``device`` cannot run it (too old for its
     instructions, too little shared memory per block), before CUDA refuses the launch."""
     limits = _device_limits(device)
-    exact = EXACT_CAPABILITY.get(spec.mma)
+    engine = engine_of(spec)
+    exact = engine.exact_capability
     if exact is not None and limits.capability != exact:
         raise InputError(
             f"spec {spec.uri} has mma={spec.mma}, compiled for sm_{exact}a, which runs only on "
             f"compute capability {exact // 10}.{exact % 10} (H100, H200); device {device} is "
             f"sm_{limits.capability}: use an mma_sync spec"
         )
-    if limits.capability < MIN_CAPABILITY[spec.mma]:
+    if limits.capability < engine.min_capability:
         raise InputError(
             f"spec {spec.uri} has mma={spec.mma}, which needs compute capability "
-            f"{MIN_CAPABILITY[spec.mma]} or newer; device {device} is sm_{limits.capability}"
+            f"{engine.min_capability} or newer; device {device} is sm_{limits.capability}"
         )
     if spec.smem_bytes > limits.smem_optin:
         raise InputError(

@@ -277,7 +277,7 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
     the TMA copies write (the K and V tiles, whole 128-byte column blocks, once per block)."""
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * spec.block_n)
     per_unit_block = UNIT_QUERIES * UNIT_KEYS / (spec.block_m * spec.block_n)
-    if spec.mma == "wgmma":  # an overlapped loop is unrolled: one iteration, two key tiles
+    if spec.engine.warp_specialized:  # an overlapped loop is unrolled: one iteration, two tiles
         per_unit /= len(body.hgmma) / (spec.head_dim_padded // 16 + spec.block_n // 16)
     by_class = {name: body.counts.get(name, 0) * per_unit for name in CLASSES}
     issued = body.issued * per_unit
@@ -288,7 +288,7 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
     by_class["other"] = issued - sum(by_class.values())
     memory = (by_class["LDSM"] + by_class["LDGSTS"]) * WARP_MEMORY_BYTES
     memory += body.hgmma_smem_bytes(spec.elem_bytes) * per_unit
-    if spec.mma == "wgmma":
+    if spec.engine.warp_specialized:
         memory += tma_tile_bytes(spec) * per_unit_block
     return UnitFigures(
         issued, by_class, memory, body.rescale * per_unit, body.hgmma_macs * per_unit
@@ -346,7 +346,7 @@ def analytic_figures(spec: KernelSpec) -> UnitFigures:
     and V (block_n / 16 x k-steps each) and issues 2 x m-tiles x n8-tiles x k-steps HMMA; the
     block copies the K and V tiles once (16-byte LDGSTS); one exp2 per score (and with softcap
     one tanh per score) and one per row and tile for the rescale factor."""
-    if spec.mma == "wgmma":
+    if spec.engine.warp_specialized:
         return _wgmma_analytic_figures(spec)
     rows, keys = spec.rows_per_warp, spec.block_n
     k_steps = spec.head_dim_padded // 16
@@ -385,8 +385,8 @@ def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
 def analytic_cost(spec: KernelSpec, arch: str) -> float:
     """Predicted clocks per unit from :func:`analytic_figures`, issue left out: what the
     autotuner orders candidates by where no SASS is at hand (a GPU host at run time)."""
-    if spec.mma == "wgmma":  # what a 9.0 device runs it as
-        arch = "sm_90a"
+    if spec.engine.arch_target is not None:  # what a 9.0 device runs it as
+        arch = spec.engine.arch_target
     prediction = predict(analytic_figures(spec), arch if arch in RATES else "sm_80")
     return max(v for k, v in prediction.clocks.items() if k != "issue")
 
@@ -413,14 +413,14 @@ def interior_loops(spec: KernelSpec, arch: str) -> tuple[LoopBody, LoopBody | No
 
 
 def loops_of(spec: KernelSpec, sass: str) -> tuple[LoopBody, LoopBody | None]:
-    producer = hmma_loop(sass, "UTMALDG") if spec.mma == "wgmma" else None
+    producer = hmma_loop(sass, "UTMALDG") if spec.engine.warp_specialized else None
     return hmma_loop(sass), producer
 
 
 def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) -> ModelReport:
     """Model ``spec``'s key-tile loop on ``arch``; ``resources`` is the real kernel's ptxas report
     where the caller has it (else it is compiled for it)."""
-    if spec.mma == "simt":
+    if not spec.engine.modelled:
         raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
     rates_of(arch)  # an arch the model knows, before compiling anything
     sass = interior_sass(spec, arch)

@@ -27,12 +27,6 @@ ENTRY_TEMPLATE = {
     ("mma_sync", "v2"): "fa_fwd_v2_tc.cu.j2",
     ("wgmma", "v2"): "fa_fwd_wgmma.cu.j2",
 }
-# What the generated file's header says the kernel runs on.
-ENGINE_DESCRIPTION = {
-    "simt": "CUDA cores",
-    "mma_sync": "tensor cores (mma.sync m16n8k16, ldmatrix, cp.async)",
-    "wgmma": "Hopper tensor cores (wgmma, TMA, mbarriers; warp-specialised)",
-}
 # The tensor-map parameter type of TMA kernels (the driver's CUtensorMap, 128 opaque bytes).
 TENSOR_MAP_CTYPE = "const __grid_constant__ CUtensorMap"
 # setmaxnreg budgets of the wgmma kernels (registers per thread; multiples of 8 from 24 to 256):
@@ -143,7 +137,7 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     A paged-KV kernel also takes ``block_table`` (B, pages per sequence), its row stride and
     ``page_size``; its k/v batch stride is then the stride between pages."""
     elem = CXX_ELEMENT[spec.dtype].name
-    if spec.mma == "wgmma":  # q, k and v reach the kernel as TMA tensor maps
+    if spec.engine.warp_specialized:  # q, k and v reach the kernel as TMA tensor maps
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
     else:
         params = [
@@ -164,7 +158,7 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     names += ["num_splits"] if spec.split_kv else []
     names += ["page_size"] if spec.paged_kv else []
     params += [Param(name, "int") for name in names]
-    if spec.mma != "wgmma":  # the tensor maps hold the strides of q, k and v
+    if not spec.engine.warp_specialized:  # the tensor maps hold the strides of q, k and v
         params += _strides("q", "bhs") + _strides("k", "bhs") + _strides("v", "bhs")
     if spec.paged_kv:
         params += _strides("block_table", "b")
@@ -290,9 +284,9 @@ def render(spec: KernelSpec) -> str:
     return template.render(
         spec=spec,
         uri=spec.uri,
-        engine=ENGINE_DESCRIPTION[spec.mma],
+        engine=spec.engine.description,
         producer_regs=PRODUCER_REGS,
-        consumer_regs=consumer_registers(spec) if spec.mma == "wgmma" else 0,
+        consumer_regs=consumer_registers(spec) if spec.engine.warp_specialized else 0,
         elem=CXX_ELEMENT[spec.dtype],
         params=kernel_params(spec),
         combine_params=combine_params(spec) if spec.split_kv else (),

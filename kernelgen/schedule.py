@@ -97,6 +97,6 @@ def overlap_problem(instructions: Sequence[SassInstruction]) -> str | None:
 def schedule_problem(spec: KernelSpec, sass: str) -> str | None:
     """The overlap check of a wgmma spec with ``overlap: true`` on its SASS text (cuobjdump's,
     every function); None for other specs or when the schedule is as designed."""
-    if spec.mma != "wgmma" or not spec.overlap:
+    if not spec.engine.warp_specialized or not spec.overlap:
         return None
     return overlap_problem(sass_instructions(function_sass(sass, spec.uri)))

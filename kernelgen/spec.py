@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
+from kernelgen.engines import ENGINES, Engine, EngineName
 from kernelgen.errors import InputError, SpecError
 from kernelgen.expressions import (
     Expression,
@@ -34,7 +35,7 @@ from kernelgen.expressions import (
 
 DType = Literal["float32", "float16", "bfloat16"]
 LoopOrder = Literal["v1", "v2"]
-MmaPath = Literal["simt", "mma_sync", "wgmma"]
+MmaPath = EngineName
 SmemLayout = Literal["padded", "swizzled"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -76,7 +77,7 @@ WARP_COUNTS = (1, 2, 4, 8, 12)  # 12: wgmma's producer warpgroup and two consume
 MAX_HEAD_DIM = 256
 # fp32 registers a thread may devote to its slice of the output row and of the score row;
 # beyond this the kernels spill (checked for real by ptxas in the compile tier).
-MAX_ACCUMULATORS_PER_THREAD = {"simt": 128, "mma_sync": 176, "wgmma": 160}
+MAX_ACCUMULATORS_PER_THREAD = {name: e.max_accumulators for name, e in ENGINES.items()}
 MMA_STAGES = (2, 3, 4)
 # Query rows one warp owns on the tensor cores: one or two m16 tiles (two share each K/V fragment).
 MMA_ROWS_PER_WARP = (16, 32)
@@ -86,7 +87,7 @@ MMA_PAD_WORDS = {"padded": 4, "swizzled": 0}
 # wgmma (sm_90a): a consumer warpgroup (4 warps) owns 64 query rows (the m64 of wgmma), one more
 # warpgroup produces (issues the TMA copies). Head dims: the tiles are 64-element column blocks
 # of 128 bytes (the 128-byte swizzle); 96 fills the second block half (TMA zero-fills the rest).
-WGMMA_ARCHS = ("sm_90a",)
+WGMMA_ARCHS = (ENGINES["wgmma"].arch_target,)
 WGMMA_HEAD_DIMS = (64, 96, 128, 256)
 WGMMA_BLOCK_M = (64, 128)  # one or two consumer warpgroups
 WGMMA_BLOCK_N = (32, 64, 128)
@@ -296,14 +297,16 @@ class KernelSpec(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        tensor_cores = data.get("mma") in ("mma_sync", "wgmma")
-        if data.get("mma") == "wgmma":  # one layout and one target: defaults, not choices
+        mma = data.get("mma", "simt")
+        engine = ENGINES.get(mma) if isinstance(mma, str) else None  # else: the field's error
+        tensor_cores = engine is not None and engine.tensor_cores
+        if engine is not None and engine.warp_specialized:  # one layout and one target
             data.setdefault("smem_layout", "swizzled")
             data.setdefault("archs", WGMMA_ARCHS)
             if isinstance(data.get("block_m"), int) and "num_warps" not in data:
                 data["num_warps"] = 4 * (1 + data["block_m"] // WGMMA_ROWS_PER_WARPGROUP)
         if data.get("stages") is None:
-            data["stages"] = 2 if tensor_cores else 1
+            data["stages"] = engine.default_stages if engine is not None else 1
         if data.get("smem_pad") is None:
             layout = data.get("smem_layout", "padded")
             data["smem_pad"] = MMA_PAD_WORDS.get(layout, 0) if tensor_cores else 1
@@ -443,7 +446,7 @@ class KernelSpec(BaseModel):
             "simt": self._simt_problems,
             "mma_sync": self._mma_problems,
             "wgmma": self._wgmma_problems,
-        }[self.mma]()
+        }[self.engine.name]()
         if problems:  # the geometry below is meaningless for a spec with a wrong mode
             raise ValueError("\n".join(problems))
         if self.threads < self.block_m:
@@ -451,37 +454,38 @@ class KernelSpec(BaseModel):
                 f"num_warps={self.num_warps} gives {self.threads} threads, fewer than "
                 f"block_m={self.block_m} rows; use num_warps >= {max(1, self.block_m // 32)}"
             )
-        elif self.accumulators_per_thread > MAX_ACCUMULATORS_PER_THREAD[self.mma]:
+        elif self.accumulators_per_thread > self.engine.max_accumulators:
             problems.append(
                 f"block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim} with "
                 f"num_warps={self.num_warps} need {self.accumulators_per_thread} fp32 "
-                f"accumulators per thread; at most {MAX_ACCUMULATORS_PER_THREAD[self.mma]} fit in "
+                f"accumulators per thread; at most {self.engine.max_accumulators} fit in "
                 "registers "
                 + (
                     "(lower block_n)"
-                    if self.mma == "wgmma"
+                    if self.engine.warp_specialized
                     else "(raise num_warps or lower the tiles)"
                 )
             )
         problems += self._expression_problems()
-        if self.mma != "wgmma" and self.overlap:
+        wgmma = self.engine.warp_specialized
+        if not wgmma and self.overlap:
             problems.append(
                 f"overlap=true is not allowed with mma={self.mma!r}; it pipelines wgmma products "
                 "(use mma: wgmma)"
             )
-        if self.pingpong and (self.mma != "wgmma" or self.overlap or self.block_m != 128):
+        if self.pingpong and (not wgmma or self.overlap or self.block_m != 128):
             problems.append(
                 f"pingpong=true is not allowed with mma={self.mma!r}, block_m={self.block_m}, "
                 f"overlap={str(self.overlap).lower()}; it alternates two consumer warpgroups "
                 "(use mma: wgmma, block_m: 128, overlap: false)"
             )
-        if self.q_in_registers and (self.mma != "wgmma" or self.overlap):
+        if self.q_in_registers and (not wgmma or self.overlap):
             problems.append(
                 f"q_in_registers=true is not allowed with mma={self.mma!r}, overlap="
                 f"{str(self.overlap).lower()}; it is the plain wgmma loop's A operand (use mma: "
                 "wgmma, overlap: false)"
             )
-        if self.mma != "wgmma" and self.num_warps == 12:
+        if not wgmma and self.num_warps == 12:
             problems.append(
                 f"num_warps=12 is not allowed with mma={self.mma!r}; use 1, 2, 4 or 8 (12 is "
                 "wgmma's producer and two consumer warpgroups)"
@@ -508,7 +512,7 @@ class KernelSpec(BaseModel):
                 problems.append(
                     "block_sparse=true needs a mask_mod (the block mask lists its key tiles)"
                 )
-            if self.mma != "mma_sync":
+            if not self.engine.block_sparse:
                 problems.append(
                     f"block_sparse=true is not allowed with mma={self.mma!r}; use mma_sync"
                 )
@@ -645,6 +649,11 @@ class KernelSpec(BaseModel):
 
     # ---- derived geometry (single source for render, launch and validation) --------------
     @property
+    def engine(self) -> Engine:
+        """The row of this spec's engine (:mod:`kernelgen.engines`)."""
+        return ENGINES[self.mma]
+
+    @property
     def wgmma_warps(self) -> int:
         """Warps of a wgmma block: the producer warpgroup and one consumer warpgroup per 64
         query rows."""
@@ -671,15 +680,15 @@ class KernelSpec(BaseModel):
         simt: 1 to 16, never more than block_n. mma_sync and wgmma: the 4 lanes of a quad,
         which the m16n8 (and m64nN) accumulator layout gives 2 of each 8 columns of rows g and
         g + 8."""
-        if self.mma in ("mma_sync", "wgmma"):
-            return 4
+        if self.engine.threads_per_row is not None:
+            return self.engine.threads_per_row
         return max(1, self.threads // self.block_m)
 
     @property
     def rows_per_warp(self) -> int:
         """Query rows of the tile that one warp owns (mma_sync: 16 or 32, the m16 tiles; wgmma:
         16, a consumer warp's quarter of its warpgroup's 64)."""
-        if self.mma == "wgmma":
+        if self.engine.warp_specialized:
             return WGMMA_ROWS_PER_WARPGROUP // 4
         return self.block_m // self.num_warps
 
@@ -703,9 +712,9 @@ class KernelSpec(BaseModel):
     @property
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K and V tiles in shared memory, in elements."""
-        if self.mma == "wgmma":
+        if self.engine.warp_specialized:
             return WGMMA_COLUMN_BLOCK  # one 128-byte row of a column block
-        width = self.head_dim_padded if self.mma == "mma_sync" else self.head_dim
+        width = self.head_dim_padded if self.engine.tensor_cores else self.head_dim
         return width + self.smem_pad * 4 // self.elem_bytes
 
     @property
@@ -715,7 +724,7 @@ class KernelSpec(BaseModel):
 
     @property
     def accumulators_per_thread(self) -> int:
-        if self.mma in ("mma_sync", "wgmma"):  # a warp's rows of scores and output, 32 lanes
+        if self.engine.tensor_cores:  # a warp's rows of scores and output, 32 lanes
             overlapped = self.block_n // 2 if self.overlap else 0  # a second tile's weights
             # Q's A fragments: 16 rows x head dim, 16-bit, over 32 lanes (32-bit registers)
             q_fragments = self.head_dim_padded // 4 if self.q_in_registers else 0
@@ -729,11 +738,11 @@ class KernelSpec(BaseModel):
     @property
     def smem_bytes(self) -> int:
         row_bytes = self.smem_row_elems * self.elem_bytes
-        if self.mma == "wgmma":  # Q, the K and V rings, their barriers, 1024-byte alignment
+        if self.engine.warp_specialized:  # Q, K and V rings, their barriers, 1024-byte alignment
             tile_rows = self.block_m + 2 * self.stages * self.block_n
             barriers = (1 + 3 * self.stages) * WGMMA_BARRIER_BYTES
             return tile_rows * self.column_blocks * row_bytes + barriers + WGMMA_SWIZZLE_ATOM
-        if self.mma == "mma_sync":  # Q tile (reused to stage the output), then K and V rings
+        if self.engine.tensor_cores:  # Q tile (reused to stage the output), then K and V rings
             return (self.block_m + 2 * self.stages * self.block_n) * row_bytes
         return (
             self.block_m + 2 * self.block_n
@@ -743,11 +752,8 @@ class KernelSpec(BaseModel):
     def uri(self) -> str:
         """Canonical readable name, e.g. ``fa_fwd_v2_f16_d128_m64_n64_w4_p1_causal`` or
         ``fa_fwd_v2_tc_bf16_d128_m16_n64_w1_s3_swz_gqa_split``."""
-        parts = ["fa_fwd", self.loop_order]
-        if self.mma == "mma_sync":
-            parts.append("tc")
-        elif self.mma == "wgmma":
-            parts.append("wg")
+        engine = self.engine
+        parts = ["fa_fwd", self.loop_order] + ([engine.uri_tag] if engine.uri_tag else [])
         parts += [
             DTYPE_SHORT[self.dtype],
             f"d{self.head_dim}",
@@ -755,15 +761,15 @@ class KernelSpec(BaseModel):
             f"n{self.block_n}",
             f"w{self.num_warps}",
         ]
-        if self.mma == "mma_sync":
-            parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
-        elif self.mma == "wgmma":
+        if engine.warp_specialized:
             parts.append(
                 f"s{self.stages}"
                 + ("_ovl" if self.overlap else "")
                 + ("_pp" if self.pingpong else "")
                 + ("_qr" if self.q_in_registers else "")
             )
+        elif engine.tensor_cores:
+            parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
         else:
             parts.append(f"p{self.smem_pad}")
         if self.causal:
@@ -785,7 +791,7 @@ class KernelSpec(BaseModel):
     def compile_arch(self, device_arch: str) -> str:
         """The target to compile for on a device of ``device_arch``: the arch-specific sm_90a
         for wgmma specs (which run on 9.0 devices only), else the device's own."""
-        return WGMMA_ARCHS[0] if self.mma == "wgmma" else device_arch
+        return self.engine.arch_target or device_arch
 
     def with_additive_mask(self) -> KernelSpec:
         """This spec reading an additive mask (itself when it already does): what a call with a

@@ -67,7 +67,7 @@ def run_launches(
     called after each launch."""
     for name, floats in scratch_floats(spec, problem).items():
         arrays[name] = np.full(floats, np.nan, dtype=np.float32)
-    if spec.mma == "wgmma":  # q, k and v reach the kernel as TMA tensor maps
+    if spec.engine.warp_specialized:  # q, k and v reach the kernel as TMA tensor maps
         layouts = tensor_map_layouts(spec, problem)
         arrays.update(tensor_map_arguments(layouts, arrays, encode_on_host))
     stats: dict[str, LaunchStats] = {}

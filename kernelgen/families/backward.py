@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from kernelgen.engines import engine_of
 from kernelgen.errors import InputError
 from kernelgen.expression_cuda import (
     expression_source,
@@ -27,7 +28,6 @@ from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.launch import MAX_GRID, Grid, LaunchStep, Problem
 from kernelgen.render import (
     CXX_ELEMENT,
-    ENGINE_DESCRIPTION,
     VARIANT_PARAMS,
     Param,
     environment,
@@ -174,7 +174,7 @@ def render(spec: BackwardSpec) -> str:
     return template.render(
         spec=spec,
         uri=spec.uri,
-        engine=ENGINE_DESCRIPTION[spec.mma],
+        engine=engine_of(spec).description,
         elem=CXX_ELEMENT[spec.dtype],
         params=main_params(spec),
         pre_params=pre_params(spec),

@@ -389,7 +389,7 @@ def prune_by_model(
     'top_k'}``; the others (CUDA-core fallbacks, split-KV decode launches) are kept in order."""
     from kernelgen.perfmodel import analytic_cost
 
-    modelled = [x for x in launches if x.spec.mma != "simt" and not x.spec.split_kv]
+    modelled = [x for x in launches if x.spec.engine.modelled and not x.spec.split_kv]
     cost = {id(x): analytic_cost(x.spec, arch) for x in modelled}
     ranked = sorted(modelled, key=lambda x: cost[id(x)])
     dropped = [
