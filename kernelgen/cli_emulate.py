@@ -14,6 +14,7 @@ and a block-sparse one with the block mask of its mask_mod.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -26,6 +27,7 @@ from rich.table import Table
 
 from kernelgen.cli_console import err_console, fail, out_console
 from kernelgen.errors import (
+    CPUBackendWarning,
     EmulatorCompileError,
     EmulatorError,
     EmulatorLaunchError,
@@ -319,14 +321,14 @@ def emulate(
     with its tolerance, hazards, ldmatrix wavefronts, global bytes read and key tiles visited.
     Exit 1 when the error is over tolerance or a hazard is found."""
     from kernelgen.emulator.attention import emulate_attention
-    from kernelgen.spec import load_spec
+    from kernelgen.families import load_any_spec
 
     try:
         dims = parse_shape(shape)
         check_seed(seed)
-        loaded = load_spec(spec)
+        loaded = load_any_spec(spec)
         if causal is not None and causal != loaded.causal:
-            loaded = KernelSpec(**{**loaded.model_dump(), "causal": causal})
+            loaded = type(loaded)(**{**loaded.model_dump(), "causal": causal})
         variants = variant_values(loaded, dims, window, softcap)
         given = read_mod_inputs(loaded, mod_input or [])
         expressions, hooks = expression_values(loaded, dims, given, seed)
@@ -334,6 +336,9 @@ def emulate(
         raise fail(str(exc).splitlines()) from None
     except (KernelgenError, ValueError) as exc:  # e.g. an input its expression cannot read
         raise fail(str(exc).splitlines()[:1]) from None
+    if not isinstance(loaded, KernelSpec):  # the backward family
+        _emulate_backward(loaded, dims, seed, variants, expressions, hooks)
+        return
     q, k, v = _random_inputs(loaded, dims, seed)
     rows: list[Row] = []
     with Progress(
@@ -378,6 +383,64 @@ def emulate(
     failed = [r.what for r in rows if r.ok is False]
     if failed:
         raise fail([f"{loaded.uri}: failed: {', '.join(failed)}"], 1)
+
+
+def _emulate_backward(spec, dims, seed: int, variants: dict, expressions: dict, hooks: dict):
+    """``kernelgen emulate`` of a backward spec: the forward (the policy's spec) then the spec's
+    backward kernels on random inputs and a random dout; each gradient's error against the
+    float64 analytic gradients (:func:`kernelgen.reference.attention_backward`)."""
+    from kernelgen.api import attention
+    from kernelgen.backward_api import attention_backward
+    from kernelgen.expression_grad import score_mod_grad_callable
+    from kernelgen.reference import OUT_TOLERANCE, relative_error
+    from kernelgen.reference import attention_backward as reference_backward
+
+    q, k, v = _random_inputs(spec, dims, seed)
+    (dout,) = _random_inputs(spec, (dims[0], dims[1], dims[1], dims[3], dims[3]), seed + 1)[:1]
+    device = [_in_dtype(x, spec.dtype) for x in (q, k, v, dout)]
+    options = {"causal": spec.causal, **variants, **expressions}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CPUBackendWarning)
+            out, lse = attention(*device[:3], return_lse=True, **options)
+            grads = attention_backward(
+                device[3], *device[:3], out, lse, spec=spec, deterministic=spec.deterministic,
+                **options,
+            )  # fmt: skip
+    except HazardError as exc:
+        raise fail([f"hazard: {exc.message}"], 1) from None
+    except (EmulatorCompileError, EmulatorLaunchError) as exc:
+        raise fail([str(exc)], 1) from None
+    except KernelgenError as exc:
+        raise fail([str(exc)]) from None
+    score_mod = spec.expressions[0]
+    if score_mod is not None:
+        hooks = {**hooks, "score_mod_grad": score_mod_grad_callable(
+            score_mod, expressions.get("mod_inputs"))}  # fmt: skip
+    wide = [np.asarray(x, np.float64) for x in (dout, q, k, v)]
+    ref = reference_backward(*wide, causal=spec.causal, **variants, **hooks)
+    tol = OUT_TOLERANCE[spec.dtype]
+    names = ["dq", "dk", "dv"] + (["dsinks"] if ref.dsinks is not None else [])
+    rows = []
+    for name, got in zip(names, grads, strict=True):
+        got = np.asarray(got, np.float64)
+        error = relative_error(got, getattr(ref, name))
+        ok = bool(np.isfinite(got).all()) and error <= tol
+        rows.append(Row(f"{name} rel. error", f"{error:.2e}", f"<= {tol:.0e}", ok))
+    rows.append(Row("hazards (race check)", "0", "0", True))
+    out_console.print(_table(spec, dims, rows))
+    failed = [r.what for r in rows if r.ok is False]
+    if failed:
+        raise fail([f"{spec.uri}: failed: {', '.join(failed)}"], 1)
+
+
+def _in_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values (exact in ``dtype``) as a NumPy array of ``dtype`` (bfloat16: ml_dtypes)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return x.astype(ml_dtypes.bfloat16)
+    return x.astype(dtype)
 
 
 def register(app: typer.Typer) -> None:

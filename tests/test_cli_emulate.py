@@ -149,3 +149,29 @@ def test_a_wgmma_spec_reports_its_tma_bytes_and_skipped_tiles():
     assert int(_value(out, "global bytes read (TMA boxes)")) > 0
     assert _value(out, "key tiles visited") == "12"
     assert "12 expected of 24" in out
+
+
+def test_a_backward_spec_reports_each_gradient_error():
+    result = run(str(ROOT / "specs" / "bwd_simt_f16_d64_window_softcap_alibi_sinks.yaml"),
+                 "--shape", "1,4,2,21,30")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for name in ("dq", "dk", "dv", "dsinks"):
+        assert f"{name} rel. error" in result.stdout
+
+
+def test_a_broken_backward_fails_the_error_check(monkeypatch):
+    from kernelgen import backward_api
+    from kernelgen.families import backward
+
+    render_backward = backward.render
+    monkeypatch.setattr(
+        backward,
+        "render",
+        lambda s: render_backward(s).replace(
+            "ds = p * (dp - t.delta[i])", "ds = p * dp"
+        ),  # fmt: skip
+    )
+    monkeypatch.setattr(backward_api, "_KERNELS", {})
+    result = run(str(ROOT / "specs" / "bwd_simt_f32_d64_causal.yaml"), "--shape", "1,2,1,20,30")
+    assert result.exit_code == 1, result.output
+    assert "failed: dq rel. error, dk rel. error" in result.output
