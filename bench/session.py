@@ -7,11 +7,12 @@ priority order, that fits a short window on a borrowed GPU (8 minutes in all).
 
 Priorities (docs: bench/README.md): correctness on hardware of every engine first (the GPU
 test tier's subset and compute-sanitizer on one call per engine), then prefill against torch's
-flash and cuDNN backends, then decode. Each stage runs under ``timeout`` (SIGINT, so pytest and
-the benchmarks print what they have; SIGKILL after a grace period); logs and result files are
-written to a work folder and bundled into ``DIR/session.tgz`` after every stage, so a session
-cut short still returns what it finished. ``DIR/summary.txt`` holds the GPU, the clocks before
-and after, the commit and one line per stage.
+flash and cuDNN backends, the backward pass, long prefill, then decode. Each stage runs under
+``timeout`` (SIGINT, so pytest and the benchmarks print what they have; SIGKILL after a grace
+period); logs and result files are written to a work folder and bundled into
+``DIR/session.tgz`` after every stage, so a session cut short still returns what it finished.
+``DIR/summary.txt`` holds the GPU, the clocks before and after, the commit and one line per
+stage.
 
 The stamp records the commit and the SHA-256 of every tracked file. A GPU host may receive the
 working tree without trustworthy git metadata; there the session checks the files against the
@@ -72,11 +73,18 @@ def plan(results: str = "{results}") -> list[Stage]:
     pytest_gpu = ("-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider")
     prefill = (
         "-m", "bench.attention", "--peers", "torch-flash,torch-cudnn,kg-tc-v2,kg-wgmma",
-        "--dtype", "bf16", "--head-dim", "64", "--head-dim", "128", "--head-dim", "256",
+        "--dtype", "bf16", "--head-dim", "128", "--head-dim", "256",
         "--seqlen", "4096", "--budget-ms", "100", "--tag", "session", "--out", results,
     )  # fmt: skip
+    # the quick grid (bf16 d128 2k, causal or not, and the document and softcap variants);
+    # FlexAttention (torch.compile, the slowest to start) on the variant cases only
+    backward = (
+        "-m", "bench.backward", "--quick", "--peers", "torch-flash,torch-cudnn,kg-atomic,kg-det",
+        "--budget-ms", "100", "--min-reps", "4", "--rounds", "2", "--tag", "session",
+        "--out", results,
+    )  # fmt: skip
     prefill_long = (
-        "-m", "bench.attention", "--peers", "torch-flash,torch-cudnn,kg-tc-v2,kg-wgmma",
+        "-m", "bench.attention", "--peers", "torch-flash,torch-cudnn,kg-wgmma",
         "--dtype", "fp16", "--head-dim", "128", "--seqlen", "16384", "--budget-ms", "100",
         "--tag", "session-long", "--out", results,
     )  # fmt: skip
@@ -102,21 +110,28 @@ def plan(results: str = "{results}") -> list[Stage]:
         ),
         Stage(
             "prefill",
-            130,
-            "bf16 d64/d128/d256 4k, causal or not: mma.sync and wgmma against flash and cuDNN",
+            90,
+            "bf16 d128/d256 4k, causal or not: mma.sync and wgmma against flash and cuDNN",
             python(*prefill),
             python(*prefill, "--list"),
         ),
         Stage(
+            "backward",
+            80,
+            "backward and fwd+bwd bf16 d128 2k, variants: kernelgen against flash, cuDNN, flex",
+            python(*backward),
+            python(*backward, "--dry-run"),
+        ),
+        Stage(
             "prefill-long",
-            60,
-            "fp16 d128 16k, causal or not",
+            45,
+            "fp16 d128 16k, causal or not: wgmma against flash and cuDNN",
             python(*prefill_long),
             python(*prefill_long, "--list"),
         ),
         Stage(
             "decode",
-            70,
+            55,
             "split-KV decode (B 1/8, GQA, 4k/32k keys) against the copy floor",
             python(*decode),
             python(*decode, "--list"),

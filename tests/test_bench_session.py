@@ -17,8 +17,10 @@ def test_the_plan_fits_the_window_in_priority_order():
     assert sum(s.budget_s for s in stages) <= session.WINDOW_S == 480
     names = [s.name for s in stages]
     assert names.index("correctness") < names.index("memcheck") < names.index("prefill")
-    assert names.index("prefill") < names.index("decode")
+    assert names.index("prefill") < names.index("backward") < names.index("decode")
     assert all(s.dry_command is not None for s in stages)
+    backward = stages[names.index("backward")]
+    assert "--quick" in backward.command and "--dry-run" in backward.dry_command
 
 
 @pytest.mark.compile
@@ -27,7 +29,7 @@ def test_the_dry_run_checks_every_stage_here(capsys):
     selection, the benchmarks accept their flags (--list), selfcheck compiles each engine."""
     assert session.dry_run(session.plan()) == 0
     out = capsys.readouterr().out
-    assert "plan: 6 stages" in out and out.count(" ok ") == 6, out
+    assert "plan: 7 stages" in out and out.count(" ok ") == 7, out
 
 
 def test_a_dry_run_reports_a_typo_in_a_stage():
