@@ -44,7 +44,7 @@ COMMIT_ENV, DIRTY_ENV = "KERNELGEN_SESSION_COMMIT", "KERNELGEN_SESSION_DIRTY"
 
 # The GPU test tier's part that comes first: the Hopper kernels, the serving APIs (KV caches,
 # paged, varlen), the tuner's choices and the default specs of every dtype and head dim.
-CORRECTNESS_SELECTION = "wgmma or serving or tuned or default_spec or default_decode"
+CORRECTNESS_SELECTION = "wgmma or serving or tuned or default_spec or default_decode or backward"
 SANITIZED_ENGINES = ("simt", "mma_sync", "wgmma")
 SANITIZER = ("compute-sanitizer", "--tool")
 # the CUDA libraries' own probes (cuGetProcAddress) are API errors, not kernel faults
