@@ -1,0 +1,162 @@
+"""``context_parallel_attention``: attention over a sequence sharded across a process group."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal
+
+import torch
+
+from kernelgen.api import check_inputs, describe
+from kernelgen.distributed.allgather import AllGatherAttention
+from kernelgen.distributed.blocks import Visibility
+from kernelgen.distributed.calls import Options
+from kernelgen.distributed.comm import Group
+from kernelgen.distributed.ring import RingAttention
+from kernelgen.distributed.schedule import Setup
+from kernelgen.distributed.sharding import Sharding
+from kernelgen.distributed.ulysses import UlyssesAttention
+from kernelgen.errors import InputError
+
+__all__ = ["SCHEDULES", "context_parallel_attention"]
+
+Schedule = Literal["ring", "allgather", "ulysses"]
+SCHEDULES: dict[str, type] = {
+    "ring": RingAttention,
+    "allgather": AllGatherAttention,
+    "ulysses": UlyssesAttention,
+}
+
+# Arguments of attention() that context parallelism does not take, and why.
+_REFUSED = {
+    "mask": "a dense additive mask is (Sq, Sk) of the whole sequence; use causal/window_size",
+    "score_mod": "expressions see the block's local positions, not the global ones",
+    "mask_mod": "expressions see the block's local positions, not the global ones",
+    "block_mask": "block masks index one call's tiles",
+    "seqlens_k": "K/V lengths of a padded cache do not apply to a sharded sequence",
+    "num_splits": "split-KV is a decode form; shard the sequence instead",
+}
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    schedule: Schedule = "ring",
+    sharding: Sharding | None = None,
+    group: Any = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    layout: Literal["bhsd", "bshd"] = "bhsd",
+    **refused: Any,
+) -> Any:
+    """Attention of this rank's queries over the whole sharded sequence, differentiable.
+
+    q (B, H, L, D) and k, v (B, Hkv, L, D) (``layout="bshd"``: (B, L, H, D)) are this rank's
+    shards: the global positions ``sharding.positions(rank)`` of a sequence of
+    ``sharding.total`` tokens, the same for queries and keys (self-attention; the default
+    sharding is contiguous with equal lengths). Every rank of ``group`` calls it with the same
+    options. ``schedule``: ``"ring"`` (K/V passed around the ring, overlapped with compute),
+    ``"allgather"`` (K/V gathered whole, llama3 form) or ``"ulysses"`` (all-to-all over heads;
+    H % W == 0). The options are attention()'s, meant for the global sequence: ``causal``,
+    ``scale``, ``window_size``, ``softcap``, ``alibi_slopes`` (float32 (H,) or (B, H)) and
+    ``sinks`` (float32 (H,), differentiable). Returns out (q's layout and dtype; its gradient
+    flows to q, k, v and sinks) and with ``return_lse`` the fp32 log-sum-exp (B, H, L), which
+    carries no gradient. The gradient of ``sinks`` is this rank's share (sum it over the group,
+    as for any replicated parameter). Not supported (InputError): ``mask``, ``score_mod``,
+    ``mask_mod``, ``block_mask``, ``seqlens_k``, ``num_splits``.
+    """
+    for name, value in refused.items():
+        if name not in _REFUSED:
+            raise TypeError(f"context_parallel_attention() got an unexpected argument {name!r}")
+        if value is not None:
+            raise InputError(
+                f"{name}: not supported by context-parallel attention ({_REFUSED[name]})"
+            )
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule={schedule!r} is not allowed; use one of {', '.join(SCHEDULES)}")
+    if layout not in ("bhsd", "bshd"):
+        raise InputError(f"layout={layout!r} is not allowed; use 'bhsd' or 'bshd'")
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    group_info = Group.of(group)
+    setup = _setup(q, k, v, group_info, sharding, schedule, causal, scale, window_size,
+                   softcap, alibi_slopes, sinks)  # fmt: skip
+    out, lse = SCHEDULES[schedule].apply(setup, q, k, v, sinks)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def _setup(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    sharding: Sharding | None,
+    schedule: str,
+    causal: bool,
+    scale: float | None,
+    window_size: tuple[int, int] | None,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> Setup:
+    """The call's checked setup: attention()'s own checks on the shards' metadata, then the
+    sharding's."""
+    if not isinstance(causal, bool):
+        raise InputError(f"causal={causal!r}: expected True or False")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise InputError(f"{name}: expected a rank-4 torch tensor, got {_what(x)}")
+    length = q.shape[2]
+    if sharding is None:
+        sharding = Sharding.contiguous(length * group.world, group.world)
+    if not isinstance(sharding, Sharding):
+        raise InputError(f"sharding has type {type(sharding).__name__}; expected a Sharding")
+    if sharding.world != group.world:
+        raise InputError(f"sharding is for {sharding.world} ranks, the group has {group.world}")
+    want = sharding.length(group.rank)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.shape[2] != want:
+            raise InputError(
+                f"{name} holds {x.shape[2]} positions on rank {group.rank}; the {sharding.name} "
+                f"sharding gives it {want}"
+            )
+    # attention()'s checks, on shards with at least one position (a rank may hold none)
+    infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    infos = [replace(t, shape=(*t.shape[:2], max(1, t.shape[2]), t.shape[3])) for t in infos]
+    call = check_inputs(
+        *infos,
+        None,
+        layout="bhsd",
+        scale=scale,
+        spec=None,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=None if alibi_slopes is None else describe(alibi_slopes, "alibi_slopes"),
+        sinks=None if sinks is None else describe(sinks, "sinks"),
+    )
+    batch, heads = q.shape[:2]
+    if schedule == "ulysses" and heads % group.world:
+        raise InputError(
+            f"schedule='ulysses' splits the {heads} query heads over {group.world} ranks; they "
+            "must divide evenly (use 'ring' or 'allgather')"
+        )
+    alibi = None if alibi_slopes is None else alibi_slopes.expand(batch, heads)
+    options = Options(scale=call.scale, softcap=call.variants.softcap, alibi=alibi,
+                      sinks=None if sinks is None else sinks.detach())  # fmt: skip
+    rule = Visibility.of(causal, window_size)
+    return Setup(group, sharding, rule, options, kv_heads=k.shape[1])
+
+
+def _what(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    return f"{type(x).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")

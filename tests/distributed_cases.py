@@ -1,0 +1,174 @@
+"""Cases of context-parallel attention run in gloo process groups (tests/test_distributed.py).
+
+A :class:`Case` makes the same global inputs on every rank (from its seed), each rank runs the
+forward and backward on its shard, and saves what it got; the parent compares the unsharded
+results with the float64 reference. :func:`run_cases` spawns the processes (one group for a
+list of cases), with a timeout on the group's collectives and on the whole run, so that a hung
+or crashed peer fails the test with a message instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from kernelgen.distributed import Sharding, context_parallel_attention
+
+COLLECTIVE_TIMEOUT_S = 120  # a peer that stops answering fails its collective after this
+RUN_TIMEOUT_S = 900  # the whole spawned run (all cases of one group)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: schedule, group size, sharding and attention options; global shapes
+    (B, H, S, D) for q and (B, Hkv, S, D) for k, v; float32 inputs from ``seed``."""
+
+    name: str
+    schedule: str
+    world: int
+    sharding: str = "contiguous"  # or "zigzag"; ``lengths`` give an uneven contiguous one
+    total: int = 32
+    heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 16
+    batch: int = 1
+    causal: bool = True
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+    lengths: tuple[int, ...] | None = None
+    layout: str = "bhsd"
+    seed: int = 0
+
+    def make_sharding(self) -> Sharding:
+        if self.sharding == "zigzag":
+            return Sharding.zigzag(self.total, self.world)
+        return Sharding.contiguous(self.total, self.world, self.lengths)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The global inputs (bhsd, float32), the same in every process."""
+        gen = torch.Generator().manual_seed(self.seed)
+        b, h, hkv, s, d = self.batch, self.heads, self.kv_heads, self.total, self.head_dim
+
+        def draw(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen)
+
+        found = {"q": draw(b, h, s, d), "k": draw(b, hkv, s, d), "v": draw(b, hkv, s, d)}
+        found["dout"] = draw(b, h, s, d)
+        if self.alibi:
+            found["alibi_slopes"] = torch.rand(h, generator=gen) * 0.5 + 0.1
+        if self.sinks:
+            found["sinks"] = draw(h)
+        return found
+
+    def options(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """attention()'s keyword arguments of the case (the arrays from ``inputs``)."""
+        kw: dict[str, Any] = {"causal": self.causal}
+        if self.window is not None:
+            kw["window_size"] = self.window
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        for name in ("alibi_slopes", "sinks"):
+            if name in inputs:
+                kw[name] = inputs[name]
+        return kw
+
+
+def run_case(case: Case, rank: int) -> dict[str, Any]:
+    """This rank's forward and backward of ``case``: its out, lse and gradients (bhsd)."""
+    sharding = case.make_sharding()
+    inputs = case.inputs()
+    local = {n: sharding.shard(inputs[n], rank).clone() for n in ("q", "k", "v", "dout")}
+    leaves = {n: local[n].requires_grad_() for n in ("q", "k", "v")}
+    kw = case.options(inputs)
+    if case.sinks:
+        kw["sinks"] = leaves["sinks"] = inputs["sinks"].clone().requires_grad_()
+    q, k, v = leaves["q"], leaves["k"], leaves["v"]
+    dout = local["dout"]
+    if case.layout == "bshd":
+        q, k, v, dout = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+    start = time.perf_counter()
+    out, lse = context_parallel_attention(
+        q, k, v, schedule=case.schedule, sharding=sharding, return_lse=True,
+        layout=case.layout, **kw,
+    )  # fmt: skip
+    forward_s = time.perf_counter() - start
+    start = time.perf_counter()
+    (out * dout).sum().backward()
+    backward_s = time.perf_counter() - start
+    if case.layout == "bshd":
+        out = out.transpose(1, 2)
+    result = {name: leaf.grad.detach().clone() for name, leaf in leaves.items()}
+    result.update(out=out.detach().clone(), lse=lse.clone(), forward_s=forward_s,
+                  backward_s=backward_s)  # fmt: skip
+    return result
+
+
+def _worker(rank: int, world: int, init_file: str, cases: list[dict], out_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        for fields in cases:
+            case = Case(**fields)
+            try:
+                result = run_case(case, rank)
+            except Exception:
+                result = {"error": traceback.format_exc()}
+                torch.save(result, Path(out_dir) / f"{case.name}.{rank}.pt")
+                raise
+            torch.save(result, Path(out_dir) / f"{case.name}.{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(cases: list[Case], world: int, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, list]:
+    """Run ``cases`` (all of group size ``world``) in ``world`` spawned gloo processes; returns
+    each case's per-rank results. Raises RuntimeError when a process fails or the run takes
+    longer than ``timeout_s`` (the processes are then terminated)."""
+    assert all(c.world == world for c in cases)
+    with tempfile.TemporaryDirectory(prefix="kg-dist-") as tmp:
+        init_file = os.path.join(tmp, "init")
+        context = mp.start_processes(
+            _worker,
+            args=(world, init_file, [asdict(c) for c in cases], tmp),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the {world}-process run of {[c.name for c in cases]} took longer "
+                        f"than {timeout_s:.0f} s: a peer hung (terminated)"
+                    )
+        except ProcessException as exc:
+            raise RuntimeError(f"a rank of the {world}-process run failed:\n{exc}") from None
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+        return {
+            c.name: [torch.load(Path(tmp) / f"{c.name}.{r}.pt") for r in range(world)]
+            for c in cases
+        }
