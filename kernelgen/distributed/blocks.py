@@ -194,3 +194,27 @@ def _consecutive(segments: Sequence[Segment], chosen: Sequence[int]) -> bool:
     starts)."""
     picked = [segments[i] for i in chosen]
     return all(a.end == b.start for a, b in itertools.pairwise(picked))
+
+
+def visible_pairs(call: BlockCall) -> int:
+    """How many (query, key) pairs of ``call`` its mask leaves visible (its work)."""
+    m, n = call.rows, call.keys
+    left, right = call.window if call.window is not None else (-1, -1)
+    if call.causal:
+        right = 0
+    d = n - m  # row i's diagonal is key i + d
+    high = _clipped_sum(d + right + 1, m, n) if right >= 0 else m * n
+    low = _clipped_sum(d - left, m, n) if left >= 0 else 0
+    return high - low
+
+
+def _clipped_sum(a: int, m: int, n: int) -> int:
+    """``sum(min(max(i + a, 0), n) for i in range(m))`` in O(1)."""
+    first = max(0, 1 - a)  # the first i with i + a > 0
+    last = min(m - 1, n - 1 - a)  # the last i with i + a < n
+    middle = 0
+    if first <= last:
+        count = last - first + 1
+        middle = count * (first + last + 2 * a) // 2
+    saturated = max(0, m - max(0, n - a))  # the i < m with i + a >= n
+    return middle + saturated * n

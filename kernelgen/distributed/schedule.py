@@ -63,5 +63,7 @@ def autograd_function(name: str, forward: Forward, backward: Backward) -> type:
         "forward": staticmethod(fwd),
         "backward": staticmethod(bwd),
         "__doc__": f"Context-parallel attention, schedule {name!r}, as an autograd Function.",
+        "__module__": forward.__module__,
+        "__qualname__": name,
     }
     return type(name, (torch.autograd.Function,), namespace)
