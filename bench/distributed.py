@@ -153,8 +153,10 @@ def model(args: argparse.Namespace, schedule: str, seqlen: int, world: int) -> d
     }
 
 
-def dry_run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
-    """Print the plan and the model for ``--world`` ranks; nothing is launched."""
+def dry_run(args: argparse.Namespace, out: Any = None) -> int:
+    """Print the plan and the model for ``--world`` ranks (to ``out``, stdout by default);
+    nothing is launched."""
+    out = out or sys.stdout
     world = args.world
     link = LINKS[args.link]
     print(f"dry run: {world} ranks, {args.sharding} sharding, causal={args.causal}, "

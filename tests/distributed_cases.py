@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from kernelgen.distributed import Sharding, context_parallel_attention
+import kernelgen
+from kernelgen.distributed import Segment, Sharding, Visibility, context_parallel_attention
+from kernelgen.distributed.blocks import BlockCall, plan_blocks
+from kernelgen.distributed.calls import Options, block_kwargs
+from kernelgen.distributed.ulysses import kv_repeats
+from kernelgen.errors import CPUBackendWarning
 
 COLLECTIVE_TIMEOUT_S = 120  # a peer that stops answering fails its collective after this
 RUN_TIMEOUT_S = 900  # the whole spawned run (all cases of one group)
@@ -86,6 +92,48 @@ class Case:
         return kw
 
 
+def rank_blocks(case: Case, rank: int) -> list[tuple[int, int, BlockCall]]:
+    """Every block call rank ``rank`` makes for ``case``, with the (query, K/V) heads it runs
+    on: the planner's calls as each schedule asks for them."""
+    sharding = case.make_sharding()
+    rule = Visibility.of(case.causal, case.window)
+    mine, everything = sharding.segments(rank), [Segment(0, case.total, 0)]
+    if case.schedule == "ring":
+        sources = [sharding.segments((rank - s) % case.world) for s in range(case.world)]
+        calls = [c for keys in sources for c in plan_blocks(mine, keys, rule, case.alibi)]
+        return [(case.heads, case.kv_heads, c) for c in calls]
+    if case.schedule == "allgather":
+        calls = plan_blocks(mine, everything, rule, case.alibi)
+        return [(case.heads, case.kv_heads, c) for c in calls]
+    kv_heads = case.kv_heads * kv_repeats(case.kv_heads, case.world) // case.world
+    calls = plan_blocks(everything, everything, rule, case.alibi)
+    return [(case.heads // case.world, kv_heads, c) for c in calls]
+
+
+def warm_kernels(cases: list[Case]) -> int:
+    """Build here, once, the kernels the cases' ranks will run (one forward and backward call
+    per distinct kernel choice), so that the spawned ranks load them from the emulator's disk
+    cache instead of all building the same ones at once. Returns the calls made."""
+    seen = set()
+    for case in cases:
+        for rank in range(case.world):
+            for heads, kv_heads, call in rank_blocks(case, rank):
+                slopes = torch.full((case.batch, heads), 0.25) if case.alibi else None
+                options = Options(scale=case.head_dim**-0.5, softcap=case.softcap, alibi=slopes)
+                kw = block_kwargs(call, options, torch.device("cpu"))
+                # what picks the kernels: dtype and head dim (fixed here), the GQA group and rows
+                # (decode packing), causal, the variants and expressions present
+                key = (heads // kv_heads, call.rows, call.causal, tuple(sorted(kw)))
+                if key in seen:
+                    continue
+                seen.add(key)
+                q = torch.randn(case.batch, heads, call.rows, case.head_dim)
+                k, v = (torch.randn(case.batch, kv_heads, call.keys, case.head_dim) for _ in "kv")
+                out, lse = kernelgen.attention(q, k, v, return_lse=True, **kw)
+                kernelgen.attention_backward(torch.randn_like(q), q, k, v, out, lse, **kw)
+    return len(seen)
+
+
 def run_case(case: Case, rank: int) -> dict[str, Any]:
     """This rank's forward and backward of ``case``: its out, lse and gradients (bhsd)."""
     sharding = case.make_sharding()
@@ -119,6 +167,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
 def _worker(rank: int, world: int, init_file: str, cases: list[dict], out_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=CPUBackendWarning)  # once per rank: noise
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",

@@ -63,3 +63,24 @@ def test_the_tuner_sits_below_the_api():
     tuning = [m for m in graph if m.startswith("kernelgen.tuning")]
     assert not [m for m in tuning if "kernelgen.api" in graph[m]]
     assert "kernelgen.policy" in graph["kernelgen.api"]
+
+
+def test_context_parallelism_sits_above_the_api():
+    """kernelgen.distributed builds on attention() and attention_backward(); nothing else in
+    kernelgen imports it (kernelgen never needs torch), and its shardings, block planner and
+    cost model import no torch-side module (bench's --dry-run runs them without torch)."""
+    graph = import_graph()
+    package = {m for m in graph if m.startswith("kernelgen.distributed")}
+    users = {m for m, deps in graph.items() if deps & package and m.startswith("kernelgen")}
+    assert users <= package, sorted(users - package)
+    assert "kernelgen.api" in graph["kernelgen.distributed.calls"]
+    assert "kernelgen.backward_api" in graph["kernelgen.distributed.calls"]
+    pure = ("kernelgen.distributed.sharding", "kernelgen.distributed.blocks",
+            "kernelgen.distributed.cost")  # fmt: skip
+    for name in pure:
+        assert graph[name] <= {"kernelgen.errors", "kernelgen.distributed.sharding"}, name
+        tree = ast.parse(modules()[name].read_text())
+        top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+               for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
+                                    if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
+        assert "torch" not in top, name

@@ -100,7 +100,7 @@ class Costs:
     step_compute: tuple[float, float]  # a ring step's kernels (ring only; else the whole call)
     step_transfer: tuple[float, float]  # a ring step's transfer (else the whole communication)
     time: tuple[float, float]  # the call, communication not hidden counted in
-    memory: tuple[float, float]  # K/V-sized buffers a rank holds beyond its own shards
+    memory: tuple[float, float]  # bytes a rank holds beyond its own shards of q, k, v, out
 
     @property
     def hidden(self) -> tuple[bool, bool]:
@@ -157,7 +157,11 @@ def schedule_costs(problem: Problem, hw: Hardware, link: Link, schedule: Schedul
         backward = moved * (2 * problem.heads + 2 * kv_heads) * 2  # dout in; dq, dk, dv back
         comm = (forward / link.bandwidth + 4 * (w - 1) * link.latency,
                 backward / link.bandwidth + 4 * (w - 1) * link.latency)  # fmt: skip
-        memory = (0.0, 0.0)  # head-sharded copies, the size of the shards
+        sequence = problem.batch * problem.seqlen * problem.head_dim / w  # one head, 1/W
+        copies = sequence * problem.elem_bytes * (2 * problem.heads + 2 * kv_heads)  # q k v out
+        grads = sequence * (problem.heads * problem.elem_bytes  # dout
+                            + ACCUMULATOR_BYTES * (problem.heads + 2 * kv_heads))  # fmt: skip
+        memory = (copies, copies + grads)  # head-sharded copies, saved for backward
     else:
         raise ValueError(f"schedule={schedule!r}: expected ring, allgather or ulysses")
     time = tuple(c + t for c, t in zip(compute, comm, strict=True))

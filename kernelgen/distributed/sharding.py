@@ -18,6 +18,7 @@ together (:meth:`Sharding.unshard`) and give a rank's global positions (for rota
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,19 +53,16 @@ class Sharding:
     def __post_init__(self) -> None:
         if not self.runs:
             raise InputError("sharding: needs at least one rank")
-        covered = sorted((s, n) for rank in self.runs for s, n in rank if n)
+        if any(length < 0 for rank in self.runs for _, length in rank):
+            raise InputError(f"sharding: runs {self.runs} hold a negative length")
         position = 0
-        for start, length in covered:
-            if length < 0 or start != position:
+        for start, length in sorted((s, n) for rank in self.runs for s, n in rank if n):
+            if start != position:
                 raise InputError(
                     f"sharding: runs {self.runs} must tile [0, total) once, without gaps or "
                     "overlaps (a run is (start, length >= 0))"
                 )
             position += length
-        for rank in self.runs:
-            for _start, length in rank:
-                if length < 0:
-                    raise InputError(f"sharding: a run has length {length} < 0")
 
     # ---- constructors
     @classmethod
@@ -175,11 +173,10 @@ def _narrow(x: Any, dim: int, start: int, length: int) -> Any:
 
 
 def _cat(pieces: list[Any], dim: int) -> Any:
+    """Concatenate torch tensors (torch is loaded: they exist) or NumPy arrays along ``dim``."""
     first = pieces[0]
     if type(first).__module__.startswith("torch"):
-        import torch
-
-        return torch.cat(pieces, dim=dim)
+        return sys.modules["torch"].cat(pieces, dim=dim)
     import numpy as np
 
     return np.concatenate(pieces, axis=dim)
