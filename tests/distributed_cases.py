@@ -38,7 +38,7 @@ RUN_TIMEOUT_S = 900  # the whole spawned run (all cases of one group)
 @dataclass(frozen=True)
 class Case:
     """One call: schedule, group size, sharding and attention options; global shapes
-    (B, H, S, D) for q and (B, Hkv, S, D) for k, v; float32 inputs from ``seed``."""
+    (B, H, S, D) for q and (B, Hkv, S, D) for k, v; inputs of ``dtype`` from ``seed``."""
 
     name: str
     schedule: str
@@ -56,6 +56,7 @@ class Case:
     sinks: bool = False
     lengths: tuple[int, ...] | None = None
     layout: str = "bhsd"
+    dtype: str = "float32"
     seed: int = 0
 
     def make_sharding(self) -> Sharding:
@@ -64,15 +65,18 @@ class Case:
         return Sharding.contiguous(self.total, self.world, self.lengths)
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        """The global inputs (bhsd, float32), the same in every process."""
+        """The global inputs (bhsd; q, k, v and dout in ``dtype``, slopes and sinks float32), the
+        same in every process."""
         gen = torch.Generator().manual_seed(self.seed)
         b, h, hkv, s, d = self.batch, self.heads, self.kv_heads, self.total, self.head_dim
 
         def draw(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen)
 
+        dtype = getattr(torch, self.dtype)
         found = {"q": draw(b, h, s, d), "k": draw(b, hkv, s, d), "v": draw(b, hkv, s, d)}
         found["dout"] = draw(b, h, s, d)
+        found = {n: x.to(dtype) for n, x in found.items()}  # the float64 reference: rounded
         if self.alibi:
             found["alibi_slopes"] = torch.rand(h, generator=gen) * 0.5 + 0.1
         if self.sinks:
@@ -123,12 +127,16 @@ def warm_kernels(cases: list[Case]) -> int:
                 kw = block_kwargs(call, options, torch.device("cpu"))
                 # what picks the kernels: dtype and head dim (fixed here), the GQA group and rows
                 # (decode packing), causal, the variants and expressions present
-                key = (heads // kv_heads, call.rows, call.causal, tuple(sorted(kw)))
+                key = (case.dtype, heads // kv_heads, call.rows, call.causal, tuple(sorted(kw)))
                 if key in seen:
                     continue
                 seen.add(key)
-                q = torch.randn(case.batch, heads, call.rows, case.head_dim)
-                k, v = (torch.randn(case.batch, kv_heads, call.keys, case.head_dim) for _ in "kv")
+                dtype = getattr(torch, case.dtype)
+                q = torch.randn(case.batch, heads, call.rows, case.head_dim).to(dtype)
+                k, v = (
+                    torch.randn(case.batch, kv_heads, call.keys, case.head_dim).to(dtype)
+                    for _ in "kv"
+                )
                 out, lse = kernelgen.attention(q, k, v, return_lse=True, **kw)
                 kernelgen.attention_backward(torch.randn_like(q), q, k, v, out, lse, **kw)
     return len(seen)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernelgen.api import check_inputs, describe
+from kernelgen.api import check_flags, check_inputs, describe
 from kernelgen.distributed.allgather import AllGatherAttention
 from kernelgen.distributed.blocks import Visibility
 from kernelgen.distributed.calls import Options
@@ -72,6 +72,7 @@ def context_parallel_attention(
     as for any replicated parameter). Not supported (InputError): ``mask``, ``score_mod``,
     ``mask_mod``, ``block_mask``, ``seqlens_k``, ``num_splits``.
     """
+    check_flags(causal=causal, return_lse=return_lse)
     for name, value in refused.items():
         if name not in _REFUSED:
             raise TypeError(f"context_parallel_attention() got an unexpected argument {name!r}")
@@ -110,8 +111,6 @@ def _setup(
 ) -> Setup:
     """The call's checked setup: attention()'s own checks on the shards' metadata, then the
     sharding's."""
-    if not isinstance(causal, bool):
-        raise InputError(f"causal={causal!r}: expected True or False")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise InputError(f"{name}: expected a rank-4 torch tensor, got {_what(x)}")
@@ -138,7 +137,7 @@ def _setup(
         layout="bhsd",
         scale=scale,
         spec=None,
-        causal=causal,
+        causal=bool(causal),
         window_size=window_size,
         softcap=softcap,
         alibi_slopes=None if alibi_slopes is None else describe(alibi_slopes, "alibi_slopes"),
@@ -153,7 +152,7 @@ def _setup(
     alibi = None if alibi_slopes is None else alibi_slopes.expand(batch, heads)
     options = Options(scale=call.scale, softcap=call.variants.softcap, alibi=alibi,
                       sinks=None if sinks is None else sinks.detach())  # fmt: skip
-    rule = Visibility.of(causal, window_size)
+    rule = Visibility.of(bool(causal), window_size)
     return Setup(group, sharding, rule, options, kv_heads=k.shape[1])
 
 
