@@ -28,9 +28,14 @@ import kernelgen
 from kernelgen.distributed import Segment, Sharding, Visibility, context_parallel_attention
 from kernelgen.distributed.blocks import BlockCall, plan_blocks
 from kernelgen.distributed.calls import Options, block_kwargs
+from kernelgen.distributed.positions import globalize
 from kernelgen.distributed.ulysses import kv_repeats
 from kernelgen.errors import CPUBackendWarning
+from kernelgen.expressions import inputs_from_arrays, parse_expression
 
+# Expressions over global positions and heads (the arrays cover the whole sequence, S <= 64)
+SCORE_MOD = "score + 0.5 * bias[h, q_idx - kv_idx + 64]"
+MASK_MOD = "doc[b, q_idx] == doc[b, kv_idx]"
 COLLECTIVE_TIMEOUT_S = 120  # a peer that stops answering fails its collective after this
 RUN_TIMEOUT_S = 900  # the whole spawned run (all cases of one group)
 
@@ -57,6 +62,8 @@ class Case:
     lengths: tuple[int, ...] | None = None
     layout: str = "bhsd"
     dtype: str = "float32"
+    score_mod: bool = False  # SCORE_MOD: a relative bias per head
+    mask_mod: bool = False  # MASK_MOD: documents packed in the sequence
     seed: int = 0
 
     def make_sharding(self) -> Sharding:
@@ -81,6 +88,11 @@ class Case:
             found["alibi_slopes"] = torch.rand(h, generator=gen) * 0.5 + 0.1
         if self.sinks:
             found["sinks"] = draw(h)
+        if self.score_mod:
+            found["bias"] = draw(h, 128)
+        if self.mask_mod:
+            starts = torch.randint(1, s, (b, 3), generator=gen)
+            found["doc"] = (torch.arange(s)[None, :, None] >= starts[:, None, :]).sum(-1).int()
         return found
 
     def options(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -93,6 +105,11 @@ class Case:
         for name in ("alibi_slopes", "sinks"):
             if name in inputs:
                 kw[name] = inputs[name]
+        arrays = {n: inputs[n] for n in ("bias", "doc") if n in inputs}
+        if arrays:
+            kw["mod_inputs"] = arrays
+            kw["score_mod"] = SCORE_MOD if self.score_mod else None
+            kw["mask_mod"] = MASK_MOD if self.mask_mod else None
         return kw
 
 
@@ -101,16 +118,17 @@ def rank_blocks(case: Case, rank: int) -> list[tuple[int, int, BlockCall]]:
     on: the planner's calls as each schedule asks for them."""
     sharding = case.make_sharding()
     rule = Visibility.of(case.causal, case.window)
+    positional = case.alibi or case.score_mod or case.mask_mod
     mine, everything = sharding.segments(rank), [Segment(0, case.total, 0)]
     if case.schedule == "ring":
         sources = [sharding.segments((rank - s) % case.world) for s in range(case.world)]
-        calls = [c for keys in sources for c in plan_blocks(mine, keys, rule, case.alibi)]
+        calls = [c for keys in sources for c in plan_blocks(mine, keys, rule, positional)]
         return [(case.heads, case.kv_heads, c) for c in calls]
     if case.schedule == "allgather":
-        calls = plan_blocks(mine, everything, rule, case.alibi)
+        calls = plan_blocks(mine, everything, rule, positional)
         return [(case.heads, case.kv_heads, c) for c in calls]
     kv_heads = case.kv_heads * kv_repeats(case.kv_heads, case.world) // case.world
-    calls = plan_blocks(everything, everything, rule, case.alibi)
+    calls = plan_blocks(everything, everything, rule, positional)
     return [(case.heads // case.world, kv_heads, c) for c in calls]
 
 
@@ -120,14 +138,26 @@ def warm_kernels(cases: list[Case]) -> int:
     cache instead of all building the same ones at once. Returns the calls made."""
     seen = set()
     for case in cases:
+        inputs = case.inputs()
+        kw_case = case.options(inputs)
+        arrays = kw_case.get("mod_inputs", {})
+        declared = inputs_from_arrays(arrays)
+        expressions = {
+            kind: globalize(parse_expression(kind, kw_case[kind], declared).text)
+            for kind in ("score_mod", "mask_mod")
+            if kw_case.get(kind)
+        }
         for rank in range(case.world):
             for heads, kv_heads, call in rank_blocks(case, rank):
                 slopes = torch.full((case.batch, heads), 0.25) if case.alibi else None
-                options = Options(scale=case.head_dim**-0.5, softcap=case.softcap, alibi=slopes)
+                options = Options(scale=case.head_dim**-0.5, softcap=case.softcap, alibi=slopes,
+                                  mod_inputs=arrays, **expressions)  # fmt: skip
                 kw = block_kwargs(call, options, torch.device("cpu"))
                 # what picks the kernels: dtype and head dim (fixed here), the GQA group and rows
                 # (decode packing), causal, the variants and expressions present
-                key = (case.dtype, heads // kv_heads, call.rows, call.causal, tuple(sorted(kw)))
+                texts = (kw.get("score_mod"), kw.get("mask_mod"))
+                key = (case.dtype, heads // kv_heads, call.rows, call.causal, tuple(sorted(kw)),
+                       texts)  # fmt: skip
                 if key in seen:
                     continue
                 seen.add(key)

@@ -185,6 +185,19 @@ def test_contiguous_causal_ring_rank_0_works_at_step_0_only():
     assert [len(c) for c in calls] == [1, 0, 0, 0] and calls[0][0].kind == "diagonal"
 
 
+def test_expressions_are_shifted_to_global_positions():
+    from kernelgen.distributed.positions import globalize, with_alibi
+    from kernelgen.expressions import ModInput, parse_mask_mod, parse_score_mod
+
+    text = globalize("doc[b, q_idx] == doc[b, kv_idx] and h < 2")
+    assert text == "doc[b, q_idx + cp_pos[0]] == doc[b, kv_idx + cp_pos[1]] and h + cp_pos[2] < 2"
+    inputs = [ModInput("doc", "int32", 2), ModInput("cp_pos", "int32", 1)]
+    assert parse_mask_mod(text, inputs).uses("cp_pos")
+    both = with_alibi(globalize("score * 2"))
+    assert both == "(score * 2) - cp_alibi[b, h] * abs(q_idx - kv_idx + cp_pos[0] - cp_pos[1])"
+    parse_score_mod(both, [ModInput("cp_alibi", "float32", 2), inputs[1]])
+
+
 # ---- the cost model --------------------------------------------------------------------------
 def test_break_even_without_latency_is_the_closed_form():
     """Non-causal: 4 B H L^2 d / R = 2 e B Hkv L d / BW, so L = e Hkv R / (2 H BW)."""
@@ -312,6 +325,13 @@ def test_the_checks_name_the_problem():
         _setup(q, kv, kv, _group(0, 2), sinks=torch.zeros(3))
     with pytest.raises(InputError, match="divisible"):
         _setup(q, torch.zeros(1, 3, 8, 16), torch.zeros(1, 3, 8, 16), _group(0, 2))
+    with pytest.raises(InputError, match=r"'cp_doc'.*reserved"):
+        _setup(q, kv, kv, _group(0, 2), mask_mod="cp_doc[q_idx] > 0",
+               mod_inputs={"cp_doc": torch.zeros(16, dtype=torch.int32)})  # fmt: skip
+    with pytest.raises(InputError, match="mask_mod"):
+        _setup(q, kv, kv, _group(0, 2), mask_mod="q_idx + 1")  # not a boolean
+    setup = _setup(q, kv, kv, _group(0, 2), score_mod="score + 0.1 * (q_idx - kv_idx)")
+    assert setup.options.score_mod == "score + 0.1 * (q_idx + cp_pos[0] - (kv_idx + cp_pos[1]))"
     empty = torch.zeros(1, 4, 0, 16)  # a rank may hold no position
     assert _setup(empty, empty[:, :2], empty[:, :2], _group(0, 2),
                   sharding=Sharding.contiguous(8, 2, [0, 8])).world == 2  # fmt: skip
@@ -321,7 +341,7 @@ def test_refused_arguments_and_an_uninitialized_group():
     from kernelgen.distributed import context_parallel_attention
 
     q = torch.zeros(1, 2, 8, 16)
-    for name in ("mask", "score_mod", "mask_mod", "block_mask", "seqlens_k", "num_splits"):
+    for name in ("mask", "block_mask", "seqlens_k", "num_splits"):
         with pytest.raises(InputError, match=f"{name}: not supported by context-parallel"):
             context_parallel_attention(q, q, q, **{name: 1})
     with pytest.raises(TypeError, match="unexpected argument 'dropout'"):
@@ -443,6 +463,42 @@ def _cases(world: int) -> list:
             ),
             Case("ulysses-gqa", "ulysses", 2, heads=4, kv_heads=2),
             Case(
+                "ring-zigzag-documents-bias",
+                "ring",
+                2,
+                sharding="zigzag",
+                heads=4,
+                kv_heads=2,
+                score_mod=True,
+                mask_mod=True,
+            ),
+            Case(
+                "ring-bias-alibi-window",
+                "ring",
+                2,
+                causal=False,
+                window=(4, 7),
+                alibi=True,
+                score_mod=True,
+            ),
+            Case(
+                "allgather-documents-alibi",
+                "allgather",
+                2,
+                sharding="zigzag",
+                alibi=True,
+                mask_mod=True,
+            ),
+            Case(
+                "ulysses-bias-heads",
+                "ulysses",
+                2,
+                heads=4,
+                kv_heads=2,
+                score_mod=True,
+                mask_mod=True,
+            ),
+            Case(
                 "ulysses-zigzag-bshd-all",
                 "ulysses",
                 2,
@@ -466,6 +522,17 @@ def _cases(world: int) -> list:
         ),
         Case("ulysses-4", "ulysses", 4, heads=4, kv_heads=2, window=(5, 0)),  # K/V repeated
         Case(
+            "ring-zigzag-documents-4",
+            "ring",
+            4,
+            sharding="zigzag",
+            total=48,
+            mask_mod=True,
+            score_mod=True,
+            sinks=True,
+        ),
+        Case("ulysses-bias-4", "ulysses", 4, heads=4, kv_heads=1, score_mod=True),
+        Case(
             "ulysses-uneven-4",
             "ulysses",
             4,
@@ -478,6 +545,31 @@ def _cases(world: int) -> list:
     ]
 
 
+def _reference_options(kw: dict) -> tuple[dict, dict]:
+    """The float64 reference's keyword arguments for attention()'s ``kw`` (expressions as
+    NumPy callables over global indices), and the backward's extra ones."""
+    from kernelgen.expression_eval import evaluate
+    from kernelgen.expression_grad import score_mod_grad_callable
+    from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
+
+    plain = {n: x for n, x in kw.items() if n not in ("score_mod", "mask_mod", "mod_inputs")}
+    ref = {n: x.numpy() if isinstance(x, torch.Tensor) else x for n, x in plain.items()}
+    arrays = {n: x.numpy() for n, x in (kw.get("mod_inputs") or {}).items()}
+    declared, grad = inputs_from_arrays(arrays), {}
+    if kw.get("score_mod"):
+        score = parse_score_mod(kw["score_mod"], declared)
+        ref["score_mod"] = lambda s, b, h, q, k: evaluate(
+            score, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=arrays
+        )
+        grad["score_mod_grad"] = score_mod_grad_callable(score, arrays)
+    if kw.get("mask_mod"):
+        mask = parse_mask_mod(kw["mask_mod"], declared)
+        ref["mask_mod"] = lambda b, h, q, k: evaluate(
+            mask, b=b, h=h, q_idx=q, kv_idx=k, inputs=arrays
+        )
+    return ref, grad
+
+
 def _errors(case, results) -> dict[str, float]:
     """The case's errors: out and gradients (relative Frobenius) and lse (absolute) against the
     float64 reference, and out against single-process kernelgen.attention."""
@@ -486,11 +578,11 @@ def _errors(case, results) -> dict[str, float]:
 
     sharding, inputs = case.make_sharding(), case.inputs()
     kw = case.options(inputs)
-    kw64 = {n: x.numpy() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    kw64, grad_kw = _reference_options(kw)
     wide = {n: inputs[n].double().numpy() for n in ("q", "k", "v", "dout")}
-    inputs = {n: x.float() if n == "dout" else x for n, x in inputs.items()}
     want_out, want_lse = reference.naive_attention(wide["q"], wide["k"], wide["v"], **kw64)
-    grads = reference.attention_backward(wide["dout"], wide["q"], wide["k"], wide["v"], **kw64)
+    grads = reference.attention_backward(wide["dout"], wide["q"], wide["k"], wide["v"], **kw64,
+                                         **grad_kw)  # fmt: skip
     out = sharding.unshard([r["out"] for r in results]).float().numpy()
     lse = sharding.unshard([r["lse"] for r in results]).numpy()
     single = kernelgen.attention(inputs["q"], inputs["k"], inputs["v"], **kw).float().numpy()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -12,11 +13,13 @@ from kernelgen.distributed.allgather import AllGatherAttention
 from kernelgen.distributed.blocks import Visibility
 from kernelgen.distributed.calls import Options
 from kernelgen.distributed.comm import Group
+from kernelgen.distributed.positions import RESERVED_PREFIX, globalize
 from kernelgen.distributed.ring import RingAttention
 from kernelgen.distributed.schedule import Setup
 from kernelgen.distributed.sharding import Sharding
 from kernelgen.distributed.ulysses import UlyssesAttention
 from kernelgen.errors import InputError
+from kernelgen.expressions import Expression
 
 __all__ = ["SCHEDULES", "context_parallel_attention"]
 
@@ -29,10 +32,8 @@ SCHEDULES: dict[str, type] = {
 
 # Arguments of attention() that context parallelism does not take, and why.
 _REFUSED = {
-    "mask": "a dense additive mask is (Sq, Sk) of the whole sequence; use causal/window_size",
-    "score_mod": "expressions see the block's local positions, not the global ones",
-    "mask_mod": "expressions see the block's local positions, not the global ones",
-    "block_mask": "block masks index one call's tiles",
+    "mask": "a dense additive mask is (S, S) of the whole sequence; write it as a mask_mod",
+    "block_mask": "block masks index one call's tiles; a mask_mod alone is supported",
     "seqlens_k": "K/V lengths of a padded cache do not apply to a sharded sequence",
     "num_splits": "split-KV is a decode form; shard the sequence instead",
 }
@@ -52,6 +53,9 @@ def context_parallel_attention(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    score_mod: str | Expression | None = None,
+    mask_mod: str | Expression | None = None,
+    mod_inputs: Mapping[str, torch.Tensor] | None = None,
     return_lse: bool = False,
     layout: Literal["bhsd", "bshd"] = "bhsd",
     **refused: Any,
@@ -66,11 +70,14 @@ def context_parallel_attention(
     ``"allgather"`` (K/V gathered whole, llama3 form) or ``"ulysses"`` (all-to-all over heads;
     H % W == 0). The options are attention()'s, meant for the global sequence: ``causal``,
     ``scale``, ``window_size``, ``softcap``, ``alibi_slopes`` (float32 (H,) or (B, H)) and
-    ``sinks`` (float32 (H,), differentiable). Returns out (q's layout and dtype; its gradient
-    flows to q, k, v and sinks) and with ``return_lse`` the fp32 log-sum-exp (B, H, L), which
-    carries no gradient. The gradient of ``sinks`` is this rank's share (sum it over the group,
-    as for any replicated parameter). Not supported (InputError): ``mask``, ``score_mod``,
-    ``mask_mod``, ``block_mask``, ``seqlens_k``, ``num_splits``.
+    ``sinks`` (float32 (H,), differentiable), and the expressions ``score_mod`` / ``mask_mod``
+    with their ``mod_inputs``, which see GLOBAL positions and heads: ``q_idx`` and ``kv_idx``
+    index the whole sequence and the input arrays are the whole sequence's, the same on every
+    rank (docs/distributed.md). Returns out (q's layout and dtype; its gradient flows to q, k,
+    v and sinks) and with ``return_lse`` the fp32 log-sum-exp (B, H, L), which carries no
+    gradient. The gradient of ``sinks`` is this rank's share (sum it over the group, as for any
+    replicated parameter). Not supported (InputError): ``mask``, ``block_mask``,
+    ``seqlens_k``, ``num_splits``.
     """
     check_flags(causal=causal, return_lse=return_lse)
     for name, value in refused.items():
@@ -87,8 +94,9 @@ def context_parallel_attention(
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     group_info = Group.of(group)
+    expressions = {"score_mod": score_mod, "mask_mod": mask_mod, "mod_inputs": mod_inputs}
     setup = _setup(q, k, v, group_info, sharding, schedule, causal, scale, window_size,
-                   softcap, alibi_slopes, sinks)  # fmt: skip
+                   softcap, alibi_slopes, sinks, **expressions)  # fmt: skip
     out, lse = SCHEDULES[schedule].apply(setup, q, k, v, sinks)
     if layout == "bshd":
         out = out.transpose(1, 2)
@@ -108,6 +116,9 @@ def _setup(
     softcap: float | None,
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_inputs: Mapping[str, Any] | None = None,
 ) -> Setup:
     """The call's checked setup: attention()'s own checks on the shards' metadata, then the
     sharding's."""
@@ -142,7 +153,17 @@ def _setup(
         softcap=softcap,
         alibi_slopes=None if alibi_slopes is None else describe(alibi_slopes, "alibi_slopes"),
         sinks=None if sinks is None else describe(sinks, "sinks"),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
     )
+    reserved = [n for n in mod_inputs or {} if n.startswith(RESERVED_PREFIX)]
+    if reserved:
+        raise InputError(
+            f"mod_inputs[{reserved[0]!r}]: names starting with {RESERVED_PREFIX!r} are reserved "
+            "for the block positions context parallelism adds"
+        )
+    found = call.expressions
     batch, heads = q.shape[:2]
     if schedule == "ulysses" and heads % group.world:
         raise InputError(
@@ -150,8 +171,15 @@ def _setup(
             "must divide evenly (use 'ring' or 'allgather')"
         )
     alibi = None if alibi_slopes is None else alibi_slopes.expand(batch, heads)
-    options = Options(scale=call.scale, softcap=call.variants.softcap, alibi=alibi,
-                      sinks=None if sinks is None else sinks.detach())  # fmt: skip
+    options = Options(
+        scale=call.scale,
+        softcap=call.variants.softcap,
+        alibi=alibi,
+        sinks=None if sinks is None else sinks.detach(),
+        score_mod=None if found.score_mod is None else globalize(found.score_mod.text),
+        mask_mod=None if found.mask_mod is None else globalize(found.mask_mod.text),
+        mod_inputs=dict(found.arrays),
+    )
     rule = Visibility.of(bool(causal), window_size)
     return Setup(group, sharding, rule, options, kv_heads=k.shape[1])
 

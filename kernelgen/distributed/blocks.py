@@ -20,8 +20,8 @@ cuts). Then a block is
   side is 0).
 
 Position-dependent scores: ALiBi's ``|qg - kg|`` is the kernels' ``|i + n - m - j|`` only when
-``delta == 0`` (:attr:`BlockCall.aligned`); other blocks take it as a ``score_mod`` with the
-shift ``qs - ks`` (kernelgen.distributed.calls). No other position-dependent input is supported.
+``delta == 0`` (:attr:`BlockCall.aligned`); other blocks take it, and user expressions always,
+as expressions over the block's first positions (:mod:`kernelgen.distributed.positions`).
 """
 
 from __future__ import annotations

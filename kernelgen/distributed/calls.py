@@ -16,8 +16,8 @@ gradients: they are summed (fp32) wherever they belong. ``dsinks`` is
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,9 +25,9 @@ import torch
 from kernelgen.api import attention
 from kernelgen.backward_api import attention_backward
 from kernelgen.distributed.blocks import BlockCall
+from kernelgen.distributed.positions import ALIBI_INPUT, POSITIONS_INPUT, with_alibi
 
 __all__ = [
-    "ALIBI_SCORE_MOD",
     "Options",
     "backward_blocks",
     "block_kwargs",
@@ -37,24 +37,28 @@ __all__ = [
     "sink_gradient",
 ]
 
-# ALiBi of a block whose diagonal is not the global one: |qg - kg| = |q_idx - kv_idx + shift|.
-ALIBI_SCORE_MOD = "score - alibi[b, h] * abs(q_idx - kv_idx + shift[0])"
-
 
 @dataclass(frozen=True, eq=False)
 class Options:
     """The attention options every block call shares: ``scale`` (resolved), ``softcap``,
-    ``alibi`` ((B, H) float32 view, or None) and ``sinks`` ((H,) or None; never passed to a
-    block: :func:`fold_sinks`). ``positional``: scores depend on global positions (ALiBi)."""
+    ``alibi`` ((B, H) float32 view, or None), ``sinks`` ((H,) or None; never passed to a block:
+    :func:`fold_sinks`), the user's expressions rewritten for global positions
+    (:mod:`kernelgen.distributed.positions`) with their ``mod_inputs``, and ``head_offset``,
+    the first head of the call (Ulysses)."""
 
     scale: float
     softcap: float | None = None
     alibi: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+    score_mod: str | None = None
+    mask_mod: str | None = None
+    mod_inputs: Mapping[str, Any] = field(default_factory=dict)
+    head_offset: int = 0
 
     @property
     def positional(self) -> bool:
-        return self.alibi is not None
+        """Whether scores depend on positions (then a call covers consecutive positions)."""
+        return self.alibi is not None or self.score_mod is not None or self.mask_mod is not None
 
 
 def block_kwargs(call: BlockCall, options: Options, device: torch.device) -> dict[str, Any]:
@@ -64,13 +68,17 @@ def block_kwargs(call: BlockCall, options: Options, device: torch.device) -> dic
         kw["window_size"] = call.window
     if options.softcap is not None:
         kw["softcap"] = options.softcap
+    score_mod, inputs = options.score_mod, dict(options.mod_inputs)
     if options.alibi is not None:
         if call.aligned:
             kw["alibi_slopes"] = options.alibi
         else:
-            shift = torch.tensor([call.shift], dtype=torch.int32, device=device)
-            kw["score_mod"] = ALIBI_SCORE_MOD
-            kw["mod_inputs"] = {"alibi": options.alibi, "shift": shift}
+            score_mod = with_alibi(score_mod)
+            inputs[ALIBI_INPUT] = options.alibi
+    if score_mod is not None or options.mask_mod is not None:
+        start = [call.q_start, call.k_start, options.head_offset]
+        inputs[POSITIONS_INPUT] = torch.tensor(start, dtype=torch.int32, device=device)
+        kw.update(score_mod=score_mod, mask_mod=options.mask_mod, mod_inputs=inputs)
     return kw
 
 

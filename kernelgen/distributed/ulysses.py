@@ -55,7 +55,8 @@ def _to_sequence(setup: Setup, x: torch.Tensor) -> torch.Tensor:
 
 
 def _local_setup(setup: Setup, heads: int) -> Setup:
-    """``setup`` with the options of this rank's ``heads`` query heads (ALiBi slopes, sinks)."""
+    """``setup`` with the options of this rank's ``heads`` query heads (ALiBi slopes, sinks,
+    the first head's index for expressions)."""
     h0, h1 = setup.rank * heads, (setup.rank + 1) * heads
     options = setup.options
     return replace(
@@ -64,6 +65,7 @@ def _local_setup(setup: Setup, heads: int) -> Setup:
             options,
             alibi=None if options.alibi is None else options.alibi[:, h0:h1],
             sinks=None if options.sinks is None else options.sinks[h0:h1],
+            head_offset=h0,
         ),
     )
 
