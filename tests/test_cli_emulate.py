@@ -167,9 +167,7 @@ def test_a_broken_backward_fails_the_error_check(monkeypatch):
     monkeypatch.setattr(
         backward,
         "render",
-        lambda s: render_backward(s).replace(
-            "ds = p * (dp - t.delta[i])", "ds = p * dp"
-        ),  # fmt: skip
+        lambda s: render_backward(s).replace("ds = p * (dp - t.delta[i])", "ds = p * dp"),
     )
     monkeypatch.setattr(backward_api, "_KERNELS", {})
     result = run(str(ROOT / "specs" / "bwd_simt_f32_d64_causal.yaml"), "--shape", "1,2,1,20,30")

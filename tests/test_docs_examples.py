@@ -42,6 +42,7 @@ GPU_ONLY = {
 COMPILE_ONLY = {
     "docs/emulator.md#4": "loads a Hugging Face model by a name the reader chooses (a download)",
     "docs/expressions.md#2": "the signature of block_mask, with placeholders",
+    "docs/distributed.md#1": "spawns two processes: tests/test_distributed.py runs it as a script",
 }
 # Names an example leaves to the reader, as small NumPy values.
 _ATTENTION_INPUTS = """

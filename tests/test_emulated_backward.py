@@ -189,6 +189,20 @@ def test_bshd_layout_and_strided_inputs():
     check(strided, run(strided), "float16")
 
 
+def test_out_and_dout_as_row_views_of_wider_arrays():
+    """Rows of a longer sequence's out, dout and lse (a block of context-parallel attention):
+    out's strides are the wide array's, not those of a fresh forward output."""
+    p = make_problem("float32", (1, 2, 2, 30, 30, 16), options={"causal": True})
+    out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True, causal=True)
+    rows = slice(7, 23)
+    args = (p.dout[:, :, rows], p.q[:, :, rows], p.k, p.v, out[:, :, rows])
+    lse_rows = np.ascontiguousarray(lse[:, :, rows])
+    views = kernelgen.attention_backward(*args, lse_rows, causal=True)
+    copies = kernelgen.attention_backward(*map(np.ascontiguousarray, args), lse_rows, causal=True)
+    for got, want in zip(views, copies, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 # ---- user expressions ------------------------------------------------------------------------
 SCORE_MODS = ("score + 0.5 * bias[h, q_idx, kv_idx] - 0.01 * abs(q_idx - kv_idx)",
               "where(score > 0, 2 * tanh(score / 2), score * score / 4)")  # fmt: skip

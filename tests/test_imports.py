@@ -150,7 +150,7 @@ def test_every_module_is_named_in_the_design():
 
 def _named(path: Path, text: str) -> bool:
     relative = path.relative_to(ROOT / "kernelgen")
-    if relative.parts[0] in ("emulator", "testing", "tuning", "integrations"):
+    if relative.parts[0] in ("emulator", "testing", "tuning", "integrations", "distributed"):
         return f"`{relative.parts[0]}/`" in text
     return f"`{relative.as_posix()}`" in text
 
@@ -165,3 +165,24 @@ def test_the_stage_check_catches_a_planted_violation(monkeypatch, tmp_path):
     with pytest.raises(AssertionError, match=planted):
         test_modules_import_only_earlier_stages()
     assert stages  # the table was read
+
+
+def test_context_parallelism_sits_above_the_api():
+    """kernelgen.distributed builds on attention() and attention_backward(); nothing else in
+    kernelgen imports it (kernelgen never needs torch), and its shardings, block planner and
+    cost model import no torch-side module (bench's --dry-run runs them without torch)."""
+    graph = import_graph()
+    package = {m for m in graph if m.startswith("kernelgen.distributed")}
+    users = {m for m, deps in graph.items() if deps & package and m.startswith("kernelgen")}
+    assert users <= package, sorted(users - package)
+    assert "kernelgen.api" in graph["kernelgen.distributed.calls"]
+    assert "kernelgen.backward_api" in graph["kernelgen.distributed.calls"]
+    pure = ("kernelgen.distributed.sharding", "kernelgen.distributed.blocks",
+            "kernelgen.distributed.cost")  # fmt: skip
+    for name in pure:
+        assert graph[name] <= {"kernelgen.errors", "kernelgen.distributed.sharding"}, name
+        tree = ast.parse(modules()[name].read_text())
+        top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+               for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
+                                    if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
+        assert "torch" not in top, name
