@@ -1,7 +1,8 @@
 """``kernelgen.attention_backward``: dq, dk, dv (and dsinks) of attention, from the forward's
 out and lse (docs/backward.md).
 
-The same checks as :func:`kernelgen.attention` (they are its functions), then the backward
+The same checks as :func:`kernelgen.attention` (they are its functions), the spec (given, or
+the autotuner's choice on a GPU as attention()'s, or the policy's default), then the backward
 family's launch plan (:mod:`kernelgen.families.backward`) on CuPy, torch or, for NumPy arrays
 and CPU torch tensors, the emulator.
 """
@@ -23,6 +24,7 @@ from kernelgen.api import (
     check_inputs,
     common_device,
     describe,
+    device_arch,
     mask_shape,
     plan,
 )
@@ -78,7 +80,9 @@ def attention_backward(
     flows into ``mask``, ``alibi_slopes`` or ``mod_inputs``. ``deterministic=True`` computes dQ
     without atomics: bitwise identical results on every run, at the cost of recomputing the
     scores once more. CuPy in, CuPy out; torch in, torch out; NumPy or CPU torch run in the
-    emulator.
+    emulator. Without ``spec``, a GPU call runs the autotuner's choice for its backward problem
+    (``KERNELGEN_AUTOTUNE``, docs/autotuning.md), a host call or one with user expressions the
+    policy's default.
     """
     check_flags(causal=causal, deterministic=deterministic)
     if spec is not None and not isinstance(spec, BackwardSpec):
@@ -106,13 +110,17 @@ def attention_backward(
         for name, x in (("dout", dout), ("out", out))
     }
     _check_lse(describe(lse, "lse"), call)
-    spec = _checked_spec(spec, call, bool(causal), bool(deterministic))
+    if spec is not None:
+        spec = _checked_spec(spec, call, bool(causal), bool(deterministic))
     arrays = arrays_of(q)
     device = common_device(
         {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "mask": mask,
          "alibi_slopes": alibi_slopes, "sinks": sinks, **call.expressions.named_arrays()}
     )  # fmt: skip
     with arrays.scope(device):
+        if spec is None:  # with the call's device current: the tuner times on it
+            spec = _untuned_or_tuned_spec(call, bool(causal), bool(deterministic), arrays)
+            spec = _checked_spec(spec, call, bool(causal), bool(deterministic))
         kernels = _kernels(spec, arrays, device)
         tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
         tensors.update({name: launch_arg(arrays, t.source) for name, t in grads_in.items()})
@@ -191,32 +199,64 @@ def _contiguous_strides(shape: tuple[int, ...], layout: str) -> tuple[int, int, 
     return (shape[1] * shape[2] * d, d, shape[2] * d)
 
 
-def _checked_spec(
-    spec: BackwardSpec | None, call: CheckedCall, causal: bool, deterministic: bool
+def _untuned_or_tuned_spec(
+    call: CheckedCall, causal: bool, deterministic: bool, arrays: Arrays
 ) -> BackwardSpec:
-    """The call's backward spec: the policy's default, or ``spec`` checked against the call."""
-    if spec is None:
-        spec = default_backward_spec(
+    """The backward spec for a call without one, chosen as attention() chooses its forward
+    spec: the autotuner's (:func:`kernelgen.tuning.select_launch` with the call's backward
+    problem: memo, disk or a fresh tuning; ``KERNELGEN_AUTOTUNE=0`` the policy's default,
+    ``offline`` the database only) on a GPU of sm_80 or newer; the policy's default on the CPU
+    backend (no GPU to time) and for calls with user expressions (compiled per expression, not
+    in a tuning key)."""
+    batch, heads, seqlen_q, head_dim = call.q.shape
+    if arrays.host or call.expressions.present or device_arch()[0] < 80:
+        return default_backward_spec(
             call.dtype,
-            call.q.shape[3],
+            head_dim,
             causal=causal,
             variants=call.variants.flags,
             expressions=call.expressions,
             deterministic=deterministic,
         )
-    else:
-        for name, wanted in (("dtype", call.dtype), ("head_dim", call.q.shape[3]),
-                             ("causal", causal)):  # fmt: skip
-            if getattr(spec, name) != wanted:
-                raise InputError(
-                    f"spec {spec.uri} has {name}={getattr(spec, name)!r} but the call needs "
-                    f"{name}={wanted!r}"
-                )
-        if deterministic and not spec.deterministic:
+    from kernelgen.tuning import ProblemDesc, select_launch
+    from kernelgen.tuning.autotune import gpu_tuner
+
+    problem = ProblemDesc(
+        call.dtype,
+        batch,
+        heads,
+        call.k.shape[1],
+        seqlen_q,
+        call.k.shape[2],
+        head_dim,
+        causal=causal,
+        mask=call.mask is not None,
+        variants=call.variants.flags,
+        family="backward",
+        deterministic=deterministic,
+    )
+    tuner = gpu_tuner(free_pool=True) if arrays.name == "torch" else None
+    spec = select_launch(problem, tuner=tuner).spec
+    assert isinstance(spec, BackwardSpec)  # the key's family: a backward record's winner
+    return spec
+
+
+def _checked_spec(
+    spec: BackwardSpec, call: CheckedCall, causal: bool, deterministic: bool
+) -> BackwardSpec:
+    """``spec`` checked against the call, with the mask's flag where the call has a mask."""
+    for name, wanted in (("dtype", call.dtype), ("head_dim", call.q.shape[3]),
+                         ("causal", causal)):  # fmt: skip
+        if getattr(spec, name) != wanted:
             raise InputError(
-                f"deterministic=True but spec {spec.uri} accumulates dQ with atomics; use a "
-                "spec with deterministic: true"
+                f"spec {spec.uri} has {name}={getattr(spec, name)!r} but the call needs "
+                f"{name}={wanted!r}"
             )
+    if deterministic and not spec.deterministic:
+        raise InputError(
+            f"deterministic=True but spec {spec.uri} accumulates dQ with atomics; use a "
+            "spec with deterministic: true"
+        )
     if call.mask is not None:
         spec = spec.with_additive_mask()
     check_spec_variants(spec, call.variants)

@@ -71,7 +71,7 @@ def assumed_device(arch: str) -> DeviceInfo:
 def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
     from kernelgen.occupancy import kernel_occupancy
     from kernelgen.perfmodel import analytic_cost
-    from kernelgen.tuning.candidates import prune
+    from kernelgen.tuning.candidates import modelled, prune
 
     kept, dropped = prune(problem, device)
     out_console.print(
@@ -101,8 +101,8 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
         occupancy = kernel_occupancy(c.spec, device.target_arch, c.resources)
         short = {"registers": "regs", "shared memory": "smem"}.get(occupancy.limiter)
         blocks = f"{occupancy.blocks} {short or occupancy.limiter}"
-        modelled = c.spec.engine.modelled and not c.spec.split_kv  # as prune_by_model
-        model = f"{analytic_cost(c.spec, device.target_arch):.0f}" if modelled else "-"
+        ranked = modelled(c.spec)  # as prune_by_model
+        model = f"{analytic_cost(c.spec, device.target_arch):.0f}" if ranked else "-"
         table.add_row(c.spec.uri, splits, regs, str(c.spec.smem_bytes), blocks, model)
     out_console.print(table)
     for d in dropped:
@@ -115,6 +115,12 @@ def tune(
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32")] = "bf16",
     causal: Annotated[bool, typer.Option("--causal", help="Causal (bottom-right).")] = False,
     mask: Annotated[bool, typer.Option("--mask", help="With an additive mask.")] = False,
+    backward: Annotated[
+        bool, typer.Option("--backward", help="The backward pass (attention_backward).")
+    ] = False,
+    deterministic: Annotated[
+        bool, typer.Option("--deterministic", help="Backward: dQ without atomics.")
+    ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Show candidates and drop reasons; time nothing.")
     ] = False,
@@ -124,9 +130,15 @@ def tune(
     sms: Annotated[int | None, typer.Option("--sms", help="Dry run: assume this SM count.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Re-tune even if recorded.")] = False,
 ) -> None:
-    """Tune one problem shape on this GPU and record the winner (or --dry-run: no GPU needed)."""
+    """Tune one problem shape on this GPU and record the winner (or --dry-run: no GPU needed);
+    --backward tunes its backward pass."""
     try:
-        problem = ProblemDesc.from_shape(shape, dtype, causal, mask)
+        if deterministic and not backward:
+            raise fail(["--deterministic is a backward option; add --backward"])
+        family = "backward" if backward else "forward"
+        problem = ProblemDesc.from_shape(
+            shape, dtype, causal, mask, family=family, deterministic=deterministic
+        )
         if dry_run:
             _dry_run(problem, _dry_run_device(arch, sms))
             return

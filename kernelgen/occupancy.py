@@ -10,13 +10,23 @@ Used by the split-KV heuristic (how many block slots a grid has to fill) and sho
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kernelgen.arch import ARCHS
 from kernelgen.compile import Resources
-from kernelgen.spec import KernelSpec
 
 REGISTER_GRANULE = 256  # registers a warp is given at a time
 SMEM_RESERVED_PER_BLOCK = 1024  # bytes of shared memory the system keeps per resident block
+
+
+class BlockShape(Protocol):
+    """What the occupancy of a spec's main kernel depends on (a spec of either family)."""
+
+    @property
+    def threads(self) -> int: ...
+
+    @property
+    def smem_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -44,9 +54,9 @@ def blocks_per_sm(
     return Occupancy(limits[limiter], limiter)
 
 
-def kernel_occupancy(spec: KernelSpec, arch: str, res: Resources | None) -> Occupancy:
-    """:func:`blocks_per_sm` of ``spec``'s main kernel on ``arch``, with its ptxas report
-    ``res`` (registers, static shared memory) where there is one."""
+def kernel_occupancy(spec: BlockShape, arch: str, res: Resources | None) -> Occupancy:
+    """:func:`blocks_per_sm` of ``spec``'s main kernel (either family) on ``arch``, with its
+    ptxas report ``res`` (registers, static shared memory) where there is one."""
     if res is None:
         return blocks_per_sm(arch, spec.threads, spec.smem_bytes)
     return blocks_per_sm(arch, spec.threads, spec.smem_bytes + res.static_smem_bytes, res.registers)

@@ -231,10 +231,13 @@ def default_backward_spec(
     variants: tuple[str, ...] = (),
     expressions: Any = None,
     deterministic: bool = False,
+    additive_mask: bool = False,
 ) -> BackwardSpec:
-    """The backward spec for a call: the CUDA-core family with 32 x 32 tiles (16 x 16 above
-    head dim 128, where 32 keys would give each of 128 threads more than 128 dK and dV
-    accumulators), 4 warps, the call's mask, variants and expressions."""
+    """The backward spec for a call without tuning: the CUDA-core family with 32 x 32 tiles
+    (16 x 16 above head dim 128, where 32 keys would give each of 128 threads more than 128 dK
+    and dV accumulators), 4 warps, the call's causal flag, variants, expressions, dQ mode and
+    (``additive_mask``) mask. Valid for every dtype, every head dim (multiples of 8 to 256)
+    and every arch of kernelgen."""
     tile = 32 if head_dim <= 128 else 16
     fields: dict[str, Any] = {
         "family": "backward",
@@ -245,6 +248,7 @@ def default_backward_spec(
         "num_warps": 4,
         "causal": causal,
         "deterministic": deterministic,
+        "additive_mask": additive_mask,
         **{name: True for name in variants},
     }
     if expressions is not None:  # the backward visits every key tile: no block_sparse

@@ -17,8 +17,13 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from kernelgen.errors import KernelgenError, SpecError
-from kernelgen.policy import HOPPER_DEVICE_ARCH, default_spec, hopper_default_spec
-from kernelgen.spec import KernelSpec, spec_from_dict
+from kernelgen.families import AnySpec, family_of, spec_of_family
+from kernelgen.policy import (
+    HOPPER_DEVICE_ARCH,
+    default_backward_spec,
+    default_spec,
+    hopper_default_spec,
+)
 from kernelgen.tuning.candidates import CompileFn, TunedLaunch, decode_rows, prune
 from kernelgen.tuning.db import TuningDB, TuningRecord
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
@@ -61,10 +66,20 @@ def autotune_mode(mode: str | None = None) -> Mode:
     return table[value]
 
 
-def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> KernelSpec:
+def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
     """The spec attention() uses without tuning: on a 9.0 device, the Hopper kernel for a
     prefill problem it takes (kernelgen.policy.hopper_default_spec: no mask, no paged cache);
-    else kernelgen.policy.default_spec (the split-KV decode kernel for decode problems)."""
+    else kernelgen.policy.default_spec (the split-KV decode kernel for decode problems). For a
+    backward problem, what attention_backward() uses: kernelgen.policy.default_backward_spec."""
+    if problem.family == "backward":
+        return default_backward_spec(
+            problem.dtype,
+            problem.head_dim,
+            causal=problem.causal,
+            variants=problem.variants,
+            deterministic=problem.deterministic,
+            additive_mask=problem.mask,
+        )
     prefill = decode_rows(problem) is None and not problem.mask and problem.page_size == 0
     if prefill and device.target_arch == HOPPER_DEVICE_ARCH:
         hopper = hopper_default_spec(
@@ -134,14 +149,15 @@ def gpu_tuner(
     *,
     free_pool: bool = False,
 ) -> Tuner:
-    """A tuner that times on the current GPU through CuPy. ``free_pool``: afterwards, give the
-    blocks its input sets leave in CuPy's memory pool back to the device (for callers of
-    another library, torch, which cannot use them)."""
+    """A tuner that times on the current GPU through CuPy (:func:`kernelgen.tuning.gpu.bench_for`:
+    the forward or the backward bench). ``free_pool``: afterwards, give the blocks its input
+    sets leave in CuPy's memory pool back to the device (for callers of another library, torch,
+    which cannot use them)."""
 
     def tuner(problem: ProblemDesc, key: TuningKey) -> TuningRecord:
-        from kernelgen.tuning.gpu import CupyBench, free_memory_pool
+        from kernelgen.tuning.gpu import bench_for, free_memory_pool
 
-        bench = CupyBench(problem, key.device)
+        bench = bench_for(problem, key.device)
         try:
             return tune_problem(problem, key, bench, compile_fn=compile_fn, settings=settings)
         finally:
@@ -153,11 +169,22 @@ def gpu_tuner(
 
 
 def _winner(record: TuningRecord) -> TunedLaunch | None:
+    """The record's launch; None (a warning: re-tune) when its winner is not a valid spec of
+    its key's family."""
     try:
-        return TunedLaunch(spec_from_dict(record.winner), record.winner_splits)
+        spec = spec_of_family(record.winner)
     except SpecError as exc:
         log.warning("tuning record %s has an invalid winner (%s); re-tuning", record.key.id, exc)
         return None
+    if family_of(spec) != record.key.problem.family:
+        log.warning(
+            "tuning record %s has a %s winner for a %s problem; re-tuning",
+            record.key.id,
+            family_of(spec),
+            record.key.problem.family,
+        )
+        return None
+    return TunedLaunch(spec, record.winner_splits)
 
 
 def _report(key: TuningKey, launch: TunedLaunch, record: TuningRecord, source: str) -> None:
@@ -170,9 +197,7 @@ def _report(key: TuningKey, launch: TunedLaunch, record: TuningRecord, source: s
         )
 
 
-def select_spec(
-    problem: ProblemDesc, device: DeviceInfo | None = None, **options: Any
-) -> KernelSpec:
+def select_spec(problem: ProblemDesc, device: DeviceInfo | None = None, **options: Any) -> AnySpec:
     """The spec of :func:`select_launch`'s choice (same options)."""
     return select_launch(problem, device, **options).spec
 
@@ -187,8 +212,8 @@ def select_launch(
     tuner: Tuner | None = None,
     force: bool = False,
 ) -> TunedLaunch:
-    """The spec and split count to run ``problem`` with: memo, then disk, then tune (under a
-    lock) and record.
+    """The spec and split count to run ``problem`` with (a backward problem: the backward spec):
+    memo, then disk, then tune (under a lock) and record.
 
     ``device``/``software`` default to the current GPU and toolchain (via CuPy); ``mode``
     overrides ``KERNELGEN_AUTOTUNE``; ``force`` re-tunes even when a record exists."""
@@ -218,7 +243,7 @@ def select_launch(
             if launch is None:
                 start = time.perf_counter()
                 record = (tuner or gpu_tuner())(problem, key)
-                launch = TunedLaunch(spec_from_dict(record.winner), record.winner_splits)
+                launch = TunedLaunch(spec_of_family(record.winner), record.winner_splits)
                 elapsed = time.perf_counter() - start
                 log.info("tuned %s in %.1f s: %s", key.id, elapsed, launch.label)
                 db.save(record)
@@ -239,9 +264,10 @@ def autotune(
     software: SoftwareInfo | None = None,
     db: TuningDB | None = None,
     tuner: Tuner | None = None,
-) -> list[KernelSpec]:
+) -> list[AnySpec]:
     """Tune (or read) each problem now, whatever ``KERNELGEN_AUTOTUNE`` says, so that later
-    attention() calls only look up the memo. Options as for :func:`select_launch`."""
+    attention() (and, for backward problems, attention_backward()) calls only look up the memo.
+    Options as for :func:`select_launch`."""
     options = {"software": software, "db": db, "tuner": tuner, "force": force}
     return [select_spec(p, device, mode="on", **options) for p in problems]
 
@@ -252,15 +278,22 @@ def warmup(
     *,
     causal: bool = False,
     mask: bool = False,
+    backward: bool = False,
+    deterministic: bool = False,
     device: DeviceInfo | None = None,
     force: bool = False,
     software: SoftwareInfo | None = None,
     db: TuningDB | None = None,
     tuner: Tuner | None = None,
-) -> list[KernelSpec]:
+) -> list[AnySpec]:
     """:func:`autotune` for shapes given as ``(B, H, HKV, SQ, SK, D)`` or ``"B,H,HKV,SQ,SK,D"``
-    (one ``dtype``: a shape alone does not say which kernel it needs)."""
-    problems = [ProblemDesc.from_shape(s, dtype, causal, mask) for s in shapes]
+    (one ``dtype``: a shape alone does not say which kernel it needs); ``backward``: the
+    backward problems of those shapes (``deterministic``: dQ without atomics)."""
+    family = "backward" if backward else "forward"
+    problems = [
+        ProblemDesc.from_shape(s, dtype, causal, mask, family=family, deterministic=deterministic)
+        for s in shapes
+    ]
     return autotune(problems, device, force=force, software=software, db=db, tuner=tuner)
 
 

@@ -3,7 +3,8 @@
 A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. Decode
 problems (:func:`kernelgen.policy.decode_rows`: at most 16 queries, or at most 64 packed rows)
 get the split-KV decode grid instead of the prefill grid, each spec with a few split counts
-around the launch heuristic.
+around the launch heuristic. Backward problems get the backward family's grids, one per engine
+(:data:`BACKWARD_GRIDS`).
 
 Pruning, in order (each drop is logged with its reason):
 
@@ -11,7 +12,8 @@ Pruning, in order (each drop is logged with its reason):
    architecture's limit, too many accumulators per thread);
 2. occupancy: a launch whose grid has fewer thread blocks than
    ``min(SM count, most blocks any launch gives)`` is dropped: when some launch fills the
-   GPU, launches that leave SMs idle are not worth timing;
+   GPU, launches that leave SMs idle are not worth timing (a backward spec: its main kernel's
+   grid, a block per key tile and K/V head);
 3. resources: the offline NVRTC compile fails, or fails the static bar of ``kernelgen check``
    (:func:`kernelgen.build.static_problems`: spill or stack bytes, local memory in the SASS).
 """
@@ -32,8 +34,10 @@ from typing import Any
 
 from kernelgen import policy
 from kernelgen.build import static_problems
-from kernelgen.compile import Resources
+from kernelgen.compile import Resources, parse_ptxas_report
 from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
+from kernelgen.families import AnySpec, backward, spec_of_family
+from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
 from kernelgen.policy import HOPPER_DEVICE_ARCH
@@ -42,13 +46,12 @@ from kernelgen.spec import (
     WGMMA_HEAD_DIMS,
     KernelSpec,
     default_smem_layout,
-    spec_from_dict,
 )
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, canonical_digest, spec_fields
 
 log = logging.getLogger(__name__)
 
-CompileFn = Callable[[KernelSpec, str], Resources]
+CompileFn = Callable[[AnySpec, str], Resources]
 
 # Tensor-core grid (fp16/bf16): (num_warps, query rows per warp), block_m = their product. Two
 # m16 tiles per warp (FlashAttention 2's 128-row, 4-warp tile; 256 rows over 8 warps) halve the
@@ -86,14 +89,19 @@ SIMT_FALLBACKS: tuple[dict[str, Any], ...] = (
     {"loop_order": "v2", "block_m": 32, "block_n": 32, "num_warps": 4},
     {"loop_order": "v1", "block_m": 64, "block_n": 32, "num_warps": 4},
 )
+# Backward grid of the CUDA-core engine: query tiles x key tiles x warps (27 field sets;
+# validation drops those over the accumulator limit or the arch's shared memory).
+BACKWARD_SIMT_TILES = (16, 32, 64)
+BACKWARD_SIMT_WARPS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
 class TunedLaunch:
     """What attention() runs: a spec, and for a split-KV spec its key chunks (None: the launch
-    heuristic, :func:`kernelgen.launch.default_num_splits`)."""
+    heuristic, :func:`kernelgen.launch.default_num_splits`); for a backward problem, what
+    attention_backward() runs (a backward spec, no split count)."""
 
-    spec: KernelSpec
+    spec: AnySpec
     num_splits: int | None = None
 
     @property
@@ -106,7 +114,7 @@ class TunedLaunch:
 class Candidate:
     """A launch that survived pruning (``resources`` is None when NVRTC was unavailable)."""
 
-    spec: KernelSpec
+    spec: AnySpec
     num_splits: int | None = None
     resources: Resources | None = None
 
@@ -201,6 +209,29 @@ def candidate_fields(problem: ProblemDesc) -> Iterator[dict[str, Any]]:
     yield SIMT_FALLBACKS[-1]
 
 
+def simt_backward_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
+    """The CUDA-core backward grid (every dtype and arch): block_m x block_n x num_warps."""
+    for block_m, block_n, warps in itertools.product(
+        BACKWARD_SIMT_TILES, BACKWARD_SIMT_TILES, BACKWARD_SIMT_WARPS
+    ):
+        yield {"mma": "simt", "block_m": block_m, "block_n": block_n, "num_warps": warps}
+
+
+# One grid per backward engine: its field sets for a backward problem on an arch (an engine
+# that does not apply there yields nothing).
+BACKWARD_GRIDS: dict[str, Callable[[ProblemDesc, str], Iterator[dict[str, Any]]]] = {
+    "simt": simt_backward_fields,
+}
+
+
+def backward_candidate_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
+    """Spec field sets worth trying for a backward problem on ``arch``: every engine's grid of
+    :data:`BACKWARD_GRIDS` in turn. The fields all candidates share (dtype, head dim, causal,
+    mask, variants, deterministic: :func:`~kernelgen.tuning.key.spec_fields`) are the caller's."""
+    for grid in BACKWARD_GRIDS.values():
+        yield from grid(problem, arch)
+
+
 def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     """The Hopper grid, for fp16/bf16 prefill problems on a 9.0 device (``arch`` sm_90) and
     head dims the wgmma kernels take; nothing elsewhere."""
@@ -277,9 +308,12 @@ def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
     )
 
 
-def grid_blocks(spec: KernelSpec, problem: ProblemDesc, num_splits: int | None = None) -> int:
+def grid_blocks(spec: AnySpec, problem: ProblemDesc, num_splits: int | None = None) -> int:
     """Thread blocks of the main kernel's launch: v2 one per row tile, head and key chunk, v1
-    one per head."""
+    one per head; backward one per key tile and K/V head."""
+    if isinstance(spec, BackwardSpec):
+        steps = backward.launch_steps(spec, launch_problem(problem))
+        return math.prod(next(s.grid for s in steps if s.symbol == spec.uri))
     grid, _ = launch_geometry(spec, launch_problem(problem, num_splits or 1))
     return math.prod(grid)
 
@@ -290,11 +324,11 @@ def heuristic_splits(spec: KernelSpec, problem: ProblemDesc, device: DeviceInfo)
     return default_num_splits(spec, launch_problem(problem), device.sm_count, device.target_arch)
 
 
-def split_counts(spec: KernelSpec, problem: ProblemDesc, device: DeviceInfo) -> list[int | None]:
-    """Split counts to time for a spec: None for one without split-KV; else the heuristic's
-    count h, h/2, 2h and 4h, at most one chunk per key tile and MAX_SPLITS. (One chunk is the
-    same tiles without split-KV, a candidate of its own.)"""
-    if not spec.split_kv:
+def split_counts(spec: AnySpec, problem: ProblemDesc, device: DeviceInfo) -> list[int | None]:
+    """Split counts to time for a spec: None for one without split-KV (and backward specs);
+    else the heuristic's count h, h/2, 2h and 4h, at most one chunk per key tile and
+    MAX_SPLITS. (One chunk is the same tiles without split-KV, a candidate of its own.)"""
+    if isinstance(spec, BackwardSpec) or not spec.split_kv:
         return [None]
     key_tiles = math.ceil(problem.seqlen_k / spec.block_n)
     h = heuristic_splits(spec, problem, device)
@@ -302,15 +336,20 @@ def split_counts(spec: KernelSpec, problem: ProblemDesc, device: DeviceInfo) -> 
     return sorted(counts)
 
 
-def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec], list[Dropped]]:
-    """Candidate specs that pass validation for ``arch``, and those that do not."""
-    specs: list[KernelSpec] = []
+def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[AnySpec], list[Dropped]]:
+    """Candidate specs that pass validation for ``arch``, and those that do not (a backward
+    problem: backward specs, the call's deterministic flag, mask and variants fixed)."""
+    specs: list[AnySpec] = []
     dropped: list[Dropped] = []
     seen: set[str] = set()
     common = {**spec_fields(problem), "archs": [arch]}
-    for fields in itertools.chain(wgmma_fields(problem, arch), candidate_fields(problem)):
+    if problem.family == "backward":
+        grid = backward_candidate_fields(problem, arch)
+    else:
+        grid = itertools.chain(wgmma_fields(problem, arch), candidate_fields(problem))
+    for fields in grid:
         try:
-            spec = spec_from_dict({**common, **fields})
+            spec = spec_of_family({**common, **fields})
         except SpecError as exc:
             dropped.append(Dropped(_label(fields), "validation", "; ".join(exc.problems)))
             continue
@@ -321,7 +360,7 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[KernelSpec],
 
 
 def prune_occupancy(
-    specs: list[KernelSpec], problem: ProblemDesc, device: DeviceInfo
+    specs: list[AnySpec], problem: ProblemDesc, device: DeviceInfo
 ) -> tuple[list[TunedLaunch], list[Dropped]]:
     """The launches of ``specs`` (split-KV specs with :func:`split_counts`), less those whose
     grid has fewer blocks than min(SMs, the most any launch gives)."""
@@ -365,7 +404,7 @@ def prune_resources(
     return kept, dropped
 
 
-def _resource_verdict(spec: KernelSpec, arch: str, compile_fn: CompileFn) -> Resources | str:
+def _resource_verdict(spec: AnySpec, arch: str, compile_fn: CompileFn) -> Resources | str:
     """ptxas' resources for ``spec``, or why it is disqualified."""
     try:
         res = compile_fn(spec, spec.compile_arch(arch))
@@ -380,6 +419,12 @@ def _resource_verdict(spec: KernelSpec, arch: str, compile_fn: CompileFn) -> Res
 MODEL_TOP_K = 8  # prefill tensor-core candidates timed, the static model's best first
 
 
+def modelled(spec: AnySpec) -> bool:
+    """Whether the static model ranks ``spec``: forward tensor-core specs without split-KV
+    (not backward specs: the model has no backward pass)."""
+    return isinstance(spec, KernelSpec) and spec.engine.modelled and not spec.split_kv
+
+
 def prune_by_model(
     launches: list[Any], arch: str, top_k: int = MODEL_TOP_K
 ) -> tuple[list[Any], list[Dropped]]:
@@ -389,9 +434,9 @@ def prune_by_model(
     'top_k'}``; the others (CUDA-core fallbacks, split-KV decode launches) are kept in order."""
     from kernelgen.perfmodel import analytic_cost
 
-    modelled = [x for x in launches if x.spec.engine.modelled and not x.spec.split_kv]
-    cost = {id(x): analytic_cost(x.spec, arch) for x in modelled}
-    ranked = sorted(modelled, key=lambda x: cost[id(x)])
+    ranked_ones = [x for x in launches if modelled(x.spec)]
+    cost = {id(x): analytic_cost(x.spec, arch) for x in ranked_ones}
+    ranked = sorted(ranked_ones, key=lambda x: cost[id(x)])
     dropped = [
         Dropped(
             TunedLaunch(x.spec, x.num_splits).label,
@@ -401,14 +446,15 @@ def prune_by_model(
         for rank, x in enumerate(ranked)
         if rank >= top_k
     ]
-    kept = ranked[:top_k] + [x for x in launches if all(x is not m for m in modelled)]
+    kept = ranked[:top_k] + [x for x in launches if all(x is not m for m in ranked_ones)]
     return kept, dropped
 
 
 def prune(
     problem: ProblemDesc, device: DeviceInfo, compile_fn: CompileFn | None = None
 ) -> tuple[list[Candidate], list[Dropped]]:
-    """Candidates for ``problem`` on ``device`` after every static check, and the drops.
+    """Candidates for ``problem`` on ``device`` after every static check, and the drops (a
+    backward problem: no model stage; every valid spec that fills the GPU is compiled).
 
     ``compile_fn`` defaults to :func:`offline_resources`; without NVRTC the resource check is
     skipped with a warning (the kernels are still compiled, by CuPy, before timing)."""
@@ -445,7 +491,7 @@ def _nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def _memo_path(spec: KernelSpec, arch: str) -> Path:
+def _memo_path(spec: AnySpec, arch: str) -> Path:
     """``<cache dir>/resources/<uri>-<arch>-<digest>.json``: the digest covers the spec, the
     arch, the template hash, kernelgen's version and NVRTC's. The cubin sits beside it."""
     from kernelgen.render import template_hash
@@ -456,12 +502,12 @@ def _memo_path(spec: KernelSpec, arch: str) -> Path:
     return cache_dir() / "resources" / f"{spec.uri}-{arch}-{canonical_digest(identity)[:16]}.json"
 
 
-def offline_resources(spec: KernelSpec, arch: str) -> Resources:
-    """ptxas' resource report for ``spec`` on ``arch``, memoized in process and on disk, with
-    the compiled cubin kept beside the report (:func:`offline_cubin`); an unreadable entry is
-    recompiled."""
+def offline_resources(spec: AnySpec, arch: str) -> Resources:
+    """ptxas' resource report for ``spec`` on ``arch`` (a backward spec: of its kernel set,
+    :func:`kernel_set_resources`), memoized in process and on disk, with the compiled cubin
+    kept beside the report (:func:`offline_cubin`); an unreadable entry is recompiled."""
     from kernelgen.compile import compile_offline
-    from kernelgen.render import render
+    from kernelgen.families import render_any
 
     memo_key = (spec.canonical_json(), arch)
     if memo_key in _RESOURCES:
@@ -469,8 +515,10 @@ def offline_resources(spec: KernelSpec, arch: str) -> Resources:
     path = _memo_path(spec, arch)
     res = _read_resources(path)
     if res is None:
-        compiled = compile_offline(render(spec), spec.uri, arch, sass=False)
+        compiled = compile_offline(render_any(spec), spec.uri, arch, sass=False)
         res = compiled.resources
+        if isinstance(spec, BackwardSpec):
+            res = kernel_set_resources(compiled.log, backward.symbols(spec), arch)
         try:  # the cubin first: a report on disk promises its cubin
             atomic_write_bytes(path.with_suffix(".cubin"), compiled.cubin)
             atomic_write_text(path, json.dumps(res.as_dict(), sort_keys=True))
@@ -480,7 +528,22 @@ def offline_resources(spec: KernelSpec, arch: str) -> Resources:
     return res
 
 
-def offline_cubin(spec: KernelSpec, arch: str) -> Path | None:
+def kernel_set_resources(log: str, symbols: list[str], arch: str) -> Resources:
+    """One report for the kernels ``symbols`` of one source (a backward spec's preprocess, main
+    and dQ kernels): the most registers, spill, stack and static shared-memory bytes of any, so
+    that a spill in any kernel disqualifies the spec."""
+    reports = [parse_ptxas_report(log, symbol, arch) for symbol in symbols]
+    return Resources(
+        arch,
+        max(r.registers for r in reports),
+        max(r.spill_store_bytes for r in reports),
+        max(r.spill_load_bytes for r in reports),
+        max(r.stack_bytes for r in reports),
+        max(r.static_smem_bytes for r in reports),
+    )
+
+
+def offline_cubin(spec: AnySpec, arch: str) -> Path | None:
     """The cubin :func:`offline_resources` compiled for ``spec`` on ``arch``, if on disk (the
     tuner loads it instead of compiling the spec a second time)."""
     try:

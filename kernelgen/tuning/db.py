@@ -22,8 +22,9 @@ from typing import Any
 
 from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, SpecError
+from kernelgen.families import family_of, spec_of_family
+from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.fileio import atomic_write_text, user_cache_home
-from kernelgen.spec import spec_from_dict
 from kernelgen.tuning.key import TuningKey, canonical_digest, spec_fields
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class TuningRecord:
     """One tuned key: the winner and every candidate's outcome (see docs/autotuning.md)."""
 
     key: TuningKey
-    winner: dict[str, Any]  # the winning spec's fields
+    winner: dict[str, Any]  # the winning spec's fields (a backward key: a backward spec's)
     candidates: list[dict[str, Any]]  # uri, spec, median_ms (None = failed), status, reason
     dropped: list[dict[str, Any]]  # uri, stage, reason
     tuned_shape: dict[str, Any]
@@ -135,13 +136,16 @@ def _list_of_objects(payload: dict[str, Any], name: str) -> list[dict[str, Any]]
 
 def winner_problems(record: TuningRecord) -> list[str]:
     """Why ``record``'s winner cannot run its key's problem (empty: it can): not a valid spec,
-    another dtype, head dim, mask, layout or set of variants, an architecture the key's device
+    a spec of the other family (a forward spec for a backward key or the reverse), another
+    dtype, head dim, mask, layout, set of variants or dQ mode, an architecture the key's device
     does not get, or a split count for a kernel that does not split."""
     try:
-        spec = spec_from_dict(record.winner)
+        spec = spec_of_family(record.winner)
     except SpecError as exc:
         return [f"not a valid spec: {'; '.join(exc.problems)}"]
     bucket = record.key.problem
+    if family_of(spec) != bucket.family:
+        return [f"a {family_of(spec)} spec, the key is a {bucket.family} problem"]
     problems = [
         f"{name}={getattr(spec, name)!r}, the key has {value!r}"
         for name, value in spec_fields(bucket).items()
@@ -156,7 +160,8 @@ def winner_problems(record: TuningRecord) -> list[str]:
     capability = ARCHS[arch].compute_capability  # sm_90a code is for a 9.0 device too
     if all(ARCHS[a].compute_capability != capability for a in spec.archs):
         problems.append(f"archs {list(spec.archs)}, the key's device is {arch}")
-    if record.winner_splits is not None and not spec.split_kv:
+    splits = not isinstance(spec, BackwardSpec) and spec.split_kv
+    if record.winner_splits is not None and not splits:
         problems.append(f"{record.winner_splits} splits for a kernel without split_kv")
     return problems
 

@@ -14,6 +14,7 @@ from functools import cache
 
 from kernelgen.arch import ARCHS, arch_for_capability, nearest_arch
 from kernelgen.errors import InputError
+from kernelgen.families import FAMILIES
 from kernelgen.spec import (  # noqa: F401 (DTYPE_ALIASES: the one table, spec's)
     DTYPE_ALIASES,
     MAX_HEAD_DIM,
@@ -31,7 +32,17 @@ def pow2_bucket(n: int) -> int:
 
 def spec_fields(problem: ProblemDesc | ProblemBucket) -> dict[str, object]:
     """The spec fields every kernel for ``problem`` has: what each candidate is built with, and
-    what a record's winner must match."""
+    what a record's winner must match (a backward problem: a backward spec's)."""
+    if problem.family == "backward":
+        return {
+            "family": "backward",
+            "dtype": problem.dtype,
+            "head_dim": problem.head_dim,
+            "causal": problem.causal,
+            "additive_mask": problem.mask,
+            "deterministic": problem.deterministic,
+            **{name: True for name in problem.variants},
+        }
     return {
         "dtype": problem.dtype,
         "head_dim": problem.head_dim,
@@ -51,7 +62,9 @@ def canonical_digest(data: object) -> str:
 @dataclass(frozen=True)
 class ProblemDesc:
     """One attention call's shape: q (B, H, Sq, D), k and v (B, Hkv, Sk, D); ``page_size``:
-    k and v in a paged cache of pages of that many keys (Sk per sequence), 0: contiguous."""
+    k and v in a paged cache of pages of that many keys (Sk per sequence), 0: contiguous.
+    ``family``: the forward call (``"forward"``) or its gradients (``"backward"``, with dQ
+    ``deterministic`` or accumulated with atomics)."""
 
     dtype: str
     batch: int
@@ -64,9 +77,17 @@ class ProblemDesc:
     mask: bool = False
     page_size: int = 0
     variants: tuple[str, ...] = ()  # the built-in variants' spec flags (docs/variants.md)
+    family: str = "forward"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.family not in FAMILIES:
+            raise InputError(f"family={self.family!r} is not allowed; use one of {FAMILIES}")
+        if self.deterministic and self.family != "backward":
+            raise InputError("deterministic=True is a backward option; use family='backward'")
+        if self.page_size and self.family == "backward":
+            raise InputError("a backward problem has no paged KV cache; use page_size=0")
         sizes = ("batch", "num_heads", "num_kv_heads", "seqlen_q", "seqlen_k", "head_dim")
         for name in sizes:
             if int(getattr(self, name)) < 1:
@@ -88,7 +109,14 @@ class ProblemDesc:
 
     @classmethod
     def from_shape(
-        cls, shape: str | tuple[int, ...], dtype: str, causal: bool = False, mask: bool = False
+        cls,
+        shape: str | tuple[int, ...],
+        dtype: str,
+        causal: bool = False,
+        mask: bool = False,
+        *,
+        family: str = "forward",
+        deterministic: bool = False,
     ) -> ProblemDesc:
         """From ``"B,H,HKV,SQ,SK,D"`` (or a 6-tuple in that order)."""
         if isinstance(shape, str):
@@ -100,7 +128,9 @@ class ProblemDesc:
                 ) from None
         if len(shape) != 6:
             raise InputError(f"shape={shape!r} is not allowed; use six integers B,H,HKV,SQ,SK,D")
-        return cls(dtype, *shape, causal=causal, mask=mask)
+        return cls(
+            dtype, *shape, causal=causal, mask=mask, family=family, deterministic=deterministic
+        )
 
     @property
     def gqa_ratio(self) -> int:
@@ -122,6 +152,8 @@ class ProblemDesc:
             batch_heads=pow2_bucket(self.batch_heads),
             page_size=self.page_size,
             variants=tuple(self.variants),
+            family=self.family,
+            deterministic=self.deterministic,
         )
 
 
@@ -139,11 +171,16 @@ class ProblemBucket:
     batch_heads: int
     page_size: int = 0  # exact: paged K/V and its page size are layouts, not sizes to round
     variants: tuple[str, ...] = ()  # kernels with other variants are other candidates
+    family: str = "forward"  # backward problems: another kernel family, other candidates
+    deterministic: bool = False  # backward: dQ without atomics
 
     @property
     def label(self) -> str:
+        """E.g. ``bf16_d128_causal_nomask_g1_q2048_k2048_bh64``; a backward problem's starts
+        with ``bwd_`` (and ends with ``_det`` when deterministic)."""
         return "_".join(
             [
+                *(["bwd"] if self.family == "backward" else []),
                 *self.variants,
                 _DTYPE_SHORT[self.dtype],
                 f"d{self.head_dim}",
@@ -154,6 +191,7 @@ class ProblemBucket:
                 f"k{self.seqlen_k}",
                 f"bh{self.batch_heads}",
                 *([f"page{self.page_size}"] if self.page_size else []),
+                *(["det"] if self.deterministic else []),
             ]
         )
 
@@ -224,8 +262,13 @@ class TuningKey:
     software: SoftwareInfo
 
     def as_dict(self) -> dict[str, dict[str, object]]:
-        """JSON-able; a problem without variants keeps the key it had before variants existed."""
+        """JSON-able; a forward problem without variants keeps the key it had before variants
+        (and backward problems) existed: fields at their defaults are left out."""
         problem: dict[str, object] = asdict(self.problem)
+        if self.problem.family == "forward":
+            del problem["family"]
+        if not self.problem.deterministic:
+            del problem["deterministic"]
         if not self.problem.page_size:  # contiguous K/V: the keys (and ids) from before paging
             del problem["page_size"]
         if self.problem.variants:
@@ -277,6 +320,8 @@ _PROBLEM_FIELDS: dict[str, tuple[type, bool]] = {
     "batch_heads": (int, False),
     "page_size": (int, True),
     "variants": (list, True),
+    "family": (str, True),
+    "deterministic": (bool, True),
 }
 _DEVICE_FIELDS: dict[str, tuple[type, bool]] = {
     "name": (str, False),
@@ -345,6 +390,13 @@ def _problem_value_problems(problem: dict) -> list[str]:
         problems.append(
             f"problem.variants={variants!r:.80} are not distinct names from {list(VARIANT_FLAGS)}"
         )
+    family = problem.get("family", "forward")
+    if family not in FAMILIES:
+        problems.append(f"problem.family={family!r:.60} is not one of {list(FAMILIES)}")
+    elif family == "forward" and problem.get("deterministic", False):
+        problems.append("problem.deterministic=True is not a forward problem's field")
+    elif family == "backward" and page_size:
+        problems.append(f"problem.page_size={page_size} for a backward problem (no paged cache)")
     return problems
 
 

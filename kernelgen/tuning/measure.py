@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kernelgen.errors import KernelgenError
-from kernelgen.spec import KernelSpec
+from kernelgen.families import AnySpec
 from kernelgen.tuning.candidates import TunedLaunch
 
 log = logging.getLogger(__name__)
@@ -30,12 +30,12 @@ log = logging.getLogger(__name__)
 class Bench(Protocol):
     """What the autotuner needs from a GPU (or from a fake one in tests)."""
 
-    def compile(self, spec: KernelSpec) -> None:
+    def compile(self, spec: AnySpec) -> None:
         """Build the kernel for the current device; raises if it cannot."""
 
     def time(
         self,
-        spec: KernelSpec,
+        spec: AnySpec,
         budget_ms: float,
         num_splits: int | None = None,
         *,
@@ -44,7 +44,7 @@ class Bench(Protocol):
         """Warm up, then per-repetition durations in ms: about ``budget_ms`` of them, and at
         least ``min_reps``."""
 
-    def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
+    def check(self, spec: AnySpec, num_splits: int | None = None) -> str | None:
         """None when the kernel's output matches the reference, else why not."""
 
 
@@ -82,7 +82,7 @@ class Measurement:
     screen_ms: float | None = None  # the screen's median, where there was a screen
 
     @property
-    def spec(self) -> KernelSpec:
+    def spec(self) -> AnySpec:
         return self.launch.spec
 
     @property
@@ -156,7 +156,7 @@ def ranked(measurements: list[Measurement]) -> list[Measurement]:
 
 
 def measure(
-    launches: list[TunedLaunch] | list[KernelSpec],
+    launches: list[TunedLaunch] | list[AnySpec],
     bench: Bench,
     settings: MeasureSettings | None = None,
     console: Console | None = None,
