@@ -265,10 +265,9 @@ class _BackwardKernels:
             self.functions = compile_functions(
                 import_cupy(), spec.uri, source, backward.symbols(spec)
             )
-            if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM:
-                for symbol in backward.symbols(spec)[1:]:
-                    if not symbol.endswith("_dq_convert"):
-                        self.functions[symbol].max_dynamic_shared_size_bytes = spec.smem_bytes
+            for step in backward.launch_steps(spec, _UNIT_PROBLEM):
+                if step.shared_mem > DEFAULT_DYNAMIC_SMEM:
+                    self.functions[step.symbol].max_dynamic_shared_size_bytes = step.shared_mem
 
     def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> None:
         null = None if self.host else np.uint64(0)

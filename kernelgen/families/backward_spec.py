@@ -1,7 +1,8 @@
 """The backward family's spec: a frozen Pydantic model of one attention backward kernel set.
 
 A backward spec fixes everything that is a compile-time constant of the kernels that compute
-dQ, dK and dV from dO (docs/backward.md): the engine, dtype, head dim, tiling, the mask and
+dQ, dK and dV from dO (docs/backward.md): the engine (CUDA cores, or mma.sync tensor cores with
+their warp roles, cp.async stages and shared-memory layout), dtype, head dim, tiling, the mask and
 the variants compiled in, and how dQ is accumulated. Its ``uri`` names the kernels, the file
 under generated/ and every cache entry, as a forward spec's does.
 """
@@ -34,18 +35,33 @@ from kernelgen.spec import (
     EXPRESSION_TAGS,
     MAX_ACCUMULATORS_PER_THREAD,
     MAX_HEAD_DIM,
+    MMA_PAD_WORDS,
     VARIANT_FLAGS,
     VARIANT_TAGS,
     DType,
+    SmemLayout,
+    padded_head_dim,
 )
 
-BackwardEngine = Literal["simt"]
+BackwardEngine = Literal["simt", "mma_sync"]
 # Tiles of the CUDA-core backward: a block owns BLOCK_N keys and walks BLOCK_M queries at a time.
 BACKWARD_TILES = (16, 32, 64)
 BACKWARD_WARPS = (1, 2, 4, 8)
 # Words of padding after each shared-memory row of Q, K, V and dO: an odd row stride in words,
 # so the rows a warp reads at one column fall in different banks.
 BACKWARD_SMEM_PAD_WORDS = 1
+# The tensor-core backward (templates/fa_bwd_tc.cu.j2): tiles are whole m16/k16 steps.
+TC_TILES = (16, 32, 64, 128)
+TC_STAGES = (1, 2)  # Q/dO tiles in flight (1: no prefetch, for the widest heads on sm_80)
+TC_DTYPES = ("float16", "bfloat16")
+# fp32 registers a thread may hold for its dK and dV rows and, beside them, for its share of the
+# S^T and dP^T tiles (ptxas keeps 255 registers: the rest is fragments, addresses and the loop).
+TC_MAX_KV_ACCUMULATORS = 128
+TC_MAX_ACCUMULATORS = 192
+# The deterministic dQ kernel of the tensor-core engine: 4 warps of 16 query rows each; key
+# tiles of 64 (32 above head dim 128, where a warp's dQ rows take 128 registers).
+TC_DQ_WARPS = 4
+TC_DQ_STAGES = 2
 
 
 class BackwardSpec(BaseModel):
@@ -59,13 +75,29 @@ class BackwardSpec(BaseModel):
     mma: BackwardEngine = Field(
         "simt",
         description="The engine: simt (fp32 FMA on CUDA cores, every dtype; the readable "
-        "reference family).",
+        "reference family) or mma_sync (tensor cores, float16/bfloat16, sm_80+: ldmatrix, "
+        "cp.async, fp32 accumulation).",
     )
     dtype: DType = Field(description="Element type of q, k, v, out, dout and the gradients.")
     head_dim: int = Field(description="Head dimension D: a multiple of 8, at most 256.")
-    block_m: int = Field(32, description="Query rows per tile a block walks: 16, 32 or 64.")
-    block_n: int = Field(32, description="Keys a block owns (its dK, dV rows): 16, 32 or 64.")
+    block_m: int = Field(
+        32, description="Query rows per tile a block walks: 16, 32 or 64 (mma_sync: up to 128)."
+    )
+    block_n: int = Field(
+        32, description="Keys a block owns (its dK, dV rows): 16, 32 or 64 (mma_sync: up to 128)."
+    )
     num_warps: int = Field(4, description="Warps per thread block: 1, 2, 4 or 8.")
+    stages: int | None = Field(
+        None,
+        description="mma_sync only: query tiles (Q and dO) in flight in the cp.async ring, 1 or "
+        "2 (default 2; 1 loads each tile after the previous one is done).",
+    )
+    smem_layout: SmemLayout | None = Field(
+        None,
+        description="mma_sync only: shared-memory layout of the Q, K, V and dO tiles, swizzled "
+        "(16-byte chunks XOR the row) or padded (one extra chunk per row). Default: swizzled "
+        "where the warps' column shares allow it, else padded.",
+    )
     causal: bool = Field(False, description="Bottom-right aligned causal mask.")
     deterministic: bool = Field(
         False,
@@ -92,6 +124,9 @@ class BackwardSpec(BaseModel):
         for name in (*VARIANT_FLAGS, "additive_mask", "deterministic"):
             if data.get(name) is False:
                 del data[name]
+        for name in ("stages", "smem_layout"):  # the CUDA-core engine has neither
+            if data.get(name) is None:
+                data.pop(name, None)
         for name in EXPRESSION_FIELDS:
             if data.get(name) is None:
                 del data[name]
@@ -126,9 +161,24 @@ class BackwardSpec(BaseModel):
         data["mod_inputs"] = tuple(i.signature for i in declared)
         return data
 
-    @field_validator("head_dim", "block_m", "block_n", "num_warps", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: Any) -> Any:
+        """mma_sync: stages 2 and the layout its geometry allows, unless given."""
+        if not isinstance(data, dict) or data.get("mma") != "mma_sync":
+            return data
+        data = dict(data)
+        if data.get("stages") is None:
+            data["stages"] = 2
+        if data.get("smem_layout") is None:
+            data["smem_layout"] = _default_tc_layout(data)
+        return data
+
+    @field_validator("head_dim", "block_m", "block_n", "num_warps", "stages", mode="before")
     @classmethod
     def _strict_integer(cls, value: Any, info: Any) -> Any:
+        if value is None and info.field_name == "stages":
+            return None
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(
                 f"{info.field_name}={value!r:.80} is not allowed; use an integer "
@@ -157,10 +207,13 @@ class BackwardSpec(BaseModel):
     @field_validator("block_m", "block_n")
     @classmethod
     def _check_tile(cls, value: int, info: Any) -> int:
-        if value not in BACKWARD_TILES:
+        tc = info.data.get("mma") == "mma_sync"
+        allowed = TC_TILES if tc else BACKWARD_TILES
+        if value not in allowed:
+            engine = " with mma='mma_sync'" if tc else ""
             raise ValueError(
-                f"{info.field_name}={value} is not allowed; use one of "
-                f"{', '.join(map(str, BACKWARD_TILES))}"
+                f"{info.field_name}={value} is not allowed{engine}; use one of "
+                f"{', '.join(map(str, allowed))}"
             )
         return value
 
@@ -191,6 +244,36 @@ class BackwardSpec(BaseModel):
             problems.append(
                 "mod_inputs are declared but the spec has no score_mod or mask_mod; remove them"
             )
+        if self.mma == "mma_sync":
+            problems += self._tc_problems()
+        else:
+            problems += self._simt_problems()
+        if problems:  # the geometry below needs the tiling to be consistent
+            raise ValueError("\n".join(problems))
+        for arch in self.archs:
+            if self.smem_bytes > ARCHS[arch].max_smem_per_block:
+                problems.append(
+                    f"{self.smem_bytes} bytes of shared memory per block, over the "
+                    f"{ARCHS[arch].max_smem_per_block} of {arch}; use smaller block_m or block_n"
+                    + (" or stages: 1" if self.mma == "mma_sync" and self.stages != 1 else "")
+                )
+            if self.mma == "mma_sync" and self.dq_smem_bytes > ARCHS[arch].max_smem_per_block:
+                problems.append(
+                    f"the dQ kernel's {self.dq_smem_bytes} bytes of shared memory are over the "
+                    f"{ARCHS[arch].max_smem_per_block} of {arch}"
+                )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _simt_problems(self) -> list[str]:
+        problems = []
+        for name in ("stages", "smem_layout"):
+            if getattr(self, name) is not None:
+                problems.append(
+                    f"{name}={getattr(self, name)!r} is not allowed with mma='simt'; leave it out "
+                    "(the CUDA-core kernels load their tiles synchronously, padded)"
+                )
         limit = MAX_ACCUMULATORS_PER_THREAD["simt"]
         if self.accumulators_per_thread > limit:
             problems.append(
@@ -198,15 +281,60 @@ class BackwardSpec(BaseModel):
                 f"{self.threads} threads {self.accumulators_per_thread} dK and dV accumulators "
                 f"(at most {limit}); use a smaller block_n or more warps"
             )
-        for arch in self.archs:
-            if self.smem_bytes > ARCHS[arch].max_smem_per_block:
-                problems.append(
-                    f"{self.smem_bytes} bytes of shared memory per block, over the "
-                    f"{ARCHS[arch].max_smem_per_block} of {arch}; use smaller block_m or block_n"
-                )
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
+        return problems
+
+    def _tc_problems(self) -> list[str]:
+        """The tensor-core engine's rules (templates/fa_bwd_tc.cu.j2): warps own 16 or 32 keys
+        (key_warps of them cover block_n) and split the head dim's columns and the query tile
+        dim_warps ways; every share is whole m16/k16 steps."""
+        if self.dtype not in TC_DTYPES:
+            return [
+                f"dtype={self.dtype!r} is not allowed with mma='mma_sync'; use float16 or "
+                "bfloat16 (or mma: simt)"
+            ]
+        if self.stages not in TC_STAGES:
+            return [
+                f"stages={self.stages} is not allowed with mma='mma_sync'; use one of "
+                f"{', '.join(map(str, TC_STAGES))}"
+            ]
+        if self.num_warps % self.key_warps:
+            return [
+                f"block_n={self.block_n} needs a multiple of {self.key_warps} warps (each owns "
+                f"{self.warp_keys} keys); num_warps={self.num_warps} is not one"
+            ]
+        problems = []
+        if self.block_m % (16 * self.dim_warps):
+            problems.append(
+                f"block_m={self.block_m} is not allowed with block_n={self.block_n} and "
+                f"num_warps={self.num_warps}: the {self.dim_warps} warps that share a key range "
+                f"split the query tile in whole m16 steps; use block_m >= {16 * self.dim_warps}"
+            )
+        if self.block_m > 32 * self.num_warps:
+            problems.append(
+                f"block_m={self.block_m} is over 32 rows per warp for the dQ product; use "
+                f"block_m <= {32 * self.num_warps} or more warps"
+            )
+        if self.kv_accumulators > TC_MAX_KV_ACCUMULATORS:
+            problems.append(
+                f"head_dim={self.head_dim} with block_n={self.block_n} and num_warps="
+                f"{self.num_warps} gives each thread {self.kv_accumulators} dK and dV "
+                f"accumulators (at most {TC_MAX_KV_ACCUMULATORS}); use more warps or a smaller "
+                "block_n"
+            )
+        elif self.accumulators_per_thread > TC_MAX_ACCUMULATORS:
+            problems.append(
+                f"block_m={self.block_m} gives each thread {self.accumulators_per_thread} "
+                f"accumulators (dK, dV and its S and dP tiles; at most {TC_MAX_ACCUMULATORS}); "
+                "use a smaller block_m"
+            )
+        if self.smem_layout == "swizzled" and not _swizzle_fits(self):
+            problems.append(
+                f"smem_layout='swizzled' is not allowed with head_dim={self.head_dim}, block_m="
+                f"{self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}: the swizzle "
+                "needs rows of whole 64-element groups and warp column shares of 1, 2 or a "
+                "multiple of 4 pairs of 8 columns; use smem_layout: padded"
+            )
+        return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------
     @property
@@ -220,7 +348,105 @@ class BackwardSpec(BaseModel):
     @property
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K, V and dO tiles in shared memory, in elements."""
+        if self.mma == "mma_sync":
+            pad = MMA_PAD_WORDS[self.smem_layout or "padded"]
+            return self.head_dim_padded + pad * 4 // self.elem_bytes
         return self.head_dim + BACKWARD_SMEM_PAD_WORDS * 4 // self.elem_bytes
+
+    # ---- tensor-core geometry (templates/fa_bwd_tc.cu.j2) --------------------------------
+    @property
+    def head_dim_padded(self) -> int:
+        """Head dim rounded up to the mma k-step of 16 (zero columns in shared memory)."""
+        return padded_head_dim(self.head_dim)
+
+    @property
+    def warp_keys(self) -> int:
+        """Keys of a warp's S^T, dP^T, dK and dV rows: one or two m16 tiles."""
+        return 32 if self.block_n >= 32 else 16
+
+    @property
+    def key_warps(self) -> int:
+        """Warps along the block's keys (each owns warp_keys of them)."""
+        return self.block_n // self.warp_keys
+
+    @property
+    def dim_warps(self) -> int:
+        """Warps that share a key range: they split the query tile of S^T and dP^T, and the head
+        dim's columns of dK and dV."""
+        return max(1, self.num_warps // self.key_warps)
+
+    @property
+    def warp_queries(self) -> int:
+        """Queries (columns) of a warp's S^T and dP^T tiles."""
+        return self.block_m // self.dim_warps
+
+    @property
+    def column_pairs(self) -> int:
+        """16-column pairs of n8 tiles of the padded head dim."""
+        return self.head_dim_padded // 16
+
+    @property
+    def warp_pairs(self) -> int:
+        """Column pairs of a warp's dK and dV rows (the last warps may have fewer)."""
+        return -(-self.column_pairs // self.dim_warps)
+
+    @property
+    def dq_m_tiles(self) -> int:
+        """m16 tiles of a warp's dQ rows (atomic dQ in the main kernel)."""
+        return 2 if self.block_m >= 32 else 1
+
+    @property
+    def dq_row_warps(self) -> int:
+        return self.block_m // (16 * self.dq_m_tiles)
+
+    @property
+    def dq_col_warps(self) -> int:
+        return max(1, self.num_warps // self.dq_row_warps)
+
+    @property
+    def dq_pairs(self) -> int:
+        """Column pairs of a warp's dQ tile in the main kernel."""
+        return -(-self.column_pairs // self.dq_col_warps)
+
+    @property
+    def prob_row_elems(self) -> int:
+        """Row stride of the 16-bit P^T and dS^T tiles (keys x queries), in elements: swizzled
+        when a row holds whole groups of 8 chunks, else one chunk of padding."""
+        return self.block_m + (0 if self.prob_swizzled else 8)
+
+    @property
+    def prob_swizzled(self) -> bool:
+        return self.block_m % 64 == 0
+
+    @property
+    def kv_accumulators(self) -> int:
+        """fp32 registers of a thread's dK and dV rows (tensor cores)."""
+        return self.warp_keys * self.warp_pairs
+
+    @property
+    def dq_threads(self) -> int:
+        """Threads of the deterministic dQ kernel."""
+        return 32 * TC_DQ_WARPS if self.mma == "mma_sync" else self.threads
+
+    @property
+    def dq_block_m(self) -> int:
+        """Query rows of a block of the deterministic dQ kernel."""
+        return 16 * TC_DQ_WARPS if self.mma == "mma_sync" else self.block_m
+
+    @property
+    def dq_block_n(self) -> int:
+        """Keys per tile of the deterministic dQ kernel."""
+        if self.mma != "mma_sync":
+            return self.block_n
+        return 64 if self.head_dim_padded <= 128 else 32
+
+    @property
+    def dq_smem_bytes(self) -> int:
+        """Dynamic shared memory of the deterministic dQ kernel."""
+        if self.mma != "mma_sync":
+            return self.smem_bytes
+        rows = 2 * self.dq_block_m + 2 * TC_DQ_STAGES * self.dq_block_n
+        return rows * self.smem_row_elems * self.elem_bytes
 
     @property
     def prob_row_floats(self) -> int:
@@ -229,28 +455,40 @@ class BackwardSpec(BaseModel):
 
     @property
     def accumulators_per_thread(self) -> int:
-        """fp32 registers of a thread's share of the block's dK and dV rows."""
+        """fp32 registers of a thread's share of the block's dK and dV rows (tensor cores: and
+        of its S^T and dP^T tiles)."""
+        if self.mma == "mma_sync":
+            return self.kv_accumulators + 2 * self.warp_keys * self.warp_queries // 32
         return 2 * math.ceil(self.block_n * self.head_dim / self.threads)
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of the main and dQ kernels: K, V, Q and dO tiles, the P and dS
-        tiles, and the rows' lse and D."""
+        """Dynamic shared memory of the main kernel (simt: and of the dQ kernel). simt: K, V, Q
+        and dO tiles, the fp32 P and dS tiles, the rows' lse and D. mma_sync: the K and V tiles,
+        the Q and dO ring, the 16-bit P^T and dS^T tiles and two slots of the rows' lse and D."""
+        if self.mma == "mma_sync":
+            rows = 2 * self.block_n + 2 * self.stages * self.block_m  # type: ignore[operator]
+            tiles = rows * self.smem_row_elems * self.elem_bytes
+            probs = 2 * self.block_n * self.prob_row_elems * self.elem_bytes
+            return tiles + probs + 2 * 2 * self.block_m * 4
         tiles = 2 * (self.block_m + self.block_n) * self.smem_row_elems * self.elem_bytes
         return tiles + 2 * self.block_m * self.prob_row_floats * 4 + 2 * self.block_m * 4
 
     @property
     def uri(self) -> str:
-        """Canonical readable name, e.g. ``fa_bwd_simt_bf16_d128_m32_n32_w4_causal_det``."""
+        """Canonical readable name, e.g. ``fa_bwd_simt_bf16_d128_m32_n32_w4_causal_det`` or
+        ``fa_bwd_tc_bf16_d128_m64_n128_w8_s2_swz``."""
         parts = [
             "fa_bwd",
-            self.mma,
+            "tc" if self.mma == "mma_sync" else self.mma,
             DTYPE_SHORT[self.dtype],
             f"d{self.head_dim}",
             f"m{self.block_m}",
             f"n{self.block_n}",
             f"w{self.num_warps}",
         ]
+        if self.mma == "mma_sync":
+            parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
         if self.causal:
             parts.append("causal")
         if self.additive_mask:
@@ -293,6 +531,24 @@ class BackwardSpec(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _swizzle_fits(spec: BackwardSpec) -> bool:
+    """The XOR swizzle permutes groups of 8 chunks: rows must hold whole groups, and a warp's
+    share of the columns must start where adding its pairs never carries out of the pair bits
+    the swizzle XORs (shares of 1, 2 or a multiple of 4 pairs)."""
+    return spec.head_dim_padded % 64 == 0 and all(
+        pairs in (1, 2) or pairs % 4 == 0 for pairs in (spec.warp_pairs, spec.dq_pairs)
+    )
+
+
+def _default_tc_layout(data: dict[str, Any]) -> str:
+    """The layout a tensor-core spec gets when it names none: swizzled where it fits."""
+    try:
+        probe = BackwardSpec(**{**data, "smem_layout": "padded", "archs": ("sm_90",)})
+    except (ValueError, TypeError):
+        return "padded"  # the real validation reports the problem
+    return "swizzled" if _swizzle_fits(probe) else "padded"
 
 
 @functools.lru_cache(maxsize=256)
