@@ -465,12 +465,12 @@ class BackwardSpec(BaseModel):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the main kernel (simt: and of the dQ kernel). simt: K, V, Q
         and dO tiles, the fp32 P and dS tiles, the rows' lse and D. mma_sync: the K and V tiles,
-        the Q and dO ring, the 16-bit P^T and dS^T tiles and two slots of the rows' lse and D."""
+        the Q and dO ring, the 16-bit P^T and dS^T tiles and two slots of the rows' lse and D (twice)."""
         if self.mma == "mma_sync":
             rows = 2 * self.block_n + 2 * self.stages * self.block_m  # type: ignore[operator]
             tiles = rows * self.smem_row_elems * self.elem_bytes
             probs = 2 * self.block_n * self.prob_row_elems * self.elem_bytes
-            return tiles + probs + 2 * 2 * self.block_m * 4
+            return tiles + probs + 2 * 3 * self.block_m * 4  # two slots of lse2 and -D (twice)
         tiles = 2 * (self.block_m + self.block_n) * self.smem_row_elems * self.elem_bytes
         return tiles + 2 * self.block_m * self.prob_row_floats * 4 + 2 * self.block_m * 4
 
