@@ -19,10 +19,13 @@ import numpy as np
 from kernelgen.api import (
     CheckedCall,
     TensorInfo,
+    _misaligned_pointer,
+    _misaligned_strides,
     check_flags,
     check_inputs,
     common_device,
     describe,
+    device_arch,
     mask_shape,
     plan,
 )
@@ -30,8 +33,8 @@ from kernelgen.errors import InputError, InputTypeError
 from kernelgen.expression_inputs import check_spec_expressions
 from kernelgen.families import backward
 from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_arg
-from kernelgen.host import HOST_DEVICE, as_numpy
+from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_arg, pointer_of
+from kernelgen.host import EMULATED_CAPABILITY, HOST_DEVICE, as_numpy
 from kernelgen.launch import (
     DEFAULT_DYNAMIC_SMEM,
     Problem,
@@ -106,13 +109,15 @@ def attention_backward(
         for name, x in (("dout", dout), ("out", out))
     }
     _check_lse(describe(lse, "lse"), call)
-    spec = _checked_spec(spec, call, bool(causal), bool(deterministic))
     arrays = arrays_of(q)
     device = common_device(
         {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "mask": mask,
          "alibi_slopes": alibi_slopes, "sinks": sinks, **call.expressions.named_arrays()}
     )  # fmt: skip
+    misaligned = _misaligned([call.q, call.k, call.v, grads_in["dout"]])
     with arrays.scope(device):
+        capability = EMULATED_CAPABILITY if arrays.host else device_arch()[0]
+        spec = _checked_spec(spec, call, bool(causal), bool(deterministic), capability, misaligned)
         kernels = _kernels(spec, arrays, device)
         tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
         tensors.update({name: launch_arg(arrays, t.source) for name, t in grads_in.items()})
@@ -188,10 +193,27 @@ def _contiguous_strides(shape: tuple[int, ...], layout: str) -> tuple[int, int, 
     return (shape[1] * shape[2] * d, d, shape[2] * d)
 
 
+def _misaligned(tensors: list[TensorInfo]) -> list[str]:
+    """Why each tensor the tensor-core kernels copy in 16-byte chunks (q, k, v, dout) cannot be
+    (strides, or the data pointer), as in the forward."""
+    return [
+        why
+        for t in tensors
+        if (why := _misaligned_strides(t) or _misaligned_pointer(pointer_of(t.source), t.name))
+    ]
+
+
 def _checked_spec(
-    spec: BackwardSpec | None, call: CheckedCall, causal: bool, deterministic: bool
+    spec: BackwardSpec | None,
+    call: CheckedCall,
+    causal: bool,
+    deterministic: bool,
+    capability: int = EMULATED_CAPABILITY,
+    misaligned: list[str] | None = None,
 ) -> BackwardSpec:
-    """The call's backward spec: the policy's default, or ``spec`` checked against the call."""
+    """The call's backward spec: the policy's default (the tensor-core engine for fp16/bf16 on
+    sm_80+ when q, k, v and dout can be copied in 16-byte chunks, else the CUDA-core one), or
+    ``spec`` checked against the call."""
     if spec is None:
         spec = default_backward_spec(
             call.dtype,
@@ -200,6 +222,7 @@ def _checked_spec(
             variants=call.variants.flags,
             expressions=call.expressions,
             deterministic=deterministic,
+            tensor_cores=capability >= 80 and not misaligned,
         )
     else:
         for name, wanted in (("dtype", call.dtype), ("head_dim", call.q.shape[3]),
@@ -214,6 +237,8 @@ def _checked_spec(
                 f"deterministic=True but spec {spec.uri} accumulates dQ with atomics; use a "
                 "spec with deterministic: true"
             )
+        if spec.mma == "mma_sync" and misaligned:
+            raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     if call.mask is not None:
         spec = spec.with_additive_mask()
     check_spec_variants(spec, call.variants)

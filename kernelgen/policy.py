@@ -223,6 +223,15 @@ def hopper_default_spec(
         return None
 
 
+# The untuned tensor-core backward, by padded head dim: (largest, block_m, block_n, num_warps,
+# stages). Each is the tiling the static model ranks first among those that compile without
+# spills (docs/performance-model.md, "Backward"): 8 warps in a 4 x 2 grid of 32-key x half-the-
+# columns shares (128 dK and dV accumulators per thread at head dim 128) over 128-key blocks
+# and 64-query tiles; above head dim 128, 64-key blocks whose 8 warps split the head dim four
+# ways, with one Q/dO stage so that the block fits sm_80's 163 KiB.
+BACKWARD_TC_TILES = ((128, 64, 128, 8, 2), (256, 64, 64, 8, 1))
+
+
 def default_backward_spec(
     dtype: str,
     head_dim: int,
@@ -231,22 +240,30 @@ def default_backward_spec(
     variants: tuple[str, ...] = (),
     expressions: Any = None,
     deterministic: bool = False,
+    tensor_cores: bool = True,
 ) -> BackwardSpec:
-    """The backward spec for a call: the CUDA-core family with 32 x 32 tiles (16 x 16 above
-    head dim 128, where 32 keys would give each of 128 threads more than 128 dK and dV
-    accumulators), 4 warps, the call's mask, variants and expressions."""
-    tile = 32 if head_dim <= 128 else 16
+    """The backward spec for a call, with the call's mask, variants and expressions.
+
+    float16/bfloat16 with ``tensor_cores`` (sm_80+, q, k, v and dout copyable in 16-byte
+    chunks): the mma.sync engine with :data:`BACKWARD_TC_TILES`. Otherwise the CUDA-core
+    family with 32 x 32 tiles (16 x 16 above head dim 128, where 32 keys would give each of 128
+    threads more than 128 dK and dV accumulators), 4 warps."""
     fields: dict[str, Any] = {
         "family": "backward",
         "dtype": dtype,
         "head_dim": head_dim,
-        "block_m": tile,
-        "block_n": tile,
-        "num_warps": 4,
         "causal": causal,
         "deterministic": deterministic,
         **{name: True for name in variants},
     }
+    if tensor_cores and normalize_dtype(dtype) in ("float16", "bfloat16"):
+        padded = -(-head_dim // 16) * 16
+        _, block_m, block_n, warps, stages = next(t for t in BACKWARD_TC_TILES if padded <= t[0])
+        fields.update(mma="mma_sync", block_m=block_m, block_n=block_n, num_warps=warps)
+        fields["stages"] = stages
+    else:
+        tile = 32 if head_dim <= 128 else 16
+        fields.update(block_m=tile, block_n=tile, num_warps=4)
     if expressions is not None:  # the backward visits every key tile: no block_sparse
         fields.update((k, v) for k, v in expressions.spec_fields().items() if k != "block_sparse")
     return BackwardSpec(**fields)

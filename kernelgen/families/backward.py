@@ -144,7 +144,8 @@ def launch_steps(spec: BackwardSpec, problem: Problem) -> list[LaunchStep]:
         query_tiles = math.ceil(problem.seqlen_q / spec.dq_block_m)
         grid = _checked_grid(spec, query_tiles * problem.batch * problem.num_heads)
         dq_block = (spec.dq_threads, 1, 1)
-        steps.append(LaunchStep(f"{spec.uri}_dq", dq_params(spec), grid, dq_block, spec.dq_smem_bytes))
+        dq_step = LaunchStep(f"{spec.uri}_dq", dq_params(spec), grid, dq_block, spec.dq_smem_bytes)
+        steps.append(dq_step)
     else:
         steps.append(LaunchStep(f"{spec.uri}_dq_convert", convert_params(spec), row_grid, block, 0))
     return steps

@@ -465,7 +465,8 @@ class BackwardSpec(BaseModel):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the main kernel (simt: and of the dQ kernel). simt: K, V, Q
         and dO tiles, the fp32 P and dS tiles, the rows' lse and D. mma_sync: the K and V tiles,
-        the Q and dO ring, the 16-bit P^T and dS^T tiles and two slots of the rows' lse and D (twice)."""
+        the Q and dO ring, the 16-bit P^T and dS^T tiles and two slots of the rows' lse and
+        (twice) D."""
         if self.mma == "mma_sync":
             rows = 2 * self.block_n + 2 * self.stages * self.block_m  # type: ignore[operator]
             tiles = rows * self.smem_row_elems * self.elem_bytes
