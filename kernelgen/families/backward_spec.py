@@ -2,8 +2,8 @@
 
 A backward spec fixes everything that is a compile-time constant of the kernels that compute
 dQ, dK and dV from dO (docs/backward.md): the engine (CUDA cores, or mma.sync tensor cores with
-their warp roles, cp.async stages and shared-memory layout), dtype, head dim, tiling, the mask and
-the variants compiled in, and how dQ is accumulated. Its ``uri`` names the kernels, the file
+their warp roles and cp.async stages), dtype, head dim, tiling, the mask and the variants
+compiled in, and how dQ is accumulated. Its ``uri`` names the kernels, the file
 under generated/ and every cache entry, as a forward spec's does.
 """
 
@@ -35,11 +35,9 @@ from kernelgen.spec import (
     EXPRESSION_TAGS,
     MAX_ACCUMULATORS_PER_THREAD,
     MAX_HEAD_DIM,
-    MMA_PAD_WORDS,
     VARIANT_FLAGS,
     VARIANT_TAGS,
     DType,
-    SmemLayout,
     padded_head_dim,
 )
 
@@ -62,6 +60,8 @@ TC_MAX_ACCUMULATORS = 192
 # tiles of 64 (32 above head dim 128, where a warp's dQ rows take 128 registers).
 TC_DQ_WARPS = 4
 TC_DQ_STAGES = 2
+TC_SWIZZLE_GROUP = 64  # elements: shared-memory rows are whole groups of 8 swizzled chunks
+TC_WARP_QUERIES = (16, 32)  # query columns of a warp's S^T tile (its 8- or 16-byte stores)
 
 
 class BackwardSpec(BaseModel):
@@ -92,12 +92,6 @@ class BackwardSpec(BaseModel):
         description="mma_sync only: query tiles (Q and dO) in flight in the cp.async ring, 1 or "
         "2 (default 2; 1 loads each tile after the previous one is done).",
     )
-    smem_layout: SmemLayout | None = Field(
-        None,
-        description="mma_sync only: shared-memory layout of the Q, K, V and dO tiles, swizzled "
-        "(16-byte chunks XOR the row) or padded (one extra chunk per row). Default: swizzled "
-        "where the warps' column shares allow it, else padded.",
-    )
     causal: bool = Field(False, description="Bottom-right aligned causal mask.")
     deterministic: bool = Field(
         False,
@@ -124,9 +118,8 @@ class BackwardSpec(BaseModel):
         for name in (*VARIANT_FLAGS, "additive_mask", "deterministic"):
             if data.get(name) is False:
                 del data[name]
-        for name in ("stages", "smem_layout"):  # the CUDA-core engine has neither
-            if data.get(name) is None:
-                data.pop(name, None)
+        if data.get("stages") is None:  # the CUDA-core engine has no stages
+            data.pop("stages", None)
         for name in EXPRESSION_FIELDS:
             if data.get(name) is None:
                 del data[name]
@@ -164,14 +157,9 @@ class BackwardSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _engine_defaults(cls, data: Any) -> Any:
-        """mma_sync: stages 2 and the layout its geometry allows, unless given."""
-        if not isinstance(data, dict) or data.get("mma") != "mma_sync":
-            return data
-        data = dict(data)
-        if data.get("stages") is None:
-            data["stages"] = 2
-        if data.get("smem_layout") is None:
-            data["smem_layout"] = _default_tc_layout(data)
+        """mma_sync: stages 2 unless given."""
+        if isinstance(data, dict) and data.get("mma") == "mma_sync" and data.get("stages") is None:
+            data = {**data, "stages": 2}
         return data
 
     @field_validator("head_dim", "block_m", "block_n", "num_warps", "stages", mode="before")
@@ -268,12 +256,11 @@ class BackwardSpec(BaseModel):
 
     def _simt_problems(self) -> list[str]:
         problems = []
-        for name in ("stages", "smem_layout"):
-            if getattr(self, name) is not None:
-                problems.append(
-                    f"{name}={getattr(self, name)!r} is not allowed with mma='simt'; leave it out "
-                    "(the CUDA-core kernels load their tiles synchronously, padded)"
-                )
+        if self.stages is not None:
+            problems.append(
+                f"stages={self.stages!r} is not allowed with mma='simt'; leave it out (the "
+                "CUDA-core kernels load their tiles synchronously)"
+            )
         limit = MAX_ACCUMULATORS_PER_THREAD["simt"]
         if self.accumulators_per_thread > limit:
             problems.append(
@@ -303,11 +290,12 @@ class BackwardSpec(BaseModel):
                 f"{self.warp_keys} keys); num_warps={self.num_warps} is not one"
             ]
         problems = []
-        if self.block_m % (16 * self.dim_warps):
+        if self.warp_queries not in TC_WARP_QUERIES:
+            allowed = " or ".join(str(q * self.dim_warps) for q in TC_WARP_QUERIES)
             problems.append(
                 f"block_m={self.block_m} is not allowed with block_n={self.block_n} and "
                 f"num_warps={self.num_warps}: the {self.dim_warps} warps that share a key range "
-                f"split the query tile in whole m16 steps; use block_m >= {16 * self.dim_warps}"
+                f"split the query tile into 16 or 32 queries each; use block_m={allowed}"
             )
         if self.block_m > 32 * self.num_warps:
             problems.append(
@@ -327,13 +315,6 @@ class BackwardSpec(BaseModel):
                 f"accumulators (dK, dV and its S and dP tiles; at most {TC_MAX_ACCUMULATORS}); "
                 "use a smaller block_m"
             )
-        if self.smem_layout == "swizzled" and not _swizzle_fits(self):
-            problems.append(
-                f"smem_layout='swizzled' is not allowed with head_dim={self.head_dim}, block_m="
-                f"{self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}: the swizzle "
-                "needs rows of whole 64-element groups and warp column shares of 1, 2 or a "
-                "multiple of 4 pairs of 8 columns; use smem_layout: padded"
-            )
         return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------
@@ -348,9 +329,8 @@ class BackwardSpec(BaseModel):
     @property
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K, V and dO tiles in shared memory, in elements."""
-        if self.mma == "mma_sync":
-            pad = MMA_PAD_WORDS[self.smem_layout or "padded"]
-            return self.head_dim_padded + pad * 4 // self.elem_bytes
+        if self.mma == "mma_sync":  # swizzled: whole groups of 8 chunks
+            return _round_up(self.head_dim_padded, TC_SWIZZLE_GROUP)
         return self.head_dim + BACKWARD_SMEM_PAD_WORDS * 4 // self.elem_bytes
 
     # ---- tensor-core geometry (templates/fa_bwd_tc.cu.j2) --------------------------------
@@ -410,13 +390,9 @@ class BackwardSpec(BaseModel):
 
     @property
     def prob_row_elems(self) -> int:
-        """Row stride of the 16-bit P^T and dS^T tiles (keys x queries), in elements: swizzled
-        when a row holds whole groups of 8 chunks, else one chunk of padding."""
-        return self.block_m + (0 if self.prob_swizzled else 8)
-
-    @property
-    def prob_swizzled(self) -> bool:
-        return self.block_m % 64 == 0
+        """Row stride of the 16-bit P^T and dS^T tiles (keys x queries), in elements: the query
+        tile in whole groups of 8 swizzled chunks."""
+        return _round_up(self.block_m, TC_SWIZZLE_GROUP)
 
     @property
     def kv_accumulators(self) -> int:
@@ -478,7 +454,7 @@ class BackwardSpec(BaseModel):
     @property
     def uri(self) -> str:
         """Canonical readable name, e.g. ``fa_bwd_simt_bf16_d128_m32_n32_w4_causal_det`` or
-        ``fa_bwd_tc_bf16_d128_m64_n128_w8_s2_swz``."""
+        ``fa_bwd_tc_bf16_d128_m64_n128_w8_s2``."""
         parts = [
             "fa_bwd",
             "tc" if self.mma == "mma_sync" else self.mma,
@@ -489,7 +465,7 @@ class BackwardSpec(BaseModel):
             f"w{self.num_warps}",
         ]
         if self.mma == "mma_sync":
-            parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]
+            parts.append(f"s{self.stages}")
         if self.causal:
             parts.append("causal")
         if self.additive_mask:
@@ -534,22 +510,8 @@ class BackwardSpec(BaseModel):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def _swizzle_fits(spec: BackwardSpec) -> bool:
-    """The XOR swizzle permutes groups of 8 chunks: rows must hold whole groups, and a warp's
-    share of the columns must start where adding its pairs never carries out of the pair bits
-    the swizzle XORs (shares of 1, 2 or a multiple of 4 pairs)."""
-    return spec.head_dim_padded % 64 == 0 and all(
-        pairs in (1, 2) or pairs % 4 == 0 for pairs in (spec.warp_pairs, spec.dq_pairs)
-    )
-
-
-def _default_tc_layout(data: dict[str, Any]) -> str:
-    """The layout a tensor-core spec gets when it names none: swizzled where it fits."""
-    try:
-        probe = BackwardSpec(**{**data, "smem_layout": "padded", "archs": ("sm_90",)})
-    except (ValueError, TypeError):
-        return "padded"  # the real validation reports the problem
-    return "swizzled" if _swizzle_fits(probe) else "padded"
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
 
 
 @functools.lru_cache(maxsize=256)
