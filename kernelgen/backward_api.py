@@ -223,6 +223,7 @@ def _checked_spec(
             expressions=call.expressions,
             deterministic=deterministic,
             tensor_cores=capability >= 80 and not misaligned,
+            additive_mask=call.mask is not None,
         )
     else:
         for name, wanted in (("dtype", call.dtype), ("head_dim", call.q.shape[3]),

@@ -230,6 +230,9 @@ def hopper_default_spec(
 # and 64-query tiles; above head dim 128, 64-key blocks whose 8 warps split the head dim four
 # ways, with one Q/dO stage so that the block fits sm_80's 163 KiB.
 BACKWARD_TC_TILES = ((128, 64, 128, 8, 2), (256, 64, 64, 8, 1))
+# Kernels with more live state in their exact tiles (the built-in variants, an additive mask,
+# user expressions) spill in the 128-key tiling at head dim 128: 64-key blocks (a 2 x 4 grid).
+BACKWARD_TC_RICH_TILES = ((64, 64, 128, 8, 2), (128, 64, 64, 8, 2), (256, 64, 64, 8, 1))
 
 
 def default_backward_spec(
@@ -241,13 +244,16 @@ def default_backward_spec(
     expressions: Any = None,
     deterministic: bool = False,
     tensor_cores: bool = True,
+    additive_mask: bool = False,
 ) -> BackwardSpec:
-    """The backward spec for a call, with the call's mask, variants and expressions.
+    """The backward spec for a call, with the call's variants and expressions (the API adds
+    the additive mask flag to the spec; ``additive_mask`` only picks the tiling).
 
     float16/bfloat16 with ``tensor_cores`` (sm_80+, q, k, v and dout copyable in 16-byte
-    chunks): the mma.sync engine with :data:`BACKWARD_TC_TILES`. Otherwise the CUDA-core
-    family with 32 x 32 tiles (16 x 16 above head dim 128, where 32 keys would give each of 128
-    threads more than 128 dK and dV accumulators), 4 warps."""
+    chunks): the mma.sync engine with :data:`BACKWARD_TC_TILES`, or :data:`BACKWARD_TC_RICH_TILES`
+    for kernels with variants, a mask or expressions. Otherwise the CUDA-core family with 32 x 32
+    tiles (16 x 16 above head dim 128, where 32 keys would give each of 128 threads more than
+    128 dK and dV accumulators), 4 warps."""
     fields: dict[str, Any] = {
         "family": "backward",
         "dtype": dtype,
@@ -258,7 +264,9 @@ def default_backward_spec(
     }
     if tensor_cores and normalize_dtype(dtype) in ("float16", "bfloat16"):
         padded = -(-head_dim // 16) * 16
-        _, block_m, block_n, warps, stages = next(t for t in BACKWARD_TC_TILES if padded <= t[0])
+        rich = bool(variants) or additive_mask or (expressions is not None and expressions.present)
+        table = BACKWARD_TC_RICH_TILES if rich else BACKWARD_TC_TILES
+        _, block_m, block_n, warps, stages = next(t for t in table if padded <= t[0])
         fields.update(mma="mma_sync", block_m=block_m, block_n=block_n, num_warps=warps)
         fields["stages"] = stages
     else:
