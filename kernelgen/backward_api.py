@@ -116,8 +116,10 @@ def attention_backward(
     )  # fmt: skip
     misaligned = _misaligned([call.q, call.k, call.v, grads_in["dout"]])
     with arrays.scope(device):
-        capability = EMULATED_CAPABILITY if arrays.host else device_arch()[0]
-        spec = _checked_spec(spec, call, bool(causal), bool(deterministic), capability, misaligned)
+        capability, arch = (EMULATED_CAPABILITY, None) if arrays.host else device_arch()
+        spec = _checked_spec(
+            spec, call, bool(causal), bool(deterministic), capability, misaligned, arch
+        )
         kernels = _kernels(spec, arrays, device)
         tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
         tensors.update({name: launch_arg(arrays, t.source) for name, t in grads_in.items()})
@@ -210,10 +212,11 @@ def _checked_spec(
     deterministic: bool,
     capability: int = EMULATED_CAPABILITY,
     misaligned: list[str] | None = None,
+    arch: str | None = None,
 ) -> BackwardSpec:
-    """The call's backward spec: the policy's default (the tensor-core engine for fp16/bf16 on
-    sm_80+ when q, k, v and dout can be copied in 16-byte chunks, else the CUDA-core one), or
-    ``spec`` checked against the call."""
+    """The call's backward spec: the policy's default for the device's ``arch`` (the tensor-core
+    engine for fp16/bf16 on sm_80+ when q, k, v and dout can be copied in 16-byte chunks, else
+    the CUDA-core one), or ``spec`` checked against the call."""
     if spec is None:
         spec = default_backward_spec(
             call.dtype,
@@ -224,6 +227,7 @@ def _checked_spec(
             deterministic=deterministic,
             tensor_cores=capability >= 80 and not misaligned,
             additive_mask=call.mask is not None,
+            arch=arch,
         )
     else:
         for name, wanted in (("dtype", call.dtype), ("head_dim", call.q.shape[3]),

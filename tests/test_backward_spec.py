@@ -92,6 +92,13 @@ def test_policy_picks_the_engine_and_the_tiling():
     assert default_backward_spec("float16", 64, causal=False, tensor_cores=False).mma == "simt"
     for head_dim in range(8, 257, 8):  # every head dim gets a valid spec
         assert default_backward_spec("float16", head_dim, causal=True).mma == "mma_sync"
+    # a device's own arch: sm_86's 99 KiB take the 64-key tiling with one stage at head dim 128,
+    # and the CUDA cores above; sm_90 alone as for both
+    assert default_backward_spec("float16", 128, causal=True, arch="sm_86").uri.endswith(
+        "d128_m64_n64_w8_s1_causal"
+    )
+    assert default_backward_spec("float16", 256, causal=True, arch="sm_86").mma == "simt"
+    assert default_backward_spec("float16", 128, causal=True, arch="sm_90").archs == ("sm_90",)
 
 
 def _call(q_strides_from=None):
