@@ -476,3 +476,56 @@ def test_tensor_core_template_mutations_are_caught(name, monkeypatch):
         return
     with pytest.raises(AssertionError):
         check(p, grads, "float16")
+
+
+def _launch_stats(monkeypatch) -> dict:
+    """Collects the emulator's LaunchStats of every backward kernel launched, by symbol."""
+    from kernelgen.emulator import launches
+
+    stats: dict = {}
+    build = launches.spec_kernel
+
+    def recording(spec, symbol, params, source=None):
+        kernel = build(spec, symbol, params, source)
+
+        def launch(**kwargs):
+            stats[symbol] = kernel(**kwargs)
+            return stats[symbol]
+
+        return launch
+
+    monkeypatch.setattr(launches, "spec_kernel", recording)
+    monkeypatch.setattr(backward_api, "_KERNELS", {})
+    return stats
+
+
+@pytest.mark.parametrize(
+    "fields", [{}, {**WIDE, "deterministic": True}], ids=["16-query-warps", "32-query-warps-det"]
+)
+def test_tensor_core_backward_ldmatrix_is_free_of_bank_conflicts(fields, monkeypatch):
+    """Every ldmatrix of the main kernel (the permuted Q and dO rows of S^T and dP^T included)
+    and of the dQ kernel takes one wavefront per 8x8 matrix."""
+    spec = tc_spec("bfloat16", 64, causal=True, **fields)
+    stats = _launch_stats(monkeypatch)
+    p = make_problem("bfloat16", (1, 2, 1, 40, 70, 64), options={"causal": True})
+    check(p, run(p, spec=spec, deterministic=spec.deterministic), "bfloat16")
+    kernels = [spec.uri] + ([f"{spec.uri}_dq"] if spec.deterministic else [])
+    for name in kernels:
+        assert stats[name].ldmatrix > 0
+        assert stats[name].ldmatrix_wavefronts == stats[name].ldmatrix_ideal, stats[
+            name
+        ].first_conflict
+
+
+def test_bank_conflict_check_sees_the_permuted_rows_without_their_swizzle(monkeypatch):
+    """Without the (row / 4) term of the Q/dO swizzle, the 8 rows of a permuted S^T column tile
+    fall in 2 bank groups; the results stay right."""
+    spec = tc_spec("bfloat16", 64, **WIDE)
+    swizzle = "if (KIND == SWZ_QD) return r ^ ((row >> 2) & 6);"
+    render = backward.render
+    assert swizzle in render(spec)
+    monkeypatch.setattr(backward, "render", lambda s: render(s).replace(swizzle, ""))
+    stats = _launch_stats(monkeypatch)
+    p = make_problem("bfloat16", (1, 1, 1, 64, 64, 64))
+    check(p, run(p, spec=spec), "bfloat16")
+    assert stats[spec.uri].ldmatrix_wavefronts > stats[spec.uri].ldmatrix_ideal
