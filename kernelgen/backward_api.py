@@ -1,8 +1,7 @@
 """``kernelgen.attention_backward``: dq, dk, dv (and dsinks) of attention, from the forward's
 out and lse (docs/backward.md).
 
-The same checks as :func:`kernelgen.attention` (they are its functions), the spec (given, or
-the autotuner's choice on a GPU as attention()'s, or the policy's default), then the backward
+The same checks as :func:`kernelgen.attention` (they are its functions), then the backward
 family's launch plan (:mod:`kernelgen.families.backward`) on CuPy, torch or, for NumPy arrays
 and CPU torch tensors, the emulator.
 """
@@ -20,6 +19,8 @@ import numpy as np
 from kernelgen.api import (
     CheckedCall,
     TensorInfo,
+    _misaligned_pointer,
+    _misaligned_strides,
     check_flags,
     check_inputs,
     common_device,
@@ -32,7 +33,7 @@ from kernelgen.errors import InputError, InputTypeError
 from kernelgen.expression_inputs import check_spec_expressions
 from kernelgen.families import backward
 from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_arg
+from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_arg, pointer_of
 from kernelgen.host import HOST_DEVICE, as_numpy
 from kernelgen.launch import (
     DEFAULT_DYNAMIC_SMEM,
@@ -80,9 +81,7 @@ def attention_backward(
     flows into ``mask``, ``alibi_slopes`` or ``mod_inputs``. ``deterministic=True`` computes dQ
     without atomics: bitwise identical results on every run, at the cost of recomputing the
     scores once more. CuPy in, CuPy out; torch in, torch out; NumPy or CPU torch run in the
-    emulator. Without ``spec``, a GPU call runs the autotuner's choice for its backward problem
-    (``KERNELGEN_AUTOTUNE``, docs/autotuning.md), a host call or one with user expressions the
-    policy's default.
+    emulator.
     """
     check_flags(causal=causal, deterministic=deterministic)
     if spec is not None and not isinstance(spec, BackwardSpec):
@@ -110,17 +109,17 @@ def attention_backward(
         for name, x in (("dout", dout), ("out", out))
     }
     _check_lse(describe(lse, "lse"), call)
-    if spec is not None:
-        spec = _checked_spec(spec, call, bool(causal), bool(deterministic))
     arrays = arrays_of(q)
     device = common_device(
         {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "mask": mask,
          "alibi_slopes": alibi_slopes, "sinks": sinks, **call.expressions.named_arrays()}
     )  # fmt: skip
+    misaligned = _misaligned([call.q, call.k, call.v, grads_in["dout"]])
     with arrays.scope(device):
         if spec is None:  # with the call's device current: the tuner times on it
-            spec = _untuned_or_tuned_spec(call, bool(causal), bool(deterministic), arrays)
-            spec = _checked_spec(spec, call, bool(causal), bool(deterministic))
+            spec = _untuned_or_tuned_spec(call, bool(causal), bool(deterministic), arrays,
+                                          misaligned)  # fmt: skip
+        spec = _checked_spec(spec, call, bool(causal), bool(deterministic), misaligned)
         kernels = _kernels(spec, arrays, device)
         tensors = {t.name: launch_arg(arrays, t.source) for t in (call.q, call.k, call.v)}
         tensors.update({name: launch_arg(arrays, t.source) for name, t in grads_in.items()})
@@ -136,9 +135,6 @@ def attention_backward(
             tensors["alibi_slopes"] = launch_arg(arrays, call.variants.alibi.source)
         tensors.update(call.expressions.tensors(arrays))
         problem, q_shape = plan(call, layout)
-        # plan() gives the strides of a fresh forward output; the backward reads the caller's
-        # out, which may be a view (rows of a wider out, a context-parallel block)
-        problem = replace(problem, out_strides=grads_in["out"].strides[:3])
         dtype = arrays.dtype_of(call.q.source)
         k_shape = tuple(call.k.shape[i] for i in order)
         grads = {
@@ -199,8 +195,18 @@ def _contiguous_strides(shape: tuple[int, ...], layout: str) -> tuple[int, int, 
     return (shape[1] * shape[2] * d, d, shape[2] * d)
 
 
+def _misaligned(tensors: list[TensorInfo]) -> list[str]:
+    """Why each tensor the tensor-core kernels copy in 16-byte chunks (q, k, v, dout) cannot be
+    (strides, or the data pointer), as in the forward."""
+    return [
+        why
+        for t in tensors
+        if (why := _misaligned_strides(t) or _misaligned_pointer(pointer_of(t.source), t.name))
+    ]
+
+
 def _untuned_or_tuned_spec(
-    call: CheckedCall, causal: bool, deterministic: bool, arrays: Arrays
+    call: CheckedCall, causal: bool, deterministic: bool, arrays: Arrays, misaligned: list[str]
 ) -> BackwardSpec:
     """The backward spec for a call without one, chosen as attention() chooses its forward
     spec: the autotuner's (:func:`kernelgen.tuning.select_launch` with the call's backward
@@ -242,9 +248,14 @@ def _untuned_or_tuned_spec(
 
 
 def _checked_spec(
-    spec: BackwardSpec, call: CheckedCall, causal: bool, deterministic: bool
+    spec: BackwardSpec,
+    call: CheckedCall,
+    causal: bool,
+    deterministic: bool,
+    misaligned: list[str] | None = None,
 ) -> BackwardSpec:
-    """``spec`` checked against the call, with the mask's flag where the call has a mask."""
+    """``spec`` checked against the call (a tensor-core spec needs 16-byte chunks: none of
+    ``misaligned``), with the mask's flag where the call has a mask."""
     for name, wanted in (("dtype", call.dtype), ("head_dim", call.q.shape[3]),
                          ("causal", causal)):  # fmt: skip
         if getattr(spec, name) != wanted:
@@ -257,6 +268,8 @@ def _checked_spec(
             f"deterministic=True but spec {spec.uri} accumulates dQ with atomics; use a "
             "spec with deterministic: true"
         )
+    if spec.engine.chunk_bytes and misaligned:
+        raise InputError(f"{misaligned[0]}; spec {spec.uri} copies 16-byte chunks")
     if call.mask is not None:
         spec = spec.with_additive_mask()
     check_spec_variants(spec, call.variants)
@@ -308,10 +321,9 @@ class _BackwardKernels:
             self.functions = compile_functions(
                 import_cupy(), spec.uri, source, backward.symbols(spec)
             )
-            if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM:
-                for symbol in backward.symbols(spec)[1:]:
-                    if not symbol.endswith("_dq_convert"):
-                        self.functions[symbol].max_dynamic_shared_size_bytes = spec.smem_bytes
+            for step in backward.launch_steps(spec, _UNIT_PROBLEM):
+                if step.shared_mem > DEFAULT_DYNAMIC_SMEM:
+                    self.functions[step.symbol].max_dynamic_shared_size_bytes = step.shared_mem
 
     def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> None:
         null = None if self.host else np.uint64(0)

@@ -15,6 +15,13 @@ the model compiles a variant whose tests are fixed to "interior" (:func:`interio
 counts the loop that issues the HMMAs, on the path where no row moves its softmax reference
 (the block a move adds is reported beside it). It is meant for the prefill kernels: the 1-2 warp
 decode tiles copy K/V in inner loops, whose repeats a count of the loop body does not see.
+
+The backward family's tensor-core kernel (:func:`model_backward_spec`) is modelled the same way:
+its steady state is the query-tile loop of the main kernel (one iteration: block_m queries x
+block_n keys of the whole block), counted in an interior variant (no score tests, full copies,
+every row of the tile in range) and scaled to the same 64 x 64 unit; its shared-memory traffic is
+counted by each instruction's width (ldmatrix matrices, cp.async, STS and LDS), and its dQ
+atomics (RED) are counted beside the classes above.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from kernelgen.compile import (
     SassInstruction,
     compile_offline,
     disassemble,
+    function_sass,
     sass_instructions,
 )
 from kernelgen.errors import SettingError
+from kernelgen.families.backward import render as render_backward
+from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.occupancy import kernel_occupancy
 from kernelgen.render import render
 from kernelgen.schedule import schedule_problem
@@ -72,6 +82,18 @@ CLASSES = (
     "SYNCS",
 )
 TENSOR_FAMILIES = ("HMMA", "HGMMA")
+# The backward adds its atomics (RED: fp32 adds to the dq accumulator; REDG on sm_90) and its
+# shared-memory stores and loads (the P^T and dS^T tiles, the rows' statistics).
+BACKWARD_CLASSES = (*CLASSES, "RED", "ATOM", "STS", "LDS")
+_FAMILY_ALIASES = {"REDG": "RED", "ATOMG": "ATOM", "ATOMS": "ATOM"}
+# What makes a query tile take the interior path in the backward template (fa_bwd_tc.cu.j2):
+# no score test, full Q/dO copies, every row of the tile inside seqlen_q (atomics unpredicated).
+BACKWARD_INTERIOR = {
+    "has_mask || MASK_MOD || scale <= 0.f || !tile_is_interior<BLOCK_M, BLOCK_N>(m0, k0, "
+    "seqlen_q, seqlen_k, va);": "false;",
+    "if (row0 + ROWS <= seq_len) {": "if (true) {",
+    "const bool full_tile = m0 + BLOCK_M <= seqlen_q;": "const bool full_tile = true;",
+}
 MMA_SYNC_MACS = 16 * 8 * 16  # multiply-adds of one m16n8k16
 _HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
@@ -109,6 +131,9 @@ class UnitFigures:
     smem_bytes: float
     rescale: float = 0.0  # instructions a row's moving reference adds (per unit)
     wgmma_macs: float = 0.0  # multiply-adds the unit's HGMMA instructions do
+    # (LDSM + LDGSTS) x 512 B, the forward's measure of the traffic (the backward's smem_bytes
+    # counts every shared-memory instruction by its width; 0: not counted separately)
+    ldsm_ldgsts_bytes: float = 0.0
 
     def count(self, name: str) -> float:
         return self.by_class.get(name, 0.0)
@@ -122,6 +147,10 @@ FA2_D128 = UnitFigures(
     by_class={"HMMA": 512, "LDSM": 160, "LDGSTS": 32, "MUFU": 136},
     smem_bytes=96 * 1024,
 )
+# FlashAttention 2's backward at head dim 128, bf16 (64 x 128 tiles, 8 warps), its main loop
+# measured the same way on sm_80: 3540 instructions and 320 KiB of shared memory per unit, the
+# five products' 1280 HMMA.
+FA2_BWD_D128 = UnitFigures(instructions=3540, by_class={"HMMA": 1280}, smem_bytes=320 * 1024)
 
 
 @dataclass(frozen=True)
@@ -172,6 +201,7 @@ class LoopBody:
     rescale: int = 0
     inner_loops: int = 0  # backward branches inside the body: their repeats are not counted
     hgmma: tuple[tuple[int, int, int, bool], ...] = ()  # (m, n, k, A from smem) per HGMMA
+    opcodes: dict[str, int] = field(default_factory=dict)  # whole opcodes (e.g. STS.128)
 
     @property
     def issued(self) -> int:
@@ -215,7 +245,10 @@ def hmma_loop(sass: str, family: str | tuple[str, ...] = TENSOR_FAMILIES) -> Loo
         if real and any(counts[f] for f in families) and (best is None or len(kept) > best.issued):
             inner = sum(_backward_target(row) is not None for row in body[:-1])
             shapes = Counter(row.opcode + row.operands for row in kept if row.family == "HGMMA")
-            best = LoopBody(dict(counts), len(skipped), inner, hgmma=_hgmma_operands(shapes))
+            opcodes = dict(Counter(row.opcode for row in kept))
+            best = LoopBody(
+                dict(counts), len(skipped), inner, _hgmma_operands(shapes), opcodes=opcodes
+            )
     if best is None:
         raise ValueError(f"no loop with {'/'.join(families)} instructions in the SASS")
     return best
@@ -319,6 +352,7 @@ class ModelReport:
     # What is wrong with the loop's schedule in SASS (kernelgen.schedule; wgmma overlap specs),
     # None when nothing is (or nothing was promised).
     schedule: str | None = field(default=None)
+    backward: bool = False  # a backward spec: vs_fa2 is against FlashAttention 2's backward
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -328,13 +362,20 @@ class ModelReport:
     def summary(self) -> str:
         """One line for ``kernelgen check``."""
         u, p = self.unit, self.prediction
-        versus = "" if self.vs_fa2 is None else f", {self.vs_fa2:.2f}x FA2's ceiling"
+        fa2 = "FA2's backward ceiling" if self.backward else "FA2's ceiling"
+        versus = "" if self.vs_fa2 is None else f", {self.vs_fa2:.2f}x {fa2}"
         tensor = "HGMMA" if u.count("HGMMA") else "HMMA"
         peak = "wgmma" if tensor == "HGMMA" else "mma.sync"
+        extra = ""
+        if self.backward:
+            extra = (
+                f", {u.count('LDSM'):.0f} LDSM, {u.count('RED') + u.count('ATOM'):.0f} atomics "
+                f"(LDSM + LDGSTS: {u.ldsm_ldgsts_bytes / 1024:.0f} KiB)"
+            )
         return (
             f"model per 64x64 unit: {u.instructions:.0f} instructions, "
             f"{u.smem_bytes / 1024:.0f} KiB shared memory, {u.count(tensor):.0f} {tensor}, "
-            f"{u.count('MUFU'):.0f} MUFU; bound by {p.limiter} ({p.cost:.0f} clk); "
+            f"{u.count('MUFU'):.0f} MUFU{extra}; bound by {p.limiter} ({p.cost:.0f} clk); "
             f"{p.fraction_of_peak:.2f} of the {peak} peak{versus}"
         )
 
@@ -417,9 +458,14 @@ def loops_of(spec: KernelSpec, sass: str) -> tuple[LoopBody, LoopBody | None]:
     return hmma_loop(sass), producer
 
 
-def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) -> ModelReport:
+def model_spec(
+    spec: KernelSpec | BackwardSpec, arch: str, resources: Resources | None = None
+) -> ModelReport:
     """Model ``spec``'s key-tile loop on ``arch``; ``resources`` is the real kernel's ptxas report
-    where the caller has it (else it is compiled for it)."""
+    where the caller has it (else it is compiled for it). Backward specs:
+    :func:`model_backward_spec`."""
+    if isinstance(spec, BackwardSpec):
+        return model_backward_spec(spec, arch, resources)
     if not spec.engine.modelled:
         raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
     rates_of(arch)  # an arch the model knows, before compiling anything
@@ -442,4 +488,90 @@ def model_spec(spec: KernelSpec, arch: str, resources: Resources | None = None) 
         prediction=prediction,
         vs_fa2=vs_fa2,
         schedule=schedule_problem(spec, sass),
+    )
+
+
+# ---- the backward family ----------------------------------------------------------------------
+_LDSM_MATRICES = {"1": 1, "2": 2, "4": 4}
+_WIDTH_BITS = {"64": 64, "128": 128, "U8": 8, "S8": 8, "U16": 16, "S16": 16}
+
+
+def shared_bytes(opcode: str) -> int:
+    """Bytes one warp instruction moves through shared memory: LDSM 128 per 8x8 matrix,
+    LDGSTS/STS/LDS 32 lanes times their width (32 bits unless the opcode says otherwise); 0 for
+    any other opcode."""
+    family, *modifiers = opcode.split(".")
+    if family == "LDSM":
+        matrices = [_LDSM_MATRICES[m] for m in modifiers if m in _LDSM_MATRICES]
+        return 128 * (matrices[-1] if matrices else 1)
+    if family in ("LDGSTS", "STS", "LDS"):
+        bits = next((_WIDTH_BITS[m] for m in modifiers if m in _WIDTH_BITS), 32)
+        return 32 * bits // 8
+    return 0
+
+
+def backward_interior_source(source: str, deterministic: bool = False) -> str:
+    """The rendered backward kernels with every query tile of the main kernel taking the
+    interior path (:data:`BACKWARD_INTERIOR`; a deterministic kernel has no atomics to test)."""
+    for test, interior in BACKWARD_INTERIOR.items():
+        wanted = 0 if deterministic and "full_tile" in test else 1
+        if source.count(test) != wanted:
+            raise ValueError(f"the backward template no longer contains {test!r} once")
+        source = source.replace(test, interior)
+    return source
+
+
+def backward_unit_figures(body: LoopBody, spec: BackwardSpec) -> UnitFigures:
+    """Per-unit figures of the backward main loop: one warp's iteration is its share of a
+    block_m x block_n tile, which every warp of the block runs, so a unit takes num_warps x 4096
+    / (block_m x block_n) warp iterations. Shared-memory bytes by instruction width."""
+    per_unit = spec.num_warps * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * spec.block_n)
+    by_class = dict.fromkeys(BACKWARD_CLASSES, 0.0)
+    for family, count in body.counts.items():
+        name = _FAMILY_ALIASES.get(family, family)
+        if name in by_class:
+            by_class[name] += count * per_unit
+    issued = body.issued * per_unit
+    by_class["other"] = issued - sum(by_class.values())
+    memory = sum(shared_bytes(op) * n for op, n in body.opcodes.items()) * per_unit
+    copies = (by_class["LDSM"] + by_class["LDGSTS"]) * WARP_MEMORY_BYTES
+    return UnitFigures(issued, by_class, memory, ldsm_ldgsts_bytes=copies)
+
+
+def backward_interior_loop(spec: BackwardSpec, arch: str) -> LoopBody:
+    """The steady-state query-tile loop of ``spec``'s main kernel (interior variant) on
+    ``arch``."""
+    source = backward_interior_source(render_backward(spec), spec.deterministic)
+    compiled = compile_offline(source, spec.uri, arch, sass=False)
+    sass = disassemble(compiled.cubin)
+    if sass is None:
+        raise SettingError("cuobjdump/nvdisasm are not installed (pip install 'kernelgen[nvrtc]')")
+    return hmma_loop(function_sass(sass, spec.uri))
+
+
+def model_backward_spec(
+    spec: BackwardSpec, arch: str, resources: Resources | None = None
+) -> ModelReport:
+    """Model the main loop of a tensor-core backward spec on ``arch`` (per 64 x 64 unit, against
+    FlashAttention 2's backward at head dim 128)."""
+    if not spec.engine.modelled:
+        raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
+    rates_of(arch)
+    figures = backward_unit_figures(backward_interior_loop(spec, arch), spec)
+    res = resources or compile_offline(render_backward(spec), spec.uri, arch, sass=False).resources
+    prediction = predict(figures, arch)
+    vs_fa2 = None
+    if spec.head_dim == 128:
+        vs_fa2 = predict(FA2_BWD_D128, arch).cost / prediction.cost
+    return ModelReport(
+        uri=spec.uri,
+        arch=arch,
+        registers=res.registers,
+        spill_bytes=res.spill_store_bytes + res.spill_load_bytes,
+        stack_bytes=res.stack_bytes,
+        blocks_per_sm=kernel_occupancy(spec, arch, res).blocks,  # type: ignore[arg-type]
+        unit=figures,
+        prediction=prediction,
+        vs_fa2=vs_fa2,
+        backward=True,
     )

@@ -223,6 +223,19 @@ def hopper_default_spec(
         return None
 
 
+# The untuned tensor-core backward, by padded head dim: (largest, block_m, block_n, num_warps,
+# stages). Each is the tiling the static model ranks first among those that compile without
+# spills (docs/performance-model.md, "Backward (tensor cores)"): 8 warps in a 4 x 2 grid of
+# 32-key x half-the-columns shares (128 dK and dV accumulators per thread at head dim 128) over
+# 128-key blocks and 64-query tiles, two Q/dO stages; above head dim 128, 64-key blocks whose 8
+# warps split the head dim four ways, one stage (two spill at head dim 192 on sm_80).
+BACKWARD_TC_TILES = ((128, 64, 128, 8, 2), (256, 64, 64, 8, 1))
+# Kernels with more live state in their exact tiles (the built-in variants, an additive mask,
+# user expressions) spill in the 128-key tiling at head dim 128: 64-key blocks (a 2 x 4 grid),
+# also the fallback where an arch's shared memory is too small for the first (sm_86, sm_89).
+BACKWARD_TC_RICH_TILES = ((64, 64, 128, 8, 2), (128, 64, 64, 8, 2), (256, 64, 64, 8, 1))
+
+
 def default_backward_spec(
     dtype: str,
     head_dim: int,
@@ -231,26 +244,46 @@ def default_backward_spec(
     variants: tuple[str, ...] = (),
     expressions: Any = None,
     deterministic: bool = False,
+    tensor_cores: bool = True,
     additive_mask: bool = False,
+    arch: str | None = None,
 ) -> BackwardSpec:
-    """The backward spec for a call without tuning: the CUDA-core family with 32 x 32 tiles
+    """The backward spec for a call, with the call's variants and expressions and, with
+    ``additive_mask``, the mask flag (which also picks the tiling).
+
+    float16/bfloat16 with ``tensor_cores`` (sm_80+, q, k, v and dout copyable in 16-byte
+    chunks): the mma.sync engine with :data:`BACKWARD_TC_TILES`, or :data:`BACKWARD_TC_RICH_TILES`
+    for kernels with variants, a mask or expressions, fitting ``arch`` (a device's) or else
+    sm_80 and sm_90: the table's Q/dO stages, else one, else the rich tiling (sm_86, sm_89:
+    99 KiB), else the CUDA-core engine. Otherwise the CUDA-core family with 32 x 32 tiles
     (16 x 16 above head dim 128, where 32 keys would give each of 128 threads more than 128 dK
-    and dV accumulators), 4 warps, the call's causal flag, variants, expressions, dQ mode and
-    (``additive_mask``) mask. Valid for every dtype, every head dim (multiples of 8 to 256)
-    and every arch of kernelgen."""
-    tile = 32 if head_dim <= 128 else 16
+    and dV accumulators), 4 warps."""
     fields: dict[str, Any] = {
         "family": "backward",
         "dtype": dtype,
         "head_dim": head_dim,
-        "block_m": tile,
-        "block_n": tile,
-        "num_warps": 4,
         "causal": causal,
         "deterministic": deterministic,
         "additive_mask": additive_mask,
         **{name: True for name in variants},
     }
+    if arch in ARCHS:
+        fields["archs"] = (arch,)
     if expressions is not None:  # the backward visits every key tile: no block_sparse
         fields.update((k, v) for k, v in expressions.spec_fields().items() if k != "block_sparse")
-    return BackwardSpec(**fields)
+    if tensor_cores and normalize_dtype(dtype) in ("float16", "bfloat16"):
+        padded = -(-head_dim // 16) * 16
+        rich = bool(variants) or additive_mask or (expressions is not None and expressions.present)
+        tables = (BACKWARD_TC_RICH_TILES,) if rich else (BACKWARD_TC_TILES, BACKWARD_TC_RICH_TILES)
+        for table in tables:
+            _, block_m, block_n, warps, most = next(t for t in table if padded <= t[0])
+            for stages in range(most, 0, -1):
+                try:
+                    return BackwardSpec(
+                        **fields, mma="mma_sync", block_m=block_m, block_n=block_n,
+                        num_warps=warps, stages=stages,
+                    )  # fmt: skip
+                except ValueError:  # over the arch's shared memory
+                    continue
+    tile = 32 if head_dim <= 128 else 16
+    return BackwardSpec(**fields, block_m=tile, block_n=tile, num_warps=4)

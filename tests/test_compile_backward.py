@@ -1,6 +1,8 @@
 """Compile tier of the backward family: every backward spec and the policy's default at every
 head dim compile offline for their architectures with no spill, stack or local memory, every
-kernel of the source (preprocess, main, dQ) checked from the ptxas report."""
+kernel of the source (preprocess, main, dQ) checked from the ptxas report; tensor-core specs
+issue HMMA and LDSM (and the transposing LDSM.T); the default at head dim 128 meets its static
+targets per 64 x 64 unit (docs/performance-model.md, "Backward")."""
 
 from __future__ import annotations
 
@@ -8,8 +10,16 @@ import pytest
 from conftest import BACKWARD_SPEC_PATHS, require_toolchain
 
 from kernelgen.arch import ARCHS
-from kernelgen.compile import compile_offline, nvrtc_available, parse_ptxas_report
+from kernelgen.compile import (
+    compile_offline,
+    disassemble,
+    function_sass,
+    nvrtc_available,
+    parse_ptxas_report,
+    sass_instructions,
+)
 from kernelgen.families import backward, load_any_spec
+from kernelgen.perfmodel import FA2_BWD_D128, model_backward_spec
 from kernelgen.policy import default_backward_spec
 
 pytestmark = pytest.mark.compile
@@ -35,6 +45,23 @@ def assert_backward_compiles_cleanly(spec, archs=None) -> None:
         sass = compiled.resources.sass_instructions
         if sass:
             assert sass["LDL"] == 0 and sass["STL"] == 0, sass
+        if spec.mma == "mma_sync":
+            assert_tensor_core_sass(spec, compiled)
+
+
+def assert_tensor_core_sass(spec, compiled) -> None:
+    """The main kernel (and the deterministic dQ kernel) issue mma.sync and ldmatrix, including
+    the transposing form (the B operands of dV, dK and dQ)."""
+    text = disassemble(compiled.cubin)
+    if text is None:  # no cuobjdump/nvdisasm: the ptxas checks above still ran
+        return
+    kernels = [spec.uri] + ([f"{spec.uri}_dq"] if spec.deterministic else [])
+    for name in kernels:
+        opcodes = {row.opcode for row in sass_instructions(function_sass(text, name))}
+        assert any(op.startswith("HMMA.16816") for op in opcodes), (name, opcodes)
+        assert any(op.startswith("LDSM.16.M88") for op in opcodes), (name, opcodes)
+        assert any(op.startswith("LDSM.16.MT88") for op in opcodes), (name, opcodes)
+        assert any(op.startswith("LDGSTS") for op in opcodes), (name, opcodes)
 
 
 @pytest.mark.parametrize("path", BACKWARD_SPEC_PATHS, ids=lambda p: p.stem)
@@ -48,3 +75,38 @@ def test_default_backward_spec_compiles_at_every_head_dim(head_dim):
         "bfloat16", head_dim, causal=True, variants=("window", "softcap", "alibi")
     )
     assert_backward_compiles_cleanly(spec, ["sm_80"])
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "fields"),
+    [(64, {}), (128, {"causal": True}), (128, {"deterministic": True}), (256, {"causal": True}),
+     (128, {"additive_mask": True}), (144, {"causal": True, "deterministic": True})],
+)  # fmt: skip
+def test_default_tensor_core_backward_compiles_cleanly(head_dim, fields):
+    spec = default_backward_spec(
+        "float16",
+        head_dim,
+        causal=fields.get("causal", False),
+        deterministic=fields.get("deterministic", False),
+        additive_mask=fields.get("additive_mask", False),
+    )
+    if fields.get("additive_mask"):
+        spec = spec.with_additive_mask()
+    assert spec.mma == "mma_sync"
+    assert_backward_compiles_cleanly(spec)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_default_d128_backward_meets_its_static_targets(arch):
+    """Per 64 x 64 x 128 unit of the main loop: the five products' 1280 HMMA, at most 3200
+    instructions (FA2's backward: 3540), one fp32 atomic per dQ element and key block of 128,
+    no spill or stack, and ldmatrix plus cp.async traffic under FA2's 320 KiB."""
+    spec = default_backward_spec("bfloat16", 128, causal=False)
+    report = model_backward_spec(spec, arch)
+    unit = report.unit
+    assert (report.spill_bytes, report.stack_bytes) == (0, 0)
+    assert unit.count("HMMA") == FA2_BWD_D128.count("HMMA") == 1280
+    assert unit.instructions <= 3200, unit.by_class
+    assert unit.count("RED") == 128
+    assert unit.ldsm_ldgsts_bytes <= FA2_BWD_D128.smem_bytes
+    assert "atomics" in report.summary()

@@ -2,8 +2,9 @@
 ``kernelgen.attention_backward``, against the float64 analytic gradients of
 ``kernelgen.reference.attention_backward`` (itself checked against finite differences in
 test_reference_backward.py): every backward spec in specs/, every variant and expression, GQA,
-odd lengths, Sq != Sk, rows that see no key, layouts and strides; determinism across emulated
-block orders; mutations of the template that the checks must catch.
+odd lengths, Sq != Sk, rows that see no key, layouts and strides, on both engines (CUDA cores,
+and the tensor cores, the default for fp16/bf16); determinism across emulated block orders;
+mutations of both templates that the checks must catch.
 
 Shapes are small: each spec is one g++ build of its generated CUDA."""
 
@@ -321,3 +322,224 @@ def test_bad_inputs_raise_typed_errors():
         kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse, causal=True, spec=spec)
     with pytest.raises(InputError, match="deterministic"):
         kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse, spec=spec, deterministic=True)
+
+
+# ---- the tensor-core engine (mma_sync) --------------------------------------------------------
+def tc_spec(dtype: str, head_dim: int, **fields) -> BackwardSpec:
+    """A small tensor-core tiling: 32 keys x 32 queries, 2 warps that split the queries 16 each
+    (8-byte stores of P^T and dS^T); ``block_m=64, block_n=64, num_warps=4`` gives 32-query
+    warp tiles (16-byte stores)."""
+    base = {"family": "backward", "mma": "mma_sync", "dtype": dtype, "head_dim": head_dim,
+            "block_m": 32, "block_n": 32, "num_warps": 2}  # fmt: skip
+    return BackwardSpec(**{**base, **fields})
+
+
+WIDE = {"block_m": 64, "block_n": 64, "num_warps": 4}
+TC_CASES = {
+    # odd lengths, Sq != Sk, GQA, a head dim with a padding n8 tile (40 = 48 - 8)
+    "odd-gqa-f16": (tc_spec("float16", 40), (1, 4, 2, 37, 53), {}),
+    "causal-sq-gt-sk-bf16": (tc_spec("bfloat16", 64, causal=True, **WIDE), (2, 2, 1, 45, 19), {}),
+    "causal-sq-lt-sk-f16": (tc_spec("float16", 24, causal=True), (1, 3, 3, 9, 70), {}),
+    "window-two-sided-bf16": (tc_spec("bfloat16", 32, window=True), (1, 2, 1, 30, 50),
+                              {"window_size": (4, 9)}),
+    "variants-uneven-pairs-f16": (  # 3 column pairs over 2 warps: the per-pair lane offsets
+        tc_spec("float16", 96, causal=True, window=True, softcap=True, alibi=True, sinks=True,
+                **WIDE),
+        (1, 4, 2, 33, 47),
+        {"window_size": (6, -1), "softcap": 2.5},
+    ),
+    "deterministic-gqa-bf16": (tc_spec("bfloat16", 64, deterministic=True), (1, 4, 1, 40, 35), {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TC_CASES)
+def test_tensor_core_backward_matches_the_float64_gradients(name):
+    spec, shape, values = TC_CASES[name]
+    options = {"causal": spec.causal, **_variant_values(spec, shape[1]), **values}
+    p = make_problem(spec.dtype, (*shape, spec.head_dim), seed=len(name), options=options)
+    errors = check(p, run(p, spec=spec, deterministic=spec.deterministic), spec.dtype)
+    assert errors["dq"] > 0
+
+
+def test_default_backward_uses_the_tensor_cores_for_fp16_and_bf16():
+    p = make_problem("bfloat16", (1, 2, 1, 20, 30, 64))
+    out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True)
+    seen = []
+    kernels = backward_api._kernels
+
+    def spy(spec, arrays, device):
+        seen.append(spec)
+        return kernels(spec, arrays, device)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backward_api, "_kernels", spy)
+        grads = kernelgen.attention_backward(p.dout, p.q, p.k, p.v, out, lse)
+    assert seen[0].mma == "mma_sync"
+    check(p, grads, "bfloat16")
+
+
+def test_tensor_core_additive_mask_with_hidden_rows():
+    p = make_problem("float16", (1, 2, 2, 12, 40, 32))
+    mask = np.random.default_rng(1).normal(0, 1, (1, 1, 12, 40)).astype(np.float32)
+    mask[..., 3, :] = -np.inf  # a row with no visible key
+    mask[..., :, 7] = -np.inf
+    p.options["mask"] = mask
+    p.ref_options["mask"] = mask.astype(np.float64)
+    grads = run(p, spec=tc_spec("float16", 32))
+    check(p, grads, "float16")
+    assert np.all(grads[0][:, :, 3] == 0) and np.all(grads[1][:, :, 7] == 0)
+
+
+def test_tensor_core_expressions_match_the_float64_gradients():
+    batch, heads, seqlen_q, seqlen_k = 1, 2, 18, 27
+    rng = np.random.default_rng(9)
+    doc = np.sort(rng.integers(0, 3, (batch, seqlen_k)), axis=1).astype(np.int32)
+    inputs = {
+        "bias": rng.standard_normal((heads, seqlen_q, seqlen_k)).astype(np.float32),
+        "doc": doc,
+        "offset": np.array([seqlen_k - seqlen_q], np.int64),
+    }
+    declared = inputs_from_arrays(inputs)
+    expression = parse_score_mod(SCORE_MODS[0], declared)
+    mask_expression = parse_mask_mod(MASK_MOD, declared)
+    ref = {
+        "causal": True,
+        "mask_mod": lambda b, h, q, k: evaluate(
+            mask_expression, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        ),
+        "score_mod": lambda s, b, h, q, k: evaluate(
+            expression, score=s, b=b, h=h, q_idx=q, kv_idx=k, inputs=inputs
+        ),
+        "score_mod_grad": score_mod_grad_callable(expression, inputs),
+    }
+    options = {"causal": True, "score_mod": SCORE_MODS[0], "mask_mod": MASK_MOD,
+               "mod_inputs": inputs}  # fmt: skip
+    p = make_problem("bfloat16", (batch, heads, 1, seqlen_q, seqlen_k, 32), 4, options, ref)
+    fields = {k: v for k, v in (("score_mod", SCORE_MODS[0]), ("mask_mod", MASK_MOD))}
+    spec = tc_spec("bfloat16", 32, causal=True, mod_inputs=tuple(i.signature for i in declared),
+                   **fields)  # fmt: skip
+    check(p, run(p, spec=spec), "bfloat16")
+
+
+def test_tensor_core_backward_is_bitwise_stable_across_block_orders_when_deterministic(
+    monkeypatch,
+):
+    """dk, dv (no atomics) and the deterministic dq give the same bits in every block order; the
+    atomic dq's fp32 sums are reordered too, but rounding to fp16 mostly hides it, so it is only
+    checked against the reference."""
+    p = make_problem("float16", (1, 4, 1, 24, 160, 16), seed=11)
+    out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True)
+    specs = {False: tc_spec("float16", 16), True: tc_spec("float16", 16, deterministic=True)}
+    grads = {False: {}, True: {}}
+    for seed in (0, 1, 2):
+        monkeypatch.setenv("KG_EMULATOR_BLOCK_ORDER", str(seed))
+        for det, spec in specs.items():
+            grads[det][seed] = kernelgen.attention_backward(
+                p.dout, p.q, p.k, p.v, out, lse, spec=spec, deterministic=det
+            )
+    for runs in grads.values():
+        for i in (1, 2):  # dk, dv
+            assert len({g[i].tobytes() for g in runs.values()}) == 1
+    assert len({g[0].tobytes() for g in grads[True].values()}) == 1
+    check(p, grads[True][1], "float16")
+    check(p, grads[False][1], "float16")
+
+
+TC_MUTATIONS = {
+    # no barrier between the warps' P^T / dS^T stores and the products that read them
+    "dropped-mid-barrier": (
+        "      __syncthreads();  // P^T and dS^T of every warp are in shared memory\n",
+        "\n",
+    ),
+    # the products run before the query tile's copies have landed
+    "dropped-cp-async-wait": (
+        "cp_async_wait<0>();  // this thread's copies of tile t (and of K, V) have landed",
+        "",
+    ),
+    # dO read untransposed as dV's B operand
+    "trans-dropped": (
+        "      ldmatrix_x4_trans(b, b_tile + b_lane.bytes(16 * kk,",
+        "      ldmatrix_x4(b, b_tile + b_lane.bytes(16 * kk,",
+    ),
+    # D of the warp's first query columns for every lane
+    "delta-wrong-rows": (
+        "slot_stats + BLOCK_M + 2 * (query0 + 2 * n)",
+        "slot_stats + BLOCK_M + 2 * (dw * WARP_Q + 2 * n)",
+    ),
+    # Q and dO rows of the scores in the plain order while P^T is stored in the permuted one
+    "query-order-lost": (
+        "dw * WARP_Q + QUERY_BLOCK * ((lane % 8) / 2) + 2 * (lane / 16) + lane % 2,",
+        "dw * WARP_Q + (lane / 16) * 8 + lane % 8,",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", TC_MUTATIONS)
+def test_tensor_core_template_mutations_are_caught(name, monkeypatch):
+    original, mutated = TC_MUTATIONS[name]
+    spec = tc_spec("float16", 32, causal=True)
+    p = make_problem("float16", (1, 2, 1, 70, 64, 32), seed=2, options={"causal": True})
+    render = backward.render
+    assert original in render(spec), name  # the mutation applies to the kernel under test
+
+    monkeypatch.setattr(backward, "render", lambda s: render(s).replace(original, mutated))
+    monkeypatch.setattr(backward_api, "_KERNELS", {})
+    try:
+        grads = run(p, spec=spec)
+    except EmulatorLaunchError:  # a trap or hazard the emulator found is a catch too
+        return
+    with pytest.raises(AssertionError):
+        check(p, grads, "float16")
+
+
+def _launch_stats(monkeypatch) -> dict:
+    """Collects the emulator's LaunchStats of every backward kernel launched, by symbol."""
+    from kernelgen.emulator import launches
+
+    stats: dict = {}
+    build = launches.spec_kernel
+
+    def recording(spec, symbol, params, source=None):
+        kernel = build(spec, symbol, params, source)
+
+        def launch(**kwargs):
+            stats[symbol] = kernel(**kwargs)
+            return stats[symbol]
+
+        return launch
+
+    monkeypatch.setattr(launches, "spec_kernel", recording)
+    monkeypatch.setattr(backward_api, "_KERNELS", {})
+    return stats
+
+
+@pytest.mark.parametrize(
+    "fields", [{}, {**WIDE, "deterministic": True}], ids=["16-query-warps", "32-query-warps-det"]
+)
+def test_tensor_core_backward_ldmatrix_is_free_of_bank_conflicts(fields, monkeypatch):
+    """Every ldmatrix of the main kernel (the permuted Q and dO rows of S^T and dP^T included)
+    and of the dQ kernel takes one wavefront per 8x8 matrix."""
+    spec = tc_spec("bfloat16", 64, causal=True, **fields)
+    stats = _launch_stats(monkeypatch)
+    p = make_problem("bfloat16", (1, 2, 1, 40, 70, 64), options={"causal": True})
+    check(p, run(p, spec=spec, deterministic=spec.deterministic), "bfloat16")
+    kernels = [spec.uri] + ([f"{spec.uri}_dq"] if spec.deterministic else [])
+    for name in kernels:
+        assert stats[name].ldmatrix > 0
+        assert stats[name].ldmatrix_wavefronts == stats[name].ldmatrix_ideal, stats[
+            name
+        ].first_conflict
+
+
+def test_bank_conflict_check_sees_the_permuted_rows_without_their_swizzle(monkeypatch):
+    """Without the (row / 4) term of the Q/dO swizzle, the 8 rows of a permuted S^T column tile
+    fall in 2 bank groups; the results stay right."""
+    spec = tc_spec("bfloat16", 64, **WIDE)
+    swizzle = "if (KIND == SWZ_QD) return r ^ ((row >> 2) & 6);"
+    render = backward.render
+    assert swizzle in render(spec)
+    monkeypatch.setattr(backward, "render", lambda s: render(s).replace(swizzle, ""))
+    stats = _launch_stats(monkeypatch)
+    p = make_problem("bfloat16", (1, 1, 1, 64, 64, 64))
+    check(p, run(p, spec=spec), "bfloat16")
+    assert stats[spec.uri].ldmatrix_wavefronts > stats[spec.uri].ldmatrix_ideal

@@ -37,7 +37,7 @@ from kernelgen.render import (
 )
 from kernelgen.version import __version__
 
-ENTRY_TEMPLATE = {"simt": "fa_bwd_simt.cu.j2"}
+ENTRY_TEMPLATE = {"simt": "fa_bwd_simt.cu.j2", "mma_sync": "fa_bwd_tc.cu.j2"}
 # The tensors of a backward call, by parameter name, in the order (b, h, s) of their strides.
 STRIDED_TENSORS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
 
@@ -141,9 +141,11 @@ def launch_steps(spec: BackwardSpec, problem: Problem) -> list[LaunchStep]:
         LaunchStep(spec.uri, main_params(spec), main_grid, block, spec.smem_bytes),
     ]
     if spec.deterministic:
-        query_tiles = math.ceil(problem.seqlen_q / spec.block_m)
+        query_tiles = math.ceil(problem.seqlen_q / spec.dq_block_m)
         grid = _checked_grid(spec, query_tiles * problem.batch * problem.num_heads)
-        steps.append(LaunchStep(f"{spec.uri}_dq", dq_params(spec), grid, block, spec.smem_bytes))
+        dq_block = (spec.dq_threads, 1, 1)
+        dq_step = LaunchStep(f"{spec.uri}_dq", dq_params(spec), grid, dq_block, spec.dq_smem_bytes)
+        steps.append(dq_step)
     else:
         steps.append(LaunchStep(f"{spec.uri}_dq_convert", convert_params(spec), row_grid, block, 0))
     return steps

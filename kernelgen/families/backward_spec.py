@@ -1,8 +1,9 @@
 """The backward family's spec: a frozen Pydantic model of one attention backward kernel set.
 
 A backward spec fixes everything that is a compile-time constant of the kernels that compute
-dQ, dK and dV from dO (docs/backward.md): the engine, dtype, head dim, tiling, the mask and
-the variants compiled in, and how dQ is accumulated. Its ``uri`` names the kernels, the file
+dQ, dK and dV from dO (docs/backward.md): the engine (CUDA cores, or mma.sync tensor cores with
+their warp roles and cp.async stages), dtype, head dim, tiling, the mask and the variants
+compiled in, and how dQ is accumulated. Its ``uri`` names the kernels, the file
 under generated/ and every cache entry, as a forward spec's does.
 """
 
@@ -25,6 +26,7 @@ from pydantic import (
 )
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
+from kernelgen.engines import ENGINES, Engine
 from kernelgen.errors import SpecError
 from kernelgen.expressions import Expression, ModInput, spec_expressions
 from kernelgen.spec import (
@@ -37,15 +39,30 @@ from kernelgen.spec import (
     VARIANT_FLAGS,
     VARIANT_TAGS,
     DType,
+    padded_head_dim,
 )
 
-BackwardEngine = Literal["simt"]
+BackwardEngine = Literal["simt", "mma_sync"]
 # Tiles of the CUDA-core backward: a block owns BLOCK_N keys and walks BLOCK_M queries at a time.
 BACKWARD_TILES = (16, 32, 64)
 BACKWARD_WARPS = (1, 2, 4, 8)
 # Words of padding after each shared-memory row of Q, K, V and dO: an odd row stride in words,
 # so the rows a warp reads at one column fall in different banks.
 BACKWARD_SMEM_PAD_WORDS = 1
+# The tensor-core backward (templates/fa_bwd_tc.cu.j2): tiles are whole m16/k16 steps.
+TC_TILES = (16, 32, 64, 128)
+TC_STAGES = (1, 2)  # Q/dO tiles in flight (1: no prefetch, for the widest heads on sm_80)
+TC_DTYPES = ("float16", "bfloat16")
+# fp32 registers a thread may hold for its dK and dV rows and, beside them, for its share of the
+# S^T and dP^T tiles (ptxas keeps 255 registers: the rest is fragments, addresses and the loop).
+TC_MAX_KV_ACCUMULATORS = 128
+TC_MAX_ACCUMULATORS = 192
+# The deterministic dQ kernel of the tensor-core engine: 4 warps of 16 query rows each; key
+# tiles of 64 (32 above head dim 128, where a warp's dQ rows take 128 registers).
+TC_DQ_WARPS = 4
+TC_DQ_STAGES = 2
+TC_SWIZZLE_GROUP = 64  # elements: shared-memory rows are whole groups of 8 swizzled chunks
+TC_WARP_QUERIES = (16, 32)  # query columns of a warp's S^T tile (its 8- or 16-byte stores)
 
 
 class BackwardSpec(BaseModel):
@@ -59,13 +76,23 @@ class BackwardSpec(BaseModel):
     mma: BackwardEngine = Field(
         "simt",
         description="The engine: simt (fp32 FMA on CUDA cores, every dtype; the readable "
-        "reference family).",
+        "reference family) or mma_sync (tensor cores, float16/bfloat16, sm_80+: ldmatrix, "
+        "cp.async, fp32 accumulation).",
     )
     dtype: DType = Field(description="Element type of q, k, v, out, dout and the gradients.")
     head_dim: int = Field(description="Head dimension D: a multiple of 8, at most 256.")
-    block_m: int = Field(32, description="Query rows per tile a block walks: 16, 32 or 64.")
-    block_n: int = Field(32, description="Keys a block owns (its dK, dV rows): 16, 32 or 64.")
+    block_m: int = Field(
+        32, description="Query rows per tile a block walks: 16, 32 or 64 (mma_sync: up to 128)."
+    )
+    block_n: int = Field(
+        32, description="Keys a block owns (its dK, dV rows): 16, 32 or 64 (mma_sync: up to 128)."
+    )
     num_warps: int = Field(4, description="Warps per thread block: 1, 2, 4 or 8.")
+    stages: int | None = Field(
+        None,
+        description="mma_sync only: query tiles (Q and dO) in flight in the cp.async ring, 1 or "
+        "2 (default 2; 1 loads each tile after the previous one is done).",
+    )
     causal: bool = Field(False, description="Bottom-right aligned causal mask.")
     deterministic: bool = Field(
         False,
@@ -92,6 +119,8 @@ class BackwardSpec(BaseModel):
         for name in (*VARIANT_FLAGS, "additive_mask", "deterministic"):
             if data.get(name) is False:
                 del data[name]
+        if data.get("stages") is None:  # the CUDA-core engine has no stages
+            data.pop("stages", None)
         for name in EXPRESSION_FIELDS:
             if data.get(name) is None:
                 del data[name]
@@ -126,9 +155,23 @@ class BackwardSpec(BaseModel):
         data["mod_inputs"] = tuple(i.signature for i in declared)
         return data
 
-    @field_validator("head_dim", "block_m", "block_n", "num_warps", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: Any) -> Any:
+        """Tensor-core engines: their default stages unless given."""
+        if not isinstance(data, dict) or data.get("stages") is not None:
+            return data
+        mma = data.get("mma", "simt")
+        engine = ENGINES.get(mma) if isinstance(mma, str) else None  # else: the field's error
+        if engine is not None and engine.tensor_cores:
+            data = {**data, "stages": engine.default_stages}
+        return data
+
+    @field_validator("head_dim", "block_m", "block_n", "num_warps", "stages", mode="before")
     @classmethod
     def _strict_integer(cls, value: Any, info: Any) -> Any:
+        if value is None and info.field_name == "stages":
+            return None
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(
                 f"{info.field_name}={value!r:.80} is not allowed; use an integer "
@@ -157,10 +200,14 @@ class BackwardSpec(BaseModel):
     @field_validator("block_m", "block_n")
     @classmethod
     def _check_tile(cls, value: int, info: Any) -> int:
-        if value not in BACKWARD_TILES:
+        mma = info.data.get("mma")
+        tc = isinstance(mma, str) and mma in ENGINES and ENGINES[mma].tensor_cores
+        allowed = TC_TILES if tc else BACKWARD_TILES
+        if value not in allowed:
+            engine = " with mma='mma_sync'" if tc else ""
             raise ValueError(
-                f"{info.field_name}={value} is not allowed; use one of "
-                f"{', '.join(map(str, BACKWARD_TILES))}"
+                f"{info.field_name}={value} is not allowed{engine}; use one of "
+                f"{', '.join(map(str, allowed))}"
             )
         return value
 
@@ -191,6 +238,35 @@ class BackwardSpec(BaseModel):
             problems.append(
                 "mod_inputs are declared but the spec has no score_mod or mask_mod; remove them"
             )
+        if self.engine.tensor_cores:
+            problems += self._tc_problems()
+        else:
+            problems += self._simt_problems()
+        if problems:  # the geometry below needs the tiling to be consistent
+            raise ValueError("\n".join(problems))
+        for arch in self.archs:
+            if self.smem_bytes > ARCHS[arch].max_smem_per_block:
+                problems.append(
+                    f"{self.smem_bytes} bytes of shared memory per block, over the "
+                    f"{ARCHS[arch].max_smem_per_block} of {arch}; use smaller block_m or block_n"
+                    + (" or stages: 1" if self.engine.tensor_cores and self.stages != 1 else "")
+                )
+            if self.engine.tensor_cores and self.dq_smem_bytes > ARCHS[arch].max_smem_per_block:
+                problems.append(
+                    f"the dQ kernel's {self.dq_smem_bytes} bytes of shared memory are over the "
+                    f"{ARCHS[arch].max_smem_per_block} of {arch}"
+                )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _simt_problems(self) -> list[str]:
+        problems = []
+        if self.stages is not None:
+            problems.append(
+                f"stages={self.stages!r} is not allowed with mma='simt'; leave it out (the "
+                "CUDA-core kernels load their tiles synchronously)"
+            )
         limit = MAX_ACCUMULATORS_PER_THREAD["simt"]
         if self.accumulators_per_thread > limit:
             problems.append(
@@ -198,17 +274,61 @@ class BackwardSpec(BaseModel):
                 f"{self.threads} threads {self.accumulators_per_thread} dK and dV accumulators "
                 f"(at most {limit}); use a smaller block_n or more warps"
             )
-        for arch in self.archs:
-            if self.smem_bytes > ARCHS[arch].max_smem_per_block:
-                problems.append(
-                    f"{self.smem_bytes} bytes of shared memory per block, over the "
-                    f"{ARCHS[arch].max_smem_per_block} of {arch}; use smaller block_m or block_n"
-                )
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
+        return problems
+
+    def _tc_problems(self) -> list[str]:
+        """The tensor-core engine's rules (templates/fa_bwd_tc.cu.j2): warps own 16 or 32 keys
+        (key_warps of them cover block_n) and split the head dim's columns and the query tile
+        dim_warps ways; every share is whole m16/k16 steps."""
+        if self.dtype not in TC_DTYPES:
+            return [
+                f"dtype={self.dtype!r} is not allowed with mma='mma_sync'; use float16 or "
+                "bfloat16 (or mma: simt)"
+            ]
+        if self.stages not in TC_STAGES:
+            return [
+                f"stages={self.stages} is not allowed with mma='mma_sync'; use one of "
+                f"{', '.join(map(str, TC_STAGES))}"
+            ]
+        if self.num_warps % self.key_warps:
+            return [
+                f"block_n={self.block_n} needs a multiple of {self.key_warps} warps (each owns "
+                f"{self.warp_keys} keys); num_warps={self.num_warps} is not one"
+            ]
+        problems = []
+        if self.warp_queries not in TC_WARP_QUERIES:
+            allowed = " or ".join(str(q * self.dim_warps) for q in TC_WARP_QUERIES)
+            problems.append(
+                f"block_m={self.block_m} is not allowed with block_n={self.block_n} and "
+                f"num_warps={self.num_warps}: the {self.dim_warps} warps that share a key range "
+                f"split the query tile into 16 or 32 queries each; use block_m={allowed}"
+            )
+        if self.block_m > 32 * self.num_warps:
+            problems.append(
+                f"block_m={self.block_m} is over 32 rows per warp for the dQ product; use "
+                f"block_m <= {32 * self.num_warps} or more warps"
+            )
+        if self.kv_accumulators > TC_MAX_KV_ACCUMULATORS:
+            problems.append(
+                f"head_dim={self.head_dim} with block_n={self.block_n} and num_warps="
+                f"{self.num_warps} gives each thread {self.kv_accumulators} dK and dV "
+                f"accumulators (at most {TC_MAX_KV_ACCUMULATORS}); use more warps or a smaller "
+                "block_n"
+            )
+        elif self.accumulators_per_thread > TC_MAX_ACCUMULATORS:
+            problems.append(
+                f"block_m={self.block_m} gives each thread {self.accumulators_per_thread} "
+                f"accumulators (dK, dV and its S and dP tiles; at most {TC_MAX_ACCUMULATORS}); "
+                "use a smaller block_m"
+            )
+        return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------
+    @property
+    def engine(self) -> Engine:
+        """The row of this spec's engine (:mod:`kernelgen.engines`)."""
+        return ENGINES[self.mma]
+
     @property
     def threads(self) -> int:
         return 32 * self.num_warps
@@ -220,7 +340,100 @@ class BackwardSpec(BaseModel):
     @property
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K, V and dO tiles in shared memory, in elements."""
+        if self.engine.tensor_cores:  # swizzled: whole groups of 8 chunks
+            return _round_up(self.head_dim_padded, TC_SWIZZLE_GROUP)
         return self.head_dim + BACKWARD_SMEM_PAD_WORDS * 4 // self.elem_bytes
+
+    # ---- tensor-core geometry (templates/fa_bwd_tc.cu.j2) --------------------------------
+    @property
+    def head_dim_padded(self) -> int:
+        """Head dim rounded up to the mma k-step of 16 (zero columns in shared memory)."""
+        return padded_head_dim(self.head_dim)
+
+    @property
+    def warp_keys(self) -> int:
+        """Keys of a warp's S^T, dP^T, dK and dV rows: one or two m16 tiles."""
+        return 32 if self.block_n >= 32 else 16
+
+    @property
+    def key_warps(self) -> int:
+        """Warps along the block's keys (each owns warp_keys of them)."""
+        return self.block_n // self.warp_keys
+
+    @property
+    def dim_warps(self) -> int:
+        """Warps that share a key range: they split the query tile of S^T and dP^T, and the head
+        dim's columns of dK and dV."""
+        return max(1, self.num_warps // self.key_warps)
+
+    @property
+    def warp_queries(self) -> int:
+        """Queries (columns) of a warp's S^T and dP^T tiles."""
+        return self.block_m // self.dim_warps
+
+    @property
+    def column_pairs(self) -> int:
+        """16-column pairs of n8 tiles of the padded head dim."""
+        return self.head_dim_padded // 16
+
+    @property
+    def warp_pairs(self) -> int:
+        """Column pairs of a warp's dK and dV rows (the last warps may have fewer)."""
+        return -(-self.column_pairs // self.dim_warps)
+
+    @property
+    def dq_m_tiles(self) -> int:
+        """m16 tiles of a warp's dQ rows (atomic dQ in the main kernel)."""
+        return 2 if self.block_m >= 32 else 1
+
+    @property
+    def dq_row_warps(self) -> int:
+        return self.block_m // (16 * self.dq_m_tiles)
+
+    @property
+    def dq_col_warps(self) -> int:
+        return max(1, self.num_warps // self.dq_row_warps)
+
+    @property
+    def dq_pairs(self) -> int:
+        """Column pairs of a warp's dQ tile in the main kernel."""
+        return -(-self.column_pairs // self.dq_col_warps)
+
+    @property
+    def prob_row_elems(self) -> int:
+        """Row stride of the 16-bit P^T and dS^T tiles (keys x queries), in elements: the query
+        tile in whole groups of 8 swizzled chunks."""
+        return _round_up(self.block_m, TC_SWIZZLE_GROUP)
+
+    @property
+    def kv_accumulators(self) -> int:
+        """fp32 registers of a thread's dK and dV rows (tensor cores)."""
+        return self.warp_keys * self.warp_pairs
+
+    @property
+    def dq_threads(self) -> int:
+        """Threads of the deterministic dQ kernel."""
+        return 32 * TC_DQ_WARPS if self.engine.tensor_cores else self.threads
+
+    @property
+    def dq_block_m(self) -> int:
+        """Query rows of a block of the deterministic dQ kernel."""
+        return 16 * TC_DQ_WARPS if self.engine.tensor_cores else self.block_m
+
+    @property
+    def dq_block_n(self) -> int:
+        """Keys per tile of the deterministic dQ kernel."""
+        if not self.engine.tensor_cores:
+            return self.block_n
+        return 64 if self.head_dim_padded <= 128 else 32
+
+    @property
+    def dq_smem_bytes(self) -> int:
+        """Dynamic shared memory of the deterministic dQ kernel."""
+        if not self.engine.tensor_cores:
+            return self.smem_bytes
+        rows = 2 * self.dq_block_m + 2 * TC_DQ_STAGES * self.dq_block_n
+        return rows * self.smem_row_elems * self.elem_bytes
 
     @property
     def prob_row_floats(self) -> int:
@@ -229,28 +442,41 @@ class BackwardSpec(BaseModel):
 
     @property
     def accumulators_per_thread(self) -> int:
-        """fp32 registers of a thread's share of the block's dK and dV rows."""
+        """fp32 registers of a thread's share of the block's dK and dV rows (tensor cores: and
+        of its S^T and dP^T tiles)."""
+        if self.engine.tensor_cores:
+            return self.kv_accumulators + 2 * self.warp_keys * self.warp_queries // 32
         return 2 * math.ceil(self.block_n * self.head_dim / self.threads)
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of the main and dQ kernels: K, V, Q and dO tiles, the P and dS
-        tiles, and the rows' lse and D."""
+        """Dynamic shared memory of the main kernel (simt: and of the dQ kernel). simt: K, V, Q
+        and dO tiles, the fp32 P and dS tiles, the rows' lse and D. mma_sync: the K and V tiles,
+        the Q and dO ring, the 16-bit P^T and dS^T tiles and two slots of the rows' lse and
+        (twice) D."""
+        if self.engine.tensor_cores:
+            rows = 2 * self.block_n + 2 * self.stages * self.block_m  # type: ignore[operator]
+            tiles = rows * self.smem_row_elems * self.elem_bytes
+            probs = 2 * self.block_n * self.prob_row_elems * self.elem_bytes
+            return tiles + probs + 2 * 3 * self.block_m * 4  # two slots of lse2 and -D (twice)
         tiles = 2 * (self.block_m + self.block_n) * self.smem_row_elems * self.elem_bytes
         return tiles + 2 * self.block_m * self.prob_row_floats * 4 + 2 * self.block_m * 4
 
     @property
     def uri(self) -> str:
-        """Canonical readable name, e.g. ``fa_bwd_simt_bf16_d128_m32_n32_w4_causal_det``."""
+        """Canonical readable name, e.g. ``fa_bwd_simt_bf16_d128_m32_n32_w4_causal_det`` or
+        ``fa_bwd_tc_bf16_d128_m64_n128_w8_s2``."""
         parts = [
             "fa_bwd",
-            self.mma,
+            self.engine.uri_tag or self.mma,
             DTYPE_SHORT[self.dtype],
             f"d{self.head_dim}",
             f"m{self.block_m}",
             f"n{self.block_n}",
             f"w{self.num_warps}",
         ]
+        if self.engine.tensor_cores:
+            parts.append(f"s{self.stages}")
         if self.causal:
             parts.append("causal")
         if self.additive_mask:
@@ -293,6 +519,10 @@ class BackwardSpec(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+from kernelgen.arch import ARCHS
 from kernelgen.errors import KernelgenError, SpecError
 from kernelgen.families import AnySpec, family_of, spec_of_family
 from kernelgen.policy import (
@@ -79,6 +80,8 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
             variants=problem.variants,
             deterministic=problem.deterministic,
             additive_mask=problem.mask,
+            tensor_cores=ARCHS[device.target_arch].compute_capability >= 80,
+            arch=device.target_arch,
         )
     prefill = decode_rows(problem) is None and not problem.mask and problem.page_size == 0
     if prefill and device.target_arch == HOPPER_DEVICE_ARCH:

@@ -33,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from kernelgen import policy
+from kernelgen.arch import ARCHS
 from kernelgen.build import static_problems
 from kernelgen.compile import Resources, parse_ptxas_report
 from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
 from kernelgen.families import AnySpec, backward, spec_of_family
-from kernelgen.families.backward_spec import BackwardSpec
+from kernelgen.families.backward_spec import TC_DTYPES, BackwardSpec
+from kernelgen.families.backward_spec import TC_STAGES as BACKWARD_TC_STAGES
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
 from kernelgen.policy import HOPPER_DEVICE_ARCH
@@ -93,6 +95,8 @@ SIMT_FALLBACKS: tuple[dict[str, Any], ...] = (
 # validation drops those over the accumulator limit or the arch's shared memory).
 BACKWARD_SIMT_TILES = (16, 32, 64)
 BACKWARD_SIMT_WARPS = (2, 4, 8)
+BACKWARD_TC_TILES = (64, 128)
+BACKWARD_TC_WARPS = (4, 8)
 
 
 @dataclass(frozen=True)
@@ -217,10 +221,24 @@ def simt_backward_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, 
         yield {"mma": "simt", "block_m": block_m, "block_n": block_n, "num_warps": warps}
 
 
+def tc_backward_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
+    """The tensor-core backward grid (fp16/bf16 on sm_80 and later): block_m x block_n x
+    num_warps x Q/dO stages; the spec drops what does not fit (warp layouts, accumulators,
+    the arch's shared memory)."""
+    if problem.dtype not in TC_DTYPES or ARCHS[arch].compute_capability < 80:
+        return
+    for block_m, block_n, warps, stages in itertools.product(
+        BACKWARD_TC_TILES, BACKWARD_TC_TILES, BACKWARD_TC_WARPS, BACKWARD_TC_STAGES
+    ):
+        yield {"mma": "mma_sync", "block_m": block_m, "block_n": block_n, "num_warps": warps,
+               "stages": stages}  # fmt: skip
+
+
 # One grid per backward engine: its field sets for a backward problem on an arch (an engine
 # that does not apply there yields nothing).
 BACKWARD_GRIDS: dict[str, Callable[[ProblemDesc, str], Iterator[dict[str, Any]]]] = {
     "simt": simt_backward_fields,
+    "mma_sync": tc_backward_fields,
 }
 
 
