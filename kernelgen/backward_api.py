@@ -135,6 +135,9 @@ def attention_backward(
             tensors["alibi_slopes"] = launch_arg(arrays, call.variants.alibi.source)
         tensors.update(call.expressions.tensors(arrays))
         problem, q_shape = plan(call, layout)
+        # plan() gives the strides of a fresh forward output; the backward reads the caller's
+        # out, which may be a view (rows of a wider out, a context-parallel block)
+        problem = replace(problem, out_strides=grads_in["out"].strides[:3])
         dtype = arrays.dtype_of(call.q.source)
         k_shape = tuple(call.k.shape[i] for i in order)
         grads = {

@@ -154,14 +154,22 @@ def test_backward_candidates_are_valid_backward_specs_of_the_call(dtype, head_di
     p = bwd(dtype=dtype, head_dim=head_dim, causal=True, mask=True, deterministic=True,
             variants=("window", "alibi"))  # fmt: skip
     specs, dropped = valid_candidates(p, "sm_80")
-    assert 5 <= len(specs) <= 27 and len({s.uri for s in specs}) == len(specs)
+    assert len({s.uri for s in specs}) == len(specs)
+    simt = [s for s in specs if s.mma == "simt"]
+    tc = [s for s in specs if s.mma == "mma_sync"]
+    assert 5 <= len(simt) <= 27
+    assert bool(tc) == (dtype != "float32")  # fp16/bf16 on sm_80: the tensor-core grid too
     for s in specs:
         assert isinstance(s, BackwardSpec) and s.archs == ("sm_80",)
         assert (s.dtype, s.head_dim, s.causal, s.deterministic) == (dtype, head_dim, True, True)
         assert s.additive_mask and s.variants == ("window", "alibi")
+    for s in simt:
         assert s.accumulators_per_thread <= MAX_ACCUMULATORS_PER_THREAD["simt"]
-    assert {(s.block_m, s.block_n, s.num_warps) for s in specs} <= {
+    assert {(s.block_m, s.block_n, s.num_warps) for s in simt} <= {
         (m, n, w) for m in (16, 32, 64) for n in (16, 32, 64) for w in (2, 4, 8)
+    }
+    assert {(s.block_m, s.block_n, s.num_warps, s.stages) for s in tc} <= {
+        (m, n, w, st) for m in (64, 128) for n in (64, 128) for w in (4, 8) for st in (1, 2)
     }
     assert all(d.stage == "validation" for d in dropped)
     if head_dim >= 128:  # 64 keys x 128 dims over 2 warps: 256 accumulators per thread
@@ -186,9 +194,11 @@ def test_backward_pruning_occupancy_and_resources(caplog):
 def test_each_backward_engine_adds_its_grid(monkeypatch):
     """The grid is one function per engine: another engine's function adds its field sets."""
     extra = {"mma": "simt", "block_m": 16, "block_n": 16, "num_warps": 1}
+    before, _ = valid_candidates(bwd(head_dim=64), "sm_90")
     monkeypatch.setitem(candidates_module.BACKWARD_GRIDS, "extra", lambda p, arch: iter([extra]))
     specs, _ = valid_candidates(bwd(head_dim=64), "sm_90")
-    assert sum(s.num_warps == 1 for s in specs) == 1 and len(specs) == 28
+    assert sum(s.num_warps == 1 for s in specs) == 1 and len(specs) == len(before) + 1
+    assert {s.mma for s in before} == {"simt", "mma_sync"}
 
 
 def test_a_backward_spec_is_judged_by_its_worst_kernel():
@@ -251,21 +261,23 @@ def test_off_mode_takes_the_policy_default(monkeypatch):
     p = bwd(head_dim=256, mask=True, variants=("softcap",))
     spec = select_launch(p, DEVICE, software=SOFTWARE, tuner=tuner).spec
     expected = default_backward_spec(
-        "bfloat16", 256, causal=False, variants=("softcap",), additive_mask=True
-    )
+        "bfloat16", 256, causal=False, variants=("softcap",), additive_mask=True,
+        arch=DEVICE.target_arch,
+    )  # fmt: skip
     assert spec == expected == heuristic_spec(p, DEVICE) and calls == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_the_policy_has_a_backward_default_for_every_head_dim(dtype):
     """Every head dim a call takes, with every variant, a mask and deterministic dQ: a valid
-    spec within every arch's shared memory (the untuned spec and the bench's reference)."""
+    spec within the device's shared memory (the untuned spec and the bench's reference)."""
     for head_dim in range(8, MAX_HEAD_DIM + 1, 8):
         p = bwd(dtype=dtype, head_dim=head_dim, mask=True, deterministic=True,
                 variants=("window", "softcap", "alibi", "sinks"))  # fmt: skip
         spec = heuristic_spec(p, DEVICE)
         assert isinstance(spec, BackwardSpec) and spec.additive_mask and spec.deterministic
-        assert all(spec.smem_bytes <= arch.max_smem_per_block for arch in ARCHS.values())
+        assert spec.smem_bytes <= ARCHS[DEVICE.target_arch].max_smem_per_block
+        assert spec.archs == (DEVICE.target_arch,)
 
 
 def test_warmup_and_autotune_take_backward_problems():
@@ -456,10 +468,9 @@ def emulated_bench(request, monkeypatch):
 def test_the_backward_bench_checks_and_times_by_the_emulator(emulated_bench, monkeypatch):
     bench = emulated_bench
     assert len(bench.sets) == 2 and bench.check_rows == 40  # the slice holds every row
-    spec = BackwardSpec.model_validate(
-        {**bench.heuristic.model_dump(), "block_m": 16, "num_warps": 2}
-    )
-    assert bench.heuristic.uri.endswith("_d16_m32_n32_w4_causal_amask_win_cap_alibi_sink")
+    simt = {"mma": "simt", "block_m": 16, "block_n": 16, "num_warps": 2, "stages": None}
+    spec = BackwardSpec.model_validate({**bench.heuristic.model_dump(), **simt})
+    assert bench.heuristic.uri.endswith("_causal_amask_win_cap_alibi_sink")
     bench.compile(spec)
     assert bench.check(spec) is None  # dq, dk, dv against float64
     samples = bench.time(spec, 1.0, min_reps=2)
