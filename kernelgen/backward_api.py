@@ -1,7 +1,8 @@
 """``kernelgen.attention_backward``: dq, dk, dv (and dsinks) of attention, from the forward's
 out and lse (docs/backward.md).
 
-The same checks as :func:`kernelgen.attention` (they are its functions), then the backward
+The same checks as :func:`kernelgen.attention` (they are its functions), the spec (given, or
+the autotuner's choice on a GPU as attention()'s, or the policy's default), then the backward
 family's launch plan (:mod:`kernelgen.families.backward`) on CuPy, torch or, for NumPy arrays
 and CPU torch tensors, the emulator.
 """
@@ -34,7 +35,7 @@ from kernelgen.expression_inputs import check_spec_expressions
 from kernelgen.families import backward
 from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_arg, pointer_of
-from kernelgen.host import HOST_DEVICE, as_numpy
+from kernelgen.host import EMULATED_CAPABILITY, HOST_DEVICE, as_numpy
 from kernelgen.launch import (
     DEFAULT_DYNAMIC_SMEM,
     Problem,
@@ -81,7 +82,9 @@ def attention_backward(
     flows into ``mask``, ``alibi_slopes`` or ``mod_inputs``. ``deterministic=True`` computes dQ
     without atomics: bitwise identical results on every run, at the cost of recomputing the
     scores once more. CuPy in, CuPy out; torch in, torch out; NumPy or CPU torch run in the
-    emulator.
+    emulator. Without ``spec``, a GPU call runs the autotuner's choice for its backward problem
+    (``KERNELGEN_AUTOTUNE``, docs/autotuning.md), a host call or one with user expressions the
+    policy's default.
     """
     check_flags(causal=causal, deterministic=deterministic)
     if spec is not None and not isinstance(spec, BackwardSpec):
@@ -208,25 +211,44 @@ def _misaligned(tensors: list[TensorInfo]) -> list[str]:
     ]
 
 
+def _policy_spec(
+    call: CheckedCall,
+    causal: bool,
+    deterministic: bool,
+    capability: int,
+    misaligned: list[str],
+    arch: str | None = None,
+) -> BackwardSpec:
+    """The policy's backward spec for a call on a device of ``capability`` (``arch``: its
+    shared memory; None: sm_80 and sm_90): the tensor-core engine for fp16/bf16 on sm_80+ when
+    q, k, v and dout copy in 16-byte chunks (none ``misaligned``), else the CUDA-core one."""
+    return default_backward_spec(
+        call.dtype,
+        call.q.shape[3],
+        causal=causal,
+        variants=call.variants.flags,
+        expressions=call.expressions,
+        deterministic=deterministic,
+        tensor_cores=capability >= 80 and not misaligned,
+        additive_mask=call.mask is not None,
+        arch=arch,
+    )
+
+
 def _untuned_or_tuned_spec(
     call: CheckedCall, causal: bool, deterministic: bool, arrays: Arrays, misaligned: list[str]
 ) -> BackwardSpec:
     """The backward spec for a call without one, chosen as attention() chooses its forward
     spec: the autotuner's (:func:`kernelgen.tuning.select_launch` with the call's backward
     problem: memo, disk or a fresh tuning; ``KERNELGEN_AUTOTUNE=0`` the policy's default,
-    ``offline`` the database only) on a GPU of sm_80 or newer; the policy's default on the CPU
-    backend (no GPU to time) and for calls with user expressions (compiled per expression, not
-    in a tuning key)."""
+    ``offline`` the database only) on a GPU of sm_80 or newer with q, k, v and dout copyable in
+    16-byte chunks; else :func:`_policy_spec`: on the CPU backend (no GPU to time; sm_80's
+    instructions), for calls with user expressions (compiled per expression, not in a tuning
+    key) and for misaligned inputs."""
     batch, heads, seqlen_q, head_dim = call.q.shape
-    if arrays.host or call.expressions.present or device_arch()[0] < 80:
-        return default_backward_spec(
-            call.dtype,
-            head_dim,
-            causal=causal,
-            variants=call.variants.flags,
-            expressions=call.expressions,
-            deterministic=deterministic,
-        )
+    capability, arch = (EMULATED_CAPABILITY, None) if arrays.host else device_arch()
+    if arrays.host or call.expressions.present or capability < 80 or misaligned:
+        return _policy_spec(call, causal, deterministic, capability, misaligned, arch)
     from kernelgen.tuning import ProblemDesc, select_launch
     from kernelgen.tuning.autotune import gpu_tuner
 

@@ -117,17 +117,17 @@ def _call(q_strides_from=None):
 def test_misaligned_inputs_fall_back_to_cuda_cores_or_refuse_a_tensor_core_spec():
     call, infos = _call()
     assert backward_api._misaligned(infos) == []
-    assert backward_api._checked_spec(None, call, False, False, 80, []).mma == "mma_sync"
+    assert backward_api._policy_spec(call, False, False, 80, []).mma == "mma_sync"
     wide = np.zeros((1, 2, 8, 36), np.float16)  # rows of 36 elements: not multiples of 8
     call, infos = _call(wide)
     misaligned = backward_api._misaligned(infos)
     assert misaligned and "multiples of 8" in misaligned[0]
-    assert backward_api._checked_spec(None, call, False, False, 80, misaligned).mma == "simt"
-    assert backward_api._checked_spec(None, call, False, False, 75, []).mma == "simt"
+    assert backward_api._policy_spec(call, False, False, 80, misaligned).mma == "simt"
+    assert backward_api._policy_spec(call, False, False, 75, []).mma == "simt"
     spec = BackwardSpec(**{**TC, "dtype": "float16", "head_dim": 32, "block_m": 32,
                            "block_n": 32, "num_warps": 2})  # fmt: skip
     with pytest.raises(InputError, match="copies 16-byte chunks"):
-        backward_api._checked_spec(spec, call, False, False, 80, misaligned)
+        backward_api._checked_spec(spec, call, False, False, misaligned)
 
 
 def test_shared_bytes_by_instruction_width():

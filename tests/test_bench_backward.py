@@ -8,6 +8,7 @@ import datetime as dt
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,12 @@ def args(*flags: str):
     return backward.parse_args(list(flags))
 
 
-def plain(seqlen: int = 2048, causal: bool = False, head_dim: int = 128) -> backward.BackwardCase:
+def plain(
+    seqlen: int = 2048, causal: bool = False, head_dim: int = 128, dtype: str = "bfloat16"
+) -> backward.BackwardCase:
     heads = 32 if head_dim <= 64 else 16
     return backward.BackwardCase(
-        Shape("bfloat16", head_dim, causal, seqlen, seqlen, 16384 // seqlen, heads)
+        Shape(dtype, head_dim, causal, seqlen, seqlen, 16384 // seqlen, heads)
     )
 
 
@@ -151,7 +154,8 @@ def test_dry_run_builds_and_renders_every_kernelgen_spec(capsys):
     assert backward.main(["--dry-run", "--quick"]) == 0
     out = capsys.readouterr().out
     assert out.count(" ok fa_bwd_") == 8  # 4 cases x atomic and deterministic
-    assert "kg-det     ok fa_bwd_simt_bf16_d128_m32_n32_w4_causal_cap_det" in out
+    # the policy's tensor-core default for bf16 (16-byte aligned rows, sm_80 and later)
+    assert re.search(r"kg-det     ok fa_bwd_tc_bf16_d128_\w+_causal_cap_det\n", out)
     assert "_mmod" in out  # the document case's mask_mod is compiled in
 
 
@@ -309,10 +313,10 @@ def test_a_peer_that_raises_is_an_error_row(runner, monkeypatch):
 
 
 def test_kernelgen_rows_skip_the_cuda_core_kernel_past_the_limit(runner):
-    case = plain(seqlen=8192)
+    case = plain(seqlen=8192, dtype="float32")  # fp32: the CUDA-core engine
     row = runner.kernelgen_row(case, "kg-det", [], None)
     assert row["status"] == report.SKIPPED and "--simt-max-seqlen 4096" in row["reason"]
-    assert row["spec_uri"] == "fa_bwd_simt_bf16_d128_m32_n32_w4_det"
+    assert row["spec_uri"] == "fa_bwd_simt_f32_d128_m32_n32_w4_det"
 
 
 def test_run_writes_results_and_merges(monkeypatch, tmp_path, capsys):
