@@ -25,8 +25,19 @@ _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
 # Source transformation
 # --------------------------------------------------------------------------------------------
 
-# `__shared__` is `static` once kg_emulator.h's macros are expanded (the preprocessed source).
-_DYN_SMEM_RE = re.compile(r"\bextern\s+(?:__shared__|static)\s+(?P<body>[^;{}\[\]]+?)\[\s*\]\s*;")
+# `__shared__` reads `__kg_shared__` in the preprocessed source (kg_emulator.h defines it so when
+# KG_EMULATOR_PREPROCESS is set), `static` in older translations.
+_SHARED_KW = r"(?:__shared__|__kg_shared__|static)"
+_DYN_SMEM_RE = re.compile(rf"\bextern\s+{_SHARED_KW}\s+(?P<body>[^;{{}}\[\]]+?)\[\s*\]\s*;")
+_STATIC_SMEM_RE = re.compile(r"\b(?:__shared__|__kg_shared__)\b")
+_ALIGNED_RE = re.compile(
+    r"__attribute__\s*\(\(\s*aligned\s*\((?P<a>[^()]*)\)\s*\)\)|alignas\s*\((?P<b>[^()]*)\)"
+)
+# `type name[dims]` of a static shared declaration (the type ends before the last identifier).
+_SHARED_DECL_RE = re.compile(
+    r"(?P<type>.*[\s*&>)\]])(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\[\]]*\]\s*)*)", re.S
+)
+_CLUSTER_DIMS_RE = re.compile(r"\b__kg_cluster_dims__\s*\(")
 _ALIGN_RE = re.compile(
     r"__align__\s*\(\s*\w+\s*\)|alignas\s*\(\s*\w+\s*\)"
     r"|__attribute__\s*\(\((?:[^()]|\([^()]*\))*\)\)"
@@ -97,7 +108,7 @@ def transform_source(source: str) -> str:
     path of compiled kernels. Line numbers are kept. Raises
     :class:`~kernelgen.errors.EmulatorSourceError` for a declaration or asm it cannot handle.
     """
-    return _rewrite_asm(_rewrite_dynamic_smem(source))
+    return _rewrite_cluster_dims(_rewrite_asm(_rewrite_static_smem(_rewrite_dynamic_smem(source))))
 
 
 # `# 12 "file.cu" 1 3`: the lines after it come from line 12 of file.cu; flag 3 marks a system
@@ -127,7 +138,8 @@ def transform_preprocessed(text: str, library_dirs: tuple[str, ...] = ()) -> str
     own = [("".join(lines)) for is_own, _, lines in segments if is_own]
     done = iter(transform_source(_SEGMENT_SEP.join(own)).split(_SEGMENT_SEP))
     return "".join(
-        marker + (next(done) if is_own else "".join(lines)) for is_own, marker, lines in segments
+        marker + (next(done) if is_own else "".join(lines).replace("__kg_shared__", "static"))
+        for is_own, marker, lines in segments
     )
 
 
@@ -145,7 +157,7 @@ def _rewrite_dynamic_smem(source: str) -> str:
         name, ctype = words[-1], " ".join(words[:-1])
         if _at_namespace_scope(code, m.start()):
             repl = (
-                f"static {ctype}* {name} = nullptr; "
+                f"static thread_local {ctype}* {name} = nullptr; "
                 f"static const bool kg_dyn_smem_hook_{k} = ::kg_emu::register_dyn_smem_hook("
                 f"+[](unsigned char* p) {{ {name} = reinterpret_cast<{ctype}*>(p); }});"
             )
@@ -156,9 +168,100 @@ def _rewrite_dynamic_smem(source: str) -> str:
         last = m.end()
     pieces.append(source[last:])
     out = "".join(pieces)
-    if re.search(r"\bextern\s+(?:__shared__|static)\b", _blank_comments_and_strings(out)):
+    if re.search(rf"\bextern\s+{_SHARED_KW}\b", _blank_comments_and_strings(out)):
         raise EmulatorSourceError("unrecognised `extern __shared__` declaration left in the source")
     return out
+
+
+def _statement_start(code: str, pos: int) -> int:
+    """Offset after the `;`, `{` or `}` before ``pos`` (comment/string-blanked code)."""
+    i = pos
+    while i > 0 and code[i - 1] not in ";{}":
+        i -= 1
+    return i
+
+
+def _static_smem_declaration(source: str, start: int, end: int, k: int) -> str | None:
+    """The rewrite of the function-scope static shared declaration ``source[start:end]`` (its
+    ``;`` excluded) into a reference into the block's static arena, or None when it is not one
+    plain declarator (then it stays ordinary static storage)."""
+    text = source[start:end]
+    aligns = [m.group("a") or m.group("b") for m in _ALIGNED_RE.finditer(text)]
+    text = _ALIGN_RE.sub(" ", text)
+    text = _STATIC_SMEM_RE.sub(" ", text)
+    text = re.sub(r"\bstatic\b", " ", text).strip()
+    blanked = _blank_comments_and_strings(text)
+    if len(_split_top(blanked, 0, len(blanked), ",")) > 1 or "=" in blanked:
+        return None  # several declarators, or an initializer
+    m = _SHARED_DECL_RE.fullmatch(text)
+    if m is None or not m.group("type").strip():
+        return None
+    t = f"kg_shared_t_{k}"
+    align = f"alignof({t})"
+    for a in aligns:
+        align = f"(({align}) > ({a}) ? ({align}) : ({a}))"
+    return (
+        f"using {t} = {m.group('type').strip()} {m.group('dims').strip()}; "
+        f"static char kg_shared_site_{k}; "
+        f"{t}& {m.group('name')} = *reinterpret_cast<{t}*>(::kg_emu::static_smem_site("
+        f"&kg_shared_site_{k}, sizeof({t}), {align}))"
+    )
+
+
+def _rewrite_static_smem(source: str) -> str:
+    """``__shared__`` declarations left after :func:`_rewrite_dynamic_smem`: in a function, a
+    reference into the block's static arena (``kg_emu::static_smem_site``: one per block, in
+    the shared window, so that the blocks of a cluster each have their own and
+    ``__cvta_generic_to_shared`` maps them); at namespace scope (or not one plain declarator),
+    ordinary ``static`` storage (one per process)."""
+    code = _blank_comments_and_strings(source)
+    pieces: list[str] = []
+    last = 0
+    for k, m in enumerate(_STATIC_SMEM_RE.finditer(code)):
+        if m.start() < last:
+            continue
+        start = _statement_start(code, m.start())
+        end = code.find(";", m.end())
+        repl = None
+        if end >= 0 and not _at_namespace_scope(code, m.start()):
+            repl = _static_smem_declaration(source, start, end, k)
+        if repl is None:
+            pieces += [source[last : m.start()], "static"]
+            last = m.end()
+            continue
+        pieces += [source[last:start], repl + "\n" * source.count("\n", start, end)]
+        last = end
+    pieces.append(source[last:])
+    return "".join(pieces)
+
+
+def _rewrite_cluster_dims(source: str) -> str:
+    """``__cluster_dims__(x, y, z)`` (``__kg_cluster_dims__`` once preprocessed) on a kernel:
+    the attribute goes, and a registration of the kernel's cluster shape (read by the launch)
+    is added at the end."""
+    code = _blank_comments_and_strings(source)
+    pieces: list[str] = []
+    regs: list[str] = []
+    last = 0
+    for m in _CLUSTER_DIMS_RE.finditer(code):
+        close = _closing(code, m.end() - 1)
+        dims = [source[a:b].strip() for a, b in _split_top(code, m.end(), close, ",")]
+        after = re.compile(r"([A-Za-z_]\w*)\s*\(").search(code, close + 1)
+        if not 1 <= len(dims) <= 3 or not all(dims) or after is None:
+            raise EmulatorSourceError(
+                f"cannot read the kernel of __cluster_dims__({source[m.end() : close]})"
+            )
+        dims += ["1"] * (3 - len(dims))
+        regs.append(
+            f"static const bool kg_cluster_dims_{len(regs)} = ::kg_emu::register_cluster_dims("
+            f'"{after.group(1)}", {", ".join(f"({d})" for d in dims)});'
+        )
+        pieces += [source[last : m.start()], "\n" * source.count("\n", m.start(), close)]
+        last = close + 1
+    if not regs:
+        return source
+    pieces.append(source[last:])
+    return "".join(pieces) + "\n" + "\n".join(regs) + "\n"
 
 
 # --------------------------------------------------------------------------------------------

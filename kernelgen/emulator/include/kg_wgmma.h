@@ -107,7 +107,7 @@ inline uint64_t wgmma_compute(const WgmmaOp& op, float* out, bool check_reads) {
     if (check_reads && chunk_of(p) != last_chunk) {
       last_chunk = chunk_of(p);
       check_tma_read(last_chunk);
-      note_shared_read(p);
+      note_shared_read(p, false);
     }
     uint16_t bits;
     std::memcpy(&bits, p, 2);
@@ -162,8 +162,8 @@ inline void check_warpgroup_issue(const WgmmaOp& op, uint64_t number) {
   const uint64_t desc_a = op.rs ? 0 : op.desc_a;
   const uint32_t wg = tctx.linear / 128;
   MbarrierLock lock;
-  WarpgroupIssue& e = tctx.launch->warpgroup_issues[wg * kWarpgroupIssueRing +
-                                                    number % kWarpgroupIssueRing];
+  WarpgroupIssue& e = tctx.cta->warpgroup_issues[wg * kWarpgroupIssueRing +
+                                                 number % kWarpgroupIssueRing];
   if (e.number_plus_1 < number + 1) {
     e = WarpgroupIssue{number + 1, desc_a, op.desc_b, shape, tctx.linear};
   } else if (e.number_plus_1 == number + 1 &&
@@ -340,9 +340,8 @@ enum : uint32_t { kRendezvousCommit = 1, kRendezvousWait = 2 };
 
 // The thread's warpgroup, or nullptr when the block does not hold it whole.
 inline Warpgroup* my_warpgroup() {
-  const Launch& L = *tctx.launch;
   const uint32_t wg = tctx.linear / 128;
-  return wg < L.nwarpgroups ? &L.warpgroups[wg] : nullptr;
+  return wg < tctx.launch->nwarpgroups ? &tctx.cta->warpgroups[wg] : nullptr;
 }
 
 inline void warpgroup_rendezvous(Warpgroup& g, uint32_t kind, uint32_t wait_n) {
@@ -405,6 +404,9 @@ namespace kg_emu {
 inline void async_thread_begin() {
   ptx::wgmma_state.clear();
   mbarrier_seen.clear();
+  bulk_groups.clear();
+  unfenced_chunks.clear();
+  cluster_thread_begin();
 }
 
 inline void async_thread_end() {
@@ -415,6 +417,13 @@ inline void async_thread_end() {
     report_hazard("the thread leaves the kernel with %zu wgmma.mma_async not retired by a "
                   "wgmma.wait_group (their results never reach the accumulators)", pending);
   }
+  bulk_thread_end();
+}
+
+// Leaving the kernel, also after a trap: no longer expected at barrier.cluster.
+inline void async_thread_exit() {
+  bulk_groups.clear();
+  cluster_thread_exit();
 }
 
 }  // namespace kg_emu
