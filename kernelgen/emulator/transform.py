@@ -395,10 +395,12 @@ class _AsmStatement:
         if arg[0] == "imm":
             return str(arg[1])
         if arg[0] == "reg":
-            op = self.operand(arg[1], "rni", False, role)
+            op = self.operand(arg[1], "rnih", False, role)
             return f"({op.expr})" if op.kind in "ni" else f"{_PTX_NS}b32({op.expr})"
         if arg[0] == "local" and self.locals[arg[1]] == "b32":
             return _local_name(arg[1])
+        if arg[0] == "sreg":
+            return f"{_PTX_NS}sreg_{arg[1]}({arg[2]})"
         raise self.error(f"{role} must be a 32-bit register or an immediate")
 
     def u64(self, arg: tuple, role: str) -> str:
@@ -521,6 +523,25 @@ def _resolve_operand_refs(stmt: _AsmStatement) -> str:
     return re.sub(r"%%|%(?P<num>\d+)|%\[(?P<name>\w+)\]|%.?", ref, stmt.template)
 
 
+# Special registers (`mov.u32 d, %name`): name -> whether it has .x/.y/.z components.
+_SPECIAL_REGISTERS = {
+    "tid": True,
+    "ntid": True,
+    "ctaid": True,
+    "nctaid": True,
+    "laneid": False,
+    "warpid": False,
+    "nwarpid": False,
+    "clusterid": True,
+    "nclusterid": True,
+    "cluster_ctaid": True,
+    "cluster_nctaid": True,
+    "cluster_ctarank": False,
+    "cluster_nctarank": False,
+    "dynamic_smem_size": False,
+}
+_SREG_NAMES = ", ".join("%" + k for k in _SPECIAL_REGISTERS)
+_SREG_RE = re.compile(r"%(\w+)(?:\.([xyz]))?")
 _SINK32 = "kg_sink32"
 _LABEL_RE = re.compile(r"[A-Za-z_$][\w$]*")
 _BRA_RE = re.compile(r"bra(?:\.uni)?\s+([A-Za-z_$][\w$]*)")
@@ -611,11 +632,19 @@ def _ptx_args(stmt: _AsmStatement, text: str, instr: str) -> list[tuple]:
             args.append(("tmap", int(m.group(1)), coords))
         elif re.fullmatch(r"-\d+", a):
             args.append(("imm", int(a)))
-        elif re.fullmatch(r"%\w+", a):
+        elif (m := _SREG_RE.fullmatch(a)) and m.group(1) in _SPECIAL_REGISTERS:
+            dims = _SPECIAL_REGISTERS[m.group(1)]
+            if (m.group(2) is None) == dims:
+                raise stmt.error(
+                    f"special register {a} "
+                    + ("needs .x, .y or .z" if dims else "takes no .x/.y/.z")
+                )
+            args.append(("sreg", m.group(1), "xyz".index(m.group(2)) if dims else 0))
+        elif re.fullmatch(r"%[\w.]+", a):
             shown = re.sub(r"\$(\d+)", r"%\1", instr)
             raise stmt.error(
                 f"unsupported instruction {shown!r}: {a} is not a register declared in the asm "
-                "block (special registers are not modelled)"
+                f"block nor a special register the emulator models ({_SREG_NAMES})"
             )
         elif m := re.fullmatch(r"\{\s*(\$\d+(?:\s*,\s*\$\d+)*)\s*\}", a):
             args.append(("vec", [int(x) for x in re.findall(r"\d+", m.group(1))]))
@@ -648,33 +677,55 @@ def _offset(expr: str, offset: int) -> str:
 _LDMATRIX_REQUIRED = {"sync", "aligned", "m8n8", "b16"}
 
 
-def _ldmatrix_qualifiers(stmt: _AsmStatement, qualifiers: str, instr: str) -> tuple[int, bool]:
-    """(matrices, .trans) of ``ldmatrix`` qualifiers written in any order: the PTX ISA's
-    ``.sync.aligned.m8n8.x4.trans.shared.b16``, CUTLASS's ``.sync.aligned.x4.trans.m8n8...``
-    (ptxas takes both) and others; each exactly once."""
+def _ldmatrix_qualifiers(
+    stmt: _AsmStatement, qualifiers: str, instr: str, name: str = "ldmatrix"
+) -> tuple[int, bool, bool]:
+    """(matrices, .trans, generic address) of ``ldmatrix`` / ``stmatrix`` qualifiers written in
+    any order: the PTX ISA's ``.sync.aligned.m8n8.x4.trans.shared.b16``, CUTLASS's
+    ``.sync.aligned.x4.trans.m8n8...`` (ptxas takes both) and others; each exactly once. Without
+    ``.shared{::cta}`` the address is generic (a pointer into shared memory)."""
     words = qualifiers.split(".")[1:]
     nums = [w for w in words if w in ("x1", "x2", "x4")]
     spaces = [w for w in words if w in ("shared", "shared::cta")]
     known = _LDMATRIX_REQUIRED | {"x1", "x2", "x4", "trans", "shared", "shared::cta"}
     unknown = [w for w in words if w not in known]
-    if unknown or len(set(words)) != len(words) or len(nums) != 1 or len(spaces) != 1:
+    if unknown or len(set(words)) != len(words) or len(nums) != 1 or len(spaces) > 1:
         raise stmt.error(
-            f"unsupported ldmatrix form {instr.split(' ')[0]!r}: needs .sync .aligned .m8n8 "
-            ".x1/.x2/.x4 .shared .b16 (optional .trans), each once"
+            f"unsupported {name} form {instr.split(' ')[0]!r}: needs .sync .aligned .m8n8 "
+            ".x1/.x2/.x4 .b16 (optional .trans and .shared), each once"
             + (f"; unknown {', '.join('.' + w for w in unknown)}" if unknown else "")
         )
     missing = _LDMATRIX_REQUIRED - set(words)
     if missing:
         raise stmt.error(f"{instr.split(' ')[0]!r} lacks .{', .'.join(sorted(missing))}")
-    return int(nums[0][1]), "trans" in words
+    return int(nums[0][1]), "trans" in words, not spaces
+
+
+def _matrix_address(stmt: _AsmStatement, arg: tuple, generic: bool, role: str) -> str:
+    """The shared address of an ldmatrix / stmatrix ``[p]``: a "r" .shared address, or with a
+    generic address (no state space) a "l" pointer converted like __cvta_generic_to_shared."""
+    if not generic:
+        return _offset(stmt.read_b32(arg[1], role), arg[2])
+    ptr = stmt.read_global(arg[1], role)
+    if arg[2]:
+        ptr = f"({ptr} + {arg[2]})"
+    return f"{_PTX_NS}shared_address_of({ptr})"
 
 
 def _ptx_ldmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    n, trans = _ldmatrix_qualifiers(stmt, m.group(1), instr)
+    n, trans, generic = _ldmatrix_qualifiers(stmt, m.group(1), instr)
     _expect(stmt, instr, args, f"vec{n} addr")
     regs = [stmt.write_b32(r, "ldmatrix destination") for r in args[0][1]]
-    addr = _offset(stmt.read_b32(args[1][1], "ldmatrix address"), args[1][2])
+    addr = _matrix_address(stmt, args[1], generic, "ldmatrix address")
     return f"{_PTX_NS}ldmatrix<{n}, {str(trans).lower()}>({addr}, {', '.join(regs)})"
+
+
+def _ptx_stmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    n, trans, generic = _ldmatrix_qualifiers(stmt, m.group(1), instr, "stmatrix")
+    _expect(stmt, instr, args, f"addr vec{n}")
+    regs = [stmt.read_b32(r, "stmatrix source") for r in args[1][1]]
+    addr = _matrix_address(stmt, args[0], generic, "stmatrix address")
+    return f"{_PTX_NS}stmatrix<{n}, {str(trans).lower()}>({addr}, {', '.join(regs)})"
 
 
 def _ptx_mma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
@@ -822,13 +873,16 @@ def _ptx_mbarrier_arrive(
         want = "state addr tx" if expect_tx else "state addr [count]"
         raise _shape_error(stmt, instr, args, want)
     addr = stmt.shared_addr(args[1], "mbarrier address")
+    remote = m.group(2) == "::cluster"  # a .shared::cluster address: maybe another block's
     if expect_tx:
-        call = f"{_PTX_NS}mbarrier_arrive_expect_tx({addr}, {stmt.u32(args[2], 'tx-count')})"
-    elif counted:
-        call = f"{_PTX_NS}mbarrier_arrive({addr}, {stmt.u32(args[2], 'arrive count')})"
+        tx = stmt.u32(args[2], "tx-count")
+        call = f"{_PTX_NS}mbarrier_arrive_expect_tx({addr}, {tx}, {str(remote).lower()})"
     else:
-        call = f"{_PTX_NS}mbarrier_arrive({addr})"
+        count = stmt.u32(args[2], "arrive count") if counted else "1"
+        call = f"{_PTX_NS}mbarrier_arrive({addr}, {count}, {str(remote).lower()})"
     state = stmt.out64(args[0], "mbarrier state")
+    if remote and state is not None:
+        raise stmt.error(f"{instr!r}: an arrive on a .shared::cluster mbarrier returns no state: _")
     return call if state is None else f"{_PTX_NS}set_b64({state}, {call})"
 
 
@@ -855,33 +909,158 @@ def _ptx_mbarrier_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: 
 
 
 def _ptx_bulk_tensor(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    rank = int(m.group(1))
-    if m.group(2) and len(args) == 4:  # .L2::cache_hint: a 64-bit cache policy, only a hint
-        stmt.u64(args[3], "cache policy")
-        args = args[:3]
+    rank, multicast, hint = int(m.group(1)), m.group(2) is not None, m.group(3) is not None
     kinds = [a[0] for a in args]
-    if kinds != ["addr", "tmap", "addr"] or len(args[1][2]) != rank or args[1][0] != "tmap":
-        want = f"addr [tmap, vec{rank}] addr" + (" policy" if m.group(2) else "")
+    if (
+        len(args) != 3 + multicast + hint
+        or kinds[:3] != ["addr", "tmap", "addr"]
+        or len(args[1][2]) != rank
+    ):
+        want = (
+            f"addr [tmap, vec{rank}] addr"
+            + (" ctaMask" if multicast else "")
+            + (" policy" if hint else "")
+        )
         raise _shape_error(stmt, instr, args, want)
+    if hint:  # .L2::cache_hint: a 64-bit cache policy, only a hint
+        stmt.u64(args[-1], "cache policy")
     dst = stmt.shared_addr(args[0], "TMA destination")
     tmap = stmt.read_global(args[1][1], "tensor map")
     coords = [stmt.u32(c, "TMA coordinate") for c in args[1][2]]
     bar = stmt.shared_addr(args[2], "mbarrier address")
+    if multicast:
+        mask = stmt.u32(args[3], "ctaMask")
+        return (
+            f"{_PTX_NS}cp_async_bulk_tensor_multicast<{rank}>({dst}, {tmap}, {bar}, {mask}, "
+            f"{', '.join(coords)})"
+        )
     return f"{_PTX_NS}cp_async_bulk_tensor<{rank}>({dst}, {tmap}, {bar}, {', '.join(coords)})"
 
 
 def _ptx_bulk(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    if m.group(1) and len(args) == 5:  # .L2::cache_hint: a 64-bit cache policy, only a hint
-        stmt.u64(args[4], "cache policy")
-        args = args[:4]
-    _expect(stmt, instr, args, "addr addr val addr")
+    multicast, hint = m.group(1) is not None, m.group(2) is not None
+    if hint and len(args) == 5 + multicast:  # .L2::cache_hint: a 64-bit cache policy
+        stmt.u64(args[-1], "cache policy")
+        args = args[:-1]
+    _expect(stmt, instr, args, "addr addr val addr" + (" val" if multicast else ""))
     dst = stmt.shared_addr(args[0], "cp.async.bulk destination")
     src = stmt.read_global(args[1][1], "cp.async.bulk source")
     if args[1][2]:
         src = f"({src} + {args[1][2]})"
     size = stmt.u32(args[2], "cp.async.bulk size")
     bar = stmt.shared_addr(args[3], "mbarrier address")
+    if multicast:
+        mask = stmt.u32(args[4], "ctaMask")
+        return f"{_PTX_NS}cp_async_bulk_multicast({dst}, {src}, {size}, {bar}, {mask})"
     return f"{_PTX_NS}cp_async_bulk({dst}, {src}, {size}, {bar})"
+
+
+_REDUCTIONS = {"add": 0, "min": 1, "max": 2}  # kg_tma.h: BulkRedOp
+_REDUCE_TYPES = {"u32": 2, "s32": 3, "u64": 4, "s64": 5, "f16": 6, "f32": 7, "f64": 8, "bf16": 9}
+
+
+def _reduction(stmt: _AsmStatement, op: str, instr: str) -> int:
+    if op not in _REDUCTIONS:
+        raise stmt.error(
+            f"unsupported instruction {instr.split(' ')[0]!r}: the emulator models the "
+            f"reductions .add, .min and .max, not .{op}"
+        )
+    return _REDUCTIONS[op]
+
+
+def _ptx_bulk_tensor_store(
+    stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
+) -> str:
+    """cp.async.bulk.tensor.Nd.global.shared::cta.bulk_group and cp.reduce.async.bulk.tensor."""
+    reduce = instr.startswith("cp.reduce")
+    rank, hint = int(m.group(1)), m.group(3) is not None
+    red = _reduction(stmt, m.group(2), instr) if reduce else -1
+    kinds = [a[0] for a in args]
+    if len(args) != 2 + hint or kinds[:2] != ["tmap", "addr"] or len(args[0][2]) != rank:
+        raise _shape_error(
+            stmt, instr, args, f"[tmap, vec{rank}] addr" + (" policy" if hint else "")
+        )
+    if hint:
+        stmt.u64(args[-1], "cache policy")
+    tmap = stmt.read_global(args[0][1], "tensor map")
+    coords = [stmt.u32(c, "TMA coordinate") for c in args[0][2]]
+    src = stmt.shared_addr(args[1], "TMA store source")
+    return f"{_PTX_NS}cp_async_bulk_tensor_store<{rank}, {red}>({tmap}, {src}, {', '.join(coords)})"
+
+
+def _ptx_bulk_store(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    """cp.async.bulk.global.shared::cta.bulk_group and cp.reduce.async.bulk (non-tensor)."""
+    reduce = instr.startswith("cp.reduce")
+    hint = m.group(1) is not None
+    red = _reduction(stmt, m.group(2), instr) if reduce else -1
+    code = _REDUCE_TYPES[m.group(3)] if reduce else 0
+    if hint and len(args) == 4:
+        stmt.u64(args[-1], "cache policy")
+        args = args[:-1]
+    _expect(stmt, instr, args, "addr addr val")
+    dst = stmt.read_global(args[0][1], "cp.async.bulk destination")
+    if args[0][2]:
+        dst = f"({dst} + {args[0][2]})"
+    src = stmt.shared_addr(args[1], "cp.async.bulk source")
+    size = stmt.u32(args[2], "cp.async.bulk size")
+    return f"{_PTX_NS}cp_async_bulk_store<{red}, {code}>({dst}, {src}, {size})"
+
+
+def _ptx_bulk_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "val")
+    n = stmt.immediate(args[0], "cp.async.bulk.wait_group count")
+    return f"{_PTX_NS}cp_async_bulk_wait_group({n}, {str(m.group(1) is not None).lower()})"
+
+
+def _ptx_mapa(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if len(args) != 3:
+        raise _shape_error(stmt, instr, args, "d a rank")
+    wide = m.group(2) == "u64"
+    a = stmt.u64(args[1], "mapa address") if wide else stmt.u32(args[1], "mapa address")
+    rank = stmt.u32(args[2], "mapa rank")
+    fn = "mapa_shared" if m.group(1) else "mapa_generic"
+    value = f"{_PTX_NS}{fn}(static_cast<uint64_t>({a}), {rank})"
+    if not wide:
+        return f"{_PTX_NS}set_b32({stmt.out32(args[0], 'mapa destination')}, {value})"
+    dest = stmt.out64(args[0], "mapa destination")
+    if dest is None:
+        raise stmt.error('mapa.u64 destination must be a 64-bit ("=l") operand')
+    return f"{_PTX_NS}set_b64({dest}, static_cast<uint64_t>({value}))"
+
+
+def _ldst_value(stmt: _AsmStatement, arg: tuple, wide: bool, write: bool, role: str) -> str:
+    """A 32- or 64-bit ld destination / st source: a "r"/"f" ("l"/"d") operand, a local .b32
+    register, or (st) an immediate; moved as bits."""
+    if arg[0] == "reg":
+        op = stmt.operand(arg[1], "ld" if wide else "rf" + ("" if write else "nih"), write, role)
+        return f"({op.expr})" if write else f"{_PTX_NS}b{64 if wide else 32}({op.expr})"
+    if not wide:
+        return stmt.out32(arg, role) if write else stmt.u32(arg, role)
+    if arg[0] == "imm" and not write:
+        return f"{arg[1]}ull"
+    raise stmt.error(f'{role} must be a 64-bit ("l" or "d") operand')
+
+
+def _ptx_ld_st(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    """ld / st .shared{::cta,::cluster}{.v2,.v4} of 32- or 64-bit elements."""
+    load, cluster = m.group(1) == "ld", m.group(2) == "::cluster"
+    n = int(m.group(3)[1]) if m.group(3) else 1
+    wide = m.group(4).endswith("64")
+    value_kind = f"vec{n}" if n > 1 else "val"
+    shape = f"{value_kind} addr" if load else f"addr {value_kind}"
+    if len(args) != 2:
+        raise _shape_error(stmt, instr, args, shape)
+    addr_arg, value_arg = (args[1], args[0]) if load else (args[0], args[1])
+    if addr_arg[0] != "addr" or (n > 1) != (value_arg[0] == "vec"):
+        raise _shape_error(stmt, instr, args, shape)
+    addr = stmt.shared_addr(addr_arg, "shared address")
+    refs = [("reg", r) for r in value_arg[1]] if n > 1 else [value_arg]
+    role = "ld destination" if load else "st value"
+    values = [_ldst_value(stmt, r, wide, load, role) for r in refs]
+    fn = "ld_shared_v" if load else "st_shared_v"
+    ctype = "uint64_t" if wide else "uint32_t"
+    what = instr.split(" ")[0]
+    return f'{_PTX_NS}{fn}<{ctype}>({addr}, {str(cluster).lower()}, "{what}", {", ".join(values)})'
 
 
 def _ptx_elect(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
@@ -976,7 +1155,8 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     (r"wgmma\.wait_group\.sync\.aligned", _ptx_wgmma_wait),
     (rf"mbarrier\.init{_SHARED}\.b64", _ptx_mbarrier_init),
     (
-        rf"mbarrier\.arrive(\.expect_tx)?(?:\.release)?{_MBAR_SCOPE}{_SHARED}\.b64",
+        rf"mbarrier\.arrive(\.expect_tx)?(?:\.release)?{_MBAR_SCOPE}\.shared(::cta|::cluster)?"
+        r"\.b64",
         _ptx_mbarrier_arrive,
     ),
     (rf"mbarrier\.expect_tx(?:\.relaxed)?{_MBAR_SCOPE}{_SHARED}\.b64", _ptx_mbarrier_expect_tx),
@@ -986,13 +1166,50 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     ),
     (
         r"cp\.async\.bulk\.tensor\.([1-5])d\.shared::(?:cluster|cta)\.global(?:\.tile)?"
-        r"\.mbarrier::complete_tx::bytes(\.L2::cache_hint)?",
+        r"\.mbarrier::complete_tx::bytes(\.multicast::cluster)?(\.L2::cache_hint)?",
         _ptx_bulk_tensor,
     ),
     (
         r"cp\.async\.bulk\.shared::(?:cluster|cta)\.global\.mbarrier::complete_tx::bytes"
-        r"(\.L2::cache_hint)?",
+        r"(\.multicast::cluster)?(\.L2::cache_hint)?",
         _ptx_bulk,
+    ),
+    (
+        r"cp\.async\.bulk\.tensor\.([1-5])d\.global\.shared::cta(?:\.tile)?\.bulk_group()"
+        r"(\.L2::cache_hint)?",
+        _ptx_bulk_tensor_store,
+    ),
+    (
+        r"cp\.reduce\.async\.bulk\.tensor\.([1-5])d\.global\.shared::cta\.(\w+)(?:\.tile)?"
+        r"\.bulk_group(\.L2::cache_hint)?",
+        _ptx_bulk_tensor_store,
+    ),
+    (r"cp\.async\.bulk\.global\.shared::cta\.bulk_group(\.L2::cache_hint)?()()", _ptx_bulk_store),
+    (
+        r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group(\.L2::cache_hint)?\.(\w+)"
+        r"(?:\.noftz)?\.(u32|s32|u64|s64|f16|f32|f64|bf16)",
+        _ptx_bulk_store,
+    ),
+    (r"cp\.async\.bulk\.commit_group", _no_operands("cp_async_bulk_commit_group")),
+    (r"cp\.async\.bulk\.wait_group(\.read)?", _ptx_bulk_wait),
+    (
+        r"stmatrix((?:\.[A-Za-z0-9_:]+)+)",
+        _ptx_stmatrix,
+    ),
+    (
+        r"barrier\.cluster\.arrive(?:\.release|\.relaxed)?(?:\.aligned)?",
+        _no_operands("barrier_cluster_arrive"),
+    ),
+    (r"barrier\.cluster\.wait(?:\.acquire)?(?:\.aligned)?", _no_operands("barrier_cluster_wait")),
+    (r"mapa(\.shared::cluster)?\.(u32|u64)", _ptx_mapa),
+    (
+        r"(ld|st)(?:\.volatile|\.weak)?\.shared(::cta|::cluster)?(\.v[24])?"
+        r"\.(b32|u32|s32|f32|b64|u64|s64|f64)",
+        _ptx_ld_st,
+    ),
+    (
+        r"fence\.(?:sc|acq_rel|acquire|release)\.(?:cta|cluster|gpu|sys)",
+        _no_operands("fence_proxy_async"),
     ),
     (r"cvta\.to\.shared(?:::cta)?\.(u32|u64)", _ptx_cvta),
     (r"nanosleep\.u32", _ptx_nanosleep),
@@ -1002,9 +1219,10 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     ),
     (r"griddepcontrol\.(?:wait|launch_dependents)", _no_operands("compiler_barrier")),
     (
-        r"fence\.proxy\.async(?:\.shared::(?:cta|cluster)|\.global)?",
-        _no_operands("fence_proxy_async"),
+        r"fence\.proxy\.async(?:\.shared::(?:cta|cluster))?",
+        _no_operands("fence_proxy_async_shared"),
     ),
+    (r"fence\.proxy\.async\.global", _no_operands("fence_proxy_async")),
     (r"fence\.mbarrier_init\.release\.cluster", _no_operands("fence_proxy_async")),
     (r"elect\.sync", _ptx_elect),
     (r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", _ptx_setmaxnreg),
@@ -1037,7 +1255,8 @@ def _ptx_call(stmt: _AsmStatement, instr: str) -> str:
     raise stmt.error(
         f"unsupported instruction {shown!r}: the CPU emulator models only ldmatrix .m8n8 .b16, "
         "mma.sync .m16n8k16 (f16/bf16 -> f32), cp.async and the Hopper forms of "
-        "docs/emulator.md (wgmma, mbarrier, TMA, named barriers)"
+        "docs/emulator.md (wgmma, mbarrier, TMA loads and stores, stmatrix, named barriers, "
+        "clusters)"
     )
 
 

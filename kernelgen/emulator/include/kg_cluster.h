@@ -103,7 +103,7 @@ inline T ld_shared(uint32_t addr, bool cluster, const char* what) {
                              : shared_bytes(addr, sizeof(T), sizeof(T), what);
   if (target == tctx.cta) {
     const size_t chunk = chunk_of(p);
-    check_generic_write(tctx.cta->shadow[chunk], chunk, what);
+    check_generic_write(tctx.cta->shadow[chunk], chunk);
   }
   T v;
   std::memcpy(&v, p, sizeof(T));

@@ -323,10 +323,12 @@ struct NamedBarrierState {
 
 // The race checks' shadow of one 16-byte chunk of a block's shared memory (kg_ptx.h, kg_tma.h,
 // kg_bulk.h): the last ldmatrix read and cp.async write, the mbarrier phase of the last TMA
-// write, the last stmatrix write and its writer's fence.proxy.async, the TMA store reading it.
+// write, the last stmatrix write and its writer's fence.proxy.async, the last ldmatrix reader
+// (for stmatrix), the TMA store reading it.
 struct ChunkShadow {
-  std::atomic<uint64_t> reads, writes, tma, gen, fence, bulk, bulk_release;
+  std::atomic<uint64_t> reads, writes, tma, gen, fence, reader, bulk, bulk_release;
   void reset() {
+    reader.store(0, std::memory_order_relaxed);
     reads.store(0, std::memory_order_relaxed);
     writes.store(0, std::memory_order_relaxed);
     tma.store(0, std::memory_order_relaxed);

@@ -128,11 +128,11 @@ inline uint64_t mbarrier_arrive_tx(uint32_t addr, long long count, long long tx,
   return state;
 }
 
-inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1) {
-  return mbarrier_arrive_tx(addr, count, 0, "mbarrier.arrive");
+inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1, bool cluster = false) {
+  return mbarrier_arrive_tx(addr, count, 0, "mbarrier.arrive", cluster);
 }
-inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx) {
-  return mbarrier_arrive_tx(addr, 1, tx, "mbarrier.arrive.expect_tx");
+inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx, bool cluster = false) {
+  return mbarrier_arrive_tx(addr, 1, tx, "mbarrier.arrive.expect_tx", cluster);
 }
 
 inline void mbarrier_expect_tx(uint32_t addr, long long tx) {
@@ -216,11 +216,12 @@ inline void check_tma_read(size_t chunk) {
 namespace kg_emu::ptx {
 
 inline void mbarrier_init(uint32_t addr, long long count) { ::kg_emu::mbarrier_init(addr, count); }
-inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1) {
-  return ::kg_emu::mbarrier_arrive(addr, count);
+// `cluster`: the .shared::cluster form (the address may name another block's barrier).
+inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1, bool cluster = false) {
+  return ::kg_emu::mbarrier_arrive(addr, count, cluster);
 }
-inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx) {
-  return ::kg_emu::mbarrier_arrive_expect_tx(addr, tx);
+inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx, bool cluster = false) {
+  return ::kg_emu::mbarrier_arrive_expect_tx(addr, tx, cluster);
 }
 inline void mbarrier_expect_tx(uint32_t addr, long long tx) {
   ::kg_emu::mbarrier_expect_tx(addr, tx);

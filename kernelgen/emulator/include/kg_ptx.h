@@ -185,7 +185,8 @@ inline size_t chunk_of(const unsigned char* host) {
 // the writer and its point (epoch and barrier arrivals, kg_emulator.h: hb_after), and the
 // writer's next fence.proxy.async.shared::cta records its point beside it. Reported:
 //   * an ldmatrix of the chunk by a thread of another warp that no barrier orders after the
-//     write (the same warp's stmatrix and ldmatrix meet in the warp-synchronous instructions);
+//     write, or a write no barrier orders after the chunk's last ldmatrix by another warp (the
+//     same warp's stmatrix and ldmatrix meet in the warp-synchronous instructions);
 //   * an async-proxy read of it (a TMA store, a wgmma operand) that the writer's
 //     fence.proxy.async after the write is not ordered before: no fence, or no barrier;
 //   * a write (stmatrix, cp.async, TMA) into a chunk a TMA store still reads (kg_bulk.h: before
@@ -235,13 +236,25 @@ inline void check_bulk_pending(const ChunkShadow& sh, size_t chunk, const char* 
 }
 
 // stmatrix (a lane's 16-byte row at `host`) writes the chunk.
+// A write and a read of another warp that no barrier orders, found by whichever comes second
+// (the message does not depend on thread timing).
+constexpr const char* kUnorderedStmatrix =
+    "thread %u writes (stmatrix, st.shared) and thread %u reads (ldmatrix, ld.shared) shared "
+    "0x%x with no barrier ordering them";
+
+// Published before the last ldmatrix reader is checked (and the reader publishes before it
+// checks this write), so of a write and a read no barrier orders, the later one sees the other.
 inline void note_generic_write(const unsigned char* host, const char* what) {
   const size_t chunk = chunk_of(host);
   ChunkShadow& sh = tctx.cta->shadow[chunk];
-  check_bulk_pending(sh, chunk, what);
   sh.fence.store(0);
   sh.gen.store(my_point());
   unfenced_chunks.push_back(static_cast<uint32_t>(chunk));
+  check_bulk_pending(sh, chunk, what);
+  const PointStamp r = PointStamp::of(sh.reader.load());
+  if (r.any && r.thread / 32 != tctx.linear / 32 && !r.before_me()) {
+    report_hazard(kUnorderedStmatrix, tctx.linear, r.thread, chunk_address(chunk));
+  }
 }
 
 // fence.proxy.async{.shared::cta}: this thread's stmatrix writes reach the async proxy.
@@ -255,12 +268,10 @@ inline void fence_generic_writes() {
 }
 
 // A generic-proxy read (ldmatrix) of a chunk stmatrix wrote.
-inline void check_generic_write(const ChunkShadow& sh, size_t chunk, const char* what) {
+inline void check_generic_write(const ChunkShadow& sh, size_t chunk) {
   const PointStamp w = PointStamp::of(sh.gen.load());
   if (!w.any || w.thread / 32 == tctx.linear / 32 || w.before_me()) return;
-  report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix, with no barrier "
-                "ordering the write before the read",
-                what, chunk_address(chunk), w.thread);
+  report_hazard(kUnorderedStmatrix, w.thread, tctx.linear, chunk_address(chunk));
 }
 
 // An async-proxy read (TMA store, wgmma) of chunk `chunk` of the executing thread's block.
@@ -295,7 +306,8 @@ inline void note_shared_read(const unsigned char* host, bool generic = true) {
     if (old == want || sh.reads.compare_exchange_weak(old, want)) break;
   }
   if (generic) {
-    check_generic_write(sh, chunk, "ldmatrix");
+    sh.reader.store(my_point());
+    check_generic_write(sh, chunk);
   } else {
     check_async_read(chunk, "wgmma");
   }
@@ -428,6 +440,49 @@ inline void set_b64(R& r, uint64_t v) {
   static_assert(sizeof(R) == 8 && std::is_trivially_copyable_v<R>, "\"=l\" operand type");
   std::memcpy(&r, &v, 8);
 }
+// A 64-bit source ("l" or "d"): its bits.
+template <class V>
+inline uint64_t b64(const V& v) {
+  if constexpr (std::is_integral_v<V> || std::is_enum_v<V>) {
+    return static_cast<uint64_t>(v);
+  } else {
+    static_assert(sizeof(V) == 8 && std::is_trivially_copyable_v<V>, "\"l\" operand type");
+    uint64_t u;
+    std::memcpy(&u, &v, 8);
+    return u;
+  }
+}
+
+// ld.shared{::cta,::cluster}{.vN}.<32- or 64-bit type> {d...}, [addr] and st ... [addr], {v...}
+// (kg_cluster.h: ld_shared / st_shared), the vector aligned to its whole size.
+template <class T, class... D>
+inline void ld_shared_v(uint32_t addr, bool cluster, const char* what, D&... d) {
+  constexpr uint32_t n = sizeof...(D);
+  if (addr % (n * sizeof(T)) != 0) {
+    trap_with("%s: shared address 0x%x is not %zu-byte aligned", what, addr, n * sizeof(T));
+  }
+  uint32_t i = 0;
+  auto one = [&](auto& dest) {
+    const T v = ld_shared<T>(addr + static_cast<uint32_t>(sizeof(T)) * i++, cluster, what);
+    if constexpr (sizeof(T) == 8) {
+      set_b64(dest, v);
+    } else {
+      set_b32(dest, v);
+    }
+  };
+  (one(d), ...);
+}
+template <class T, class... V>
+inline void st_shared_v(uint32_t addr, bool cluster, const char* what, V... v) {
+  constexpr uint32_t n = sizeof...(V);
+  if (addr % (n * sizeof(T)) != 0) {
+    trap_with("%s: shared address 0x%x is not %zu-byte aligned", what, addr, n * sizeof(T));
+  }
+  uint32_t i = 0;
+  (st_shared<T>(addr + static_cast<uint32_t>(sizeof(T)) * i++, static_cast<T>(v), cluster, what),
+   ...);
+}
+
 // An f32 operand given as "r": the 32-bit value holds the float's bits (as in a PTX .b32/.f32
 // register), e.g. CUTLASS-style accumulators in uint32_t arrays.
 template <class V>
