@@ -31,7 +31,8 @@ _SHARED_KW = r"(?:__shared__|__kg_shared__|static)"
 _DYN_SMEM_RE = re.compile(rf"\bextern\s+{_SHARED_KW}\s+(?P<body>[^;{{}}\[\]]+?)\[\s*\]\s*;")
 _STATIC_SMEM_RE = re.compile(r"\b(?:__shared__|__kg_shared__)\b")
 _ALIGNED_RE = re.compile(
-    r"__attribute__\s*\(\(\s*aligned\s*\((?P<a>[^()]*)\)\s*\)\)|alignas\s*\((?P<b>[^()]*)\)"
+    r"__attribute__\s*\(\(\s*aligned\s*\((?P<a>[^()]*)\)\s*\)\)"
+    r"|(?:alignas|__align__)\s*\((?P<b>[^()]*)\)"
 )
 # `type name[dims]` of a static shared declaration (the type ends before the last identifier).
 _SHARED_DECL_RE = re.compile(
@@ -181,31 +182,60 @@ def _statement_start(code: str, pos: int) -> int:
     return i
 
 
+def _split_declarators(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and template argument lists."""
+    parts, depth, last = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{<":
+            depth += 1
+        elif ch in ")]}>":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[last:i])
+            last = i + 1
+    return [*parts, text[last:]]
+
+
+_DECLARATOR_RE = re.compile(
+    r"\s*(?P<ptr>[*&\s]*)(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\[\]]*\]\s*)*)"
+)
+
+
 def _static_smem_declaration(source: str, start: int, end: int, k: int) -> str | None:
     """The rewrite of the function-scope static shared declaration ``source[start:end]`` (its
-    ``;`` excluded) into a reference into the block's static arena, or None when it is not one
-    plain declarator (then it stays ordinary static storage)."""
+    ``;`` excluded) into references into the block's static arena (one per declarator), or None
+    when it cannot be read (then it stays ordinary static storage)."""
     text = source[start:end]
     aligns = [m.group("a") or m.group("b") for m in _ALIGNED_RE.finditer(text)]
     text = _ALIGN_RE.sub(" ", text)
     text = _STATIC_SMEM_RE.sub(" ", text)
     text = re.sub(r"\bstatic\b", " ", text).strip()
     blanked = _blank_comments_and_strings(text)
-    if len(_split_top(blanked, 0, len(blanked), ",")) > 1 or "=" in blanked:
-        return None  # several declarators, or an initializer
-    m = _SHARED_DECL_RE.fullmatch(text)
+    if "=" in blanked or blanked != text:
+        return None  # an initializer, or comments inside
+    first, *others = _split_declarators(text)
+    m = _SHARED_DECL_RE.fullmatch(first)
     if m is None or not m.group("type").strip():
         return None
-    t = f"kg_shared_t_{k}"
-    align = f"alignof({t})"
-    for a in aligns:
-        align = f"(({align}) > ({a}) ? ({align}) : ({a}))"
-    return (
-        f"using {t} = {m.group('type').strip()} {m.group('dims').strip()}; "
-        f"static char kg_shared_site_{k}; "
-        f"{t}& {m.group('name')} = *reinterpret_cast<{t}*>(::kg_emu::static_smem_site("
-        f"&kg_shared_site_{k}, sizeof({t}), {align}))"
-    )
+    base = m.group("type").rstrip(" *&")
+    declarators = [(m.group("type").strip(), m.group("name"), m.group("dims").strip())]
+    for piece in others:
+        d = _DECLARATOR_RE.fullmatch(piece)
+        if d is None:
+            return None
+        declarators.append((f"{base} {d.group('ptr').strip()}", d.group("name"), d.group("dims")))
+    out = []
+    for j, (ctype, name, dims) in enumerate(declarators):
+        t, site = f"kg_shared_t_{k}_{j}", f"kg_shared_site_{k}_{j}"
+        align = f"alignof({t})"
+        for a in aligns:
+            align = f"(({align}) > ({a}) ? ({align}) : ({a}))"
+        out.append(
+            f"using {t} = {ctype} {dims.strip()}; static char {site}; "
+            f"{t}& {name} = *reinterpret_cast<{t}*>(::kg_emu::static_smem_site("
+            f"&{site}, sizeof({t}), {align}))"
+        )
+    return "; ".join(out)
 
 
 def _rewrite_static_smem(source: str) -> str:
