@@ -833,26 +833,43 @@ def _checked_immediate(stmt: _AsmStatement, arg: tuple, role: str, allowed: tupl
     return stmt.immediate(arg, role)
 
 
+_WGMMA_ELEMS = {"f16": "f16", "bf16": "bf16", "e4m3": "e4m3", "e5m2": "e5m2"}
+
+
 def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    n, a_type, b_type = int(m.group(1)), m.group(2), m.group(3)
-    if n % 8 or not 8 <= n <= 256:
-        raise stmt.error(f"{instr.split(' ')[0]!r}: N={n} is not a multiple of 8 in [8, 256]")
-    if a_type != b_type:
-        raise stmt.error(f"{instr!r}: A and B must have the same type")
-    register_a = len(args) > 1 and args[1][0] == "vec"
-    want = (
-        f"vec{n // 2} vec4 reg pred imm imm imm"
-        if register_a
-        else f"vec{n // 2} reg reg pred imm imm imm imm"
+    n, k, dtype, a_type, b_type = (
+        int(m.group(1)),
+        int(m.group(2)),
+        m.group(3),
+        m.group(4),
+        m.group(5),
     )
-    if len(args) != len(want.split()) or args[0][0] != "vec" or len(args[0][1]) != n // 2:
+    opcode = instr.split(" ")[0]
+    if n % 8 or not 8 <= n <= 256:
+        raise stmt.error(f"{opcode!r}: N={n} is not a multiple of 8 in [8, 256]")
+    fp8 = a_type in ("e4m3", "e5m2")
+    if fp8 != (b_type in ("e4m3", "e5m2")) or (not fp8 and a_type != b_type):
+        raise stmt.error(f"{instr!r}: A and B must have the same 16-bit type, or both be fp8")
+    if k != (32 if fp8 else 16) or (dtype == "f16" and a_type == "bf16"):
+        raise stmt.error(
+            f"unsupported wgmma form {opcode!r}: the emulator models k16 with f16/bf16 inputs (f32 "
+            "accumulators, f16 ones for f16 inputs) and k32 with e4m3/e5m2 inputs (f32 or f16 "
+            "accumulators)"
+        )
+    nregs = n // 2 if dtype == "f32" else n // 4
+    register_a = len(args) > 1 and args[1][0] == "vec"
+    imms = 2 + (0 if fp8 else 1 if register_a else 2)  # scales, then transposes (16-bit only)
+    want = f"vec{nregs} " + ("vec4 reg" if register_a else "reg reg") + " pred" + " imm" * imms
+    if len(args) != len(want.split()) or args[0][0] != "vec" or len(args[0][1]) != nregs:
         raise _shape_error(stmt, instr, args, want)
     d = []
+    kinds = "fr" if dtype == "f32" else "r"
     for ref in args[0][1]:
-        op = stmt.operand(ref, "fr", True, "wgmma accumulator")
+        op = stmt.operand(ref, kinds, True, "wgmma accumulator")
         if not op.readable:
             raise stmt.error(
-                f'wgmma accumulator {op.describe()} is read and written by wgmma: declare it "+f"'
+                f"wgmma accumulator {op.describe()} is read and written by wgmma: declare it "
+                + ('"+f"' if dtype == "f32" else '"+r" (a .f16x2 register)')
             )
         d.append(f"({op.expr})")
     rest = args[3:]
@@ -862,17 +879,45 @@ def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tup
         scale_d = stmt.pred(rest[0], "wgmma scale-d")
     scales = [_checked_immediate(stmt, a, "wgmma imm-scale", (1, -1)) for a in rest[1:3]]
     trans = [_checked_immediate(stmt, a, "wgmma imm-trans", (0, 1)) for a in rest[3:]]
-    elem = f"{_PTX_NS}Elem::{a_type}"
+    if fp8:  # no transposes: 8-bit operands are K-major
+        trans = ["0"] if register_a else ["0", "0"]
+    ns = f"{_PTX_NS}WElem::"
+    targs = f"{ns}{a_type}, {ns}{b_type}, {n}, {str(dtype == 'f16').lower()}"
     if register_a:
         if len(args[1][1]) != 4:
             raise _shape_error(stmt, instr, args, want)
         a = [f"({stmt.operand(r, 'r', False, 'wgmma A').expr})" for r in args[1][1]]
         b = stmt.u64(args[2], "wgmma b-desc")
         call_args = [*a, b, scale_d, *scales, *trans, *d]
-        return f"{_PTX_NS}wgmma_rs<{elem}, {n}>({', '.join(call_args)})"
+        return f"{_PTX_NS}wgmma_rs<{targs}>({', '.join(call_args)})"
     descs = [stmt.u64(args[1], "wgmma a-desc"), stmt.u64(args[2], "wgmma b-desc")]
     call_args = [*descs, scale_d, *scales, *trans, *d]
-    return f"{_PTX_NS}wgmma_ss<{elem}, {n}>({', '.join(call_args)})"
+    return f"{_PTX_NS}wgmma_ss<{targs}>({', '.join(call_args)})"
+
+
+def _ptx_cvt_fp8(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    """cvt.rn.satfinite{.relu}.{e4m3x2,e5m2x2}.{f32,f16x2}, cvt.rn{.relu}.f16x2.{e4m3x2,e5m2x2}
+    and cvt.rn{.relu}{.satfinite}.{f16x2,bf16x2}.f32."""
+    relu = str(m.group("relu") is not None).lower()
+    dst, src = m.group("dst"), m.group("src")
+    pair = src == "f32"
+    if len(args) != (3 if pair else 2) or args[0][0] != "reg":
+        raise _shape_error(stmt, instr, args, "d a b" if pair else "d a")
+    d = f"({stmt.operand(args[0][1], 'hr', True, 'cvt destination').expr})"
+    if pair:
+        a = [stmt.read_f32(x[1], "cvt source") if x[0] == "reg" else None for x in args[1:]]
+        if None in a:
+            raise stmt.error(f"{instr!r}: the sources must be f32 registers")
+        if dst in ("f16x2", "bf16x2"):
+            sat = str(m.group("sat") is not None).lower()
+            return f"{_PTX_NS}cvt_{dst}_f32<{relu}, {sat}>({d}, {a[0]}, {a[1]})"
+        return (
+            f"{_PTX_NS}cvt_fp8x2_f32<{str(dst == 'e5m2x2').lower()}, {relu}>({d}, {a[0]}, {a[1]})"
+        )
+    a = stmt.u32(args[1], "cvt source")
+    if dst == "f16x2":
+        return f"{_PTX_NS}cvt_f16x2_fp8x2<{str(src == 'e5m2x2').lower()}, {relu}>({d}, {a})"
+    return f"{_PTX_NS}cvt_fp8x2_f16x2<{str(dst == 'e5m2x2').lower()}, {relu}>({d}, {a})"
 
 
 def _no_operands(call: str) -> Any:
@@ -1179,7 +1224,20 @@ def _ptx_bar(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple
 _SHARED = r"\.shared(?:::cta)?"
 _MBAR_SCOPE = r"(?:\.cta|\.cluster)?"
 HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
-    (r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(f16|bf16)\.(f16|bf16)", _ptx_wgmma),
+    (
+        r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k(16|32)\.(f32|f16)"
+        r"\.(f16|bf16|e4m3|e5m2)\.(f16|bf16|e4m3|e5m2)",
+        _ptx_wgmma,
+    ),
+    (
+        r"cvt\.rn\.satfinite(?P<relu>\.relu)?\.(?P<dst>e4m3x2|e5m2x2)\.(?P<src>f32|f16x2)",
+        _ptx_cvt_fp8,
+    ),
+    (r"cvt\.rn(?P<relu>\.relu)?\.(?P<dst>f16x2)\.(?P<src>e4m3x2|e5m2x2)", _ptx_cvt_fp8),
+    (
+        r"cvt\.rn(?P<relu>\.relu)?(?P<sat>\.satfinite)?\.(?P<dst>f16x2|bf16x2)\.(?P<src>f32)",
+        _ptx_cvt_fp8,
+    ),
     (r"wgmma\.fence\.sync\.aligned", _no_operands("wgmma_fence")),
     (r"wgmma\.commit_group\.sync\.aligned", _no_operands("wgmma_commit_group")),
     (r"wgmma\.wait_group\.sync\.aligned", _ptx_wgmma_wait),

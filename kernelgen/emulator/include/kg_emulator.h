@@ -1239,6 +1239,69 @@ inline uint16_t float_to_bf16_bits(float f) {
 }
 inline float bf16_bits_to_float(uint16_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); }
 
+// A double rounded once to f16 (round to nearest even; NaN -> 0x7FFF, overflow -> inf).
+inline uint16_t double_to_half_bits(double x) {
+  if (std::isnan(x)) return 0x7FFFu;
+  const uint16_t sign = std::signbit(x) ? 0x8000u : 0u;
+  const double a = std::fabs(x);
+  if (a >= 65520.0) return sign | 0x7C00u;  // 65504 + half an ulp and above round to inf
+  if (a == 0.0) return sign;
+  int e;
+  (void)std::frexp(a, &e);  // a in [2^(e-1), 2^e)
+  const int q = e - 11 > -24 ? e - 11 : -24;  // the quantum's exponent: 10 mantissa bits
+  const double v = std::ldexp(std::nearbyint(std::ldexp(a, -q)), q);  // exact in f16
+  return static_cast<uint16_t>(sign | float_to_half_bits(static_cast<float>(v)));
+}
+
+// OCP FP8 (the PTX ISA's .e4m3 and .e5m2): e4m3 bias 7, 3 mantissa bits, no infinities, NaN
+// S.1111.111, largest 448; e5m2 bias 15, 2 mantissa bits, IEEE-like infinities and NaNs,
+// largest finite 57344.
+inline double fp8_bits_to_double(uint8_t b, bool e5m2) {
+  const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  const int e = (b & 0x7F) >> mbits, m = b & ((1 << mbits) - 1);
+  double v;
+  if (e5m2 && e == 31) {
+    v = m != 0 ? std::nan("") : HUGE_VAL;
+  } else if (!e5m2 && e == 15 && m == 7) {
+    v = std::nan("");
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<double>(m), 1 - bias - mbits);
+  } else {
+    v = std::ldexp(static_cast<double>((1 << mbits) + m), e - bias - mbits);
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+// cvt.rn.satfinite{.relu} to .e4m3 / .e5m2: round to nearest even; a NaN input gives NaN
+// (0x7F); magnitudes (infinities too) beyond the largest finite value give it, sign kept;
+// .relu turns negative results into +0.
+inline uint8_t double_to_fp8_satfinite(double x, bool e5m2, bool relu) {
+  if (std::isnan(x)) return 0x7F;
+  if (relu && x < 0) x = 0.0;
+  const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  const double max_norm = e5m2 ? 57344.0 : 448.0;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::fabs(x);
+  double v = max_norm;
+  if (a < max_norm) {
+    if (a == 0.0) return sign;
+    int e;
+    (void)std::frexp(a, &e);
+    const int q = e - 1 - mbits > 1 - bias - mbits ? e - 1 - mbits : 1 - bias - mbits;
+    v = std::ldexp(std::nearbyint(std::ldexp(a, -q)), q);
+    if (v > max_norm) v = max_norm;
+  }
+  if (v == 0.0) return sign;
+  int e;
+  (void)std::frexp(v, &e);  // v in [2^(e-1), 2^e)
+  const int biased = e - 1 + bias;
+  if (biased <= 0) {  // subnormal: v = m 2^(1 - bias - mbits)
+    return sign | static_cast<uint8_t>(std::ldexp(v, bias - 1 + mbits));
+  }
+  const int m = static_cast<int>(std::ldexp(v, mbits - (e - 1))) - (1 << mbits);
+  return sign | static_cast<uint8_t>(biased << mbits | m);
+}
+
 }  // namespace kg_emu
 
 struct __half {

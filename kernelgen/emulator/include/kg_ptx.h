@@ -724,6 +724,61 @@ inline void cp_async_wait_all() {
   cp_async_wait_group(0);
 }
 
+// ---- conversions (cvt) to and from fp8, and f32 pairs to f16x2 / bf16x2 --------------------
+// A "=h" (16-bit) or "=r" destination (the value zero-extended).
+template <class D>
+inline void set_bits(D& d, uint32_t v) {
+  static_assert((sizeof(D) == 2 || sizeof(D) == 4) && std::is_trivially_copyable_v<D>,
+                "cvt destination: a 16- or 32-bit register");
+  if constexpr (sizeof(D) == 2) {
+    const uint16_t h = static_cast<uint16_t>(v);
+    std::memcpy(&d, &h, 2);
+  } else {
+    std::memcpy(&d, &v, 4);
+  }
+}
+// cvt.rn.satfinite{.relu}.{e4m3x2,e5m2x2}.f32 d, a, b: a to the upper byte of d, b to the lower.
+template <bool E5M2, bool Relu, class D>
+inline void cvt_fp8x2_f32(D& d, float a, float b) {
+  set_bits(d, static_cast<uint32_t>(double_to_fp8_satfinite(a, E5M2, Relu)) << 8 |
+                  double_to_fp8_satfinite(b, E5M2, Relu));
+}
+// cvt.rn.satfinite{.relu}.{e4m3x2,e5m2x2}.f16x2 d, a: the upper half of a to the upper byte.
+template <bool E5M2, bool Relu, class D>
+inline void cvt_fp8x2_f16x2(D& d, uint32_t a) {
+  const double hi = half_bits_to_float(static_cast<uint16_t>(a >> 16));
+  const double lo = half_bits_to_float(static_cast<uint16_t>(a));
+  set_bits(d, static_cast<uint32_t>(double_to_fp8_satfinite(hi, E5M2, Relu)) << 8 |
+                  double_to_fp8_satfinite(lo, E5M2, Relu));
+}
+// cvt.rn{.relu}.f16x2.{e4m3x2,e5m2x2} d, a: exact; the upper byte of a to the upper half of d.
+template <bool E5M2, bool Relu, class D>
+inline void cvt_f16x2_fp8x2(D& d, uint32_t a) {
+  auto one = [](uint8_t b) {
+    double v = fp8_bits_to_double(b, E5M2);
+    if (Relu && v < 0) v = 0.0;
+    return static_cast<uint32_t>(double_to_half_bits(v));
+  };
+  set_bits(d, one(static_cast<uint8_t>(a >> 8)) << 16 | one(static_cast<uint8_t>(a)));
+}
+// cvt.rn{.relu}{.satfinite}.{f16x2,bf16x2}.f32 d, a, b: a to the upper half of d.
+inline float relu_sat(float x, bool relu, bool sat, float max_norm) {
+  if (relu && x < 0) x = 0.f;
+  if (sat && !std::isnan(x)) x = std::fmax(-max_norm, std::fmin(max_norm, x));
+  return x;
+}
+template <bool Relu, bool Sat, class D>
+inline void cvt_f16x2_f32(D& d, float a, float b) {
+  set_bits(d, static_cast<uint32_t>(float_to_half_bits(relu_sat(a, Relu, Sat, 65504.f))) << 16 |
+                  float_to_half_bits(relu_sat(b, Relu, Sat, 65504.f)));
+}
+template <bool Relu, bool Sat, class D>
+inline void cvt_bf16x2_f32(D& d, float a, float b) {
+  constexpr float kMax = 3.38953139e38f;  // the largest finite bf16
+  set_bits(d, static_cast<uint32_t>(float_to_bf16_bits(relu_sat(a, Relu, Sat, kMax))) << 16 |
+                  float_to_bf16_bits(relu_sat(b, Relu, Sat, kMax)));
+}
+
 // An empty asm statement (`asm volatile("" ::: "memory")`) is a compiler-level fence.
 inline void compiler_barrier() { std::atomic_signal_fence(std::memory_order_seq_cst); }
 
