@@ -783,7 +783,7 @@ inline const char* cta_guard_broken(const Cta& C) {
     if (*p != kGuardByte) return "past the end of";
   }
   for (const unsigned char* p = end_static; p < C.buf + C.buf_bytes; ++p) {
-    if (*p != kGuardByte) return "past the static __shared__ arena after";
+    if (*p != kGuardByte) return "static";
   }
   return "";
 }
@@ -955,7 +955,12 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
     for (uint32_t c = 0; c < L.ncta && rc == 0; ++c) {
       const Cta& C = L.ctas[c];
       const char* broken = cta_guard_broken(C);
-      if (broken[0] != '\0') {
+      if (std::strcmp(broken, "static") == 0) {
+        snprintf(msg, sizeof msg,
+                 "block (%u,%u,%u) wrote past the end of its %zu bytes of static __shared__ "
+                 "memory", C.block.x, C.block.y, C.block.z, kStaticSmemBytes);
+        rc = fail(err, errlen, msg);
+      } else if (broken[0] != '\0') {
         snprintf(msg, sizeof msg,
                  "block (%u,%u,%u) wrote %s its %zu bytes of dynamic shared memory", C.block.x,
                  C.block.y, C.block.z, broken, smem_bytes);

@@ -9,7 +9,9 @@
 //   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -> ptx::mma_m16n8k16<Elem>
 //   cp.async.{ca,cg}.shared.global [dst], [src], size{, src-size}  -> ptx::cp_async<Size, Cg>
 //   cp.async.commit_group / .wait_group N / .wait_all                -> ptx::cp_async_*
-//   Hopper: wgmma.* (kg_wgmma.h), mbarrier.* (kg_mbarrier.h), cp.async.bulk{.tensor} (kg_tma.h),
+//   Hopper: wgmma.* (kg_wgmma.h), mbarrier.* (kg_mbarrier.h), cp.async.bulk{.tensor} loads and
+//   stores, cp.reduce.async.bulk (kg_tma.h), bar / barrier (kg_barrier.h), barrier.cluster, mapa,
+//   ld/st.shared::cluster, special registers (kg_cluster.h), stmatrix, cvt to and from fp8,
 //   fence.proxy.async, elect.sync, setmaxnreg (below); the forms: docs/emulator.md
 //
 // Shared-memory addresses (what __cvta_generic_to_shared returns and ldmatrix/cp.async take)
