@@ -1291,8 +1291,8 @@ def test_asm_rewrite_operands_and_lines():
     ("stmt", "message"),
     [
         (
-            'asm volatile("mov.u32 %0, %%laneid;" : "=r"(x));',
-            r"line 3: unsupported instruction 'mov.u32 %0, %laneid'",
+            'asm volatile("mov.u32 %0, %%smid;" : "=r"(x));',
+            r"line 3: unsupported instruction 'mov.u32 %0, %smid'",
         ),
         ('asm volatile("membar.gl;");', r"unsupported instruction 'membar.gl'"),
         ('asm volatile(TEXT : "=r"(x));', r"must be string literals"),

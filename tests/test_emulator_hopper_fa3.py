@@ -299,7 +299,11 @@ def test_fa3_shaped_kernel_matches_float64(fa3_kernel):
 @pytest.mark.parametrize(
     ("mode", "message"),
     [
-        (1, r"no barrier ordering the write and its fence\.proxy\.async|still reads it"),
+        (
+            1,
+            r"no barrier ordering the write and its fence\.proxy\.async|still reads it"
+            r"|no barrier orders",
+        ),
         (2, r"shared memory a wgmma reads .* changed between its issue"),
         (3, r"while a TMA store of thread 128 still reads it"),
         (5, r"no fence\.proxy\.async after the write"),

@@ -274,7 +274,7 @@ def test_cvt_fp8_rounding_saturation_nan():
     [
         ("wgmma.mma_async.sync.aligned.m64n8k16.f32.e4m3.e4m3", r"the emulator models k16 with"),
         ("wgmma.mma_async.sync.aligned.m64n8k32.f16.bf16.bf16", r"the emulator models k16 with"),
-        ("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.f16", r"the same 16-bit type, or both"),
+        ("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.f16", r"A and B must have the same type"),
     ],
 )
 def test_wgmma_fp8_forms_refused_loudly(text, message):

@@ -709,11 +709,11 @@ _LDMATRIX_REQUIRED = {"sync", "aligned", "m8n8", "b16"}
 
 def _ldmatrix_qualifiers(
     stmt: _AsmStatement, qualifiers: str, instr: str, name: str = "ldmatrix"
-) -> tuple[int, bool, bool]:
-    """(matrices, .trans, generic address) of ``ldmatrix`` / ``stmatrix`` qualifiers written in
-    any order: the PTX ISA's ``.sync.aligned.m8n8.x4.trans.shared.b16``, CUTLASS's
-    ``.sync.aligned.x4.trans.m8n8...`` (ptxas takes both) and others; each exactly once. Without
-    ``.shared{::cta}`` the address is generic (a pointer into shared memory)."""
+) -> tuple[int, bool]:
+    """(matrices, .trans) of ``ldmatrix`` / ``stmatrix`` qualifiers written in any order: the PTX
+    ISA's ``.sync.aligned.m8n8.x4.trans.shared.b16``, CUTLASS's ``.sync.aligned.x4.trans.m8n8...``
+    (ptxas takes both) and others; each exactly once. Without ``.shared{::cta}`` the address is
+    generic (:func:`_generic_address`)."""
     words = qualifiers.split(".")[1:]
     nums = [w for w in words if w in ("x1", "x2", "x4")]
     spaces = [w for w in words if w in ("shared", "shared::cta")]
@@ -728,7 +728,12 @@ def _ldmatrix_qualifiers(
     missing = _LDMATRIX_REQUIRED - set(words)
     if missing:
         raise stmt.error(f"{instr.split(' ')[0]!r} lacks .{', .'.join(sorted(missing))}")
-    return int(nums[0][1]), "trans" in words, not spaces
+    return int(nums[0][1]), "trans" in words
+
+
+def _generic_address(qualifiers: str) -> bool:
+    """Whether an ldmatrix / stmatrix without a state space takes a generic address."""
+    return not {"shared", "shared::cta"} & set(qualifiers.split(".")[1:])
 
 
 def _matrix_address(stmt: _AsmStatement, arg: tuple, generic: bool, role: str) -> str:
@@ -743,7 +748,8 @@ def _matrix_address(stmt: _AsmStatement, arg: tuple, generic: bool, role: str) -
 
 
 def _ptx_ldmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    n, trans, generic = _ldmatrix_qualifiers(stmt, m.group(1), instr)
+    n, trans = _ldmatrix_qualifiers(stmt, m.group(1), instr)
+    generic = _generic_address(m.group(1))
     _expect(stmt, instr, args, f"vec{n} addr")
     regs = [stmt.write_b32(r, "ldmatrix destination") for r in args[0][1]]
     addr = _matrix_address(stmt, args[1], generic, "ldmatrix address")
@@ -751,7 +757,8 @@ def _ptx_ldmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[
 
 
 def _ptx_stmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    n, trans, generic = _ldmatrix_qualifiers(stmt, m.group(1), instr, "stmatrix")
+    n, trans = _ldmatrix_qualifiers(stmt, m.group(1), instr, "stmatrix")
+    generic = _generic_address(m.group(1))
     _expect(stmt, instr, args, f"addr vec{n}")
     regs = [stmt.read_b32(r, "stmatrix source") for r in args[1][1]]
     addr = _matrix_address(stmt, args[0], generic, "stmatrix address")
@@ -849,7 +856,7 @@ def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tup
         raise stmt.error(f"{opcode!r}: N={n} is not a multiple of 8 in [8, 256]")
     fp8 = a_type in ("e4m3", "e5m2")
     if fp8 != (b_type in ("e4m3", "e5m2")) or (not fp8 and a_type != b_type):
-        raise stmt.error(f"{instr!r}: A and B must have the same 16-bit type, or both be fp8")
+        raise stmt.error(f"{instr!r}: A and B must have the same type (or both fp8 types)")
     if k != (32 if fp8 else 16) or (dtype == "f16" and a_type == "bf16"):
         raise stmt.error(
             f"unsupported wgmma form {opcode!r}: the emulator models k16 with f16/bf16 inputs (f32 "
@@ -881,8 +888,11 @@ def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tup
     trans = [_checked_immediate(stmt, a, "wgmma imm-trans", (0, 1)) for a in rest[3:]]
     if fp8:  # no transposes: 8-bit operands are K-major
         trans = ["0"] if register_a else ["0", "0"]
-    ns = f"{_PTX_NS}WElem::"
-    targs = f"{ns}{a_type}, {ns}{b_type}, {n}, {str(dtype == 'f16').lower()}"
+    if not fp8 and dtype == "f32":  # the 16-bit forms' own entry points
+        targs = f"{_PTX_NS}Elem::{a_type}, {n}"
+    else:
+        ns = f"{_PTX_NS}WElem::"
+        targs = f"{ns}{a_type}, {ns}{b_type}, {n}, {str(dtype == 'f16').lower()}"
     if register_a:
         if len(args[1][1]) != 4:
             raise _shape_error(stmt, instr, args, want)
