@@ -424,7 +424,7 @@ struct Launch {
   std::atomic<uint32_t> static_sites{0};
   const void* static_site_key[kMaxStaticSites] = {};
   size_t static_site_offset[kMaxStaticSites] = {};
-  size_t static_used = 0;
+  std::atomic<size_t> static_used{0};  // bytes of the arena reserved: the valid part
 };
 
 
@@ -541,7 +541,7 @@ inline unsigned char* static_smem_site(const void* site, size_t bytes, size_t al
   const uint32_t m = L.static_sites.load();
   while (i < m && L.static_site_key[i] != site) ++i;
   if (i == m) {
-    const size_t at = (L.static_used + align - 1) / align * align;
+    const size_t at = (L.static_used.load() + align - 1) / align * align;
     if (m == kMaxStaticSites || at + bytes > kStaticSmemBytes) {
       pthread_mutex_unlock(&L.bar_lock);
       trap_with("static __shared__ variables: %zu bytes more at offset %zu exceed the %zu bytes "
@@ -550,7 +550,7 @@ inline unsigned char* static_smem_site(const void* site, size_t bytes, size_t al
     }
     L.static_site_key[i] = site;
     L.static_site_offset[i] = at;
-    L.static_used = at + bytes;
+    L.static_used.store(at + bytes);
     L.static_sites.store(m + 1, std::memory_order_release);
   }
   pthread_mutex_unlock(&L.bar_lock);
@@ -728,7 +728,7 @@ inline std::vector<uint32_t> shuffled_blocks(uint64_t nblocks, uint64_t seed) {
   return order;
 }
 
-inline void cta_alloc(Cta& C, Launch& L, uint32_t rank, size_t smem_bytes) {
+inline void cta_alloc(Cta& C, Launch& L, uint32_t rank, size_t smem_bytes, int fill) {
   C.launch = &L;
   C.rank = rank;
   C.smem_bytes = smem_bytes;
@@ -744,6 +744,11 @@ inline void cta_alloc(Cta& C, Launch& L, uint32_t rank, size_t smem_bytes) {
   C.warps = new Warp[L.nwarps];
   C.warpgroup_issues = new WarpgroupIssue[(L.nthreads / 128 + 1) * kWarpgroupIssueRing];
   C.warpgroups = new Warpgroup[L.nwarpgroups + 1];
+  // The guard zones stay intact between blocks (a block that writes them ends the launch); the
+  // static arena is filled once here and, per block, as far as it is reserved (cta_reset).
+  std::memset(C.buf, kGuardByte, C.buf_bytes);
+  std::memset(C.static_smem(), fill, kStaticSmemBytes);
+  for (size_t i = 0; i < C.chunks; ++i) C.shadow[i].reset();
 }
 
 inline void cta_free(Cta& C) {
@@ -758,14 +763,21 @@ inline void cta_free(Cta& C) {
 inline void cta_reset(Cta& C, int fill, uint3 block) {
   const Launch& L = *C.launch;
   C.block = block;
-  std::memset(C.buf, kGuardByte, C.buf_bytes);
+  // The dynamic shared memory and the reserved part of the static arena: filled with the
+  // garbage byte, their shadows and mbarriers reset (nothing else can have been touched).
+  const size_t used = L.static_used.load();
   std::memset(C.smem, fill, C.smem_bytes);
-  std::memset(C.static_smem(), fill, kStaticSmemBytes);
+  std::memset(C.static_smem(), fill, used);
   C.block_bar.reset(L.nthreads);
   for (uint32_t w = 0; w < L.nwarps; ++w) C.warps[w].bar.reset(32);
   for (uint32_t g = 0; g < L.nwarpgroups; ++g) C.warpgroups[g].bar.reset(128);
-  for (size_t i = 0; i < C.chunks; ++i) C.shadow[i].reset();
-  for (size_t i = 0; i < C.n_mbarriers; ++i) C.mbarriers[i].reset();
+  const size_t dyn_chunks = (C.smem_bytes + 15) / 16, first_static = C.static_offset / 16;
+  for (size_t i = 0; i < dyn_chunks; ++i) C.shadow[i].reset();
+  for (size_t i = first_static; i < first_static + (used + 15) / 16; ++i) C.shadow[i].reset();
+  for (size_t i = 0; i < (C.smem_bytes + 7) / 8; ++i) C.mbarriers[i].reset();
+  for (size_t i = C.static_offset / 8; i < (C.static_offset + used + 7) / 8; ++i) {
+    C.mbarriers[i].reset();
+  }
   for (NamedBarrierState& b : C.named) b.reset();
   const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
   for (size_t i = 0; i < n_issues; ++i) C.warpgroup_issues[i] = WarpgroupIssue{};
@@ -851,7 +863,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   L.nwarpgroups = n / 128;
   L.ncta = static_cast<uint32_t>(ncta);
   L.ctas = new Cta[L.ncta];
-  for (uint32_t r = 0; r < L.ncta; ++r) cta_alloc(L.ctas[r], L, r, smem_bytes);
+  for (uint32_t r = 0; r < L.ncta; ++r) cta_alloc(L.ctas[r], L, r, smem_bytes, fill);
 
   const uint32_t total = n * L.ncta;
   pthread_t* threads = new pthread_t[total];

@@ -72,7 +72,9 @@ inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t byt
   const bool misaligned = addr % align != 0;
   const uint64_t so = C.static_offset;
   const bool dyn = addr >= kSharedBase && offset + bytes <= C.smem_bytes;
-  const bool stat = addr >= kSharedBase && offset >= so && offset + bytes <= so + kStaticSmemBytes;
+  // the static arena as far as static __shared__ declarations reserved it
+  const uint64_t used = C.launch->static_used.load(std::memory_order_relaxed);
+  const bool stat = addr >= kSharedBase && offset >= so && offset + bytes <= so + used;
   if (misaligned || !(dyn || stat)) {
     char from[32] = "";
     if (lane >= 0) snprintf(from, sizeof from, " (from lane %d)", lane);
@@ -95,9 +97,10 @@ inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t byt
       trap_with("%s: shared address 0x%x%s is not %u-byte aligned", what, addr, from, align);
     }
     trap_with("%s: shared address 0x%x%s (+%u bytes) is outside the dynamic shared memory "
-              "[0x%x, 0x%zx) and the static __shared__ arena [0x%zx, 0x%zx)",
+              "[0x%x, 0x%zx) and the static __shared__ variables [0x%zx, 0x%zx)",
               what, addr, from, bytes, kSharedBase, kSharedBase + C.smem_bytes,
-              kSharedBase + C.static_offset, kSharedBase + C.static_offset + kStaticSmemBytes);
+              kSharedBase + C.static_offset,
+              kSharedBase + C.static_offset + static_cast<size_t>(used));
   }
   return C.smem + offset;
 }
