@@ -1033,7 +1033,6 @@ BAD_ACCESS_SRC = (
 extern "C" __global__ void bad_access(const float* __restrict__ src, unsigned* __restrict__ out,
                                       int mode) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float static_tile[64];
   const int lane = threadIdx.x;
   unsigned addr = smem_addr(smem + 16 * (lane % 8));
   if (mode == 0 && lane == 3) addr += 2;               // misaligned ldmatrix row
@@ -1047,7 +1046,7 @@ extern "C" __global__ void bad_access(const float* __restrict__ src, unsigned* _
     int n = 16;
     if (mode == 1) dst += 4;            // misaligned destination
     if (mode == 2) dst += 1024;         // past the end of the buffer
-    if (mode == 3) dst = smem_addr(static_tile);
+    if (mode == 3) dst = smem_addr(src);  // global memory
     if (mode == 4) n = 17;              // src-size > cp-size
     const float* s = (mode == 6) ? src + 1 : src;  // misaligned global source
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(s), "r"(n));
@@ -1292,8 +1291,8 @@ def test_asm_rewrite_operands_and_lines():
     ("stmt", "message"),
     [
         (
-            'asm volatile("mov.u32 %0, %%laneid;" : "=r"(x));',
-            r"line 3: unsupported instruction 'mov.u32 %0, %laneid'",
+            'asm volatile("mov.u32 %0, %%smid;" : "=r"(x));',
+            r"line 3: unsupported instruction 'mov.u32 %0, %smid'",
         ),
         ('asm volatile("membar.gl;");', r"unsupported instruction 'membar.gl'"),
         ('asm volatile(TEXT : "=r"(x));', r"must be string literals"),

@@ -2,7 +2,8 @@
 
 The kernel's CUDA source is preprocessed and compiled as C++20 by ``g++`` against a small shim
 (``include/kg_emulator.h``) that supplies the CUDA subset it uses; inline PTX (ldmatrix,
-mma.sync m16n8k16, cp.async; Hopper's wgmma, mbarrier and TMA) becomes calls into
+mma.sync m16n8k16, cp.async; Hopper's wgmma (fp8 too), mbarrier, TMA loads and stores,
+stmatrix, named barriers and clusters) becomes calls into
 ``include/kg_ptx.h``. Then it is loaded with
 :mod:`ctypes` and launched over NumPy arrays::
 

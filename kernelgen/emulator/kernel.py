@@ -61,7 +61,7 @@ DEFAULT_TIMEOUT_S = 120.0
 BLOCK_ORDER_ENV = "KG_EMULATOR_BLOCK_ORDER"
 MAX_BLOCK_ORDER_SEED = 2**63 - 1  # the seed travels in a long long of the launch config
 MAX_SHUFFLED_BLOCKS = 1 << 24  # kMaxShuffledBlocks in kg_emulator.h
-_CODEGEN_VERSION = "4"
+_CODEGEN_VERSION = "5"
 GXX_INSTALL_HINT = (
     "install it with your system's package manager (Debian/Ubuntu: apt-get install g++; "
     "Fedora/RHEL: dnf install gcc-c++; conda: conda install -c conda-forge gxx) or point "
@@ -192,6 +192,10 @@ static void thunk(void** a) {{
 }}
 }}  // namespace kg_emu_generated
 
+extern "C" int kg_emulator_cluster_dims(long long* out) {{
+  return ::kg_emu::cluster_dims_of("{kernel_name}", out);
+}}
+
 extern "C" int kg_emulator_launch(void** args, const long long* cfg, long long* stats,
                                   const unsigned long long* ranges, int nranges,
                                   long long* arg_stats, char* note, int notelen, char* err,
@@ -306,7 +310,8 @@ def _preprocess(
     with tempfile.TemporaryDirectory(prefix="kg_emulator_") as tmp:
         name = f"{kernel_name}.cu"
         (Path(tmp) / name).write_text(source)
-        cmd = [cxx, "-E", "-x", "c++", "-std=c++20", "-include", SHIM_NAME, "-I", str(INCLUDE_DIR)]
+        cmd = [cxx, "-E", "-x", "c++", "-std=c++20", "-DKG_EMULATOR_PREPROCESS"]
+        cmd += ["-include", SHIM_NAME, "-I", str(INCLUDE_DIR)]
         cmd += [f"-I{d}" for d in include_dirs] + [f"-D{d}" for d in defines] + [name]
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, check=False)
     if res.returncode != 0:
@@ -375,6 +380,13 @@ class EmulatedKernel:
         self._lib = lib
         self._launch = lib.kg_emulator_launch
         self._launch.restype = ctypes.c_int
+        dims = (ctypes.c_longlong * 3)()
+        # The kernel's __cluster_dims__, or None (older builds lack the entry point).
+        query = getattr(lib, "kg_emulator_cluster_dims", None)
+        found = query is not None and query(dims)
+        self.cluster_dims: tuple[int, int, int] | None = (
+            (int(dims[0]), int(dims[1]), int(dims[2])) if found else None
+        )
         self._launch.argtypes = [
             ctypes.POINTER(ctypes.c_void_p),
             ctypes.POINTER(ctypes.c_longlong),
@@ -453,6 +465,7 @@ class EmulatedKernel:
         *,
         timeout: float | None = None,
         block_order: int | None = None,
+        cluster: Sequence[int] | int | None = None,
     ) -> LaunchStats:
         """Run the kernel over ``grid`` blocks of ``block`` threads; ``args`` in parameter order.
 
@@ -461,9 +474,14 @@ class EmulatedKernel:
         then z), an integer seed > 0 a pseudo-random permutation of the grid's blocks, the same
         for the same seed; ``None`` takes ``$KG_EMULATOR_BLOCK_ORDER`` (unset: 0). Running a
         kernel in several orders shows whether its results depend on block scheduling (e.g.
-        floating-point atomics from different blocks).
+        floating-point atomics from different blocks). ``cluster`` is the thread-block cluster
+        shape (``cudaLaunchAttributeClusterDimension``): the blocks of a cluster run at once
+        (at most 8 blocks and 4096 threads per cluster); ``None`` takes the kernel's
+        ``__cluster_dims__`` (none: clusters of one block). With clusters ``block_order`` orders
+        the clusters.
         """
         g, b = _dims(grid, "grid"), _dims(block, "block")
+        c = _cluster(cluster, self.cluster_dims, g, b, self.kernel_name)
         if b[0] > 1024 or b[1] > 1024 or b[2] > 64:
             raise EmulatorArgumentError(f"block {b} exceeds the CUDA limits (1024, 1024, 64)")
         nthreads = b[0] * b[1] * b[2]
@@ -483,7 +501,7 @@ class EmulatedKernel:
                 f"{self.kernel_name} has {pointers} pointer parameters; at most {MAX_POINTER_ARGS}"
             )
         seed = _block_order(block_order)
-        if seed > 0 and g[0] * g[1] * g[2] > MAX_SHUFFLED_BLOCKS:
+        if seed > 0 and g[0] * g[1] * g[2] // (c[0] * c[1] * c[2]) > MAX_SHUFFLED_BLOCKS:
             raise EmulatorArgumentError(
                 f"block_order={seed} shuffles at most {MAX_SHUFFLED_BLOCKS} blocks, grid {g} has "
                 f"{g[0] * g[1] * g[2]}; use block_order=0 (in order)"
@@ -498,7 +516,7 @@ class EmulatedKernel:
         if timeout is None:
             timeout = float(os.environ.get("KG_EMULATOR_TIMEOUT", DEFAULT_TIMEOUT_S))
         fill = int(os.environ.get("KG_EMULATOR_SMEM_FILL", str(DEFAULT_FILL_BYTE)), 0) & 0xFF
-        cfg = (ctypes.c_longlong * 10)(*g, *b, shared_mem, fill, int(timeout * 1000), seed)
+        cfg = (ctypes.c_longlong * 13)(*g, *b, shared_mem, fill, int(timeout * 1000), seed, *c)
         err = ctypes.create_string_buffer(1024)
         note = ctypes.create_string_buffer(256)
         stats = (ctypes.c_longlong * _NUM_STATS)()
@@ -522,6 +540,39 @@ class EmulatedKernel:
             copies[name] = copies.get(name, 0) + arg_stats[i]
             nbytes[name] = nbytes.get(name, 0) + arg_stats[len(arrays) + i]
         return LaunchStats(*stats, note.value.decode(), copies, nbytes)
+
+
+MAX_CLUSTER_BLOCKS = 8  # kMaxClusterSize in kg_emulator.h
+MAX_CLUSTER_THREADS = 4096  # kMaxClusterThreads
+
+
+def _cluster(
+    value: Sequence[int] | int | None,
+    compiled: tuple[int, int, int] | None,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    kernel: str,
+) -> tuple[int, int, int]:
+    """The cluster shape of a launch: ``value`` (checked against the kernel's
+    ``__cluster_dims__``), else that, else (1, 1, 1); the grid must be a multiple of it."""
+    if value is None:
+        c = compiled or (1, 1, 1)
+    else:
+        c = _dims(value, "cluster")
+        if compiled is not None and c != compiled:
+            raise EmulatorArgumentError(
+                f"{kernel}: cluster={c} differs from the kernel's __cluster_dims__{compiled}"
+            )
+    size = c[0] * c[1] * c[2]
+    threads = size * block[0] * block[1] * block[2]
+    if size > MAX_CLUSTER_BLOCKS or threads > MAX_CLUSTER_THREADS:
+        raise EmulatorArgumentError(
+            f"cluster {c} of {size} blocks, {threads} threads: the emulator runs at most "
+            f"{MAX_CLUSTER_BLOCKS} blocks and {MAX_CLUSTER_THREADS} threads of a cluster at once"
+        )
+    if any(gd % cd for gd, cd in zip(grid, c, strict=True)):
+        raise EmulatorArgumentError(f"grid {grid} is not a multiple of the cluster {c}")
+    return c
 
 
 def _byte_range(a: np.ndarray) -> tuple[int, int]:

@@ -25,8 +25,20 @@ _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")
 # Source transformation
 # --------------------------------------------------------------------------------------------
 
-# `__shared__` is `static` once kg_emulator.h's macros are expanded (the preprocessed source).
-_DYN_SMEM_RE = re.compile(r"\bextern\s+(?:__shared__|static)\s+(?P<body>[^;{}\[\]]+?)\[\s*\]\s*;")
+# `__shared__` reads `__kg_shared__` in the preprocessed source (kg_emulator.h defines it so when
+# KG_EMULATOR_PREPROCESS is set), `static` in older translations.
+_SHARED_KW = r"(?:__shared__|__kg_shared__|static)"
+_DYN_SMEM_RE = re.compile(rf"\bextern\s+{_SHARED_KW}\s+(?P<body>[^;{{}}\[\]]+?)\[\s*\]\s*;")
+_STATIC_SMEM_RE = re.compile(r"\b(?:__shared__|__kg_shared__)\b")
+_ALIGNED_RE = re.compile(
+    r"__attribute__\s*\(\(\s*aligned\s*\((?P<a>[^()]*)\)\s*\)\)"
+    r"|(?:alignas|__align__)\s*\((?P<b>[^()]*)\)"
+)
+# `type name[dims]` of a static shared declaration (the type ends before the last identifier).
+_SHARED_DECL_RE = re.compile(
+    r"(?P<type>.*[\s*&>)\]])(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\[\]]*\]\s*)*)", re.S
+)
+_CLUSTER_DIMS_RE = re.compile(r"\b__kg_cluster_dims__\s*\(")
 _ALIGN_RE = re.compile(
     r"__align__\s*\(\s*\w+\s*\)|alignas\s*\(\s*\w+\s*\)"
     r"|__attribute__\s*\(\((?:[^()]|\([^()]*\))*\)\)"
@@ -97,7 +109,7 @@ def transform_source(source: str) -> str:
     path of compiled kernels. Line numbers are kept. Raises
     :class:`~kernelgen.errors.EmulatorSourceError` for a declaration or asm it cannot handle.
     """
-    return _rewrite_asm(_rewrite_dynamic_smem(source))
+    return _rewrite_cluster_dims(_rewrite_asm(_rewrite_static_smem(_rewrite_dynamic_smem(source))))
 
 
 # `# 12 "file.cu" 1 3`: the lines after it come from line 12 of file.cu; flag 3 marks a system
@@ -127,7 +139,8 @@ def transform_preprocessed(text: str, library_dirs: tuple[str, ...] = ()) -> str
     own = [("".join(lines)) for is_own, _, lines in segments if is_own]
     done = iter(transform_source(_SEGMENT_SEP.join(own)).split(_SEGMENT_SEP))
     return "".join(
-        marker + (next(done) if is_own else "".join(lines)) for is_own, marker, lines in segments
+        marker + (next(done) if is_own else "".join(lines).replace("__kg_shared__", "static"))
+        for is_own, marker, lines in segments
     )
 
 
@@ -145,7 +158,7 @@ def _rewrite_dynamic_smem(source: str) -> str:
         name, ctype = words[-1], " ".join(words[:-1])
         if _at_namespace_scope(code, m.start()):
             repl = (
-                f"static {ctype}* {name} = nullptr; "
+                f"static thread_local {ctype}* {name} = nullptr; "
                 f"static const bool kg_dyn_smem_hook_{k} = ::kg_emu::register_dyn_smem_hook("
                 f"+[](unsigned char* p) {{ {name} = reinterpret_cast<{ctype}*>(p); }});"
             )
@@ -156,9 +169,129 @@ def _rewrite_dynamic_smem(source: str) -> str:
         last = m.end()
     pieces.append(source[last:])
     out = "".join(pieces)
-    if re.search(r"\bextern\s+(?:__shared__|static)\b", _blank_comments_and_strings(out)):
+    if re.search(rf"\bextern\s+{_SHARED_KW}\b", _blank_comments_and_strings(out)):
         raise EmulatorSourceError("unrecognised `extern __shared__` declaration left in the source")
     return out
+
+
+def _statement_start(code: str, pos: int) -> int:
+    """Offset after the `;`, `{` or `}` before ``pos`` (comment/string-blanked code)."""
+    i = pos
+    while i > 0 and code[i - 1] not in ";{}":
+        i -= 1
+    return i
+
+
+def _split_declarators(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and template argument lists."""
+    parts, depth, last = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{<":
+            depth += 1
+        elif ch in ")]}>":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[last:i])
+            last = i + 1
+    return [*parts, text[last:]]
+
+
+_DECLARATOR_RE = re.compile(
+    r"\s*(?P<ptr>[*&\s]*)(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\[\]]*\]\s*)*)"
+)
+
+
+def _static_smem_declaration(source: str, start: int, end: int, k: int) -> str | None:
+    """The rewrite of the function-scope static shared declaration ``source[start:end]`` (its
+    ``;`` excluded) into references into the block's static arena (one per declarator), or None
+    when it cannot be read (then it stays ordinary static storage)."""
+    text = source[start:end]
+    aligns = [m.group("a") or m.group("b") for m in _ALIGNED_RE.finditer(text)]
+    text = _ALIGN_RE.sub(" ", text)
+    text = _STATIC_SMEM_RE.sub(" ", text)
+    text = re.sub(r"\bstatic\b", " ", text).strip()
+    blanked = _blank_comments_and_strings(text)
+    if "=" in blanked or blanked != text:
+        return None  # an initializer, or comments inside
+    first, *others = _split_declarators(text)
+    m = _SHARED_DECL_RE.fullmatch(first)
+    if m is None or not m.group("type").strip():
+        return None
+    base = m.group("type").rstrip(" *&")
+    declarators = [(m.group("type").strip(), m.group("name"), m.group("dims").strip())]
+    for piece in others:
+        d = _DECLARATOR_RE.fullmatch(piece)
+        if d is None:
+            return None
+        declarators.append((f"{base} {d.group('ptr').strip()}", d.group("name"), d.group("dims")))
+    out = []
+    for j, (ctype, name, dims) in enumerate(declarators):
+        t, site = f"kg_shared_t_{k}_{j}", f"kg_shared_site_{k}_{j}"
+        align = f"alignof({t})"
+        for a in aligns:
+            align = f"(({align}) > ({a}) ? ({align}) : ({a}))"
+        out.append(
+            f"using {t} = {ctype} {dims.strip()}; static char {site}; "
+            f"{t}& {name} = *reinterpret_cast<{t}*>(::kg_emu::static_smem_site("
+            f"&{site}, sizeof({t}), {align}))"
+        )
+    return "; ".join(out)
+
+
+def _rewrite_static_smem(source: str) -> str:
+    """``__shared__`` declarations left after :func:`_rewrite_dynamic_smem`: in a function, a
+    reference into the block's static arena (``kg_emu::static_smem_site``: one per block, in
+    the shared window, so that the blocks of a cluster each have their own and
+    ``__cvta_generic_to_shared`` maps them); at namespace scope (or not one plain declarator),
+    ordinary ``static`` storage (one per process)."""
+    code = _blank_comments_and_strings(source)
+    pieces: list[str] = []
+    last = 0
+    for k, m in enumerate(_STATIC_SMEM_RE.finditer(code)):
+        if m.start() < last:
+            continue
+        start = _statement_start(code, m.start())
+        end = code.find(";", m.end())
+        repl = None
+        if end >= 0 and not _at_namespace_scope(code, m.start()):
+            repl = _static_smem_declaration(source, start, end, k)
+        if repl is None:
+            pieces += [source[last : m.start()], "static"]
+            last = m.end()
+            continue
+        pieces += [source[last:start], repl + "\n" * source.count("\n", start, end)]
+        last = end
+    pieces.append(source[last:])
+    return "".join(pieces)
+
+
+def _rewrite_cluster_dims(source: str) -> str:
+    """``__cluster_dims__(x, y, z)`` (``__kg_cluster_dims__`` once preprocessed) on a kernel:
+    the attribute goes, and a registration of the kernel's cluster shape (read by the launch)
+    is added at the end."""
+    code = _blank_comments_and_strings(source)
+    pieces: list[str] = []
+    regs: list[str] = []
+    last = 0
+    for m in _CLUSTER_DIMS_RE.finditer(code):
+        close = _closing(code, m.end() - 1)
+        dims = [source[a:b].strip() for a, b in _split_top(code, m.end(), close, ",")]
+        after = re.compile(r"([A-Za-z_]\w*)\s*\(").search(code, close + 1)
+        if not 1 <= len(dims) <= 3 or not all(dims) or after is None:
+            raise EmulatorSourceError(
+                f"cannot read the kernel of __cluster_dims__({source[m.end() : close]})"
+            )
+        dims += ["1"] * (3 - len(dims))
+        regs.append(
+            f"static const bool kg_cluster_dims_{len(regs)} = ::kg_emu::register_cluster_dims("
+            f'"{after.group(1)}", {", ".join(f"({d})" for d in dims)});'
+        )
+        pieces += [source[last : m.start()], "\n" * source.count("\n", m.start(), close)]
+        last = close + 1
+    if not regs:
+        return source
+    pieces.append(source[last:])
+    return "".join(pieces) + "\n" + "\n".join(regs) + "\n"
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,10 +425,12 @@ class _AsmStatement:
         if arg[0] == "imm":
             return str(arg[1])
         if arg[0] == "reg":
-            op = self.operand(arg[1], "rni", False, role)
+            op = self.operand(arg[1], "rnih", False, role)
             return f"({op.expr})" if op.kind in "ni" else f"{_PTX_NS}b32({op.expr})"
         if arg[0] == "local" and self.locals[arg[1]] == "b32":
             return _local_name(arg[1])
+        if arg[0] == "sreg":
+            return f"{_PTX_NS}sreg_{arg[1]}({arg[2]})"
         raise self.error(f"{role} must be a 32-bit register or an immediate")
 
     def u64(self, arg: tuple, role: str) -> str:
@@ -418,6 +553,25 @@ def _resolve_operand_refs(stmt: _AsmStatement) -> str:
     return re.sub(r"%%|%(?P<num>\d+)|%\[(?P<name>\w+)\]|%.?", ref, stmt.template)
 
 
+# Special registers (`mov.u32 d, %name`): name -> whether it has .x/.y/.z components.
+_SPECIAL_REGISTERS = {
+    "tid": True,
+    "ntid": True,
+    "ctaid": True,
+    "nctaid": True,
+    "laneid": False,
+    "warpid": False,
+    "nwarpid": False,
+    "clusterid": True,
+    "nclusterid": True,
+    "cluster_ctaid": True,
+    "cluster_nctaid": True,
+    "cluster_ctarank": False,
+    "cluster_nctarank": False,
+    "dynamic_smem_size": False,
+}
+_SREG_NAMES = ", ".join("%" + k for k in _SPECIAL_REGISTERS)
+_SREG_RE = re.compile(r"%(\w+)(?:\.([xyz]))?")
 _SINK32 = "kg_sink32"
 _LABEL_RE = re.compile(r"[A-Za-z_$][\w$]*")
 _BRA_RE = re.compile(r"bra(?:\.uni)?\s+([A-Za-z_$][\w$]*)")
@@ -508,11 +662,19 @@ def _ptx_args(stmt: _AsmStatement, text: str, instr: str) -> list[tuple]:
             args.append(("tmap", int(m.group(1)), coords))
         elif re.fullmatch(r"-\d+", a):
             args.append(("imm", int(a)))
-        elif re.fullmatch(r"%\w+", a):
+        elif (m := _SREG_RE.fullmatch(a)) and m.group(1) in _SPECIAL_REGISTERS:
+            dims = _SPECIAL_REGISTERS[m.group(1)]
+            if (m.group(2) is None) == dims:
+                raise stmt.error(
+                    f"special register {a} "
+                    + ("needs .x, .y or .z" if dims else "takes no .x/.y/.z")
+                )
+            args.append(("sreg", m.group(1), "xyz".index(m.group(2)) if dims else 0))
+        elif re.fullmatch(r"%[\w.]+", a):
             shown = re.sub(r"\$(\d+)", r"%\1", instr)
             raise stmt.error(
                 f"unsupported instruction {shown!r}: {a} is not a register declared in the asm "
-                "block (special registers are not modelled)"
+                f"block nor a special register the emulator models ({_SREG_NAMES})"
             )
         elif m := re.fullmatch(r"\{\s*(\$\d+(?:\s*,\s*\$\d+)*)\s*\}", a):
             args.append(("vec", [int(x) for x in re.findall(r"\d+", m.group(1))]))
@@ -545,19 +707,22 @@ def _offset(expr: str, offset: int) -> str:
 _LDMATRIX_REQUIRED = {"sync", "aligned", "m8n8", "b16"}
 
 
-def _ldmatrix_qualifiers(stmt: _AsmStatement, qualifiers: str, instr: str) -> tuple[int, bool]:
-    """(matrices, .trans) of ``ldmatrix`` qualifiers written in any order: the PTX ISA's
-    ``.sync.aligned.m8n8.x4.trans.shared.b16``, CUTLASS's ``.sync.aligned.x4.trans.m8n8...``
-    (ptxas takes both) and others; each exactly once."""
+def _ldmatrix_qualifiers(
+    stmt: _AsmStatement, qualifiers: str, instr: str, name: str = "ldmatrix"
+) -> tuple[int, bool]:
+    """(matrices, .trans) of ``ldmatrix`` / ``stmatrix`` qualifiers written in any order: the PTX
+    ISA's ``.sync.aligned.m8n8.x4.trans.shared.b16``, CUTLASS's ``.sync.aligned.x4.trans.m8n8...``
+    (ptxas takes both) and others; each exactly once. Without ``.shared{::cta}`` the address is
+    generic (:func:`_generic_address`)."""
     words = qualifiers.split(".")[1:]
     nums = [w for w in words if w in ("x1", "x2", "x4")]
     spaces = [w for w in words if w in ("shared", "shared::cta")]
     known = _LDMATRIX_REQUIRED | {"x1", "x2", "x4", "trans", "shared", "shared::cta"}
     unknown = [w for w in words if w not in known]
-    if unknown or len(set(words)) != len(words) or len(nums) != 1 or len(spaces) != 1:
+    if unknown or len(set(words)) != len(words) or len(nums) != 1 or len(spaces) > 1:
         raise stmt.error(
-            f"unsupported ldmatrix form {instr.split(' ')[0]!r}: needs .sync .aligned .m8n8 "
-            ".x1/.x2/.x4 .shared .b16 (optional .trans), each once"
+            f"unsupported {name} form {instr.split(' ')[0]!r}: needs .sync .aligned .m8n8 "
+            ".x1/.x2/.x4 .b16 (optional .trans and .shared), each once"
             + (f"; unknown {', '.join('.' + w for w in unknown)}" if unknown else "")
         )
     missing = _LDMATRIX_REQUIRED - set(words)
@@ -566,12 +731,38 @@ def _ldmatrix_qualifiers(stmt: _AsmStatement, qualifiers: str, instr: str) -> tu
     return int(nums[0][1]), "trans" in words
 
 
+def _generic_address(qualifiers: str) -> bool:
+    """Whether an ldmatrix / stmatrix without a state space takes a generic address."""
+    return not {"shared", "shared::cta"} & set(qualifiers.split(".")[1:])
+
+
+def _matrix_address(stmt: _AsmStatement, arg: tuple, generic: bool, role: str) -> str:
+    """The shared address of an ldmatrix / stmatrix ``[p]``: a "r" .shared address, or with a
+    generic address (no state space) a "l" pointer converted like __cvta_generic_to_shared."""
+    if not generic:
+        return _offset(stmt.read_b32(arg[1], role), arg[2])
+    ptr = stmt.read_global(arg[1], role)
+    if arg[2]:
+        ptr = f"({ptr} + {arg[2]})"
+    return f"{_PTX_NS}shared_address_of({ptr})"
+
+
 def _ptx_ldmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
     n, trans = _ldmatrix_qualifiers(stmt, m.group(1), instr)
+    generic = _generic_address(m.group(1))
     _expect(stmt, instr, args, f"vec{n} addr")
     regs = [stmt.write_b32(r, "ldmatrix destination") for r in args[0][1]]
-    addr = _offset(stmt.read_b32(args[1][1], "ldmatrix address"), args[1][2])
+    addr = _matrix_address(stmt, args[1], generic, "ldmatrix address")
     return f"{_PTX_NS}ldmatrix<{n}, {str(trans).lower()}>({addr}, {', '.join(regs)})"
+
+
+def _ptx_stmatrix(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    n, trans = _ldmatrix_qualifiers(stmt, m.group(1), instr, "stmatrix")
+    generic = _generic_address(m.group(1))
+    _expect(stmt, instr, args, f"addr vec{n}")
+    regs = [stmt.read_b32(r, "stmatrix source") for r in args[1][1]]
+    addr = _matrix_address(stmt, args[0], generic, "stmatrix address")
+    return f"{_PTX_NS}stmatrix<{n}, {str(trans).lower()}>({addr}, {', '.join(regs)})"
 
 
 def _ptx_mma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
@@ -649,26 +840,43 @@ def _checked_immediate(stmt: _AsmStatement, arg: tuple, role: str, allowed: tupl
     return stmt.immediate(arg, role)
 
 
+_WGMMA_ELEMS = {"f16": "f16", "bf16": "bf16", "e4m3": "e4m3", "e5m2": "e5m2"}
+
+
 def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    n, a_type, b_type = int(m.group(1)), m.group(2), m.group(3)
-    if n % 8 or not 8 <= n <= 256:
-        raise stmt.error(f"{instr.split(' ')[0]!r}: N={n} is not a multiple of 8 in [8, 256]")
-    if a_type != b_type:
-        raise stmt.error(f"{instr!r}: A and B must have the same type")
-    register_a = len(args) > 1 and args[1][0] == "vec"
-    want = (
-        f"vec{n // 2} vec4 reg pred imm imm imm"
-        if register_a
-        else f"vec{n // 2} reg reg pred imm imm imm imm"
+    n, k, dtype, a_type, b_type = (
+        int(m.group(1)),
+        int(m.group(2)),
+        m.group(3),
+        m.group(4),
+        m.group(5),
     )
-    if len(args) != len(want.split()) or args[0][0] != "vec" or len(args[0][1]) != n // 2:
+    opcode = instr.split(" ")[0]
+    if n % 8 or not 8 <= n <= 256:
+        raise stmt.error(f"{opcode!r}: N={n} is not a multiple of 8 in [8, 256]")
+    fp8 = a_type in ("e4m3", "e5m2")
+    if fp8 != (b_type in ("e4m3", "e5m2")) or (not fp8 and a_type != b_type):
+        raise stmt.error(f"{instr!r}: A and B must have the same type (or both fp8 types)")
+    if k != (32 if fp8 else 16) or (dtype == "f16" and a_type == "bf16"):
+        raise stmt.error(
+            f"unsupported wgmma form {opcode!r}: the emulator models k16 with f16/bf16 inputs (f32 "
+            "accumulators, f16 ones for f16 inputs) and k32 with e4m3/e5m2 inputs (f32 or f16 "
+            "accumulators)"
+        )
+    nregs = n // 2 if dtype == "f32" else n // 4
+    register_a = len(args) > 1 and args[1][0] == "vec"
+    imms = 2 + (0 if fp8 else 1 if register_a else 2)  # scales, then transposes (16-bit only)
+    want = f"vec{nregs} " + ("vec4 reg" if register_a else "reg reg") + " pred" + " imm" * imms
+    if len(args) != len(want.split()) or args[0][0] != "vec" or len(args[0][1]) != nregs:
         raise _shape_error(stmt, instr, args, want)
     d = []
+    kinds = "fr" if dtype == "f32" else "r"
     for ref in args[0][1]:
-        op = stmt.operand(ref, "fr", True, "wgmma accumulator")
+        op = stmt.operand(ref, kinds, True, "wgmma accumulator")
         if not op.readable:
             raise stmt.error(
-                f'wgmma accumulator {op.describe()} is read and written by wgmma: declare it "+f"'
+                f"wgmma accumulator {op.describe()} is read and written by wgmma: declare it "
+                + ('"+f"' if dtype == "f32" else '"+r" (a .f16x2 register)')
             )
         d.append(f"({op.expr})")
     rest = args[3:]
@@ -678,17 +886,48 @@ def _ptx_wgmma(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tup
         scale_d = stmt.pred(rest[0], "wgmma scale-d")
     scales = [_checked_immediate(stmt, a, "wgmma imm-scale", (1, -1)) for a in rest[1:3]]
     trans = [_checked_immediate(stmt, a, "wgmma imm-trans", (0, 1)) for a in rest[3:]]
-    elem = f"{_PTX_NS}Elem::{a_type}"
+    if fp8:  # no transposes: 8-bit operands are K-major
+        trans = ["0"] if register_a else ["0", "0"]
+    if not fp8 and dtype == "f32":  # the 16-bit forms' own entry points
+        targs = f"{_PTX_NS}Elem::{a_type}, {n}"
+    else:
+        ns = f"{_PTX_NS}WElem::"
+        targs = f"{ns}{a_type}, {ns}{b_type}, {n}, {str(dtype == 'f16').lower()}"
     if register_a:
         if len(args[1][1]) != 4:
             raise _shape_error(stmt, instr, args, want)
         a = [f"({stmt.operand(r, 'r', False, 'wgmma A').expr})" for r in args[1][1]]
         b = stmt.u64(args[2], "wgmma b-desc")
         call_args = [*a, b, scale_d, *scales, *trans, *d]
-        return f"{_PTX_NS}wgmma_rs<{elem}, {n}>({', '.join(call_args)})"
+        return f"{_PTX_NS}wgmma_rs<{targs}>({', '.join(call_args)})"
     descs = [stmt.u64(args[1], "wgmma a-desc"), stmt.u64(args[2], "wgmma b-desc")]
     call_args = [*descs, scale_d, *scales, *trans, *d]
-    return f"{_PTX_NS}wgmma_ss<{elem}, {n}>({', '.join(call_args)})"
+    return f"{_PTX_NS}wgmma_ss<{targs}>({', '.join(call_args)})"
+
+
+def _ptx_cvt_fp8(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    """cvt.rn.satfinite{.relu}.{e4m3x2,e5m2x2}.{f32,f16x2}, cvt.rn{.relu}.f16x2.{e4m3x2,e5m2x2}
+    and cvt.rn{.relu}{.satfinite}.{f16x2,bf16x2}.f32."""
+    relu = str(m.group("relu") is not None).lower()
+    dst, src = m.group("dst"), m.group("src")
+    pair = src == "f32"
+    if len(args) != (3 if pair else 2) or args[0][0] != "reg":
+        raise _shape_error(stmt, instr, args, "d a b" if pair else "d a")
+    d = f"({stmt.operand(args[0][1], 'hr', True, 'cvt destination').expr})"
+    if pair:
+        a = [stmt.read_f32(x[1], "cvt source") if x[0] == "reg" else None for x in args[1:]]
+        if None in a:
+            raise stmt.error(f"{instr!r}: the sources must be f32 registers")
+        if dst in ("f16x2", "bf16x2"):
+            sat = str(m.group("sat") is not None).lower()
+            return f"{_PTX_NS}cvt_{dst}_f32<{relu}, {sat}>({d}, {a[0]}, {a[1]})"
+        return (
+            f"{_PTX_NS}cvt_fp8x2_f32<{str(dst == 'e5m2x2').lower()}, {relu}>({d}, {a[0]}, {a[1]})"
+        )
+    a = stmt.u32(args[1], "cvt source")
+    if dst == "f16x2":
+        return f"{_PTX_NS}cvt_f16x2_fp8x2<{str(src == 'e5m2x2').lower()}, {relu}>({d}, {a})"
+    return f"{_PTX_NS}cvt_fp8x2_f16x2<{str(dst == 'e5m2x2').lower()}, {relu}>({d}, {a})"
 
 
 def _no_operands(call: str) -> Any:
@@ -719,13 +958,16 @@ def _ptx_mbarrier_arrive(
         want = "state addr tx" if expect_tx else "state addr [count]"
         raise _shape_error(stmt, instr, args, want)
     addr = stmt.shared_addr(args[1], "mbarrier address")
+    remote = m.group(2) == "::cluster"  # a .shared::cluster address: maybe another block's
     if expect_tx:
-        call = f"{_PTX_NS}mbarrier_arrive_expect_tx({addr}, {stmt.u32(args[2], 'tx-count')})"
-    elif counted:
-        call = f"{_PTX_NS}mbarrier_arrive({addr}, {stmt.u32(args[2], 'arrive count')})"
+        tx = stmt.u32(args[2], "tx-count")
+        call = f"{_PTX_NS}mbarrier_arrive_expect_tx({addr}, {tx}, {str(remote).lower()})"
     else:
-        call = f"{_PTX_NS}mbarrier_arrive({addr})"
+        count = stmt.u32(args[2], "arrive count") if counted else "1"
+        call = f"{_PTX_NS}mbarrier_arrive({addr}, {count}, {str(remote).lower()})"
     state = stmt.out64(args[0], "mbarrier state")
+    if remote and state is not None:
+        raise stmt.error(f"{instr!r}: an arrive on a .shared::cluster mbarrier returns no state: _")
     return call if state is None else f"{_PTX_NS}set_b64({state}, {call})"
 
 
@@ -752,33 +994,158 @@ def _ptx_mbarrier_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: 
 
 
 def _ptx_bulk_tensor(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    rank = int(m.group(1))
-    if m.group(2) and len(args) == 4:  # .L2::cache_hint: a 64-bit cache policy, only a hint
-        stmt.u64(args[3], "cache policy")
-        args = args[:3]
+    rank, multicast, hint = int(m.group(1)), m.group(2) is not None, m.group(3) is not None
     kinds = [a[0] for a in args]
-    if kinds != ["addr", "tmap", "addr"] or len(args[1][2]) != rank or args[1][0] != "tmap":
-        want = f"addr [tmap, vec{rank}] addr" + (" policy" if m.group(2) else "")
+    if (
+        len(args) != 3 + multicast + hint
+        or kinds[:3] != ["addr", "tmap", "addr"]
+        or len(args[1][2]) != rank
+    ):
+        want = (
+            f"addr [tmap, vec{rank}] addr"
+            + (" ctaMask" if multicast else "")
+            + (" policy" if hint else "")
+        )
         raise _shape_error(stmt, instr, args, want)
+    if hint:  # .L2::cache_hint: a 64-bit cache policy, only a hint
+        stmt.u64(args[-1], "cache policy")
     dst = stmt.shared_addr(args[0], "TMA destination")
     tmap = stmt.read_global(args[1][1], "tensor map")
     coords = [stmt.u32(c, "TMA coordinate") for c in args[1][2]]
     bar = stmt.shared_addr(args[2], "mbarrier address")
+    if multicast:
+        mask = stmt.u32(args[3], "ctaMask")
+        return (
+            f"{_PTX_NS}cp_async_bulk_tensor_multicast<{rank}>({dst}, {tmap}, {bar}, {mask}, "
+            f"{', '.join(coords)})"
+        )
     return f"{_PTX_NS}cp_async_bulk_tensor<{rank}>({dst}, {tmap}, {bar}, {', '.join(coords)})"
 
 
 def _ptx_bulk(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
-    if m.group(1) and len(args) == 5:  # .L2::cache_hint: a 64-bit cache policy, only a hint
-        stmt.u64(args[4], "cache policy")
-        args = args[:4]
-    _expect(stmt, instr, args, "addr addr val addr")
+    multicast, hint = m.group(1) is not None, m.group(2) is not None
+    if hint and len(args) == 5 + multicast:  # .L2::cache_hint: a 64-bit cache policy
+        stmt.u64(args[-1], "cache policy")
+        args = args[:-1]
+    _expect(stmt, instr, args, "addr addr val addr" + (" val" if multicast else ""))
     dst = stmt.shared_addr(args[0], "cp.async.bulk destination")
     src = stmt.read_global(args[1][1], "cp.async.bulk source")
     if args[1][2]:
         src = f"({src} + {args[1][2]})"
     size = stmt.u32(args[2], "cp.async.bulk size")
     bar = stmt.shared_addr(args[3], "mbarrier address")
+    if multicast:
+        mask = stmt.u32(args[4], "ctaMask")
+        return f"{_PTX_NS}cp_async_bulk_multicast({dst}, {src}, {size}, {bar}, {mask})"
     return f"{_PTX_NS}cp_async_bulk({dst}, {src}, {size}, {bar})"
+
+
+_REDUCTIONS = {"add": 0, "min": 1, "max": 2}  # kg_tma.h: BulkRedOp
+_REDUCE_TYPES = {"u32": 2, "s32": 3, "u64": 4, "s64": 5, "f16": 6, "f32": 7, "f64": 8, "bf16": 9}
+
+
+def _reduction(stmt: _AsmStatement, op: str, instr: str) -> int:
+    if op not in _REDUCTIONS:
+        raise stmt.error(
+            f"unsupported instruction {instr.split(' ')[0]!r}: the emulator models the "
+            f"reductions .add, .min and .max, not .{op}"
+        )
+    return _REDUCTIONS[op]
+
+
+def _ptx_bulk_tensor_store(
+    stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
+) -> str:
+    """cp.async.bulk.tensor.Nd.global.shared::cta.bulk_group and cp.reduce.async.bulk.tensor."""
+    reduce = instr.startswith("cp.reduce")
+    rank, hint = int(m.group(1)), m.group(3) is not None
+    red = _reduction(stmt, m.group(2), instr) if reduce else -1
+    kinds = [a[0] for a in args]
+    if len(args) != 2 + hint or kinds[:2] != ["tmap", "addr"] or len(args[0][2]) != rank:
+        raise _shape_error(
+            stmt, instr, args, f"[tmap, vec{rank}] addr" + (" policy" if hint else "")
+        )
+    if hint:
+        stmt.u64(args[-1], "cache policy")
+    tmap = stmt.read_global(args[0][1], "tensor map")
+    coords = [stmt.u32(c, "TMA coordinate") for c in args[0][2]]
+    src = stmt.shared_addr(args[1], "TMA store source")
+    return f"{_PTX_NS}cp_async_bulk_tensor_store<{rank}, {red}>({tmap}, {src}, {', '.join(coords)})"
+
+
+def _ptx_bulk_store(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    """cp.async.bulk.global.shared::cta.bulk_group and cp.reduce.async.bulk (non-tensor)."""
+    reduce = instr.startswith("cp.reduce")
+    hint = m.group(1) is not None
+    red = _reduction(stmt, m.group(2), instr) if reduce else -1
+    code = _REDUCE_TYPES[m.group(3)] if reduce else 0
+    if hint and len(args) == 4:
+        stmt.u64(args[-1], "cache policy")
+        args = args[:-1]
+    _expect(stmt, instr, args, "addr addr val")
+    dst = stmt.read_global(args[0][1], "cp.async.bulk destination")
+    if args[0][2]:
+        dst = f"({dst} + {args[0][2]})"
+    src = stmt.shared_addr(args[1], "cp.async.bulk source")
+    size = stmt.u32(args[2], "cp.async.bulk size")
+    return f"{_PTX_NS}cp_async_bulk_store<{red}, {code}>({dst}, {src}, {size})"
+
+
+def _ptx_bulk_wait(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    _expect(stmt, instr, args, "val")
+    n = stmt.immediate(args[0], "cp.async.bulk.wait_group count")
+    return f"{_PTX_NS}cp_async_bulk_wait_group({n}, {str(m.group(1) is not None).lower()})"
+
+
+def _ptx_mapa(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    if len(args) != 3:
+        raise _shape_error(stmt, instr, args, "d a rank")
+    wide = m.group(2) == "u64"
+    a = stmt.u64(args[1], "mapa address") if wide else stmt.u32(args[1], "mapa address")
+    rank = stmt.u32(args[2], "mapa rank")
+    fn = "mapa_shared" if m.group(1) else "mapa_generic"
+    value = f"{_PTX_NS}{fn}(static_cast<uint64_t>({a}), {rank})"
+    if not wide:
+        return f"{_PTX_NS}set_b32({stmt.out32(args[0], 'mapa destination')}, {value})"
+    dest = stmt.out64(args[0], "mapa destination")
+    if dest is None:
+        raise stmt.error('mapa.u64 destination must be a 64-bit ("=l") operand')
+    return f"{_PTX_NS}set_b64({dest}, static_cast<uint64_t>({value}))"
+
+
+def _ldst_value(stmt: _AsmStatement, arg: tuple, wide: bool, write: bool, role: str) -> str:
+    """A 32- or 64-bit ld destination / st source: a "r"/"f" ("l"/"d") operand, a local .b32
+    register, or (st) an immediate; moved as bits."""
+    if arg[0] == "reg":
+        op = stmt.operand(arg[1], "ld" if wide else "rf" + ("" if write else "nih"), write, role)
+        return f"({op.expr})" if write else f"{_PTX_NS}b{64 if wide else 32}({op.expr})"
+    if not wide:
+        return stmt.out32(arg, role) if write else stmt.u32(arg, role)
+    if arg[0] == "imm" and not write:
+        return f"{arg[1]}ull"
+    raise stmt.error(f'{role} must be a 64-bit ("l" or "d") operand')
+
+
+def _ptx_ld_st(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
+    """ld / st .shared{::cta,::cluster}{.v2,.v4} of 32- or 64-bit elements."""
+    load, cluster = m.group(1) == "ld", m.group(2) == "::cluster"
+    n = int(m.group(3)[1]) if m.group(3) else 1
+    wide = m.group(4).endswith("64")
+    value_kind = f"vec{n}" if n > 1 else "val"
+    shape = f"{value_kind} addr" if load else f"addr {value_kind}"
+    if len(args) != 2:
+        raise _shape_error(stmt, instr, args, shape)
+    addr_arg, value_arg = (args[1], args[0]) if load else (args[0], args[1])
+    if addr_arg[0] != "addr" or (n > 1) != (value_arg[0] == "vec"):
+        raise _shape_error(stmt, instr, args, shape)
+    addr = stmt.shared_addr(addr_arg, "shared address")
+    refs = [("reg", r) for r in value_arg[1]] if n > 1 else [value_arg]
+    role = "ld destination" if load else "st value"
+    values = [_ldst_value(stmt, r, wide, load, role) for r in refs]
+    fn = "ld_shared_v" if load else "st_shared_v"
+    ctype = "uint64_t" if wide else "uint32_t"
+    what = instr.split(" ")[0]
+    return f'{_PTX_NS}{fn}<{ctype}>({addr}, {str(cluster).lower()}, "{what}", {", ".join(values)})'
 
 
 def _ptx_elect(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
@@ -867,13 +1234,27 @@ def _ptx_bar(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple
 _SHARED = r"\.shared(?:::cta)?"
 _MBAR_SCOPE = r"(?:\.cta|\.cluster)?"
 HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
-    (r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(f16|bf16)\.(f16|bf16)", _ptx_wgmma),
+    (
+        r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k(16|32)\.(f32|f16)"
+        r"\.(f16|bf16|e4m3|e5m2)\.(f16|bf16|e4m3|e5m2)",
+        _ptx_wgmma,
+    ),
+    (
+        r"cvt\.rn\.satfinite(?P<relu>\.relu)?\.(?P<dst>e4m3x2|e5m2x2)\.(?P<src>f32|f16x2)",
+        _ptx_cvt_fp8,
+    ),
+    (r"cvt\.rn(?P<relu>\.relu)?\.(?P<dst>f16x2)\.(?P<src>e4m3x2|e5m2x2)", _ptx_cvt_fp8),
+    (
+        r"cvt\.rn(?P<relu>\.relu)?(?P<sat>\.satfinite)?\.(?P<dst>f16x2|bf16x2)\.(?P<src>f32)",
+        _ptx_cvt_fp8,
+    ),
     (r"wgmma\.fence\.sync\.aligned", _no_operands("wgmma_fence")),
     (r"wgmma\.commit_group\.sync\.aligned", _no_operands("wgmma_commit_group")),
     (r"wgmma\.wait_group\.sync\.aligned", _ptx_wgmma_wait),
     (rf"mbarrier\.init{_SHARED}\.b64", _ptx_mbarrier_init),
     (
-        rf"mbarrier\.arrive(\.expect_tx)?(?:\.release)?{_MBAR_SCOPE}{_SHARED}\.b64",
+        rf"mbarrier\.arrive(\.expect_tx)?(?:\.release)?{_MBAR_SCOPE}\.shared(::cta|::cluster)?"
+        r"\.b64",
         _ptx_mbarrier_arrive,
     ),
     (rf"mbarrier\.expect_tx(?:\.relaxed)?{_MBAR_SCOPE}{_SHARED}\.b64", _ptx_mbarrier_expect_tx),
@@ -883,13 +1264,50 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     ),
     (
         r"cp\.async\.bulk\.tensor\.([1-5])d\.shared::(?:cluster|cta)\.global(?:\.tile)?"
-        r"\.mbarrier::complete_tx::bytes(\.L2::cache_hint)?",
+        r"\.mbarrier::complete_tx::bytes(\.multicast::cluster)?(\.L2::cache_hint)?",
         _ptx_bulk_tensor,
     ),
     (
         r"cp\.async\.bulk\.shared::(?:cluster|cta)\.global\.mbarrier::complete_tx::bytes"
-        r"(\.L2::cache_hint)?",
+        r"(\.multicast::cluster)?(\.L2::cache_hint)?",
         _ptx_bulk,
+    ),
+    (
+        r"cp\.async\.bulk\.tensor\.([1-5])d\.global\.shared::cta(?:\.tile)?\.bulk_group()"
+        r"(\.L2::cache_hint)?",
+        _ptx_bulk_tensor_store,
+    ),
+    (
+        r"cp\.reduce\.async\.bulk\.tensor\.([1-5])d\.global\.shared::cta\.(\w+)(?:\.tile)?"
+        r"\.bulk_group(\.L2::cache_hint)?",
+        _ptx_bulk_tensor_store,
+    ),
+    (r"cp\.async\.bulk\.global\.shared::cta\.bulk_group(\.L2::cache_hint)?()()", _ptx_bulk_store),
+    (
+        r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group(\.L2::cache_hint)?\.(\w+)"
+        r"(?:\.noftz)?\.(u32|s32|u64|s64|f16|f32|f64|bf16)",
+        _ptx_bulk_store,
+    ),
+    (r"cp\.async\.bulk\.commit_group", _no_operands("cp_async_bulk_commit_group")),
+    (r"cp\.async\.bulk\.wait_group(\.read)?", _ptx_bulk_wait),
+    (
+        r"stmatrix((?:\.[A-Za-z0-9_:]+)+)",
+        _ptx_stmatrix,
+    ),
+    (
+        r"barrier\.cluster\.arrive(?:\.release|\.relaxed)?(?:\.aligned)?",
+        _no_operands("barrier_cluster_arrive"),
+    ),
+    (r"barrier\.cluster\.wait(?:\.acquire)?(?:\.aligned)?", _no_operands("barrier_cluster_wait")),
+    (r"mapa(\.shared::cluster)?\.(u32|u64)", _ptx_mapa),
+    (
+        r"(ld|st)(?:\.volatile|\.weak)?\.shared(::cta|::cluster)?(\.v[24])?"
+        r"\.(b32|u32|s32|f32|b64|u64|s64|f64)",
+        _ptx_ld_st,
+    ),
+    (
+        r"fence\.(?:sc|acq_rel|acquire|release)\.(?:cta|cluster|gpu|sys)",
+        _no_operands("fence_proxy_async"),
     ),
     (r"cvta\.to\.shared(?:::cta)?\.(u32|u64)", _ptx_cvta),
     (r"nanosleep\.u32", _ptx_nanosleep),
@@ -899,9 +1317,10 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     ),
     (r"griddepcontrol\.(?:wait|launch_dependents)", _no_operands("compiler_barrier")),
     (
-        r"fence\.proxy\.async(?:\.shared::(?:cta|cluster)|\.global)?",
-        _no_operands("fence_proxy_async"),
+        r"fence\.proxy\.async(?:\.shared::(?:cta|cluster))?",
+        _no_operands("fence_proxy_async_shared"),
     ),
+    (r"fence\.proxy\.async\.global", _no_operands("fence_proxy_async")),
     (r"fence\.mbarrier_init\.release\.cluster", _no_operands("fence_proxy_async")),
     (r"elect\.sync", _ptx_elect),
     (r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", _ptx_setmaxnreg),
@@ -934,7 +1353,8 @@ def _ptx_call(stmt: _AsmStatement, instr: str) -> str:
     raise stmt.error(
         f"unsupported instruction {shown!r}: the CPU emulator models only ldmatrix .m8n8 .b16, "
         "mma.sync .m16n8k16 (f16/bf16 -> f32), cp.async and the Hopper forms of "
-        "docs/emulator.md (wgmma, mbarrier, TMA, named barriers)"
+        "docs/emulator.md (wgmma, mbarrier, TMA loads and stores, stmatrix, named barriers, "
+        "clusters)"
     )
 
 

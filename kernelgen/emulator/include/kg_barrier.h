@@ -58,6 +58,7 @@ inline uint32_t named_barrier_arrive(NamedBarrierState& b, const char* what, uin
   const uint32_t gen = b.generation.load();
   if (b.knowledge.size() <= gen) b.knowledge.resize(gen + 1);
   for (const SeenPhase& s : mbarrier_seen) b.knowledge[gen].seen.push_back(s);
+  hb_release(b.knowledge[gen].known);
   b.arrived += 1;
   b.syncing += syncing ? 1u : 0u;
   if (b.arrived == b.expected) {
@@ -81,7 +82,7 @@ inline void bar_sync(long long id, long long count = -1) {
     __syncthreads();
     return;
   }
-  NamedBarrierState& b = tctx.launch->named[id];
+  NamedBarrierState& b = tctx.cta->named[id];
   uint32_t gen;
   {
     BarrierLock lock;
@@ -94,6 +95,7 @@ inline void bar_sync(long long id, long long count = -1) {
   }
   BarrierLock lock;
   for (const SeenPhase& s : b.knowledge[gen].seen) mbarrier_know(s.slot, s.completed);
+  hb_acquire(b.knowledge[gen].known);
   if (b.knowledge[gen].whole_block) ++tctx.epoch;
 }
 
@@ -103,7 +105,7 @@ inline void bar_arrive(long long id, long long count) {
   if (count < 0) trap_with("%s %lld: a thread count is required", what, id);
   const uint32_t n = named_barrier_count(what, id, count);
   BarrierLock lock;
-  named_barrier_arrive(tctx.launch->named[id], what, static_cast<uint32_t>(id), n, false);
+  named_barrier_arrive(tctx.cta->named[id], what, static_cast<uint32_t>(id), n, false);
 }
 
 }  // namespace kg_emu::ptx

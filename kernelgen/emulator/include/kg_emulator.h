@@ -2,8 +2,8 @@
 //
 // Force-included (g++ -include) in front of a kernel's CUDA source, which is then compiled as
 // ordinary C++20 for the host. One OS thread (pthread) runs each CUDA thread of a block; the
-// blocks of a grid run one after another. See docs/emulator.md for the model and its
-// limits. Linux only (futex based barriers).
+// blocks of a grid run one after another (the blocks of a thread-block cluster all at once). See
+// docs/emulator.md for the model and its limits. Linux only (futex based barriers).
 #ifndef KG_EMULATOR_H
 #define KG_EMULATOR_H
 
@@ -43,9 +43,18 @@
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __align__(n) __attribute__((aligned(n)))
-// Blocks run one at a time, so a block's static shared memory can be ordinary static storage.
-// (`extern __shared__` dynamic shared memory is rewritten by the Python side before compiling.)
+// `__shared__` declarations are rewritten by the Python side (transform.py) before compiling:
+// `extern __shared__` into a pointer to the block's dynamic shared memory, the static ones in
+// functions into references into the block's static arena (kg_emu::static_smem_site); the
+// preprocessing pass defines KG_EMULATOR_PREPROCESS so that they reach it marked. Others (at
+// namespace scope) are ordinary static storage, one per process.
+#ifdef KG_EMULATOR_PREPROCESS
+#define __shared__ __kg_shared__
+#define __cluster_dims__(...) __kg_cluster_dims__(__VA_ARGS__)
+#else
 #define __shared__ static
+#define __cluster_dims__(...)
+#endif
 // __restrict__ is a GNU C++ keyword already.
 
 // Lets a kernel source tell it is being emulated (__CUDACC__ / __CUDA_ARCH__ stay undefined).
@@ -247,11 +256,18 @@ struct MbarrierState {
   int32_t pending = 0, tx = 0;
   // Observations of completed phases: (phases completed, earliest epoch a thread saw it).
   uint32_t seen_phase[4] = {}, seen_epoch[4] = {};
+  // Happens-before knowledge (hb_* below) the arrivals released: all of them so far, and as it
+  // stood when each of the last four phases completed (what a thread that saw it acquires).
+  std::vector<uint32_t> known, known_at[4];
   void reset() {
     phase.store(0, std::memory_order_relaxed);
     initialized = expected = 0;
     pending = tx = 0;
-    for (int i = 0; i < 4; ++i) seen_phase[i] = seen_epoch[i] = 0;
+    for (int i = 0; i < 4; ++i) {
+      seen_phase[i] = seen_epoch[i] = 0;
+      known_at[i].clear();
+    }
+    known.clear();
   }
 };
 
@@ -290,9 +306,11 @@ struct NamedBarrierState {
   uint32_t expected = 0;  // the thread count of the generation under way (0: none under way)
   uint32_t arrived = 0, syncing = 0, first_thread = 0;
   // Per generation: the mbarrier phases its arriving threads had seen complete, which its
-  // bar.sync threads then know too; whether every thread of the block synced there.
+  // bar.sync threads then know too; the happens-before knowledge its arrivals released (hb_*);
+  // whether every thread of the block synced there.
   struct Generation {
     std::vector<SeenPhase> seen;
+    std::vector<uint32_t> known;
     bool whole_block = false;
   };
   std::vector<Generation> knowledge;
@@ -303,27 +321,86 @@ struct NamedBarrierState {
   }
 };
 
+// The race checks' shadow of one 16-byte chunk of a block's shared memory (kg_ptx.h, kg_tma.h,
+// kg_bulk.h): the last ldmatrix read and cp.async write, the mbarrier phase of the last TMA
+// write, the last stmatrix write and its writer's fence.proxy.async, the last ldmatrix reader
+// (for stmatrix), the TMA store reading it.
+struct ChunkShadow {
+  std::atomic<uint64_t> reads, writes, tma, gen, fence, reader, bulk, bulk_release;
+  void reset() {
+    reader.store(0, std::memory_order_relaxed);
+    reads.store(0, std::memory_order_relaxed);
+    writes.store(0, std::memory_order_relaxed);
+    tma.store(0, std::memory_order_relaxed);
+    gen.store(0, std::memory_order_relaxed);
+    fence.store(0, std::memory_order_relaxed);
+    bulk.store(0, std::memory_order_relaxed);
+    bulk_release.store(0, std::memory_order_relaxed);
+  }
+};
+
+// barrier.cluster (kg_cluster.h): every thread of the cluster arrives, waits for the others.
+struct ClusterBarrierState {
+  std::atomic<uint32_t> generation{0};
+  uint32_t participants = 0, arrived = 0;
+  void reset(uint32_t n) {
+    generation.store(0, std::memory_order_relaxed);
+    participants = n;
+    arrived = 0;
+  }
+};
+
+constexpr size_t kGuard = 128;  // guard bytes around each region of shared memory
+constexpr unsigned char kGuardByte = 0xA5;
+// The static __shared__ variables declared in functions (transform.py rewrites them into this
+// arena): one arena per block, after the dynamic shared memory in the shared window, at a
+// 1024-byte aligned offset; CUDA's 48 KB of static shared memory.
+constexpr size_t kStaticSmemBytes = 48 * 1024;
+constexpr uint32_t kMaxClusterSize = 8;       // the portable cluster size
+constexpr uint32_t kMaxClusterThreads = 4096;  // threads of all the blocks of one cluster
+constexpr uint32_t kMaxStaticSites = 256;      // static __shared__ declarations of a kernel
+
+struct Launch;
+
+// One thread block (CTA). The blocks of a cluster run at once, each with its own Cta; clusters
+// (a block is a cluster of one) run one after another, reusing the Ctas and their threads.
+struct Cta {
+  Launch* launch = nullptr;
+  uint32_t rank = 0;       // %cluster_ctarank
+  uint3 block{0, 0, 0};    // its blockIdx
+  unsigned char* buf = nullptr;  // guard, dynamic shared memory, guard gap, static arena, guard
+  size_t buf_bytes = 0;
+  unsigned char* smem = nullptr;  // dynamic shared memory (128-byte aligned): kSharedBase
+  size_t smem_bytes = 0;
+  size_t static_offset = 0;  // of the static arena from smem (shared kSharedBase + it)
+  size_t window = 0;         // static_offset + kStaticSmemBytes: what the shadows cover
+  Barrier block_bar;
+  Warp* warps = nullptr;
+  std::atomic<uint32_t> running{0};  // threads of the block still in the kernel
+  ChunkShadow* shadow = nullptr;     // one per 16-byte chunk of the window
+  size_t chunks = 0;
+  MbarrierState* mbarriers = nullptr;  // one per 8 bytes of the window (guarded by mbar_lock)
+  size_t n_mbarriers = 0;
+  WarpgroupIssue* warpgroup_issues = nullptr;  // kWarpgroupIssueRing per warpgroup (mbar_lock)
+  Warpgroup* warpgroups = nullptr;  // one per complete warpgroup of the block
+  NamedBarrierState named[kNamedBarriers];
+  unsigned char* static_smem() const { return smem + static_offset; }
+};
+
 struct Launch {
   void (*thunk)(void**) = nullptr;
   void** args = nullptr;
-  dim3 grid, block;
-  uint32_t nthreads = 0, nwarps = 0;
-  unsigned char* smem = nullptr;  // block's dynamic shared memory (128-byte aligned)
-  size_t smem_bytes = 0;
-  Barrier block_bar;
-  Warp* warps = nullptr;
-  uint3 cur_block{0, 0, 0};
+  dim3 grid, block, cluster;
+  uint32_t nthreads = 0, nwarps = 0;  // per block
+  uint32_t ncta = 1;                  // blocks per cluster
+  uint32_t nwarpgroups = 0;           // complete warpgroups per block
+  Cta* ctas = nullptr;                // ncta
   bool stop = false;
-  alignas(64) std::atomic<uint32_t> start_seq{0};  // bumped once per block (and to stop)
-  alignas(64) std::atomic<uint32_t> remaining{0};  // threads still running the current block
+  alignas(64) std::atomic<uint32_t> start_seq{0};  // bumped once per cluster (and to stop)
+  alignas(64) std::atomic<uint32_t> remaining{0};  // threads still running the current cluster
   std::atomic<int> trapped{0};
-  uint3 trap_thread{0, 0, 0};
+  uint3 trap_thread{0, 0, 0}, trap_block{0, 0, 0};
   char trap_msg[512] = "";
-  // Hazard shadow of the dynamic shared memory, one entry per 16-byte chunk (kg_ptx.h: the last
-  // ldmatrix read and the last cp.async write of each chunk); reset before every block.
-  std::atomic<uint64_t>* chunk_reads = nullptr;
-  std::atomic<uint64_t>* chunk_writes = nullptr;
-  size_t chunks = 0;
   // Counters over the whole launch (LaunchStat), summed from the threads' own at the end
   // of every block; the first ldmatrix that needed extra wavefronts, described.
   std::atomic<uint64_t> stats[kNumStats] = {};
@@ -336,35 +413,79 @@ struct Launch {
   int nranges = 0;
   std::atomic<uint64_t> arg_copies[kMaxArgRanges] = {};
   std::atomic<uint64_t> arg_bytes[kMaxArgRanges] = {};
-  // Hopper's asynchronous state (kg_mbarrier.h, kg_tma.h, kg_wgmma.h): one mbarrier per 8
-  // bytes of dynamic shared memory (guarded by mbar_lock), per 16-byte chunk the mbarrier phase
-  // of the last TMA write, the recent wgmmas of each warpgroup; reset before every block.
-  MbarrierState* mbarriers = nullptr;
-  size_t n_mbarriers = 0;
+  // Hopper's asynchronous state lives in the Ctas; one lock for all mbarriers of the cluster
+  // (a multicast or remote arrival touches several blocks), one for the named and cluster
+  // barriers, one for the global writes of TMA reductions.
   pthread_mutex_t mbar_lock = PTHREAD_MUTEX_INITIALIZER;
-  std::atomic<uint64_t>* chunk_tma = nullptr;
-  WarpgroupIssue* warpgroup_issues = nullptr;  // kWarpgroupIssueRing per warpgroup (mbar_lock)
-  Warpgroup* warpgroups = nullptr;  // one per complete warpgroup of the block
-  uint32_t nwarpgroups = 0;
-  NamedBarrierState named[kNamedBarriers];
   pthread_mutex_t bar_lock = PTHREAD_MUTEX_INITIALIZER;
+  pthread_mutex_t reduce_lock = PTHREAD_MUTEX_INITIALIZER;
+  ClusterBarrierState cluster_bar;
+  // The static __shared__ declarations met in this launch (static_smem_site), under bar_lock.
+  std::atomic<uint32_t> static_sites{0};
+  const void* static_site_key[kMaxStaticSites] = {};
+  size_t static_site_offset[kMaxStaticSites] = {};
+  std::atomic<size_t> static_used{0};  // bytes of the arena reserved: the valid part
 };
 
 
 struct ThreadCtx {
   Launch* launch;
+  Cta* cta;  // the thread's block
   Warp* warp;
   uint32_t lane;
   uint32_t parity;  // which slot buffer the warp's next exchange uses (lanes stay in step)
   uint32_t wg_parity;  // the same for the warpgroup's rendezvous (kg_wgmma.h)
   uint32_t linear;  // thread index in the block
-  // __syncthreads passed in this block: two accesses of different threads with the same epoch
-  // are in the same barrier interval, i.e. unordered.
+  // Whole-block barriers passed in this block (__syncthreads, bar.sync of every thread,
+  // barrier.cluster): two accesses of different threads with the same epoch are in the same
+  // barrier interval, i.e. unordered.
   uint32_t epoch;
   uint64_t stats[kNumStats];  // this thread's share of Launch::stats in the current block
   uint64_t arg_copies[kMaxArgRanges], arg_bytes[kMaxArgRanges];  // and of Launch::arg_*
 };
 inline thread_local ThreadCtx tctx;
+
+// ---- happens-before knowledge beyond whole-block barriers --------------------------------------
+// The race checks of stmatrix writes and TMA stores (kg_ptx.h, kg_bulk.h) must accept accesses
+// ordered by barriers of part of the block (named barriers, mbarriers), as FlashAttention 3's
+// epilogue orders its stmatrix writes before the TMA store with a barrier of the consumer
+// warpgroups. Each thread counts its arrivals (bar.sync / bar.arrive of a named barrier,
+// mbarrier.arrive) and knows, per thread of its block, the arrivals it is ordered after:
+// an arrival releases what the thread knows into the barrier, a thread leaving a bar.sync or
+// seeing an mbarrier phase complete acquires what that generation or phase released (a vector
+// clock of barrier arrivals). Thread w's access at its (epoch, arrivals) is ordered before this
+// thread's now when they are the same thread, a whole-block barrier came between (epochs), or
+// this thread knows an arrival of w after the access.
+struct HbClock {
+  std::vector<uint32_t> known;  // per thread of the block (valid when `live`)
+  uint32_t arrivals = 0;
+  bool live = false;
+};
+inline thread_local HbClock hb;
+
+inline std::vector<uint32_t>& hb_known() {
+  if (!hb.live) {
+    hb.known.assign(tctx.launch->nthreads, 0);
+    hb.live = true;
+  }
+  return hb.known;
+}
+// An arrival of this thread: what it knows (and the arrival) joins `into`.
+inline void hb_release(std::vector<uint32_t>& into) {
+  std::vector<uint32_t>& k = hb_known();
+  k[tctx.linear] = ++hb.arrivals;
+  if (into.size() < k.size()) into.resize(k.size(), 0);
+  for (size_t i = 0; i < k.size(); ++i) into[i] = into[i] > k[i] ? into[i] : k[i];
+}
+inline void hb_acquire(const std::vector<uint32_t>& from) {
+  if (from.empty()) return;
+  std::vector<uint32_t>& k = hb_known();
+  for (size_t i = 0; i < k.size() && i < from.size(); ++i) k[i] = k[i] > from[i] ? k[i] : from[i];
+}
+inline bool hb_after(uint32_t thread, uint32_t epoch, uint32_t arrivals) {
+  return thread == tctx.linear || tctx.epoch > epoch ||
+         (hb.live && thread < hb.known.size() && hb.known[thread] > arrivals);
+}
 
 // Records an error found while the kernel runs on (the first one wins; the launch raises it
 // after the block) without unwinding the thread, so warp-collective partners do not lose it.
@@ -372,6 +493,7 @@ inline void report_error_v(int hazard, const char* fmt, va_list ap) {
   Launch& L = *tctx.launch;
   if (L.trapped.exchange(1) != 0) return;
   L.trap_thread = threadIdx;
+  L.trap_block = blockIdx;
   L.hazard = hazard;
   vsnprintf(L.trap_msg, sizeof L.trap_msg, fmt, ap);
 }
@@ -389,17 +511,78 @@ __attribute__((format(printf, 1, 2))) inline void report_hazard(const char* fmt,
   va_end(ap);
 }
 
-// Dynamic shared memory declared at namespace scope: pointers registered at load time and
-// pointed at the buffer before every launch.
+// Dynamic shared memory declared at namespace scope: thread-local pointers registered at load
+// time, pointed at its block's buffer by every thread when it starts a block. (In an unnamed
+// namespace, like the other registries: an inline variable would be one object for all the
+// kernels' libraries loaded in a process, g++ making it a unique symbol.)
 using SmemHook = void (*)(unsigned char*);
-inline SmemHook smem_hooks[64];
-inline int n_smem_hooks = 0;
+namespace {
+SmemHook smem_hooks[64];
+int n_smem_hooks = 0;
 inline bool register_dyn_smem_hook(SmemHook h) {
   if (n_smem_hooks >= 64) std::abort();
   smem_hooks[n_smem_hooks++] = h;
   return true;
 }
-inline unsigned char* dynamic_smem() { return tctx.launch->smem; }
+}  // namespace
+inline unsigned char* dynamic_smem() { return tctx.cta->smem; }
+
+// Static __shared__ variables declared in functions (transform.py): each declaration site (the
+// address of a static char beside it) gets its offset in the arena at its first execution in a
+// launch, the same in every block of the launch. Lock-free lookups of the launch's table.
+inline unsigned char* static_smem_site(const void* site, size_t bytes, size_t align) {
+  Launch& L = *tctx.launch;
+  const uint32_t n = L.static_sites.load(std::memory_order_acquire);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (L.static_site_key[i] == site) return tctx.cta->static_smem() + L.static_site_offset[i];
+  }
+  pthread_mutex_lock(&L.bar_lock);
+  uint32_t i = 0;
+  const uint32_t m = L.static_sites.load();
+  while (i < m && L.static_site_key[i] != site) ++i;
+  if (i == m) {
+    const size_t at = (L.static_used.load() + align - 1) / align * align;
+    if (m == kMaxStaticSites || at + bytes > kStaticSmemBytes) {
+      pthread_mutex_unlock(&L.bar_lock);
+      trap_with("static __shared__ variables: %zu bytes more at offset %zu exceed the %zu bytes "
+                "of static shared memory (CUDA's limit), or more than %u declarations", bytes,
+                at, kStaticSmemBytes, kMaxStaticSites);
+    }
+    L.static_site_key[i] = site;
+    L.static_site_offset[i] = at;
+    L.static_used.store(at + bytes);
+    L.static_sites.store(m + 1, std::memory_order_release);
+  }
+  pthread_mutex_unlock(&L.bar_lock);
+  return tctx.cta->static_smem() + L.static_site_offset[i];
+}
+
+// __cluster_dims__(x, y, z) of the kernels (transform.py registers them at load time).
+struct ClusterDims {
+  const char* kernel;
+  long long x, y, z;
+};
+namespace {
+ClusterDims cluster_dims_table[64];
+int n_cluster_dims = 0;
+inline bool register_cluster_dims(const char* kernel, long long x, long long y, long long z) {
+  if (n_cluster_dims >= 64) std::abort();
+  cluster_dims_table[n_cluster_dims++] = ClusterDims{kernel, x, y, z};
+  return true;
+}
+// The kernel's __cluster_dims__ into out[0..2]: 1, or 0 when it has none.
+inline int cluster_dims_of(const char* kernel, long long* out) {
+  for (int i = 0; i < n_cluster_dims; ++i) {
+    if (std::strcmp(cluster_dims_table[i].kernel, kernel) == 0) {
+      out[0] = cluster_dims_table[i].x;
+      out[1] = cluster_dims_table[i].y;
+      out[2] = cluster_dims_table[i].z;
+      return 1;
+    }
+  }
+  return 0;
+}
+}  // namespace
 
 template <class T>
 inline T arg(void* p) {
@@ -428,25 +611,29 @@ inline T warp_exchange(T v, uint32_t src_lane) {
   return r;
 }
 
-// Per-thread state of the asynchronous Hopper instructions (kg_wgmma.h, kg_mbarrier.h):
-// cleared when a thread starts a block, checked when it leaves the kernel.
+// Per-thread state of the asynchronous Hopper instructions (kg_wgmma.h, kg_mbarrier.h,
+// kg_bulk.h, kg_cluster.h): cleared when a thread starts a block, checked (and pending TMA
+// stores written) when it leaves the kernel; `thread_exit` when it leaves, trap or not.
 inline void async_thread_begin();
 inline void async_thread_end();
+inline void async_thread_exit();
 
 struct WorkerArg {
   Launch* launch;
-  uint32_t linear;
+  uint32_t index;  // block * nthreads + thread
 };
 
 inline void* worker_main(void* p) {
   WorkerArg wa = *static_cast<WorkerArg*>(p);
   Launch& L = *wa.launch;
-  const uint32_t t = wa.linear;
+  const uint32_t t = wa.index % L.nthreads;
+  Cta& C = L.ctas[wa.index / L.nthreads];
   threadIdx = uint3{t % L.block.x, (t / L.block.x) % L.block.y, t / (L.block.x * L.block.y)};
   blockDim = L.block;
   gridDim = L.grid;
   tctx.launch = &L;
-  tctx.warp = &L.warps[t / 32];
+  tctx.cta = &C;
+  tctx.warp = &C.warps[t / 32];
   tctx.lane = t % 32;
   tctx.linear = t;
   uint32_t seen = 0;
@@ -455,12 +642,15 @@ inline void* worker_main(void* p) {
     while ((s = L.start_seq.load(std::memory_order_acquire)) == seen) futex_wait(L.start_seq, s);
     seen = s;
     if (L.stop) break;
-    blockIdx = L.cur_block;
+    blockIdx = C.block;
     tctx.parity = 0;
     tctx.wg_parity = 0;
     tctx.epoch = 0;
+    hb.live = false;
+    hb.arrivals = 0;
     for (uint64_t& v : tctx.stats) v = 0;
     for (int i = 0; i < L.nranges; ++i) tctx.arg_copies[i] = tctx.arg_bytes[i] = 0;
+    for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](C.smem);
     async_copies.clear();
     async_thread_begin();
     try {
@@ -469,9 +659,11 @@ inline void* worker_main(void* p) {
     } catch (const Trap& trap) {
       if (L.trapped.exchange(1) == 0) {
         L.trap_thread = threadIdx;
+        L.trap_block = blockIdx;
         snprintf(L.trap_msg, sizeof L.trap_msg, "%s", trap.msg[0] ? trap.msg : "__trap()");
       }
     }
+    async_thread_exit();
     for (int i = 0; i < kNumStats; ++i) {
       if (tctx.stats[i] != 0) L.stats[i].fetch_add(tctx.stats[i], std::memory_order_relaxed);
     }
@@ -484,12 +676,13 @@ inline void* worker_main(void* p) {
     // cp.async copies never waited for are dropped (nothing can observe them legally).
     async_copies.clear();
     // Leaving the kernel: no longer expected at block or warp barriers.
-    L.block_bar.arrive_and_drop();
+    C.block_bar.arrive_and_drop();
     tctx.warp->bar.arrive_and_drop();
     if (t / 128 < L.nwarpgroups) {
-      for (auto& slots : L.warpgroups[t / 128].slots) slots[t % 128].kind.store(0);
-      L.warpgroups[t / 128].bar.arrive_and_drop();
+      for (auto& slots : C.warpgroups[t / 128].slots) slots[t % 128].kind.store(0);
+      C.warpgroups[t / 128].bar.arrive_and_drop();
     }
+    C.running.fetch_sub(1, std::memory_order_acq_rel);
     if (L.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) futex_wake_all(L.remaining);
   }
   return nullptr;
@@ -501,9 +694,6 @@ inline double now_s() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-constexpr size_t kGuard = 128;  // guard bytes before/after dynamic shared memory
-constexpr unsigned char kGuardByte = 0xA5;
-
 inline pthread_mutex_t launch_mutex = PTHREAD_MUTEX_INITIALIZER;
 
 inline int fail(char* err, int errlen, const char* msg) {
@@ -511,11 +701,11 @@ inline int fail(char* err, int errlen, const char* msg) {
   return 1;
 }
 
-// The order a launch runs its blocks in (cfg[9]): seed 0 in order (x fastest, then y, then z);
-// a seed > 0 a pseudo-random permutation of the grid's linear block indices, the same for the
-// same seed and grid: a Fisher-Yates shuffle drawing from splitmix64 seeded with it (for i from
-// the block count down to 2, entry i - 1 swaps with entry j = the high 64 bits of draw * i).
-// tests/test_emulator_block_order.py mirrors it in Python.
+// The order a launch runs its clusters in (cfg[9]; without clusters a block is a cluster of
+// one): seed 0 in order (x fastest, then y, then z); a seed > 0 a pseudo-random permutation of
+// the linear cluster indices, the same for the same seed and grid: a Fisher-Yates shuffle
+// drawing from splitmix64 seeded with it (for i from the count down to 2, entry i - 1 swaps
+// with entry j = the high 64 bits of draw * i). tests/test_emulator_block_order.py mirrors it.
 constexpr uint64_t kMaxShuffledBlocks = uint64_t{1} << 24;
 
 inline uint64_t splitmix64(uint64_t& state) {
@@ -525,7 +715,7 @@ inline uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-// Linear block indices (x + grid.x * (y + grid.y * z)) in the order of `seed` (> 0).
+// Linear indices 0..n-1 in the order of `seed` (> 0).
 inline std::vector<uint32_t> shuffled_blocks(uint64_t nblocks, uint64_t seed) {
   std::vector<uint32_t> order(nblocks);
   for (uint64_t i = 0; i < nblocks; ++i) order[i] = static_cast<uint32_t>(i);
@@ -538,8 +728,80 @@ inline std::vector<uint32_t> shuffled_blocks(uint64_t nblocks, uint64_t seed) {
   return order;
 }
 
-// cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-block timeout in ms (<=0:
-// none), block order seed (0: in order; see shuffled_blocks)
+inline void cta_alloc(Cta& C, Launch& L, uint32_t rank, size_t smem_bytes, int fill) {
+  C.launch = &L;
+  C.rank = rank;
+  C.smem_bytes = smem_bytes;
+  C.static_offset = (smem_bytes + kGuard + 1023) / 1024 * 1024;
+  C.window = C.static_offset + kStaticSmemBytes;
+  C.buf_bytes = kGuard + C.window + kGuard;
+  C.buf = static_cast<unsigned char*>(std::aligned_alloc(128, C.buf_bytes));
+  C.smem = C.buf + kGuard;
+  C.chunks = C.window / 16;
+  C.shadow = new ChunkShadow[C.chunks + 1];
+  C.n_mbarriers = C.window / 8;
+  C.mbarriers = new MbarrierState[C.n_mbarriers + 1];
+  C.warps = new Warp[L.nwarps];
+  C.warpgroup_issues = new WarpgroupIssue[(L.nthreads / 128 + 1) * kWarpgroupIssueRing];
+  C.warpgroups = new Warpgroup[L.nwarpgroups + 1];
+  // The guard zones stay intact between blocks (a block that writes them ends the launch); the
+  // static arena is filled once here and, per block, as far as it is reserved (cta_reset).
+  std::memset(C.buf, kGuardByte, C.buf_bytes);
+  std::memset(C.static_smem(), fill, kStaticSmemBytes);
+  for (size_t i = 0; i < C.chunks; ++i) C.shadow[i].reset();
+}
+
+inline void cta_free(Cta& C) {
+  std::free(C.buf);
+  delete[] C.shadow;
+  delete[] C.mbarriers;
+  delete[] C.warpgroup_issues;
+  delete[] C.warpgroups;
+  delete[] C.warps;
+}
+
+inline void cta_reset(Cta& C, int fill, uint3 block) {
+  const Launch& L = *C.launch;
+  C.block = block;
+  // The dynamic shared memory and the reserved part of the static arena: filled with the
+  // garbage byte, their shadows and mbarriers reset (nothing else can have been touched).
+  const size_t used = L.static_used.load();
+  std::memset(C.smem, fill, C.smem_bytes);
+  std::memset(C.static_smem(), fill, used);
+  C.block_bar.reset(L.nthreads);
+  for (uint32_t w = 0; w < L.nwarps; ++w) C.warps[w].bar.reset(32);
+  for (uint32_t g = 0; g < L.nwarpgroups; ++g) C.warpgroups[g].bar.reset(128);
+  const size_t dyn_chunks = (C.smem_bytes + 15) / 16, first_static = C.static_offset / 16;
+  for (size_t i = 0; i < dyn_chunks; ++i) C.shadow[i].reset();
+  for (size_t i = first_static; i < first_static + (used + 15) / 16; ++i) C.shadow[i].reset();
+  for (size_t i = 0; i < (C.smem_bytes + 7) / 8; ++i) C.mbarriers[i].reset();
+  for (size_t i = C.static_offset / 8; i < (C.static_offset + used + 7) / 8; ++i) {
+    C.mbarriers[i].reset();
+  }
+  for (NamedBarrierState& b : C.named) b.reset();
+  const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
+  for (size_t i = 0; i < n_issues; ++i) C.warpgroup_issues[i] = WarpgroupIssue{};
+  C.running.store(L.nthreads, std::memory_order_relaxed);
+}
+
+// The guard zones of a block after it ran: "" or what was overwritten.
+inline const char* cta_guard_broken(const Cta& C) {
+  const unsigned char* end_dyn = C.smem + C.smem_bytes;
+  const unsigned char* end_static = C.static_smem() + kStaticSmemBytes;
+  for (const unsigned char* p = C.buf; p < C.smem; ++p) {
+    if (*p != kGuardByte) return "before the start of";
+  }
+  for (const unsigned char* p = end_dyn; p < C.static_smem(); ++p) {
+    if (*p != kGuardByte) return "past the end of";
+  }
+  for (const unsigned char* p = end_static; p < C.buf + C.buf_bytes; ++p) {
+    if (*p != kGuardByte) return "static";
+  }
+  return "";
+}
+
+// cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-cluster timeout in ms (<=0:
+// none), block order seed (0: in order; see shuffled_blocks), cluster x,y,z (1,1,1: none)
 // stats: kNumStats counters, filled when the launch succeeds; note: the first bank conflict.
 // ranges: nranges [lo, hi) byte ranges; arg_stats: per range, cp.async copies then bytes.
 // Returns 0, or on error 1 (a trap or bad access), 2 (a race-check hazard), 3 (the watchdog).
@@ -555,21 +817,34 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   const int fill = static_cast<int>(cfg[7]);
   const long long timeout_ms = cfg[8];
   const long long block_order = cfg[9];
+  const dim3 cluster(static_cast<unsigned>(cfg[10]), static_cast<unsigned>(cfg[11]),
+                     static_cast<unsigned>(cfg[12]));
   const uint32_t n = block.x * block.y * block.z;
   if (n == 0 || n % 32 != 0 || n > 1024) return fail(err, errlen, "bad block size");
   if (nranges < 0 || nranges > kMaxArgRanges) return fail(err, errlen, "too many arguments");
-  const uint64_t nblocks = uint64_t{grid.x} * grid.y * grid.z;
+  const uint64_t ncta = uint64_t{cluster.x} * cluster.y * cluster.z;
+  if (ncta == 0 || ncta > kMaxClusterSize || grid.x % cluster.x || grid.y % cluster.y ||
+      grid.z % cluster.z || ncta * n > kMaxClusterThreads) {
+    snprintf(msg, sizeof msg,
+             "cluster (%u,%u,%u) of blocks of %u threads: the grid (%u,%u,%u) must be a "
+             "multiple of it, with at most %u blocks and %u threads per cluster",
+             cluster.x, cluster.y, cluster.z, n, grid.x, grid.y, grid.z, kMaxClusterSize,
+             kMaxClusterThreads);
+    return fail(err, errlen, msg);
+  }
+  const dim3 clusters(grid.x / cluster.x, grid.y / cluster.y, grid.z / cluster.z);
+  const uint64_t nclusters = uint64_t{clusters.x} * clusters.y * clusters.z;
   if (block_order < 0) return fail(err, errlen, "negative block order seed");
-  if (block_order > 0 && nblocks > kMaxShuffledBlocks) {
+  if (block_order > 0 && nclusters > kMaxShuffledBlocks) {
     snprintf(msg, sizeof msg,
              "a shuffled block order takes at most %llu blocks, the grid has %llu",
              static_cast<unsigned long long>(kMaxShuffledBlocks),
-             static_cast<unsigned long long>(nblocks));
+             static_cast<unsigned long long>(nclusters));
     return fail(err, errlen, msg);
   }
-  // Empty: the blocks in order.
+  // Empty: the clusters in order.
   const std::vector<uint32_t> order =
-      block_order > 0 ? shuffled_blocks(nblocks, static_cast<uint64_t>(block_order))
+      block_order > 0 ? shuffled_blocks(nclusters, static_cast<uint64_t>(block_order))
                       : std::vector<uint32_t>();
 
   pthread_mutex_lock(&launch_mutex);
@@ -582,31 +857,20 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   L.nranges = nranges;
   L.grid = grid;
   L.block = block;
+  L.cluster = cluster;
   L.nthreads = n;
   L.nwarps = n / 32;
-  L.warps = new Warp[L.nwarps];
-  const size_t buf_bytes = ((kGuard + smem_bytes + kGuard + 127) / 128) * 128;
-  unsigned char* buf = static_cast<unsigned char*>(std::aligned_alloc(128, buf_bytes));
-  unsigned char* guard_after = buf + kGuard + smem_bytes;  // up to the end of buf
-  L.smem = buf + kGuard;
-  L.smem_bytes = smem_bytes;
-  L.chunks = (smem_bytes + 15) / 16;
-  L.chunk_reads = new std::atomic<uint64_t>[L.chunks + 1];
-  L.chunk_writes = new std::atomic<uint64_t>[L.chunks + 1];
-  L.chunk_tma = new std::atomic<uint64_t>[L.chunks + 1];
-  L.n_mbarriers = smem_bytes / 8;
-  L.mbarriers = new MbarrierState[L.n_mbarriers + 1];
-  const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
-  L.warpgroup_issues = new WarpgroupIssue[n_issues];
   L.nwarpgroups = n / 128;
-  L.warpgroups = new Warpgroup[L.nwarpgroups + 1];
-  for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](L.smem);
+  L.ncta = static_cast<uint32_t>(ncta);
+  L.ctas = new Cta[L.ncta];
+  for (uint32_t r = 0; r < L.ncta; ++r) cta_alloc(L.ctas[r], L, r, smem_bytes, fill);
 
-  pthread_t* threads = new pthread_t[n];
-  WorkerArg* wargs = new WorkerArg[n];
+  const uint32_t total = n * L.ncta;
+  pthread_t* threads = new pthread_t[total];
+  WorkerArg* wargs = new WorkerArg[total];
   uint32_t started = 0;
   int rc = 0;
-  for (; started < n; ++started) {
+  for (; started < total; ++started) {
     wargs[started] = WorkerArg{Lp, started};
     if (pthread_create(&threads[started], nullptr, worker_main, &wargs[started]) != 0) {
       snprintf(msg, sizeof msg, "pthread_create failed after %u threads", started);
@@ -616,27 +880,18 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   }
 
   bool timed_out = false;
-  for (uint64_t i_block = 0; rc == 0 && i_block < nblocks; ++i_block) {
-    const uint64_t linear = order.empty() ? i_block : order[i_block];
-    const unsigned bx = static_cast<unsigned>(linear % grid.x);
-    const unsigned by = static_cast<unsigned>(linear / grid.x % grid.y);
-    const unsigned bz = static_cast<unsigned>(linear / grid.x / grid.y);
-    std::memset(buf, kGuardByte, kGuard);
-    std::memset(L.smem, fill, smem_bytes);
-    std::memset(guard_after, kGuardByte, static_cast<size_t>(buf + buf_bytes - guard_after));
-    L.block_bar.reset(n);
-    for (uint32_t w = 0; w < L.nwarps; ++w) L.warps[w].bar.reset(32);
-    for (uint32_t g = 0; g < L.nwarpgroups; ++g) L.warpgroups[g].bar.reset(128);
-    for (size_t i = 0; i < L.chunks; ++i) {
-      L.chunk_reads[i].store(0, std::memory_order_relaxed);
-      L.chunk_writes[i].store(0, std::memory_order_relaxed);
-      L.chunk_tma[i].store(0, std::memory_order_relaxed);
+  for (uint64_t i_cluster = 0; rc == 0 && i_cluster < nclusters; ++i_cluster) {
+    const uint64_t linear = order.empty() ? i_cluster : order[i_cluster];
+    const unsigned cx = static_cast<unsigned>(linear % clusters.x);
+    const unsigned cy = static_cast<unsigned>(linear / clusters.x % clusters.y);
+    const unsigned cz = static_cast<unsigned>(linear / clusters.x / clusters.y);
+    for (uint32_t r = 0; r < L.ncta; ++r) {
+      const uint3 b{cx * cluster.x + r % cluster.x, cy * cluster.y + r / cluster.x % cluster.y,
+                    cz * cluster.z + r / (cluster.x * cluster.y)};
+      cta_reset(L.ctas[r], fill, b);
     }
-    for (size_t i = 0; i < L.n_mbarriers; ++i) L.mbarriers[i].reset();
-    for (NamedBarrierState& b : L.named) b.reset();
-    for (size_t i = 0; i < n_issues; ++i) L.warpgroup_issues[i] = WarpgroupIssue{};
-    L.cur_block = uint3{bx, by, bz};
-    L.remaining.store(n, std::memory_order_relaxed);
+    L.cluster_bar.reset(total);
+    L.remaining.store(total, std::memory_order_relaxed);
     L.start_seq.fetch_add(1, std::memory_order_acq_rel);
     futex_wake_all(L.start_seq);
     const double deadline = now_s() + static_cast<double>(timeout_ms) / 1000.0;
@@ -656,52 +911,72 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
         futex_wait(L.remaining, r);
       }
     }
+    const uint3 b0 = L.ctas[0].block;
     if (timed_out) {
-      int used = snprintf(msg, sizeof msg,
-                          "block (%u,%u,%u) did not finish within %lld ms: %u of %u threads "
-                          "still running (deadlock at a barrier, shuffle or mbarrier wait, "
-                          "or an endless loop)",
-                          bx, by, bz, timeout_ms, r, n);
+      int used = L.ncta == 1
+                     ? snprintf(msg, sizeof msg,
+                                "block (%u,%u,%u) did not finish within %lld ms: %u of %u "
+                                "threads still running (deadlock at a barrier, shuffle or "
+                                "mbarrier wait, or an endless loop)",
+                                b0.x, b0.y, b0.z, timeout_ms, r, total)
+                     : snprintf(msg, sizeof msg,
+                                "the cluster of blocks (%u,%u,%u)..(%u,%u,%u) did not finish "
+                                "within %lld ms: %u of %u threads still running (deadlock at a "
+                                "barrier, shuffle, mbarrier wait or barrier.cluster, or an "
+                                "endless loop)",
+                                b0.x, b0.y, b0.z, L.ctas[L.ncta - 1].block.x,
+                                L.ctas[L.ncta - 1].block.y, L.ctas[L.ncta - 1].block.z,
+                                timeout_ms, r, total);
       // Named barriers under way, and the first mbarrier with a phase under way, as hints
       // (read without the locks: the threads are stuck).
-      for (uint32_t i = 0; i < kNamedBarriers && used > 0 && used < 700; ++i) {
-        const NamedBarrierState& b = L.named[i];
-        if (b.expected == 0) continue;
-        used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
-                         "; named barrier %u has %u of %u threads arrived (%u waiting in "
-                         "bar.sync)", i, b.arrived, b.expected, b.syncing);
-      }
-      for (size_t i = 0; i < L.n_mbarriers && used > 0 && used < 850; ++i) {
-        const MbarrierState& b = L.mbarriers[i];
-        if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
-          continue;
+      bool mbar_named = false;
+      for (uint32_t c = 0; c < L.ncta; ++c) {
+        const Cta& C = L.ctas[c];
+        for (uint32_t i = 0; i < kNamedBarriers && used > 0 && used < 700; ++i) {
+          const NamedBarrierState& b = C.named[i];
+          if (b.expected == 0) continue;
+          used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                           "; named barrier %u%s has %u of %u threads arrived (%u waiting in "
+                           "bar.sync)", i, L.ncta == 1 ? "" : " of a block", b.arrived,
+                           b.expected, b.syncing);
         }
-        snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
-                 "; the mbarrier at shared 0x%zx is in phase %u with %d of %u arrivals and "
-                 "%d transaction bytes pending",
-                 0x400 /* kSharedBase */ + 8 * i, b.phase.load(), b.pending, b.expected,
-                 b.tx);
-        break;
+        for (size_t i = 0; i < C.n_mbarriers && used > 0 && used < 850 && !mbar_named; ++i) {
+          const MbarrierState& b = C.mbarriers[i];
+          if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
+            continue;
+          }
+          used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
+                           "; the mbarrier at shared 0x%zx%s is in phase %u with %d of %u "
+                           "arrivals and %d transaction bytes pending",
+                           0x400 /* kSharedBase */ + 8 * i, L.ncta == 1 ? "" : " of a block",
+                           b.phase.load(), b.pending, b.expected, b.tx);
+          mbar_named = true;
+        }
       }
       rc = 3;
       fail(err, errlen, msg);
       break;
     }
     if (L.trapped.load()) {
-      snprintf(msg, sizeof msg, "%s in block (%u,%u,%u) thread (%u,%u,%u)", L.trap_msg, bx,
-               by, bz, L.trap_thread.x, L.trap_thread.y, L.trap_thread.z);
+      snprintf(msg, sizeof msg, "%s in block (%u,%u,%u) thread (%u,%u,%u)", L.trap_msg,
+               L.trap_block.x, L.trap_block.y, L.trap_block.z, L.trap_thread.x,
+               L.trap_thread.y, L.trap_thread.z);
       rc = fail(err, errlen, msg) + L.hazard;
       break;
     }
-    for (size_t i = 0; i < kGuard; ++i) {
-      const bool before = buf[i] != kGuardByte;
-      const bool after = guard_after[i] != kGuardByte;
-      if (before || after) {
+    for (uint32_t c = 0; c < L.ncta && rc == 0; ++c) {
+      const Cta& C = L.ctas[c];
+      const char* broken = cta_guard_broken(C);
+      if (std::strcmp(broken, "static") == 0) {
         snprintf(msg, sizeof msg,
-                 "block (%u,%u,%u) wrote %s its %zu bytes of dynamic shared memory", bx, by,
-                 bz, before ? "before the start of" : "past the end of", smem_bytes);
+                 "block (%u,%u,%u) wrote past the end of its %zu bytes of static __shared__ "
+                 "memory", C.block.x, C.block.y, C.block.z, kStaticSmemBytes);
         rc = fail(err, errlen, msg);
-        break;
+      } else if (broken[0] != '\0') {
+        snprintf(msg, sizeof msg,
+                 "block (%u,%u,%u) wrote %s its %zu bytes of dynamic shared memory", C.block.x,
+                 C.block.y, C.block.z, broken, smem_bytes);
+        rc = fail(err, errlen, msg);
       }
     }
   }
@@ -727,14 +1002,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   for (uint32_t i = 0; i < started; ++i) pthread_join(threads[i], nullptr);
   delete[] threads;
   delete[] wargs;
-  std::free(buf);
-  delete[] L.chunk_reads;
-  delete[] L.chunk_writes;
-  delete[] L.chunk_tma;
-  delete[] L.mbarriers;
-  delete[] L.warpgroup_issues;
-  delete[] L.warpgroups;
-  delete[] L.warps;
+  for (uint32_t c = 0; c < L.ncta; ++c) cta_free(L.ctas[c]);
+  delete[] L.ctas;
   delete Lp;
   pthread_mutex_unlock(&launch_mutex);
   return rc;
@@ -746,7 +1015,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
 // Synchronization, warp primitives
 // ---------------------------------------------------------------------------------------------
 inline void __syncthreads() {
-  kg_emu::tctx.launch->block_bar.arrive_and_wait();
+  kg_emu::tctx.cta->block_bar.arrive_and_wait();
   ++kg_emu::tctx.epoch;
 }
 inline void __syncwarp(unsigned int /*mask*/ = 0xffffffffu) {
@@ -986,6 +1255,69 @@ inline uint16_t float_to_bf16_bits(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 inline float bf16_bits_to_float(uint16_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); }
+
+// A double rounded once to f16 (round to nearest even; NaN -> 0x7FFF, overflow -> inf).
+inline uint16_t double_to_half_bits(double x) {
+  if (std::isnan(x)) return 0x7FFFu;
+  const uint16_t sign = std::signbit(x) ? 0x8000u : 0u;
+  const double a = std::fabs(x);
+  if (a >= 65520.0) return sign | 0x7C00u;  // 65504 + half an ulp and above round to inf
+  if (a == 0.0) return sign;
+  int e;
+  (void)std::frexp(a, &e);  // a in [2^(e-1), 2^e)
+  const int q = e - 11 > -24 ? e - 11 : -24;  // the quantum's exponent: 10 mantissa bits
+  const double v = std::ldexp(std::nearbyint(std::ldexp(a, -q)), q);  // exact in f16
+  return static_cast<uint16_t>(sign | float_to_half_bits(static_cast<float>(v)));
+}
+
+// OCP FP8 (the PTX ISA's .e4m3 and .e5m2): e4m3 bias 7, 3 mantissa bits, no infinities, NaN
+// S.1111.111, largest 448; e5m2 bias 15, 2 mantissa bits, IEEE-like infinities and NaNs,
+// largest finite 57344.
+inline double fp8_bits_to_double(uint8_t b, bool e5m2) {
+  const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  const int e = (b & 0x7F) >> mbits, m = b & ((1 << mbits) - 1);
+  double v;
+  if (e5m2 && e == 31) {
+    v = m != 0 ? std::nan("") : HUGE_VAL;
+  } else if (!e5m2 && e == 15 && m == 7) {
+    v = std::nan("");
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<double>(m), 1 - bias - mbits);
+  } else {
+    v = std::ldexp(static_cast<double>((1 << mbits) + m), e - bias - mbits);
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+// cvt.rn.satfinite{.relu} to .e4m3 / .e5m2: round to nearest even; a NaN input gives NaN
+// (0x7F); magnitudes (infinities too) beyond the largest finite value give it, sign kept;
+// .relu turns negative results into +0.
+inline uint8_t double_to_fp8_satfinite(double x, bool e5m2, bool relu) {
+  if (std::isnan(x)) return 0x7F;
+  if (relu && x < 0) x = 0.0;
+  const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  const double max_norm = e5m2 ? 57344.0 : 448.0;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::fabs(x);
+  double v = max_norm;
+  if (a < max_norm) {
+    if (a == 0.0) return sign;
+    int e;
+    (void)std::frexp(a, &e);
+    const int q = e - 1 - mbits > 1 - bias - mbits ? e - 1 - mbits : 1 - bias - mbits;
+    v = std::ldexp(std::nearbyint(std::ldexp(a, -q)), q);
+    if (v > max_norm) v = max_norm;
+  }
+  if (v == 0.0) return sign;
+  int e;
+  (void)std::frexp(v, &e);  // v in [2^(e-1), 2^e)
+  const int biased = e - 1 + bias;
+  if (biased <= 0) {  // subnormal: v = m 2^(1 - bias - mbits)
+    return sign | static_cast<uint8_t>(std::ldexp(v, bias - 1 + mbits));
+  }
+  const int m = static_cast<int>(std::ldexp(v, mbits - (e - 1))) - (1 << mbits);
+  return sign | static_cast<uint8_t>(biased << mbits | m);
+}
 
 }  // namespace kg_emu
 

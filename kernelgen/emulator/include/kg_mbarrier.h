@@ -23,26 +23,35 @@ struct MbarrierLock {
   MbarrierLock& operator=(const MbarrierLock&) = delete;
 };
 
+// The slot of the mbarrier at .shared::cta address `addr` of block C.
+inline uint32_t mbarrier_slot_in(const Cta& C, uint32_t addr, const char* what) {
+  const unsigned char* p = cta_shared_bytes(C, addr, 8, 8, what);
+  return static_cast<uint32_t>((p - C.smem) / 8);
+}
 inline uint32_t mbarrier_slot(uint32_t addr, const char* what) {
-  const unsigned char* p = shared_bytes(addr, 8, 8, what);
-  return static_cast<uint32_t>((p - tctx.launch->smem) / 8);
+  return mbarrier_slot_in(*tctx.cta, addr, what);
 }
 inline uint32_t mbarrier_address(uint32_t slot) { return kSharedBase + 8 * slot; }
 
-// The barrier at `addr`, which must have been initialized in this block (lock held).
-inline MbarrierState& mbarrier_initialized(uint32_t addr, const char* what) {
-  MbarrierState& b = tctx.launch->mbarriers[mbarrier_slot(addr, what)];
+// The barrier at `addr` of block C, which must have been initialized in this block (lock held).
+inline MbarrierState& mbarrier_initialized_in(Cta& C, uint32_t addr, const char* what) {
+  MbarrierState& b = C.mbarriers[mbarrier_slot_in(C, addr, what)];
   if (!b.initialized) {
     trap_with("%s: the mbarrier at shared 0x%x was not initialized (mbarrier.init) in this block",
               what, addr);
   }
   return b;
 }
+inline MbarrierState& mbarrier_initialized(uint32_t addr, const char* what) {
+  return mbarrier_initialized_in(*tctx.cta, addr, what);
+}
 
-// Completes the current phase when nothing is pending (lock held).
+// Completes the current phase when nothing is pending (lock held); what its arrivals released
+// becomes what a thread that sees the phase complete acquires.
 inline void mbarrier_maybe_complete(MbarrierState& b) {
   if (b.pending != 0 || b.tx != 0) return;
   b.pending = static_cast<int32_t>(b.expected);
+  b.known_at[b.phase.load() % 4] = b.known;
   b.phase.fetch_add(1);
   futex_wake_all(b.phase);
 }
@@ -76,6 +85,7 @@ inline void mbarrier_know(uint32_t slot, uint32_t completed) {
 inline void mbarrier_observe(MbarrierState& b, uint32_t slot, uint32_t completed) {
   mbarrier_know(slot, completed);
   MbarrierLock lock;
+  if (completed > 0) hb_acquire(b.known_at[(completed - 1) % 4]);
   const uint32_t i = completed % 4;
   if (b.seen_phase[i] != completed || b.seen_epoch[i] > tctx.epoch) {
     b.seen_phase[i] = completed;
@@ -89,18 +99,21 @@ inline void mbarrier_init(uint32_t addr, long long count) {
     trap_with("mbarrier.init: count %lld outside [1, 2^20-1]", count);
   }
   MbarrierLock lock;
-  MbarrierState& b = tctx.launch->mbarriers[slot];
+  MbarrierState& b = tctx.cta->mbarriers[slot];
   b.reset();
   b.initialized = 1;
   b.expected = static_cast<uint32_t>(count);
   b.pending = static_cast<int32_t>(count);
 }
 
-// The returned state is the number of the phase the arrival counted towards.
+// The returned state is the number of the phase the arrival counted towards. `addr` is a
+// .shared::cluster address when `cluster` (a remote arrival: the barrier of another block).
 inline uint64_t mbarrier_arrive_tx(uint32_t addr, long long count, long long tx,
-                                   const char* what) {
+                                   const char* what, bool cluster = false) {
+  uint32_t cta_addr = addr;
+  Cta& C = cluster ? cluster_target(addr, cta_addr, what) : *tctx.cta;
   MbarrierLock lock;
-  MbarrierState& b = mbarrier_initialized(addr, what);
+  MbarrierState& b = mbarrier_initialized_in(C, cta_addr, what);
   if (tx < 0 || tx > kMbarrierMaxCount) trap_with("%s: tx-count %lld outside [0, 2^20-1]", what, tx);
   if (count < 1 || count > b.pending) {
     trap_with("%s: %lld arrival(s) on the mbarrier at shared 0x%x, whose current phase expects "
@@ -109,16 +122,17 @@ inline uint64_t mbarrier_arrive_tx(uint32_t addr, long long count, long long tx,
   }
   mbarrier_add_tx(b, tx, addr, what);
   const uint64_t state = b.phase.load();
+  if (&C == tctx.cta) hb_release(b.known);
   b.pending -= static_cast<int32_t>(count);
   mbarrier_maybe_complete(b);
   return state;
 }
 
-inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1) {
-  return mbarrier_arrive_tx(addr, count, 0, "mbarrier.arrive");
+inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1, bool cluster = false) {
+  return mbarrier_arrive_tx(addr, count, 0, "mbarrier.arrive", cluster);
 }
-inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx) {
-  return mbarrier_arrive_tx(addr, 1, tx, "mbarrier.arrive.expect_tx");
+inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx, bool cluster = false) {
+  return mbarrier_arrive_tx(addr, 1, tx, "mbarrier.arrive.expect_tx", cluster);
 }
 
 inline void mbarrier_expect_tx(uint32_t addr, long long tx) {
@@ -176,15 +190,15 @@ inline bool mbarrier_wait(uint32_t addr, bool by_parity, uint64_t operand, bool 
 // the reader has passed since. The copy itself happens at issue, so without this check a kernel
 // that forgets its wait would read the right bytes by luck.
 inline void check_tma_read(size_t chunk) {
-  const Launch& L = *tctx.launch;
-  const uint64_t stamp = L.chunk_tma[chunk].load();
+  const Cta& C = *tctx.cta;
+  const uint64_t stamp = C.shadow[chunk].tma.load();
   if (stamp == 0) return;
   const uint32_t slot = static_cast<uint32_t>(stamp >> 32) - 1u;
   const uint32_t phase = static_cast<uint32_t>(stamp);
   for (const SeenPhase& s : mbarrier_seen) {
     if (s.slot == slot && s.completed > phase) return;
   }
-  MbarrierState& b = L.mbarriers[slot];
+  MbarrierState& b = C.mbarriers[slot];
   {
     MbarrierLock lock;
     for (int i = 0; i < 4; ++i) {
@@ -202,11 +216,12 @@ inline void check_tma_read(size_t chunk) {
 namespace kg_emu::ptx {
 
 inline void mbarrier_init(uint32_t addr, long long count) { ::kg_emu::mbarrier_init(addr, count); }
-inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1) {
-  return ::kg_emu::mbarrier_arrive(addr, count);
+// `cluster`: the .shared::cluster form (the address may name another block's barrier).
+inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1, bool cluster = false) {
+  return ::kg_emu::mbarrier_arrive(addr, count, cluster);
 }
-inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx) {
-  return ::kg_emu::mbarrier_arrive_expect_tx(addr, tx);
+inline uint64_t mbarrier_arrive_expect_tx(uint32_t addr, long long tx, bool cluster = false) {
+  return ::kg_emu::mbarrier_arrive_expect_tx(addr, tx, cluster);
 }
 inline void mbarrier_expect_tx(uint32_t addr, long long tx) {
   ::kg_emu::mbarrier_expect_tx(addr, tx);

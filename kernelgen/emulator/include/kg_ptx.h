@@ -9,7 +9,9 @@
 //   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 -> ptx::mma_m16n8k16<Elem>
 //   cp.async.{ca,cg}.shared.global [dst], [src], size{, src-size}  -> ptx::cp_async<Size, Cg>
 //   cp.async.commit_group / .wait_group N / .wait_all                -> ptx::cp_async_*
-//   Hopper: wgmma.* (kg_wgmma.h), mbarrier.* (kg_mbarrier.h), cp.async.bulk{.tensor} (kg_tma.h),
+//   Hopper: wgmma.* (kg_wgmma.h), mbarrier.* (kg_mbarrier.h), cp.async.bulk{.tensor} loads and
+//   stores, cp.reduce.async.bulk (kg_tma.h), bar / barrier (kg_barrier.h), barrier.cluster, mapa,
+//   ld/st.shared::cluster, special registers (kg_cluster.h), stmatrix, cvt to and from fp8,
 //   fence.proxy.async, elect.sync, setmaxnreg (below); the forms: docs/emulator.md
 //
 // Shared-memory addresses (what __cvta_generic_to_shared returns and ldmatrix/cp.async take)
@@ -22,10 +24,11 @@ namespace kg_emu {
 
 // Shared address of the first byte of dynamic shared memory. Nonzero so that 0 (a forgotten
 // conversion) is not a valid address; a multiple of 1024 so that address bits used by swizzles
-// match the offsets.
+// match the offsets. The block's static __shared__ arena follows at kSharedBase +
+// Cta::static_offset (1024-byte aligned, after a guard gap).
 constexpr uint32_t kSharedBase = 0x400;
 
-// What __cvta_generic_to_shared gives for a pointer outside the dynamic shared memory: on the
+// What __cvta_generic_to_shared gives for a pointer outside the block's shared memory: on the
 // GPU the conversion never faults (the result is meaningless), and code such as CUTLASS's
 // converts addresses that lanes an ldmatrix .x1/.x2 ignores compute, so the emulator returns
 // an address in [kOutsideShared, 2 kOutsideShared) that traps only when an instruction uses it,
@@ -33,48 +36,107 @@ constexpr uint32_t kSharedBase = 0x400;
 constexpr uint32_t kOutsideShared = 0x80000000u;
 inline thread_local const void* last_outside_cvta = nullptr;
 
-// The .shared-window address of a generic pointer into the dynamic shared memory buffer
-// (one-past-the-end included, as for any pointer); see kOutsideShared for other pointers.
+// .shared::cluster addresses (kg_cluster.h: mapa): bits 24..27 hold the target block's
+// %cluster_ctarank + 1 over its .shared::cta address; 0 there is the executing block's own
+// shared memory (a .shared::cta address is a valid .shared::cluster address of its own block).
+constexpr uint32_t kClusterRankShift = 24;
+constexpr uint32_t kClusterRankMask = 0x0F000000u;
+
+// Whether [c, c + bytes) lies in block C's dynamic shared memory or static arena.
+inline bool in_shared_window(const Cta& C, const unsigned char* c, size_t bytes) {
+  const unsigned char* st = C.static_smem();
+  return (c >= C.smem && c + bytes <= C.smem + C.smem_bytes) ||
+         (c >= st && c + bytes <= st + kStaticSmemBytes);
+}
+
+// The .shared-window address of a generic pointer into the block's dynamic shared memory or
+// static arena (one-past-the-end included, as for any pointer); see kOutsideShared for others.
 inline uint32_t shared_address_of(const void* p) {
-  const Launch& L = *tctx.launch;
+  const Cta& C = *tctx.cta;
   const unsigned char* c = static_cast<const unsigned char*>(p);
-  if (c < L.smem || c > L.smem + L.smem_bytes) {
+  const unsigned char* st = C.static_smem();
+  const bool dyn = c >= C.smem && c <= C.smem + C.smem_bytes;
+  if (!dyn && !(c >= st && c <= st + kStaticSmemBytes)) {
     last_outside_cvta = p;
     return kOutsideShared | (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)) & 0x0FFFFFF0u);
   }
-  return kSharedBase + static_cast<uint32_t>(c - L.smem);
+  return kSharedBase + static_cast<uint32_t>(c - C.smem);
 }
 
-// Host pointer for `bytes` bytes at shared address `addr`; traps unless they lie inside the
-// dynamic shared memory and `addr` is a multiple of `align`. `lane` >= 0 names the lane that
-// supplied the address (warp-collective instructions).
-inline unsigned char* shared_bytes(uint32_t addr, uint32_t bytes, uint32_t align, const char* what,
-                                   int lane = -1) {
-  const Launch& L = *tctx.launch;
+// Host pointer for `bytes` bytes at .shared::cta address `addr` of block C; traps unless they
+// lie inside its dynamic shared memory or static arena and `addr` is a multiple of `align`.
+// `lane` >= 0 names the lane that supplied the address (warp-collective instructions).
+inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t bytes,
+                                       uint32_t align, const char* what, int lane = -1) {
   const uint64_t offset = static_cast<uint64_t>(addr) - kSharedBase;
   const bool misaligned = addr % align != 0;
-  if (misaligned || addr < kSharedBase || offset + bytes > L.smem_bytes) {
+  const uint64_t so = C.static_offset;
+  const bool dyn = addr >= kSharedBase && offset + bytes <= C.smem_bytes;
+  // the static arena as far as static __shared__ declarations reserved it
+  const uint64_t used = C.launch->static_used.load(std::memory_order_relaxed);
+  const bool stat = addr >= kSharedBase && offset >= so && offset + bytes <= so + used;
+  if (misaligned || !(dyn || stat)) {
     char from[32] = "";
     if (lane >= 0) snprintf(from, sizeof from, " (from lane %d)", lane);
     if ((addr & kOutsideShared) != 0 && (lane < 0 || static_cast<uint32_t>(lane) == tctx.lane)) {
       trap_with("%s: __cvta_generic_to_shared(%p)%s: not a pointer into the %zu bytes of dynamic "
-                "shared memory (the emulator maps only `extern __shared__` memory to shared "
-                "addresses)",
-                what, last_outside_cvta, from, L.smem_bytes);
+                "shared memory or the static __shared__ variables of the block",
+                what, last_outside_cvta, from, C.smem_bytes);
     }
     if ((addr & kOutsideShared) != 0) {
       trap_with("%s: shared address 0x%x%s comes from __cvta_generic_to_shared of a pointer "
                 "outside the %zu bytes of dynamic shared memory",
-                what, addr, from, L.smem_bytes);
+                what, addr, from, C.smem_bytes);
+    }
+    if ((addr & kClusterRankMask) != 0) {
+      trap_with("%s: shared address 0x%x%s is a .shared::cluster address of block rank %u (from "
+                "mapa): this access takes a .shared::cta address",
+                what, addr, from, ((addr & kClusterRankMask) >> kClusterRankShift) - 1u);
     }
     if (misaligned) {
       trap_with("%s: shared address 0x%x%s is not %u-byte aligned", what, addr, from, align);
     }
     trap_with("%s: shared address 0x%x%s (+%u bytes) is outside the dynamic shared memory "
-              "[0x%x, 0x%zx)",
-              what, addr, from, bytes, kSharedBase, kSharedBase + L.smem_bytes);
+              "[0x%x, 0x%zx) and the static __shared__ variables [0x%zx, 0x%zx)",
+              what, addr, from, bytes, kSharedBase, kSharedBase + C.smem_bytes,
+              kSharedBase + C.static_offset,
+              kSharedBase + C.static_offset + static_cast<size_t>(used));
   }
-  return L.smem + offset;
+  return C.smem + offset;
+}
+
+// The same in the executing thread's block.
+inline unsigned char* shared_bytes(uint32_t addr, uint32_t bytes, uint32_t align, const char* what,
+                                   int lane = -1) {
+  return cta_shared_bytes(*tctx.cta, addr, bytes, align, what, lane);
+}
+
+// The block of the cluster a .shared::cluster address names, and (in `cta_addr`) the
+// .shared::cta address there; traps for a rank outside the cluster or a block that has exited.
+inline Cta& cluster_target(uint32_t addr, uint32_t& cta_addr, const char* what) {
+  const Launch& L = *tctx.launch;
+  const uint32_t field = (addr & kClusterRankMask) >> kClusterRankShift;
+  cta_addr = addr & ~kClusterRankMask;
+  if (field == 0 || (addr & kOutsideShared) != 0) return *tctx.cta;
+  if (field > L.ncta) {
+    trap_with("%s: .shared::cluster address 0x%x names block rank %u of a cluster of %u", what,
+              addr, field - 1u, L.ncta);
+  }
+  Cta& C = L.ctas[field - 1];
+  if (&C != tctx.cta && C.running.load() == 0) {
+    trap_with("%s: .shared::cluster address 0x%x is in block rank %u, whose threads have all "
+              "exited (a block's shared memory lives only while it runs: barrier.cluster before "
+              "leaving)", what, addr, field - 1u);
+  }
+  return C;
+}
+
+inline unsigned char* cluster_shared_bytes(uint32_t addr, uint32_t bytes, uint32_t align,
+                                           const char* what, Cta** target = nullptr) {
+  uint32_t cta_addr;
+  Cta& C = cluster_target(addr, cta_addr, what);
+  if (target != nullptr) *target = &C;
+  return cta_shared_bytes(C, cta_addr, bytes, align, what);
 }
 
 
@@ -120,22 +182,141 @@ inline uint64_t write_stamp(uint32_t thread, uint32_t issued, uint32_t done_plus
 }
 
 inline size_t chunk_of(const unsigned char* host) {
-  return static_cast<size_t>(host - tctx.launch->smem) / 16;
+  return static_cast<size_t>(host - tctx.cta->smem) / 16;
 }
 
+// ---- stmatrix writes and the reads that must come after them ----------------------------------
+// stmatrix writes shared memory through the generic proxy. Each 16-byte chunk it writes records
+// the writer and its point (epoch and barrier arrivals, kg_emulator.h: hb_after), and the
+// writer's next fence.proxy.async.shared::cta records its point beside it. Reported:
+//   * an ldmatrix of the chunk by a thread of another warp that no barrier orders after the
+//     write, or a write no barrier orders after the chunk's last ldmatrix by another warp (the
+//     same warp's stmatrix and ldmatrix meet in the warp-synchronous instructions);
+//   * an async-proxy read of it (a TMA store, a wgmma operand) that the writer's
+//     fence.proxy.async after the write is not ordered before: no fence, or no barrier;
+//   * a write (stmatrix, cp.async, TMA) into a chunk a TMA store still reads (kg_bulk.h: before
+//     the issuing thread's cp.async.bulk.wait_group.read, or not ordered after it).
+// Plain C++ stores are not tracked (a TMA store compares its source at the wait instead).
+constexpr uint64_t kStampValid = uint64_t{1} << 63;
+constexpr uint32_t kStampField = (1u << 26) - 1u;
+
+struct PointStamp {  // a thread's point: bit 63 valid, thread << 52, epoch << 26, arrivals
+  bool any;
+  uint32_t thread, epoch, arrivals;
+  static PointStamp of(uint64_t v) {
+    return PointStamp{(v & kStampValid) != 0, static_cast<uint32_t>(v >> 52) & 0x7FFu,
+                      static_cast<uint32_t>(v >> 26) & kStampField,
+                      static_cast<uint32_t>(v) & kStampField};
+  }
+  bool before_me() const { return any && hb_after(thread, epoch, arrivals); }
+};
+inline uint64_t my_point() {
+  return kStampValid | static_cast<uint64_t>(tctx.linear) << 52 |
+         static_cast<uint64_t>(tctx.epoch & kStampField) << 26 | (hb.arrivals & kStampField);
+}
+
+// Chunks this thread wrote by stmatrix since its last fence.proxy.async.
+inline thread_local std::vector<uint32_t> unfenced_chunks;
+
+inline uint32_t chunk_address(size_t chunk) { return kSharedBase + static_cast<uint32_t>(chunk * 16); }
+
+// Bulk-store stamp (kg_bulk.h): bit 63 valid, bit 62 the read is pending, thread << 40, the
+// store's number; bulk_release: the issuing thread's point at the wait that ended the read.
+constexpr uint64_t kBulkPending = uint64_t{1} << 62;
+
+// A write into the chunk by this thread: a TMA store that reads it must be done reading.
+inline void check_bulk_pending(const ChunkShadow& sh, size_t chunk, const char* what) {
+  const uint64_t b = sh.bulk.load();
+  if (b == 0) return;
+  const uint32_t thread = static_cast<uint32_t>(b >> 40) & 0x7FFu;
+  if ((b & kBulkPending) != 0) {
+    report_hazard("%s writes shared 0x%x while a TMA store of thread %u still reads it: wait for "
+                  "the store's bulk async-group with cp.async.bulk.wait_group.read first",
+                  what, chunk_address(chunk), thread);
+  } else if (!PointStamp::of(sh.bulk_release.load()).before_me()) {
+    report_hazard("%s writes shared 0x%x, which a TMA store of thread %u read: no barrier orders "
+                  "that thread's cp.async.bulk.wait_group.read before the write",
+                  what, chunk_address(chunk), thread);
+  }
+}
+
+// stmatrix (a lane's 16-byte row at `host`) writes the chunk.
+// A write and a read of another warp that no barrier orders, found by whichever comes second
+// (the message does not depend on thread timing).
+constexpr const char* kUnorderedStmatrix =
+    "thread %u writes (stmatrix, st.shared) and thread %u reads (ldmatrix, ld.shared) shared "
+    "0x%x with no barrier ordering them";
+
+// Published before the last ldmatrix reader is checked (and the reader publishes before it
+// checks this write), so of a write and a read no barrier orders, the later one sees the other.
+inline void note_generic_write(const unsigned char* host, const char* what) {
+  const size_t chunk = chunk_of(host);
+  ChunkShadow& sh = tctx.cta->shadow[chunk];
+  sh.fence.store(0);
+  sh.gen.store(my_point());
+  unfenced_chunks.push_back(static_cast<uint32_t>(chunk));
+  check_bulk_pending(sh, chunk, what);
+  const PointStamp r = PointStamp::of(sh.reader.load());
+  if (r.any && r.thread / 32 != tctx.linear / 32 && !r.before_me()) {
+    report_hazard(kUnorderedStmatrix, tctx.linear, r.thread, chunk_address(chunk));
+  }
+}
+
+// fence.proxy.async{.shared::cta}: this thread's stmatrix writes reach the async proxy.
+inline void fence_generic_writes() {
+  ChunkShadow* shadow = tctx.cta->shadow;
+  for (uint32_t chunk : unfenced_chunks) {
+    const PointStamp w = PointStamp::of(shadow[chunk].gen.load());
+    if (w.any && w.thread == tctx.linear) shadow[chunk].fence.store(my_point());
+  }
+  unfenced_chunks.clear();
+}
+
+// A generic-proxy read (ldmatrix) of a chunk stmatrix wrote.
+inline void check_generic_write(const ChunkShadow& sh, size_t chunk) {
+  const PointStamp w = PointStamp::of(sh.gen.load());
+  if (!w.any || w.thread / 32 == tctx.linear / 32 || w.before_me()) return;
+  report_hazard(kUnorderedStmatrix, w.thread, tctx.linear, chunk_address(chunk));
+}
+
+// An async-proxy read (TMA store, wgmma) of chunk `chunk` of the executing thread's block.
+inline void check_async_read(size_t chunk, const char* what) {
+  const ChunkShadow& sh = tctx.cta->shadow[chunk];
+  const PointStamp w = PointStamp::of(sh.gen.load());
+  if (!w.any || PointStamp::of(sh.fence.load()).before_me()) return;
+  if (w.before_me()) {
+    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix with no "
+                  "fence.proxy.async after the write (generic-proxy writes reach the async "
+                  "proxy only through that fence)",
+                  what, chunk_address(chunk), w.thread);
+  } else {
+    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix, with no barrier "
+                  "ordering the write and its fence.proxy.async before the read",
+                  what, chunk_address(chunk), w.thread);
+  }
+}
+
+
 // An ldmatrix lane reads the 16-byte row at `host`.
-inline void note_shared_read(const unsigned char* host) {
-  const Launch& L = *tctx.launch;
+// `generic`: an ldmatrix (else a wgmma operand, an async-proxy read: check_async_read).
+inline void note_shared_read(const unsigned char* host, bool generic = true) {
+  ChunkShadow& sh = tctx.cta->shadow[chunk_of(host)];
   const size_t chunk = chunk_of(host);
   const uint32_t warp = tctx.linear / 32, epoch = tctx.epoch;
   const uint64_t mine = static_cast<uint64_t>(epoch + 1) << 32 | warp;
-  uint64_t old = L.chunk_reads[chunk].load();
+  uint64_t old = sh.reads.load();
   for (;;) {
     uint64_t want = mine;
     if ((old >> 32) == epoch + 1u && static_cast<uint32_t>(old) != warp) want = mine | kManyWarps;
-    if (old == want || L.chunk_reads[chunk].compare_exchange_weak(old, want)) break;
+    if (old == want || sh.reads.compare_exchange_weak(old, want)) break;
   }
-  const WriteStamp w = WriteStamp::of(L.chunk_writes[chunk].load());
+  if (generic) {
+    sh.reader.store(my_point());
+    check_generic_write(sh, chunk);
+  } else {
+    check_async_read(chunk, "wgmma");
+  }
+  const WriteStamp w = WriteStamp::of(sh.writes.load());
   if (!w.any) return;
   const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
   if (w.thread / 32 != warp && w.issued == epoch) {  // either order: the same race
@@ -153,12 +334,13 @@ inline void note_shared_read(const unsigned char* host) {
 
 // A cp.async is issued into the chunk at `host`.
 inline void note_async_write(const unsigned char* host) {
-  const Launch& L = *tctx.launch;
   const size_t chunk = chunk_of(host);
+  ChunkShadow& sh = tctx.cta->shadow[chunk];
   const uint32_t epoch = tctx.epoch, warp = tctx.linear / 32;
   const WriteStamp before =
-      WriteStamp::of(L.chunk_writes[chunk].exchange(write_stamp(tctx.linear, epoch, 0)));
-  const uint64_t read = L.chunk_reads[chunk].load();
+      WriteStamp::of(sh.writes.exchange(write_stamp(tctx.linear, epoch, 0)));
+  const uint64_t read = sh.reads.load();
+  check_bulk_pending(sh, chunk, "cp.async");
   const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
   if (before.in_flight()) {
     report_hazard("cp.async into shared 0x%x while thread %u's copy there (issued after barrier "
@@ -172,13 +354,12 @@ inline void note_async_write(const unsigned char* host) {
 
 // The issuing thread's wait performed its copy into the chunk at `host`.
 inline void note_async_done(const unsigned char* host) {
-  const Launch& L = *tctx.launch;
-  const size_t chunk = chunk_of(host);
-  uint64_t old = L.chunk_writes[chunk].load();
+  std::atomic<uint64_t>& writes = tctx.cta->shadow[chunk_of(host)].writes;
+  uint64_t old = writes.load();
   for (;;) {
     const WriteStamp w = WriteStamp::of(old);
     if (!w.in_flight() || w.thread != tctx.linear) return;  // a later copy replaced it
-    if (L.chunk_writes[chunk].compare_exchange_weak(
+    if (writes.compare_exchange_weak(
             old, write_stamp(w.thread, w.issued, tctx.epoch + 1)))
       return;
   }
@@ -229,6 +410,7 @@ inline void note_ldmatrix_banks(const uint64_t* rows) {
 
 #include "kg_mbarrier.h"
 #include "kg_barrier.h"
+#include "kg_cluster.h"
 
 inline size_t __cvta_generic_to_shared(const void* p) { return kg_emu::shared_address_of(p); }
 inline void* __cvta_shared_to_generic(size_t addr) {
@@ -263,6 +445,49 @@ inline void set_b64(R& r, uint64_t v) {
   static_assert(sizeof(R) == 8 && std::is_trivially_copyable_v<R>, "\"=l\" operand type");
   std::memcpy(&r, &v, 8);
 }
+// A 64-bit source ("l" or "d"): its bits.
+template <class V>
+inline uint64_t b64(const V& v) {
+  if constexpr (std::is_integral_v<V> || std::is_enum_v<V>) {
+    return static_cast<uint64_t>(v);
+  } else {
+    static_assert(sizeof(V) == 8 && std::is_trivially_copyable_v<V>, "\"l\" operand type");
+    uint64_t u;
+    std::memcpy(&u, &v, 8);
+    return u;
+  }
+}
+
+// ld.shared{::cta,::cluster}{.vN}.<32- or 64-bit type> {d...}, [addr] and st ... [addr], {v...}
+// (kg_cluster.h: ld_shared / st_shared), the vector aligned to its whole size.
+template <class T, class... D>
+inline void ld_shared_v(uint32_t addr, bool cluster, const char* what, D&... d) {
+  constexpr uint32_t n = sizeof...(D);
+  if (addr % (n * sizeof(T)) != 0) {
+    trap_with("%s: shared address 0x%x is not %zu-byte aligned", what, addr, n * sizeof(T));
+  }
+  uint32_t i = 0;
+  auto one = [&](auto& dest) {
+    const T v = ld_shared<T>(addr + static_cast<uint32_t>(sizeof(T)) * i++, cluster, what);
+    if constexpr (sizeof(T) == 8) {
+      set_b64(dest, v);
+    } else {
+      set_b32(dest, v);
+    }
+  };
+  (one(d), ...);
+}
+template <class T, class... V>
+inline void st_shared_v(uint32_t addr, bool cluster, const char* what, V... v) {
+  constexpr uint32_t n = sizeof...(V);
+  if (addr % (n * sizeof(T)) != 0) {
+    trap_with("%s: shared address 0x%x is not %zu-byte aligned", what, addr, n * sizeof(T));
+  }
+  uint32_t i = 0;
+  (st_shared<T>(addr + static_cast<uint32_t>(sizeof(T)) * i++, static_cast<T>(v), cluster, what),
+   ...);
+}
+
 // An f32 operand given as "r": the 32-bit value holds the float's bits (as in a PTX .b32/.f32
 // register), e.g. CUTLASS-style accumulators in uint32_t arrays.
 template <class V>
@@ -337,6 +562,45 @@ inline void ldmatrix(uint32_t addr, R&... regs) {
   w.bar.arrive_and_wait();
   int k = 0;
   (set_b32(regs, out[k++]), ...);
+}
+
+// ---- stmatrix.sync.aligned.m8n8.xN{.trans}.shared{::cta}.b16 -----------------------------------
+// The inverse of ldmatrix: lanes 8i..8i+7 give the (16-byte aligned) addresses of rows 0..7 of
+// matrix i, and lane l holds, in its register for matrix i, elements (row l/4, cols 2(l%4) and
+// 2(l%4)+1), the lower column in the low half; with .trans the transposed matrix, i.e. elements
+// (rows 2(l%4) and 2(l%4)+1, col l/4). So memory row r, column c of matrix i comes from lane
+// 4r + c/2 (half c%2), with .trans from lane 4c + r/2 (half r%2). Warp-collective like ldmatrix:
+// every lane publishes its address and registers, warp barrier, the lane naming a row writes it
+// (a generic-proxy write the race check records), warp barrier.
+template <int N, bool Trans, class... R>
+inline void stmatrix(uint32_t addr, const R&... regs) {
+  static_assert(N == 1 || N == 2 || N == 4, "stmatrix .x1, .x2 or .x4");
+  static_assert(sizeof...(R) == N, "one source register per matrix");
+  ThreadCtx& c = tctx;
+  Warp& w = *c.warp;
+  uint64_t* slots = w.slots[c.parity];  // same double buffering as kg_emu::warp_exchange
+  uint32_t(*frags)[6] = w.frags[c.parity];
+  c.parity ^= 1u;
+  slots[c.lane] = addr;
+  const uint32_t mine[N] = {b32(regs)...};
+  std::memcpy(frags[c.lane], mine, sizeof mine);
+  w.bar.arrive_and_wait();
+  unsigned char* rows[8 * N];
+  for (int i = 0; i < 8 * N; ++i) {
+    rows[i] = shared_bytes(static_cast<uint32_t>(slots[i]), 16, 16, "stmatrix row", i);
+  }
+  if (c.lane < 8 * N) {
+    const int m = static_cast<int>(c.lane / 8), r = static_cast<int>(c.lane % 8);
+    uint16_t row[8];
+    for (int col = 0; col < 8; ++col) {
+      const uint32_t src = Trans ? 4 * col + r / 2 : 4 * r + col / 2;
+      const int high = Trans ? r % 2 : col % 2;
+      row[col] = static_cast<uint16_t>(high ? frags[src][m] >> 16 : frags[src][m] & 0xFFFFu);
+    }
+    note_generic_write(rows[c.lane], "stmatrix");
+    std::memcpy(rows[c.lane], row, 16);
+  }
+  w.bar.arrive_and_wait();
 }
 
 // ---- mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32 (T = f16 or bf16) -------------------------
@@ -465,11 +729,72 @@ inline void cp_async_wait_all() {
   cp_async_wait_group(0);
 }
 
+// ---- conversions (cvt) to and from fp8, and f32 pairs to f16x2 / bf16x2 --------------------
+// A "=h" (16-bit) or "=r" destination (the value zero-extended).
+template <class D>
+inline void set_bits(D& d, uint32_t v) {
+  static_assert((sizeof(D) == 2 || sizeof(D) == 4) && std::is_trivially_copyable_v<D>,
+                "cvt destination: a 16- or 32-bit register");
+  if constexpr (sizeof(D) == 2) {
+    const uint16_t h = static_cast<uint16_t>(v);
+    std::memcpy(&d, &h, 2);
+  } else {
+    std::memcpy(&d, &v, 4);
+  }
+}
+// cvt.rn.satfinite{.relu}.{e4m3x2,e5m2x2}.f32 d, a, b: a to the upper byte of d, b to the lower.
+template <bool E5M2, bool Relu, class D>
+inline void cvt_fp8x2_f32(D& d, float a, float b) {
+  set_bits(d, static_cast<uint32_t>(double_to_fp8_satfinite(a, E5M2, Relu)) << 8 |
+                  double_to_fp8_satfinite(b, E5M2, Relu));
+}
+// cvt.rn.satfinite{.relu}.{e4m3x2,e5m2x2}.f16x2 d, a: the upper half of a to the upper byte.
+template <bool E5M2, bool Relu, class D>
+inline void cvt_fp8x2_f16x2(D& d, uint32_t a) {
+  const double hi = half_bits_to_float(static_cast<uint16_t>(a >> 16));
+  const double lo = half_bits_to_float(static_cast<uint16_t>(a));
+  set_bits(d, static_cast<uint32_t>(double_to_fp8_satfinite(hi, E5M2, Relu)) << 8 |
+                  double_to_fp8_satfinite(lo, E5M2, Relu));
+}
+// cvt.rn{.relu}.f16x2.{e4m3x2,e5m2x2} d, a: exact; the upper byte of a to the upper half of d.
+template <bool E5M2, bool Relu, class D>
+inline void cvt_f16x2_fp8x2(D& d, uint32_t a) {
+  auto one = [](uint8_t b) {
+    double v = fp8_bits_to_double(b, E5M2);
+    if (Relu && v < 0) v = 0.0;
+    return static_cast<uint32_t>(double_to_half_bits(v));
+  };
+  set_bits(d, one(static_cast<uint8_t>(a >> 8)) << 16 | one(static_cast<uint8_t>(a)));
+}
+// cvt.rn{.relu}{.satfinite}.{f16x2,bf16x2}.f32 d, a, b: a to the upper half of d.
+inline float relu_sat(float x, bool relu, bool sat, float max_norm) {
+  if (relu && x < 0) x = 0.f;
+  if (sat && !std::isnan(x)) x = std::fmax(-max_norm, std::fmin(max_norm, x));
+  return x;
+}
+template <bool Relu, bool Sat, class D>
+inline void cvt_f16x2_f32(D& d, float a, float b) {
+  set_bits(d, static_cast<uint32_t>(float_to_half_bits(relu_sat(a, Relu, Sat, 65504.f))) << 16 |
+                  float_to_half_bits(relu_sat(b, Relu, Sat, 65504.f)));
+}
+template <bool Relu, bool Sat, class D>
+inline void cvt_bf16x2_f32(D& d, float a, float b) {
+  constexpr float kMax = 3.38953139e38f;  // the largest finite bf16
+  set_bits(d, static_cast<uint32_t>(float_to_bf16_bits(relu_sat(a, Relu, Sat, kMax))) << 16 |
+                  float_to_bf16_bits(relu_sat(b, Relu, Sat, kMax)));
+}
+
 // An empty asm statement (`asm volatile("" ::: "memory")`) is a compiler-level fence.
 inline void compiler_barrier() { std::atomic_signal_fence(std::memory_order_seq_cst); }
 
-// fence.proxy.async / fence.mbarrier_init: ordering only (the emulator has one memory proxy).
+// fence.proxy.async{.shared::cta,.shared::cluster} (and without a state space): the thread's
+// stmatrix writes so far reach the async proxy (the race check above); .global and
+// fence.mbarrier_init: ordering only (the emulator has one memory proxy).
 inline void fence_proxy_async() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void fence_proxy_async_shared() {
+  fence_generic_writes();
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
 
 // elect.sync R|P, membermask: the lowest lane of the mask is elected (every lane of the warp
 // runs it: the emulator has no divergence model).

@@ -23,7 +23,20 @@
 
 namespace kg_emu::ptx {
 
-constexpr uint32_t kWgmmaPoison = 0x7FC0DEADu;  // a quiet NaN
+constexpr uint32_t kWgmmaPoison = 0x7FC0DEADu;     // a quiet NaN (f32 accumulators)
+constexpr uint32_t kWgmmaPoisonF16 = 0x7E2D7E2Du;  // two quiet NaNs (f16x2 accumulators)
+
+// Operand element types: 16-bit ones for k16, 8-bit ones (fp8) for k32.
+enum class WElem : int { f16, bf16, e4m3, e5m2 };
+constexpr uint32_t welem_bytes(WElem e) { return e == WElem::f16 || e == WElem::bf16 ? 2 : 1; }
+inline double welem_value(WElem e, uint32_t bits) {
+  switch (e) {
+    case WElem::f16: return static_cast<double>(half_bits_to_float(static_cast<uint16_t>(bits)));
+    case WElem::bf16: return static_cast<double>(bf16_bits_to_float(static_cast<uint16_t>(bits)));
+    case WElem::e4m3: return fp8_bits_to_double(static_cast<uint8_t>(bits), false);
+    default: return fp8_bits_to_double(static_cast<uint8_t>(bits), true);
+  }
+}
 
 // The fields of a shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format").
 struct MatrixDescriptor {
@@ -41,12 +54,16 @@ struct MatrixDescriptor {
 // the PTX ISA's canonical layouts, T = 8 elements (16 bytes), W = the swizzle span in bytes:
 //   K-major  none: ((8,m),(T,2k)):((1T,SBO),(1,LBO))     swizzled: ((8,m),(T,2k)):((W/2,SBO),(1,T))
 //   MN-major none: ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO))  swizzled: ((T,W/16,m),(8,k)):((1,T,LBO),(W/2,SBO))
-// (strides in elements, SBO/LBO in bytes), then the swizzle of the address (kg_tma.h).
-inline uint32_t operand_address(const MatrixDescriptor& d, bool mn_major, uint32_t mn, uint32_t k) {
+// (strides in elements, SBO/LBO in bytes), then the swizzle of the address (kg_tma.h). 8-bit
+// elements (K-major only) have the same layouts in bytes: a core-matrix row of 16 bytes holds
+// T = 16 elements, and a k32 step spans two of them.
+inline uint32_t operand_address(const MatrixDescriptor& d, bool mn_major, uint32_t mn, uint32_t k,
+                                uint32_t esz = 2) {
   uint32_t off;
   if (!mn_major) {
-    off = d.span == 0 ? (mn % 8) * 16 + (mn / 8) * d.stride + (k % 8) * 2 + (k / 8) * d.leading
-                      : (mn % 8) * d.span + (mn / 8) * d.stride + k * 2;
+    const uint32_t kb = k * esz;  // the element's byte within its row
+    off = d.span == 0 ? (mn % 8) * 16 + (mn / 8) * d.stride + kb % 16 + (kb / 16) * d.leading
+                      : (mn % 8) * d.span + (mn / 8) * d.stride + kb;
   } else if (d.span == 0) {
     off = (mn % 8) * 2 + (mn / 8) * d.stride + (k % 8) * 16 + (k / 8) * d.leading;
   } else {
@@ -59,22 +76,26 @@ inline uint32_t operand_address(const MatrixDescriptor& d, bool mn_major, uint32
 struct WgmmaOp {
   uint64_t id;
   int n;                   // N
-  bool f16, rs, scale_d;   // element type f16 (else bf16), A from registers, accumulate
+  WElem ta, tb;            // element types of A and B
+  bool acc_f16, rs, scale_d;  // f16 accumulators (else f32), A from registers, accumulate
   int scale_a, scale_b, trans_a, trans_b;
   uint64_t desc_a, desc_b;
-  double a[2][16];         // rows g and g + 8 of A (register A), scale applied at compute
-  float c[128], result[128];
+  double a[2][32];         // rows g and g + 8 of A (register A), scale applied at compute
+  uint32_t c[128], result[128];  // accumulator register bits: input C, result D
   uint64_t read_hash;      // of the shared-memory bits the thread read at issue
   uint32_t* d[128];        // the accumulator variables
   std::vector<std::pair<const uint32_t*, uint32_t>> a_vars;  // register-A variables, values
+  int k() const { return welem_bytes(ta) == 2 ? 16 : 32; }
+  int nregs() const { return acc_f16 ? n / 4 : n / 2; }
+  uint32_t poison() const { return acc_f16 ? kWgmmaPoisonF16 : kWgmmaPoison; }
 };
 
 struct WgmmaThreadState {
   std::vector<WgmmaOp> current;                 // issued since the last commit_group
   std::deque<std::vector<WgmmaOp>> committed;   // oldest first
   // Accumulator variables of wgmmas in flight: the latest wgmma writing each, and its result
-  // (the C input of a wgmma chained on the same accumulator).
-  std::unordered_map<uint32_t*, std::pair<uint64_t, float>> in_flight;
+  // bits (the C input of a wgmma chained on the same accumulator).
+  std::unordered_map<uint32_t*, std::pair<uint64_t, uint32_t>> in_flight;
   bool fenced = false;
   uint64_t next_id = 0;
   uint64_t issued = 0;   // wgmmas this thread issued in this block
@@ -89,52 +110,67 @@ struct WgmmaThreadState {
 };
 inline thread_local WgmmaThreadState wgmma_state;
 
-inline double wgmma_elem(bool f16, uint16_t bits) {
-  return f16 ? static_cast<double>(half_bits_to_float(bits))
-             : static_cast<double>(bf16_bits_to_float(bits));
+// Element x (the f32 fragment's numbering, d[x]) of accumulator registers `regs`: a float, or
+// with f16 accumulators half x % 2 of register x / 2 (the pair of adjacent columns).
+inline double accumulator_element(const WgmmaOp& op, const uint32_t* regs, int x) {
+  if (!op.acc_f16) return static_cast<double>(f32_from_bits(regs[x]));
+  return static_cast<double>(half_bits_to_float(static_cast<uint16_t>(regs[x / 2] >> (16 * (x % 2)))));
 }
 
-// The thread's D elements of `op`; `check_reads`: the race checks of the shared reads (at issue).
-// Returns a hash (FNV-1a) of the shared-memory bits it read, in order.
-inline uint64_t wgmma_compute(const WgmmaOp& op, float* out, bool check_reads) {
+// The thread's D registers of `op`; `check_reads`: the race checks of the shared reads (at
+// issue). Returns a hash (FNV-1a) of the shared-memory bits it read, in order.
+inline uint64_t wgmma_compute(const WgmmaOp& op, uint32_t* out, bool check_reads) {
   uint64_t hash = 0xcbf29ce484222325ull;
   const uint32_t lane = tctx.lane, w = (tctx.linear / 32) % 4;
   const uint32_t g = lane / 4, q = lane % 4;
   const MatrixDescriptor da = MatrixDescriptor::of(op.desc_a), db = MatrixDescriptor::of(op.desc_b);
+  const int K = op.k();
   size_t last_chunk = SIZE_MAX;
-  auto load = [&](uint32_t addr, const char* what) {
-    const unsigned char* p = shared_bytes(addr, 2, 2, what);
+  auto load = [&](uint32_t addr, WElem type, const char* what) {
+    const uint32_t esz = welem_bytes(type);
+    const unsigned char* p = shared_bytes(addr, esz, esz, what);
     if (check_reads && chunk_of(p) != last_chunk) {
       last_chunk = chunk_of(p);
       check_tma_read(last_chunk);
-      note_shared_read(p);
+      note_shared_read(p, false);
     }
-    uint16_t bits;
-    std::memcpy(&bits, p, 2);
+    uint16_t bits = 0;
+    std::memcpy(&bits, p, esz);
     hash = (hash ^ bits) * 0x100000001b3ull;
-    return wgmma_elem(op.f16, bits);
+    return welem_value(type, bits);
   };
-  double a[2][16];
+  const uint32_t ea = welem_bytes(op.ta), eb = welem_bytes(op.tb);
+  double a[2][32];
   for (int r = 0; r < 2; ++r) {
-    for (uint32_t k = 0; k < 16; ++k) {
+    for (int k = 0; k < K; ++k) {
       a[r][k] = op.rs ? op.a[r][k]
-                      : load(operand_address(da, op.trans_a, 16 * w + g + 8 * r, k), "wgmma A");
+                      : load(operand_address(da, op.trans_a, 16 * w + g + 8 * r, k, ea), op.ta,
+                             "wgmma A");
       a[r][k] *= op.scale_a;
     }
   }
+  double d[128];
   for (int j = 0; j < op.n / 8; ++j) {
     for (uint32_t i = 0; i < 2; ++i) {
       const uint32_t col = 8 * j + 2 * q + i;
-      double b[16];
-      for (uint32_t k = 0; k < 16; ++k) {
-        b[k] = op.scale_b * load(operand_address(db, op.trans_b, col, k), "wgmma B");
+      double b[32];
+      for (int k = 0; k < K; ++k) {
+        b[k] = op.scale_b * load(operand_address(db, op.trans_b, col, k, eb), op.tb, "wgmma B");
       }
       for (int r = 0; r < 2; ++r) {
         double s = 0.0;
-        for (int k = 0; k < 16; ++k) s += a[r][k] * b[k];
+        for (int k = 0; k < K; ++k) s += a[r][k] * b[k];
         const int reg = 4 * j + 2 * r + static_cast<int>(i);
-        out[reg] = static_cast<float>(s + (op.scale_d ? static_cast<double>(op.c[reg]) : 0.0));
+        d[reg] = s + (op.scale_d ? accumulator_element(op, op.c, reg) : 0.0);
       }
+    }
+  }
+  for (int x = 0; x < op.n / 2; ++x) {
+    if (!op.acc_f16) {
+      out[x] = ::kg_emu::f32_bits(static_cast<float>(d[x]));
+    } else if (x % 2 == 0) {
+      out[x / 2] = static_cast<uint32_t>(double_to_half_bits(d[x])) |
+                   static_cast<uint32_t>(double_to_half_bits(d[x + 1])) << 16;
     }
   }
   return hash;
@@ -153,17 +189,19 @@ inline void wgmma_check_operands(int scale_a, int scale_b, int trans_a, int tran
 // The first thread to issue its warpgroup's wgmma number k records it; the others compare.
 inline void check_warpgroup_issue(const WgmmaOp& op, uint64_t number) {
   const uint64_t shape = static_cast<uint64_t>(op.n) | static_cast<uint64_t>(op.rs) << 9 |
-                         static_cast<uint64_t>(op.f16) << 10 |
-                         static_cast<uint64_t>(op.trans_a) << 11 |
-                         static_cast<uint64_t>(op.trans_b) << 12 |
-                         static_cast<uint64_t>(op.scale_a + 1) << 13 |
-                         static_cast<uint64_t>(op.scale_b + 1) << 15 |
-                         static_cast<uint64_t>(op.scale_d) << 17;
+                         static_cast<uint64_t>(op.ta) << 10 |
+                         static_cast<uint64_t>(op.trans_a) << 12 |
+                         static_cast<uint64_t>(op.trans_b) << 13 |
+                         static_cast<uint64_t>(op.scale_a + 1) << 14 |
+                         static_cast<uint64_t>(op.scale_b + 1) << 16 |
+                         static_cast<uint64_t>(op.scale_d) << 18 |
+                         static_cast<uint64_t>(op.tb) << 19 |
+                         static_cast<uint64_t>(op.acc_f16) << 21;
   const uint64_t desc_a = op.rs ? 0 : op.desc_a;
   const uint32_t wg = tctx.linear / 128;
   MbarrierLock lock;
-  WarpgroupIssue& e = tctx.launch->warpgroup_issues[wg * kWarpgroupIssueRing +
-                                                    number % kWarpgroupIssueRing];
+  WarpgroupIssue& e = tctx.cta->warpgroup_issues[wg * kWarpgroupIssueRing +
+                                                 number % kWarpgroupIssueRing];
   if (e.number_plus_1 < number + 1) {
     e = WarpgroupIssue{number + 1, desc_a, op.desc_b, shape, tctx.linear};
   } else if (e.number_plus_1 == number + 1 &&
@@ -192,23 +230,23 @@ inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
   }
   check_warpgroup_issue(op, s.issued++);
   op.id = s.next_id++;
-  const int nregs = op.n / 2;
+  const int nregs = op.nregs();
   for (int r = 0; r < nregs; ++r) {
     op.d[r] = regs[r];
     auto it = s.in_flight.find(regs[r]);
     if (it != s.in_flight.end()) {  // chained on an accumulator in flight
-      if (*regs[r] != kWgmmaPoison) {
+      if (*regs[r] != op.poison()) {
         report_hazard("accumulator d%d of a wgmma in flight was written before the "
                       "wgmma.wait_group that retires it", r);
       }
       op.c[r] = it->second.second;
     } else {
-      std::memcpy(&op.c[r], regs[r], 4);
+      op.c[r] = *regs[r];
     }
   }
   op.read_hash = wgmma_compute(op, op.result, true);
   for (int r = 0; r < nregs; ++r) {
-    *regs[r] = kWgmmaPoison;
+    *regs[r] = op.poison();
     s.in_flight[regs[r]] = {op.id, op.result[r]};
   }
   if (tctx.linear % 128 == 0) tctx.stats[kWgmma] += 1;
@@ -217,8 +255,8 @@ inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
 
 inline void wgmma_retire(WgmmaOp& op) {
   WgmmaThreadState& s = wgmma_state;
-  float again[128];
-  const int nregs = op.n / 2;
+  uint32_t again[128];
+  const int nregs = op.nregs();
   if (wgmma_compute(op, again, false) != op.read_hash) {
     const MatrixDescriptor da = MatrixDescriptor::of(op.desc_a);
     const MatrixDescriptor db = MatrixDescriptor::of(op.desc_b);
@@ -233,13 +271,13 @@ inline void wgmma_retire(WgmmaOp& op) {
     }
   }
   for (int r = 0; r < nregs; ++r) {
-    if (*op.d[r] != kWgmmaPoison) {
+    if (*op.d[r] != op.poison()) {
       report_hazard("accumulator d%d of a wgmma in flight was written before the "
                     "wgmma.wait_group that retires it", r);
     }
     auto it = s.in_flight.find(op.d[r]);
     if (it != s.in_flight.end() && it->second.first == op.id) {
-      std::memcpy(op.d[r], &op.result[r], 4);
+      *op.d[r] = op.result[r];
       s.in_flight.erase(it);
     }
   }
@@ -247,15 +285,19 @@ inline void wgmma_retire(WgmmaOp& op) {
 
 template <class D>
 inline uint32_t* accumulator_ptr(D& d) {
-  static_assert(sizeof(D) == 4 && std::is_trivially_copyable_v<D>, "wgmma f32 accumulator type");
+  static_assert(sizeof(D) == 4 && std::is_trivially_copyable_v<D>,
+                "wgmma accumulator type (a 32-bit register: f32, or f16x2)");
   return reinterpret_cast<uint32_t*>(&d);
 }
 
-inline void wgmma_init(WgmmaOp& op, bool f16, int n, bool scale_d, int scale_a, int scale_b,
-                       int trans_a, int trans_b, uint64_t desc_a, uint64_t desc_b, bool rs) {
+inline void wgmma_init(WgmmaOp& op, WElem ta, WElem tb, bool acc_f16, int n, bool scale_d,
+                       int scale_a, int scale_b, int trans_a, int trans_b, uint64_t desc_a,
+                       uint64_t desc_b, bool rs) {
   wgmma_check_operands(scale_a, scale_b, trans_a, trans_b);
   op.n = n;
-  op.f16 = f16;
+  op.ta = ta;
+  op.tb = tb;
+  op.acc_f16 = acc_f16;
   op.rs = rs;
   op.scale_d = scale_d;
   op.scale_a = scale_a;
@@ -266,18 +308,32 @@ inline void wgmma_init(WgmmaOp& op, bool f16, int n, bool scale_d, int scale_a, 
   op.desc_b = desc_b;
 }
 
-// wgmma.mma_async.sync.aligned.m64n<N>k16.f32.<E>.<E> {d...}, a-desc, b-desc, scale-d,
-//   imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b
-template <Elem E, int N, class... D>
+template <WElem TA, WElem TB, int N, bool AccF16, class... D>
+constexpr void wgmma_static_checks() {
+  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNkK: N a multiple of 8 up to 256");
+  static_assert(sizeof...(D) == (AccF16 ? N / 4 : N / 2),
+                "wgmma m64nNkK: N/2 f32 (N/4 f16x2) accumulator registers");
+  static_assert(welem_bytes(TA) == welem_bytes(TB), "wgmma: A and B of the same width");
+}
+
+// wgmma.mma_async.sync.aligned.m64n<N>k<K>.<D>.<TA>.<TB> {d...}, a-desc, b-desc, scale-d,
+//   imm-scale-a, imm-scale-b{, imm-trans-a, imm-trans-b} (K 16: 16-bit types, 32: fp8)
+template <WElem TA, WElem TB, int N, bool AccF16, class... D>
 inline void wgmma_ss(uint64_t desc_a, uint64_t desc_b, bool scale_d, int scale_a, int scale_b,
                      int trans_a, int trans_b, D&... d) {
-  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N a multiple of 8 up to 256");
-  static_assert(sizeof...(D) == N / 2, "wgmma m64nNk16 f32: N/2 accumulator registers");
+  wgmma_static_checks<TA, TB, N, AccF16, D...>();
   WgmmaOp op;
-  wgmma_init(op, E == Elem::f16, N, scale_d, scale_a, scale_b, trans_a, trans_b, desc_a, desc_b,
+  wgmma_init(op, TA, TB, AccF16, N, scale_d, scale_a, scale_b, trans_a, trans_b, desc_a, desc_b,
              false);
   uint32_t* regs[] = {accumulator_ptr(d)...};
   wgmma_issue(op, regs);
+}
+// The 16-bit forms with f32 accumulators, as before fp8.
+template <Elem E, int N, class... D>
+inline void wgmma_ss(uint64_t desc_a, uint64_t desc_b, bool scale_d, int scale_a, int scale_b,
+                     int trans_a, int trans_b, D&... d) {
+  constexpr WElem T = E == Elem::f16 ? WElem::f16 : WElem::bf16;
+  wgmma_ss<T, T, N, false>(desc_a, desc_b, scale_d, scale_a, scale_b, trans_a, trans_b, d...);
 }
 
 template <class V>
@@ -289,15 +345,15 @@ inline uint32_t register_a(V&& v, WgmmaOp& op) {
   return bits;
 }
 
-// wgmma.mma_async.sync.aligned.m64n<N>k16.f32.<E>.<E> {d...}, {a0, a1, a2, a3}, b-desc, scale-d,
-//   imm-scale-a, imm-scale-b, imm-trans-b
-template <Elem E, int N, class A0, class A1, class A2, class A3, class... D>
+// wgmma.mma_async.sync.aligned.m64n<N>k<K>.<D>.<TA>.<TB> {d...}, {a0, a1, a2, a3}, b-desc,
+//   scale-d, imm-scale-a, imm-scale-b{, imm-trans-b}
+template <WElem TA, WElem TB, int N, bool AccF16, class A0, class A1, class A2, class A3,
+          class... D>
 inline void wgmma_rs(A0&& a0, A1&& a1, A2&& a2, A3&& a3, uint64_t desc_b, bool scale_d,
                      int scale_a, int scale_b, int trans_b, D&... d) {
-  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N a multiple of 8 up to 256");
-  static_assert(sizeof...(D) == N / 2, "wgmma m64nNk16 f32: N/2 accumulator registers");
+  wgmma_static_checks<TA, TB, N, AccF16, D...>();
   WgmmaOp op;
-  wgmma_init(op, E == Elem::f16, N, scale_d, scale_a, scale_b, 0, trans_b, 0, desc_b, true);
+  wgmma_init(op, TA, TB, AccF16, N, scale_d, scale_a, scale_b, 0, trans_b, 0, desc_b, true);
   const uint32_t mine[4] = {register_a(static_cast<A0&&>(a0), op),
                             register_a(static_cast<A1&&>(a1), op),
                             register_a(static_cast<A2&&>(a2), op),
@@ -312,13 +368,31 @@ inline void wgmma_rs(A0&& a0, A1&& a1, A2&& a2, A3&& a3, uint64_t desc_b, bool s
   const uint32_t g = c.lane / 4;
   for (uint32_t r = 0; r < 2; ++r) {
     const uint32_t row = g + 8 * r;
-    for (uint32_t k = 0; k < 16; ++k) {
-      const uint32_t reg = frags[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
-      op.a[r][k] = elem_to_double<E>(reg, k & 1);
+    if constexpr (welem_bytes(TA) == 2) {
+      for (uint32_t k = 0; k < 16; ++k) {
+        const uint32_t reg = frags[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+        op.a[r][k] = welem_value(TA, k & 1 ? reg >> 16 : reg & 0xFFFFu);
+      }
+    } else {
+      // 8-bit A: each register holds 4 consecutive k of a row, the lower k in the lower byte;
+      // the same pattern in bytes (a0 rows 0-7 and bytes 0-15 of k, a1 rows 8-15, a2 bytes
+      // 16-31, a3 both).
+      for (uint32_t k = 0; k < 32; ++k) {
+        const uint32_t reg = frags[4 * (row % 8) + (k % 16) / 4][(row >= 8) + 2 * (k >= 16)];
+        op.a[r][k] = welem_value(TA, (reg >> (8 * (k % 4))) & 0xFFu);
+      }
     }
   }
   uint32_t* regs[] = {accumulator_ptr(d)...};
   wgmma_issue(op, regs);
+}
+template <Elem E, int N, class A0, class A1, class A2, class A3, class... D>
+inline void wgmma_rs(A0&& a0, A1&& a1, A2&& a2, A3&& a3, uint64_t desc_b, bool scale_d,
+                     int scale_a, int scale_b, int trans_b, D&... d) {
+  constexpr WElem T = E == Elem::f16 ? WElem::f16 : WElem::bf16;
+  wgmma_rs<T, T, N, false>(static_cast<A0&&>(a0), static_cast<A1&&>(a1), static_cast<A2&&>(a2),
+                           static_cast<A3&&>(a3), desc_b, scale_d, scale_a, scale_b, trans_b,
+                           d...);
 }
 
 inline void wgmma_fence() {
@@ -340,9 +414,8 @@ enum : uint32_t { kRendezvousCommit = 1, kRendezvousWait = 2 };
 
 // The thread's warpgroup, or nullptr when the block does not hold it whole.
 inline Warpgroup* my_warpgroup() {
-  const Launch& L = *tctx.launch;
   const uint32_t wg = tctx.linear / 128;
-  return wg < L.nwarpgroups ? &L.warpgroups[wg] : nullptr;
+  return wg < tctx.launch->nwarpgroups ? &tctx.cta->warpgroups[wg] : nullptr;
 }
 
 inline void warpgroup_rendezvous(Warpgroup& g, uint32_t kind, uint32_t wait_n) {
@@ -405,6 +478,9 @@ namespace kg_emu {
 inline void async_thread_begin() {
   ptx::wgmma_state.clear();
   mbarrier_seen.clear();
+  bulk_groups.clear();
+  unfenced_chunks.clear();
+  cluster_thread_begin();
 }
 
 inline void async_thread_end() {
@@ -415,6 +491,13 @@ inline void async_thread_end() {
     report_hazard("the thread leaves the kernel with %zu wgmma.mma_async not retired by a "
                   "wgmma.wait_group (their results never reach the accumulators)", pending);
   }
+  bulk_thread_end();
+}
+
+// Leaving the kernel, also after a trap: no longer expected at barrier.cluster.
+inline void async_thread_exit() {
+  bulk_groups.clear();
+  cluster_thread_exit();
 }
 
 }  // namespace kg_emu
