@@ -333,30 +333,7 @@ class KernelSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _canonical_expressions(cls, data: Any) -> Any:
-        """score_mod and mask_mod are checked against mod_inputs and stored in canonical form
-        (inputs in name order), so equal expressions give equal specs, names and caches."""
-        if not isinstance(data, dict) or not any(
-            data.get(name) is not None for name in (*EXPRESSION_FIELDS, "mod_inputs")
-        ):
-            return data
-        data = dict(data)
-        texts = [data.get(name) for name in EXPRESSION_FIELDS]
-        for name, text in zip(EXPRESSION_FIELDS, texts, strict=True):
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"{name}={_echo(text)} is not allowed; use a string expression")
-        signatures = data.get("mod_inputs") or ()
-        if isinstance(signatures, str) or not isinstance(signatures, (list, tuple)):
-            raise ValueError(
-                f"mod_inputs={_echo(signatures)} is not allowed; use a list of name:dtype[rank]"
-            )
-        try:
-            score, mask, declared = spec_expressions(*texts, signatures)
-        except SpecError as exc:
-            raise ValueError("\n".join(exc.problems)) from None
-        data["score_mod"] = None if score is None else score.text
-        data["mask_mod"] = None if mask is None else mask.text
-        data["mod_inputs"] = tuple(i.signature for i in declared)
-        return data
+        return canonical_expression_fields(data)
 
     # ---- field checks -------------------------------------------------------------------
     @field_validator(
@@ -828,6 +805,34 @@ class KernelSpec(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def canonical_expression_fields(data: Any) -> Any:
+    """A spec mapping (of any family) with score_mod and mask_mod checked against mod_inputs
+    and stored in canonical form (inputs in name order), so that equal expressions give equal
+    specs, names and caches; raises ValueError (the validator's error) otherwise."""
+    if not isinstance(data, dict) or not any(
+        data.get(name) is not None for name in (*EXPRESSION_FIELDS, "mod_inputs")
+    ):
+        return data
+    data = dict(data)
+    texts = [data.get(name) for name in EXPRESSION_FIELDS]
+    for name, text in zip(EXPRESSION_FIELDS, texts, strict=True):
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{name}={_echo(text)} is not allowed; use a string expression")
+    signatures = data.get("mod_inputs") or ()
+    if isinstance(signatures, str) or not isinstance(signatures, (list, tuple)):
+        raise ValueError(
+            f"mod_inputs={_echo(signatures)} is not allowed; use a list of name:dtype[rank]"
+        )
+    try:
+        score, mask, declared = spec_expressions(*texts, signatures)
+    except SpecError as exc:
+        raise ValueError("\n".join(exc.problems)) from None
+    data["score_mod"] = None if score is None else score.text
+    data["mask_mod"] = None if mask is None else mask.text
+    data["mod_inputs"] = tuple(i.signature for i in declared)
+    return data
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,7 +27,6 @@ from pydantic import (
 
 from kernelgen.arch import ARCHS, DEFAULT_ARCHS
 from kernelgen.engines import ENGINES, Engine
-from kernelgen.errors import SpecError
 from kernelgen.expressions import Expression, ModInput, spec_expressions
 from kernelgen.spec import (
     DTYPE_BYTES,
@@ -39,6 +38,7 @@ from kernelgen.spec import (
     VARIANT_FLAGS,
     VARIANT_TAGS,
     DType,
+    canonical_expression_fields,
     padded_head_dim,
 )
 
@@ -132,28 +132,7 @@ class BackwardSpec(BaseModel):
     @classmethod
     def _canonical_expressions(cls, data: Any) -> Any:
         """score_mod and mask_mod in canonical form, checked against mod_inputs."""
-        if not isinstance(data, dict) or not any(
-            data.get(name) is not None for name in (*EXPRESSION_FIELDS, "mod_inputs")
-        ):
-            return data
-        data = dict(data)
-        texts = [data.get(name) for name in EXPRESSION_FIELDS]
-        for name, text in zip(EXPRESSION_FIELDS, texts, strict=True):
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"{name}={text!r:.80} is not allowed; use a string expression")
-        signatures = data.get("mod_inputs") or ()
-        if isinstance(signatures, str) or not isinstance(signatures, (list, tuple)):
-            raise ValueError(
-                f"mod_inputs={signatures!r:.80} is not allowed; use a list of name:dtype[rank]"
-            )
-        try:
-            score, mask, declared = spec_expressions(*texts, signatures)
-        except SpecError as exc:
-            raise ValueError("\n".join(exc.problems)) from None
-        data["score_mod"] = None if score is None else score.text
-        data["mask_mod"] = None if mask is None else mask.text
-        data["mod_inputs"] = tuple(i.signature for i in declared)
-        return data
+        return canonical_expression_fields(data)
 
     @model_validator(mode="before")
     @classmethod
