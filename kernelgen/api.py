@@ -743,7 +743,7 @@ def _untuned_or_tuned_launch(
     pool. ``page_size`` (keys per page of a paged KV cache; 0: contiguous K/V) picks paged-KV
     specs and is part of the tuning key."""
     capability, arch = (EMULATED_CAPABILITY, None) if host else device_arch()
-    batch, heads, seqlen_q, head_dim = call.q.shape
+    _, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
     if split or not tensor_cores or host or call.expressions.present:
         spec = default_spec(
@@ -760,9 +760,19 @@ def _untuned_or_tuned_launch(
             expressions=call.expressions.present,
         )
         return spec, None
+    launch = tuned_launch(call, causal, library, page_size=page_size)
+    return launch.spec, launch.num_splits
+
+
+def tuned_launch(call: CheckedCall, causal: bool, library: str, **fields: Any) -> Any:
+    """The autotuner's launch (:func:`kernelgen.tuning.select_launch`: memo, disk or a fresh
+    tuning) for a checked call's problem: its dtype, shape, mask and variants, and ``fields``
+    (``page_size``; ``family`` and ``deterministic`` for the backward). Torch calls give CuPy's
+    memory pool back after tuning (torch cannot use its blocks)."""
     from kernelgen.tuning import ProblemDesc, select_launch
     from kernelgen.tuning.autotune import gpu_tuner
 
+    batch, heads, seqlen_q, head_dim = call.q.shape
     problem = ProblemDesc(
         call.dtype,
         batch,
@@ -773,12 +783,11 @@ def _untuned_or_tuned_launch(
         head_dim,
         causal=causal,
         mask=call.mask is not None,
-        page_size=page_size,
         variants=call.variants.flags,
+        **fields,
     )
     tuner = gpu_tuner(free_pool=True) if library == "torch" else None
-    launch = select_launch(problem, tuner=tuner)
-    return launch.spec, launch.num_splits
+    return select_launch(problem, tuner=tuner)
 
 
 def check_flags(**flags: Any) -> None:

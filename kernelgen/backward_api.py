@@ -29,6 +29,7 @@ from kernelgen.api import (
     device_arch,
     mask_shape,
     plan,
+    tuned_launch,
 )
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.expression_inputs import check_spec_expressions
@@ -245,29 +246,12 @@ def _untuned_or_tuned_spec(
     16-byte chunks; else :func:`_policy_spec`: on the CPU backend (no GPU to time; sm_80's
     instructions), for calls with user expressions (compiled per expression, not in a tuning
     key) and for misaligned inputs."""
-    batch, heads, seqlen_q, head_dim = call.q.shape
     capability, arch = (EMULATED_CAPABILITY, None) if arrays.host else device_arch()
     if arrays.host or call.expressions.present or capability < 80 or misaligned:
         return _policy_spec(call, causal, deterministic, capability, misaligned, arch)
-    from kernelgen.tuning import ProblemDesc, select_launch
-    from kernelgen.tuning.autotune import gpu_tuner
-
-    problem = ProblemDesc(
-        call.dtype,
-        batch,
-        heads,
-        call.k.shape[1],
-        seqlen_q,
-        call.k.shape[2],
-        head_dim,
-        causal=causal,
-        mask=call.mask is not None,
-        variants=call.variants.flags,
-        family="backward",
-        deterministic=deterministic,
-    )
-    tuner = gpu_tuner(free_pool=True) if arrays.name == "torch" else None
-    spec = select_launch(problem, tuner=tuner).spec
+    spec = tuned_launch(
+        call, causal, arrays.name, family="backward", deterministic=deterministic
+    ).spec
     assert isinstance(spec, BackwardSpec)  # the key's family: a backward record's winner
     return spec
 

@@ -151,6 +151,44 @@ def _power_of_two_choice(field: str, value: int, allowed: tuple[int, ...]) -> in
     return value
 
 
+# ---- field checks every family's spec shares (their validators call these) ------------------
+def strict_integer(field: str, value: Any) -> int:
+    """An integer field's value: integers only (a NumPy integer too): ``true`` is not 1, ``64.0``
+    is not 64 and the string ``'64'`` is not 64."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"{field}={_echo(value)} is not allowed; use an integer ({type(value).__name__} given)"
+        )
+    return int(value)
+
+
+def strict_boolean(field: str, value: Any) -> bool:
+    """A boolean field's value: true or false only (a NumPy bool too; not 1, 0 or 'yes')."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}={_echo(value)} is not allowed; use true or false")
+    return value
+
+
+def checked_head_dim(value: int) -> int:
+    """head_dim: a multiple of 8 from 8 to :data:`MAX_HEAD_DIM`."""
+    if value <= 0 or value % 8 or value > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim={value} is not allowed; use a multiple of 8 from 8 to {MAX_HEAD_DIM}"
+        )
+    return value
+
+
+def checked_archs(value: tuple[str, ...]) -> tuple[str, ...]:
+    """archs: a non-empty list of the architectures of :data:`kernelgen.arch.ARCHS`."""
+    if not value or any(a not in ARCHS for a in value):
+        raise ValueError(
+            f"archs={list(value)} is not allowed; use a non-empty list of {', '.join(ARCHS)}"
+        )
+    return tuple(value)
+
+
 class KernelSpec(BaseModel):
     """A FlashAttention forward kernel, fully determined (all fields are compile-time)."""
 
@@ -345,12 +383,7 @@ class KernelSpec(BaseModel):
         is not 64 and the string ``'64'`` is not 64."""
         if value is None and info.field_name in ("stages", "smem_pad"):
             return value
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(
-                f"{info.field_name}={_echo(value)} is not allowed; use an integer "
-                f"({type(value).__name__} given)"
-            )
-        return int(value)
+        return strict_integer(info.field_name, value)
 
     @field_validator(
         "causal",
@@ -371,20 +404,12 @@ class KernelSpec(BaseModel):
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         """Boolean fields take true or false only (not 1, 0 or the string 'yes')."""
-        if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
-            return bool(value)
-        if not isinstance(value, bool):
-            raise ValueError(f"{info.field_name}={_echo(value)} is not allowed; use true or false")
-        return value
+        return strict_boolean(info.field_name, value)
 
     @field_validator("head_dim")
     @classmethod
     def _check_head_dim(cls, value: int) -> int:
-        if value <= 0 or value % 8 or value > MAX_HEAD_DIM:
-            raise ValueError(
-                f"head_dim={value} is not allowed; use a multiple of 8 from 8 to {MAX_HEAD_DIM}"
-            )
-        return value
+        return checked_head_dim(value)
 
     @field_validator("block_m", "block_n")
     @classmethod
@@ -409,12 +434,7 @@ class KernelSpec(BaseModel):
     @field_validator("archs")
     @classmethod
     def _check_archs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [a for a in value if a not in ARCHS]
-        if unknown or not value:
-            raise ValueError(
-                f"archs={list(value)} is not allowed; use a non-empty list of {', '.join(ARCHS)}"
-            )
-        return tuple(value)
+        return checked_archs(value)
 
     # ---- whole-spec checks ----------------------------------------------------------------
     @model_validator(mode="after")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import numbers
 from typing import Any, Literal
 
 import yaml
@@ -34,12 +33,15 @@ from kernelgen.spec import (
     EXPRESSION_FIELDS,
     EXPRESSION_TAGS,
     MAX_ACCUMULATORS_PER_THREAD,
-    MAX_HEAD_DIM,
     VARIANT_FLAGS,
     VARIANT_TAGS,
     DType,
     canonical_expression_fields,
+    checked_archs,
+    checked_head_dim,
     padded_head_dim,
+    strict_boolean,
+    strict_integer,
 )
 
 BackwardEngine = Literal["simt", "mma_sync"]
@@ -151,30 +153,17 @@ class BackwardSpec(BaseModel):
     def _strict_integer(cls, value: Any, info: Any) -> Any:
         if value is None and info.field_name == "stages":
             return None
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(
-                f"{info.field_name}={value!r:.80} is not allowed; use an integer "
-                f"({type(value).__name__} given)"
-            )
-        return int(value)
+        return strict_integer(info.field_name, value)
 
     @field_validator("causal", "deterministic", "additive_mask", *VARIANT_FLAGS, mode="before")
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
-        if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
-            return bool(value)
-        if not isinstance(value, bool):
-            raise ValueError(f"{info.field_name}={value!r:.80} is not allowed; use true or false")
-        return value
+        return strict_boolean(info.field_name, value)
 
     @field_validator("head_dim")
     @classmethod
     def _check_head_dim(cls, value: int) -> int:
-        if value <= 0 or value % 8 or value > MAX_HEAD_DIM:
-            raise ValueError(
-                f"head_dim={value} is not allowed; use a multiple of 8 from 8 to {MAX_HEAD_DIM}"
-            )
-        return value
+        return checked_head_dim(value)
 
     @field_validator("block_m", "block_n")
     @classmethod
@@ -203,12 +192,7 @@ class BackwardSpec(BaseModel):
     @field_validator("archs")
     @classmethod
     def _check_archs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [a for a in value if a not in ARCHS]
-        if unknown or not value:
-            raise ValueError(
-                f"archs={list(value)} is not allowed; use a non-empty list of {', '.join(ARCHS)}"
-            )
-        return tuple(value)
+        return checked_archs(value)
 
     @model_validator(mode="after")
     def _check_geometry(self) -> BackwardSpec:
