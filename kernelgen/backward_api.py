@@ -39,6 +39,8 @@ from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_ar
 from kernelgen.host import EMULATED_CAPABILITY, HOST_DEVICE, as_numpy
 from kernelgen.launch import (
     DEFAULT_DYNAMIC_SMEM,
+    MAX_PREPARED,
+    LaunchStep,
     Problem,
     check_fits_device,
     compile_functions,
@@ -318,6 +320,7 @@ class _BackwardKernels:
     def __init__(self, spec: BackwardSpec, host: bool) -> None:
         self.spec = spec
         self.host = host
+        self._steps: dict[Problem, list[LaunchStep]] = {}
         source = backward.render(spec)
         if host:
             from kernelgen.emulator.launches import spec_kernel
@@ -336,7 +339,12 @@ class _BackwardKernels:
 
     def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> None:
         null = None if self.host else np.uint64(0)
-        for step in backward.launch_steps(self.spec, problem):
+        steps = self._steps.get(problem)
+        if steps is None:  # a call shape's grids, worked out once (as PreparedLaunch does)
+            if len(self._steps) >= MAX_PREPARED:
+                self._steps.clear()
+            steps = self._steps[problem] = backward.launch_steps(self.spec, problem)
+        for step in steps:
             args = kernel_arguments(step.params, problem, tensors, scale, null=null)
             function = self.functions[step.symbol]
             if self.host:
