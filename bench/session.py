@@ -72,7 +72,7 @@ def plan(results: str = "{results}") -> list[Stage]:
     """The stages in priority order; ``results`` is the folder the benchmarks write to."""
     pytest_gpu = ("-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider")
     prefill = (
-        "-m", "bench.attention", "--peers", "torch-flash,torch-cudnn,kg-tc-v2,kg-wgmma",
+        "-m", "bench.attention", "--quick", "--peers", "torch-flash,torch-cudnn,kg-tc-v2,kg-wgmma",
         "--dtype", "bf16", "--head-dim", "128", "--head-dim", "256",
         "--seqlen", "4096", "--budget-ms", "100", "--tag", "session", "--out", results,
     )  # fmt: skip
@@ -93,7 +93,7 @@ def plan(results: str = "{results}") -> list[Stage]:
     return [
         Stage(
             "correctness",
-            150,
+            120,
             "GPU test tier: wgmma, serving, tuned and default specs against float64",
             python(*pytest_gpu, "-k", CORRECTNESS_SELECTION, "--junitxml", f"{results}/gpu.xml"),
             python(*pytest_gpu, "--collect-only", "-k", CORRECTNESS_SELECTION),
@@ -110,28 +110,28 @@ def plan(results: str = "{results}") -> list[Stage]:
         ),
         Stage(
             "prefill",
-            90,
+            120,
             "bf16 d128/d256 4k, causal or not: mma.sync and wgmma against flash and cuDNN",
             python(*prefill),
             python(*prefill, "--list"),
         ),
         Stage(
             "backward",
-            80,
+            100,
             "backward and fwd+bwd bf16 d128 2k, variants: kernelgen against flash, cuDNN, flex",
             python(*backward),
             python(*backward, "--dry-run"),
         ),
         Stage(
             "prefill-long",
-            45,
+            40,
             "fp16 d128 16k, causal or not: wgmma against flash and cuDNN",
             python(*prefill_long),
             python(*prefill_long, "--list"),
         ),
         Stage(
             "decode",
-            55,
+            40,
             "split-KV decode (B 1/8, GQA, 4k/32k keys) against the copy floor",
             python(*decode),
             python(*decode, "--list"),
