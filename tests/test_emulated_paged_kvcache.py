@@ -343,3 +343,62 @@ def test_paged_decode_loop_with_torch_cpu_metadata():
         for b, length in enumerate(lengths):
             page, row = divmod(length + step, 16)
             assert torch.equal(k_pool[table[b, page], row].float(), torch.from_numpy(k_new[b, 0]))
+
+
+# ---- mutations of the small-page lookup: each must give a wrong result ------------------------
+PAGE_LOOKUP_MUTATIONS = {
+    "a row takes the next page's entry": (
+        "min(page_of_row - first, PAGES - 1)",
+        "min(page_of_row - first + 1, PAGES - 1)",
+    ),
+    "the next tile's entries are not prefetched": (
+        "      entry = table_entry(entry_first);\n      const bool copies",
+        "      const bool copies",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PAGE_LOOKUP_MUTATIONS)
+def test_mutated_small_page_lookup_fails(tmp_path, monkeypatch, name):
+    """Pages smaller than a key tile take their block-table entries from the lane that
+    prefetched them; a wrong lane or a stale prefetch must change the output (the unmutated
+    templates pass this case: test_paged_multi_tile_chunks_with_small_pages)."""
+    import importlib
+    import shutil
+
+    from kernelgen import host
+
+    render = importlib.import_module("kernelgen.render")  # the package exports a render()
+    launches = importlib.import_module("kernelgen.emulator.launches")
+    caches = (render.environment, render.template_dir, render.template_hash, launches.spec_kernel)
+
+    original, mutated = PAGE_LOOKUP_MUTATIONS[name]
+    folder = tmp_path / "templates"
+    shutil.copytree(render.template_dir(), folder)
+    path = folder / "fa_fwd_v2_tc.cu.j2"
+    text = path.read_text()
+    assert text.count(original) == 1, original
+    path.write_text(text.replace(original, mutated))
+    monkeypatch.setenv(render.TEMPLATE_DIR_ENV, str(folder))
+    monkeypatch.setattr(host, "_KERNELS", {})
+    for cached in caches:  # rendered and built once per process: start afresh
+        cached.cache_clear()
+    try:
+        # chunks of several key tiles, each spanning four or more pages
+        out, lse, reference, *_ = _paged_call(
+            "float16", 16, 2, 1, 1, [5, 200, 301], 16, 3, num_splits=2
+        )
+        with pytest.raises(AssertionError):
+            check_kvcache(out, lse, *reference, "float16")
+    finally:
+        for cached in caches:
+            cached.cache_clear()
+
+
+def test_paged_multi_tile_chunks_with_small_pages():
+    """The mutation tests' case with the real templates: split chunks of several key tiles
+    over 16-key pages in shuffled order (each tile's entries prefetched during the one before)."""
+    out, lse, reference, *_ = _paged_call(
+        "float16", 16, 2, 1, 1, [5, 200, 301], 16, 3, num_splits=2
+    )
+    check_kvcache(out, lse, *reference, "float16")
