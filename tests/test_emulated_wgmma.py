@@ -139,7 +139,7 @@ def test_overlapped_kernel_reading_scores_before_their_products_retired_fails():
         dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=64, block_m=64)
         | dict(block_n=32, overlap=True)
     )
-    original = "wgmma_wait<1>();  // S of tile t; tile t - 1's P V may still run"
+    original = "wgmma_wait<1>();  // S of tile j + 1; tile j's P V may still run"
     source = render(spec)
     assert source.count(original) == 1
     case = Case(1, 2, 1, 70, 100)
@@ -215,9 +215,17 @@ PINGPONG_MUTATIONS = {
         "named_barrier_arrive(TURN_BARRIER + 1 - consumer, 2 * 128);",
         "named_barrier_arrive(TURN_BARRIER + consumer, 2 * 128);",
     ),
-    # (A consumer that takes its turn without waiting is valid code that only loses the
-    # schedule: its hand-overs still complete the other's barrier phases. No run can tell;
-    # the schedule itself is judged on a GPU.)
+    # consumer 0 takes its turns without waiting: consumer 1's hand-overs alone then complete
+    # barrier 1, a phase nobody waits for, which the emulator reports
+    "consumer 0 does not wait for its turn": (
+        "if (consumer == 1 || t > 0) named_barrier_sync(",
+        "if (consumer == 1) named_barrier_sync(",
+    ),
+    # neither consumer waits: both barriers complete by arrivals alone
+    "no consumer waits for its turn": (
+        "if (consumer == 1 || t > 0) named_barrier_sync(TURN_BARRIER + consumer, 2 * 128);",
+        "",
+    ),
 }
 
 
@@ -235,9 +243,21 @@ def test_pingpong_matches_float64_with_any_tile_count(case):
 
 @pytest.mark.parametrize("name", PINGPONG_MUTATIONS)
 def test_mutated_pingpong_fails(name, monkeypatch):
-    # both mutants deadlock: a short watchdog (a correct run of this case takes about a second)
+    """Each mutant deadlocks or completes a turn barrier that nobody waits for: a short
+    watchdog (a correct run of this case takes about a second)."""
     monkeypatch.setenv("KG_EMULATOR_TIMEOUT", "10")
     assert_mutant_fails(PINGPONG_SPEC, PINGPONG_MUTATIONS[name], Case(1, 2, 1, 200, 333), seed=4)
+
+
+def test_a_missing_turn_wait_is_reported_as_a_phase_nobody_waited_for():
+    """The skipped wait computes the right numbers (the barriers order issue, not data), so it
+    is caught by the barrier count: the other consumer's hand-overs fill barrier 1 alone."""
+    original, mutated = PINGPONG_MUTATIONS["consumer 0 does not wait for its turn"]
+    case = Case(1, 2, 1, 200, 333)
+    data = make_case(case, PINGPONG_SPEC.dtype, PINGPONG_SPEC.head_dim, True, 4)
+    source = render(PINGPONG_SPEC).replace(original, mutated)
+    with pytest.raises(EmulatorError, match="completed barrier 1 with no thread waiting"):
+        run_emulated(PINGPONG_SPEC, case, data, source=source)
 
 
 @pytest.mark.parametrize(
