@@ -276,17 +276,24 @@ def _backward_target(row: SassInstruction) -> int | None:
     return target if target is not None and target < row.address else None
 
 
+RESCALE_MIN_FMUL = 8  # a forward-skipped block of at least this many FMUL ...
+RESCALE_FMUL_SHARE = 0.9  # ... that make up this share of it is a rescale of the output
+
+
 def _vote_skipped(body: list[SassInstruction]) -> set[int]:
-    """Addresses that the first forward branch after each VOTE.ANY jumps over."""
+    """Addresses of the rescale blocks a warp jumps over when none of its rows moved (the
+    branch on a VOTE.ANY): blocks that a forward branch skips and that are nearly all FMUL
+    (o *= alpha). Found by content, not from the vote: a pipelined loop votes in one tile and
+    rescales in the next, its vote's result carried across the loop's back edge in a register."""
     skipped: set[int] = set()
-    for i, row in enumerate(body):
-        if row.family != "VOTE":
+    for row in body:
+        end = _branch_target(row)
+        if end is None or end <= row.address:
             continue
-        for later in body[i:]:
-            end = _branch_target(later)
-            if end is not None and end > later.address:
-                skipped |= {r.address for r in body if later.address < r.address < end}
-                break
+        block = [r for r in body if row.address < r.address < end]
+        fmul = sum(r.family == "FMUL" for r in block)
+        if fmul >= RESCALE_MIN_FMUL and fmul >= RESCALE_FMUL_SHARE * len(block):
+            skipped |= {r.address for r in block}
     return skipped
 
 
@@ -349,7 +356,8 @@ class ModelReport:
     unit: UnitFigures
     prediction: Prediction
     vs_fa2: float | None = field(default=None)
-    # What is wrong with the loop's schedule in SASS (kernelgen.schedule; wgmma overlap specs),
+    # What is wrong with the loop's schedule (kernelgen.schedule: wgmma specs; serialized products,
+    # an overlap that ptxas undid),
     # None when nothing is (or nothing was promised).
     schedule: str | None = field(default=None)
     backward: bool = False  # a backward spec: vs_fa2 is against FlashAttention 2's backward
@@ -432,15 +440,20 @@ def analytic_cost(spec: KernelSpec, arch: str) -> float:
     return max(v for k, v in prediction.clocks.items() if k != "issue")
 
 
-def interior_sass(spec: KernelSpec, arch: str) -> str:
-    """SASS of ``spec``'s interior variant compiled for ``arch``. Needs the NVRTC and
-    cuobjdump/nvdisasm wheels (``pip install 'kernelgen[nvrtc]'``)."""
+def interior_compile(spec: KernelSpec, arch: str) -> tuple[str, str]:
+    """SASS and ptxas log of ``spec``'s interior variant compiled for ``arch``. Needs the NVRTC
+    and cuobjdump/nvdisasm wheels (``pip install 'kernelgen[nvrtc]'``)."""
     source = interior_source(render(spec), spec.mma)
     compiled = compile_offline(source, spec.uri, arch, sass=False)
     sass = disassemble(compiled.cubin)
     if sass is None:
         raise SettingError("cuobjdump/nvdisasm are not installed (pip install 'kernelgen[nvrtc]')")
-    return sass
+    return sass, compiled.log
+
+
+def interior_sass(spec: KernelSpec, arch: str) -> str:
+    """SASS of ``spec``'s interior variant compiled for ``arch`` (:func:`interior_compile`)."""
+    return interior_compile(spec, arch)[0]
 
 
 def interior_loop(spec: KernelSpec, arch: str) -> LoopBody:
@@ -469,7 +482,7 @@ def model_spec(
     if not spec.engine.modelled:
         raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
     rates_of(arch)  # an arch the model knows, before compiling anything
-    sass = interior_sass(spec, arch)
+    sass, log = interior_compile(spec, arch)
     consumer, producer = loops_of(spec, sass)
     figures = unit_figures(consumer, spec, producer)
     res = resources or compile_offline(render(spec), spec.uri, arch, sass=False).resources
@@ -487,7 +500,7 @@ def model_spec(
         unit=figures,
         prediction=prediction,
         vs_fa2=vs_fa2,
-        schedule=schedule_problem(spec, sass),
+        schedule=schedule_problem(spec, sass, log),
     )
 
 

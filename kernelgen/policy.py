@@ -193,8 +193,14 @@ def default_spec(
 # head dims 64-256. Two consumer warpgroups (128 query rows) always won; 128-key tiles at head
 # dims 64 and 128 (d128: 560 against 568 TFLOP/s for 64-key tiles, within the noise; causal
 # 497 against 485; and 820 against 1000 instructions per unit), 64-key tiles at 96 (not
-# measured) and 256 (the only ones that fit); the plain loop (the overlapped one measured
-# slower), without ping-pong or Q in registers until a GPU has timed them.
+# measured) and 256 (the only ones that fit); the plain loop, without ping-pong. Q in registers
+# up to head dim 128 (where its head_dim / 4 registers fit beside 128-key tiles): at d128 it
+# takes the unit from 56 to 48 KiB of shared-memory traffic for 11 more instructions (814,
+# docs/hopper.md); the H100 run above timed the same tiling with Q from shared memory
+# (specs/v2_wg_bf16_d128_m128_n128_s2.yaml keeps it for the comparison). The overlapped loop
+# (overlap: true) is not the default: with Q in registers its 128-key tiles at d128 need more
+# registers than ptxas pipelines, and its new schedule has not been timed on a GPU yet.
+Q_IN_REGISTERS_MAX_HEAD_DIM = 128
 HOPPER_DEVICE_ARCH = "sm_90"  # the device arch that runs sm_90a code (wgmma: 9.0 only)
 
 
@@ -216,6 +222,7 @@ def hopper_default_spec(
             block_n=128 if head_dim in (64, 128) else 64,
             stages=2,
             causal=bool(causal),
+            q_in_registers=head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
             archs=WGMMA_ARCHS,
             **{name: True for name in variants},
         )

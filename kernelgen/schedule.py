@@ -8,7 +8,8 @@ wait up (it did: see docs/hopper.md), which leaves the PTX looking pipelined whi
 overlaps. In SASS the two waits are ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and ``..., 0x0`` after a
 ``WARPGROUP.ARRIVE`` and the batch of ``HGMMA`` that ends two groups; the softmax's
 exponentials are ``MUFU.EX2``. The check counts the exponentials issued between the two waits
-of every such window.
+of every such window. It also reports, for every wgmma spec, when ptxas serialized the products
+altogether (its log says so; the SASS then waits after every HGMMA).
 """
 
 from __future__ import annotations
@@ -94,9 +95,30 @@ def overlap_problem(instructions: Sequence[SassInstruction]) -> str | None:
     )
 
 
-def schedule_problem(spec: KernelSpec, sass: str) -> str | None:
-    """The overlap check of a wgmma spec with ``overlap: true`` on its SASS text (cuobjdump's,
-    every function); None for other specs or when the schedule is as designed."""
-    if not spec.engine.warp_specialized or not spec.overlap:
+# ptxas' note (C7510-C7515) when it gives up pipelining a function's products and waits for
+# each wgmma right after issuing it, e.g. "... serialized due to insufficient register
+# resources for the function 'f'".
+SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def serialization_problem(log: str) -> str | None:
+    """What ptxas said when it serialized the wgmma products (from its log), else None."""
+    for line in log.splitlines():
+        if SERIALIZED in line:
+            reason = line.split(SERIALIZED, 1)[1].split(" for the function")[0].strip()
+            return f"ptxas serialized every wgmma ({reason})"
+    return None
+
+
+def schedule_problem(spec: KernelSpec, sass: str, log: str = "") -> str | None:
+    """The schedule check of a wgmma spec on its SASS text (cuobjdump's, every function) and
+    ptxas' log: no serialized products, and with ``overlap: true`` the softmax between the
+    waits. None for other specs or when the schedule is as designed."""
+    if not spec.engine.warp_specialized:
+        return None
+    serialized = serialization_problem(log)
+    if serialized is not None:
+        return serialized
+    if not spec.overlap:
         return None
     return overlap_problem(sass_instructions(function_sass(sass, spec.uri)))

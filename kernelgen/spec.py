@@ -306,13 +306,13 @@ class KernelSpec(BaseModel):
     )
     overlap: bool = Field(
         False,
-        description="wgmma only: overlap each key tile's softmax with the next tile's Q K^T "
-        "inside a warpgroup (FlashAttention 3's intra-warpgroup pipelining; two sets of "
-        "weights in registers).",
+        description="wgmma only: overlap each key tile's softmax with the previous tile's P V "
+        "inside a warpgroup (FlashAttention 3's intra-warpgroup pipelining; block_n / 4 more "
+        "registers per thread: the new tile's fp32 weights beside the 16-bit ones in flight).",
     )
     q_in_registers: bool = Field(
         False,
-        description="wgmma only, not with overlap: each consumer loads its Q rows into registers "
+        description="wgmma only: each consumer loads its Q rows into registers "
         "once (the A operand of every Q K^T) instead of wgmma re-reading them from shared "
         "memory for every key tile (head_dim / 4 more registers per thread).",
     )
@@ -476,11 +476,10 @@ class KernelSpec(BaseModel):
                 f"overlap={str(self.overlap).lower()}; it alternates two consumer warpgroups "
                 "(use mma: wgmma, block_m: 128, overlap: false)"
             )
-        if self.q_in_registers and (not wgmma or self.overlap):
+        if self.q_in_registers and not wgmma:
             problems.append(
-                f"q_in_registers=true is not allowed with mma={self.mma!r}, overlap="
-                f"{str(self.overlap).lower()}; it is the plain wgmma loop's A operand (use mma: "
-                "wgmma, overlap: false)"
+                f"q_in_registers=true is not allowed with mma={self.mma!r}; it is the wgmma "
+                "kernels' register A operand of Q K^T (use mma: wgmma)"
             )
         if not wgmma and self.num_warps == 12:
             problems.append(
@@ -722,7 +721,8 @@ class KernelSpec(BaseModel):
     @property
     def accumulators_per_thread(self) -> int:
         if self.engine.tensor_cores:  # a warp's rows of scores and output, 32 lanes
-            overlapped = self.block_n // 2 if self.overlap else 0  # a second tile's weights
+            # the overlap keeps a tile's fp32 weights beside the 16-bit ones P V reads
+            overlapped = self.block_n // 4 if self.overlap else 0
             # Q's A fragments: 16 rows x head dim, 16-bit, over 32 lanes (32-bit registers)
             q_fragments = self.head_dim_padded // 4 if self.q_in_registers else 0
             return (

@@ -6,7 +6,9 @@ raises on any hazard (an accumulator read before wgmma.wait_group, shared memory
 its TMA copy completed its mbarrier phase), so a passing run is also hazard-free.
 
 Mutations of the kernel source that the tests must catch: no wgmma.wait_group, no mbarrier
-wait on the K tiles, the descriptors' swizzle mode off by one.
+wait on the K tiles, the descriptors' swizzle mode off by one; in the overlapped loop either
+of its two waits left out; in ping-pong a hand-over that never comes or goes to the wrong
+barrier, and a consumer that does not wait for its turn.
 """
 
 from __future__ import annotations
@@ -133,13 +135,14 @@ def test_attention_on_host_arrays_runs_a_wgmma_spec():
 
 
 def test_overlapped_kernel_reading_scores_before_their_products_retired_fails():
-    """The overlapped loop waits for the older of its two product groups (S of tile t) before
-    the softmax; without that wait it reads S while wgmma still writes it (a hazard)."""
+    """The overlapped loop waits for the older of its two product groups (S of tile j + 1)
+    before the softmax; without that wait it reads S while wgmma still writes it (a hazard).
+    Without the wait for P V that opens each step, O and P are touched under the product."""
     spec = spec_from_dict(
         dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=64, block_m=64)
         | dict(block_n=32, overlap=True)
     )
-    original = "wgmma_wait<1>();  // S of tile t; tile t - 1's P V may still run"
+    original = "wgmma_wait<1>();  // S of tile j + 1; tile j's P V may still run"
     source = render(spec)
     assert source.count(original) == 1
     case = Case(1, 2, 1, 70, 100)
@@ -148,6 +151,29 @@ def test_overlapped_kernel_reading_scores_before_their_products_retired_fails():
     assert_matches(out, lse, data, spec.dtype)
     with pytest.raises(HazardError, match="wgmma"):
         run_emulated(spec, case, data, source=source.replace(original, ""))
+    # the wait for tile j - 1's P V at the head of step j: without it O is rescaled and P
+    # rewritten while that product still reads and accumulates them
+    p_v = "wgmma_wait<0>();  // tile j - 1's P V: O is complete up to it, p is free"
+    assert source.count(p_v) == 1
+    with pytest.raises(HazardError, match="wgmma"):
+        run_emulated(spec, case, data, source=source.replace(p_v, ""))
+
+
+@pytest.mark.parametrize(
+    "case", [Case(1, 2, 1, 1, 1), Case(1, 2, 2, 130, 333), Case(2, 2, 1, 64, 256)], ids=str
+)
+def test_overlap_with_q_in_registers_matches_float64(case):
+    """The overlapped loop with Q's A fragments in registers (three stages, so the ring wraps
+    at another tile than the unrolled body): one key tile, a count that is not a multiple of
+    the ring, and one that is, against float64 with the hazard checks on."""
+    spec = spec_from_dict(
+        dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=64, block_m=128)
+        | dict(block_n=64, stages=3, overlap=True, q_in_registers=True)
+    )
+    seed = zlib.crc32(f"ovl qr {case}".encode())
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
+    out, lse = run_emulated(spec, case, data)
+    assert_matches(out, lse, data, spec.dtype)
 
 
 # ---- the variants and user expressions (docs/variants.md, docs/expressions.md) ----
@@ -215,9 +241,17 @@ PINGPONG_MUTATIONS = {
         "named_barrier_arrive(TURN_BARRIER + 1 - consumer, 2 * 128);",
         "named_barrier_arrive(TURN_BARRIER + consumer, 2 * 128);",
     ),
-    # (A consumer that takes its turn without waiting is valid code that only loses the
-    # schedule: its hand-overs still complete the other's barrier phases. No run can tell;
-    # the schedule itself is judged on a GPU.)
+    # consumer 0 takes its turns without waiting: consumer 1's hand-overs alone then complete
+    # barrier 1, a phase nobody waits for, which the emulator reports
+    "consumer 0 does not wait for its turn": (
+        "if (consumer == 1 || t > 0) named_barrier_sync(",
+        "if (consumer == 1) named_barrier_sync(",
+    ),
+    # neither consumer waits: both barriers complete by arrivals alone
+    "no consumer waits for its turn": (
+        "if (consumer == 1 || t > 0) named_barrier_sync(TURN_BARRIER + consumer, 2 * 128);",
+        "",
+    ),
 }
 
 
@@ -235,9 +269,21 @@ def test_pingpong_matches_float64_with_any_tile_count(case):
 
 @pytest.mark.parametrize("name", PINGPONG_MUTATIONS)
 def test_mutated_pingpong_fails(name, monkeypatch):
-    # both mutants deadlock: a short watchdog (a correct run of this case takes about a second)
+    """Each mutant deadlocks or completes a turn barrier that nobody waits for: a short
+    watchdog (a correct run of this case takes about a second)."""
     monkeypatch.setenv("KG_EMULATOR_TIMEOUT", "10")
     assert_mutant_fails(PINGPONG_SPEC, PINGPONG_MUTATIONS[name], Case(1, 2, 1, 200, 333), seed=4)
+
+
+def test_a_missing_turn_wait_is_reported_as_a_phase_nobody_waited_for():
+    """The skipped wait computes the right numbers (the barriers order issue, not data), so it
+    is caught by the barrier count: the other consumer's hand-overs fill barrier 1 alone."""
+    original, mutated = PINGPONG_MUTATIONS["consumer 0 does not wait for its turn"]
+    case = Case(1, 2, 1, 200, 333)
+    data = make_case(case, PINGPONG_SPEC.dtype, PINGPONG_SPEC.head_dim, True, 4)
+    source = render(PINGPONG_SPEC).replace(original, mutated)
+    with pytest.raises(EmulatorError, match="completed barrier 1 with no thread waiting"):
+        run_emulated(PINGPONG_SPEC, case, data, source=source)
 
 
 @pytest.mark.parametrize(

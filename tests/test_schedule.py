@@ -1,10 +1,11 @@
-"""The static schedule check of the overlapped wgmma loop (kernelgen.schedule), on synthetic
-SASS and on the shipped kernels' real SASS (compile tier)."""
+"""The static schedule check of the wgmma loops (kernelgen.schedule), on synthetic SASS and
+logs and on the shipped kernels' real SASS (compile tier): the overlap holds after ptxas, and
+the check fails on the order of waits that ptxas undid."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT, require_toolchain
+from conftest import ROOT, WGMMA_SPEC_PATHS, require_toolchain
 
 from kernelgen.compile import (
     SassInstruction,
@@ -16,8 +17,13 @@ from kernelgen.compile import (
     sass_instructions,
 )
 from kernelgen.render import render
-from kernelgen.schedule import overlap_problem, overlap_windows, schedule_problem
-from kernelgen.spec import load_spec
+from kernelgen.schedule import (
+    overlap_problem,
+    overlap_windows,
+    schedule_problem,
+    serialization_problem,
+)
+from kernelgen.spec import KernelSpec, load_spec
 
 
 def ins(address: int, opcode: str, operands: str = "") -> SassInstruction:
@@ -62,18 +68,68 @@ def test_a_loop_with_one_group_in_flight_has_no_window():
     assert "no pipelined wgmma window" in overlap_problem(serial)
 
 
-@pytest.mark.compile
-def test_the_shipped_overlap_kernel_is_not_overlapped_after_ptxas():
-    """What an H100 measured (the overlapped loop slower than the plain one): ptxas moves
-    wait_group 0 up before the softmax, so the check fails on today's kernel. When a change
-    makes it pass, this test must be turned around."""
+def test_ptxas_serializing_the_products_is_reported():
+    log = (
+        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to insufficient register resources for the function 'k'\n"
+    )
+    assert serialization_problem(log) == (
+        "ptxas serialized every wgmma (due to insufficient register resources)"
+    )
+    assert serialization_problem("ptxas info    : Used 168 registers") is None
+
+
+OVERLAP_SPECS = [p for p in WGMMA_SPEC_PATHS if load_spec(p).overlap]
+# The old order: the step waits for its P V (wait_group 0) right after the softmax. ptxas
+# then hoists that wait above the exponentials, which is what an H100 measured (the
+# overlapped loop slower than the plain one).
+WAIT_AT_THE_END = (
+    "      moved = weigh(s, j + 1, alpha);\n",
+    "      moved = weigh(s, j + 1, alpha);\n      wgmma_wait<0>();\n",
+)
+
+
+def sass_of(spec, source: str) -> tuple[str, str]:
     require_toolchain(nvrtc_available(), "NVRTC")
     require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
-    spec = load_spec(ROOT / "specs" / "v2_wg_bf16_d128_m128_n64_s2_ovl.yaml")
-    sass = disassemble(compile_offline(render(spec), spec.uri, "sm_90a", sass=False).cubin)
+    compiled = compile_offline(source, spec.uri, "sm_90a", sass=False)
+    return disassemble(compiled.cubin), compiled.log
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("path", OVERLAP_SPECS, ids=lambda p: p.stem)
+def test_the_overlap_kernels_run_the_softmax_under_the_p_v_product(path):
+    """In the SASS of every overlap spec each pipelined window issues all its exponentials
+    between wait_group 1 and wait_group 0 (the wait for P V opens the next step)."""
+    spec = load_spec(path)
+    sass, log = sass_of(spec, render(spec))
     windows = overlap_windows(sass_instructions(function_sass(sass, spec.uri)))
     assert windows, "the overlapped loop has pipelined windows in SASS"
-    problem = schedule_problem(spec, sass)
-    assert problem is not None and "does not overlap" in problem
+    assert all(w.inside == w.total > 0 for w in windows), windows
+    assert schedule_problem(spec, sass, log) is None
+
+
+@pytest.mark.compile
+def test_the_check_fails_on_the_old_order_of_the_waits():
+    """The same kernel with the wait for P V closing the step (the loop as it shipped before):
+    ptxas moves that wait above the softmax and the check says so."""
+    spec = next(s for s in map(load_spec, OVERLAP_SPECS) if s.head_dim == 128)
+    source = render(spec)
+    assert source.count(WAIT_AT_THE_END[0]) == 1
+    sass, log = sass_of(spec, source.replace(*WAIT_AT_THE_END))
+    windows = overlap_windows(sass_instructions(function_sass(sass, spec.uri)))
+    assert windows and all(w.inside == 0 and w.total > 0 for w in windows), windows
+    problem = schedule_problem(spec, sass, log)
+    assert problem is not None and "does not overlap the P V product" in problem
     plain = load_spec(ROOT / "specs" / "v2_wg_bf16_d128_m128_n128_s2.yaml")
-    assert schedule_problem(plain, sass) is None  # no overlap promised: no check
+    assert schedule_problem(plain, sass) is None  # no overlap promised: no window check
+
+
+@pytest.mark.compile
+def test_serialized_products_fail_the_check():
+    """Q in registers with the overlap at 128 keys and head dim 128 (192 registers of
+    accumulators and operands, which the spec refuses): ptxas serializes every wgmma."""
+    base = load_spec(ROOT / "specs" / "v2_wg_bf16_d128_m128_n128_s2.yaml")
+    spec = KernelSpec.model_construct(**{**dict(base), "overlap": True, "q_in_registers": True})
+    sass, log = sass_of(spec, render(spec))
+    assert "ptxas serialized every wgmma" in (schedule_problem(spec, sass, log) or "")

@@ -287,8 +287,9 @@ def test_wgmma_defaults_target_sm90a_with_a_producer_warpgroup():
         ({"paged_kv": True}, "paged_kv=true is not allowed with mma='wgmma'"),
         ({"head_dim": 256}, "(lower block_n)"),
         ({"stages": 4}, "exceeds the 232448-byte limit of sm_90a"),
-        # the overlap keeps a second tile's weights: 128 keys at head dim 128 spill
-        ({"overlap": True}, "need 192 fp32 accumulators per thread"),
+        # the overlap keeps a tile's fp32 weights beside P: with Q in registers as well, 128
+        # keys at head dim 128 are more than ptxas can pipeline (it serializes the products)
+        ({"overlap": True, "q_in_registers": True}, "need 192 fp32 accumulators per thread"),
     ],
 )
 def test_invalid_wgmma_specs(changes, needle):
@@ -302,7 +303,8 @@ def test_the_overlap_is_wgmma_only_and_named():
     assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_ovl"
     assert '"overlap":true' in spec.canonical_json()
     assert "overlap" not in spec_from_dict(WG).canonical_json()  # off: left out, like variants
-    assert spec.accumulators_per_thread == (64 + 128) // 2 + 64 // 2
+    # the new tile's fp32 weights beside the 16-bit ones of the tile in flight: one P buffer
+    assert spec.accumulators_per_thread == (64 + 128) // 2 + 64 // 4
     problems = problems_of(overlap=True)
     assert any("overlap=true is not allowed with mma='simt'" in p for p in problems), problems
 
@@ -529,16 +531,18 @@ def test_wgmma_takes_variants_and_expressions_but_not_block_sparsity():
 
 
 def test_wgmma_schedule_options_and_their_limits():
-    """pingpong needs two consumers and the plain loop; q_in_registers the plain loop and the
-    registers for head_dim / 4 more 32-bit values per thread."""
+    """pingpong needs two consumers and the plain loop; q_in_registers the registers for
+    head_dim / 4 more 32-bit values per thread, the overlap block_n / 4 more."""
     base = dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=128, block_n=64)
     both = spec_from_dict({**base, "block_m": 128, "pingpong": True, "q_in_registers": True})
     assert both.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_pp_qr"
     assert both.accumulators_per_thread == 16 * (64 + 128) // 32 + 128 // 4
+    pipelined = spec_from_dict({**base, "block_m": 128, "overlap": True, "q_in_registers": True})
+    assert pipelined.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_ovl_qr"
+    assert pipelined.accumulators_per_thread == 16 * (64 + 128) // 32 + 64 // 4 + 128 // 4
     for bad in (
         {"block_m": 64, "pingpong": True},  # one consumer: no one to take turns with
         {"block_m": 128, "pingpong": True, "overlap": True},
-        {"block_m": 128, "q_in_registers": True, "overlap": True},
         {"block_m": 128, "head_dim": 256, "q_in_registers": True},  # 160 + 64 registers
     ):
         with pytest.raises(SpecError):

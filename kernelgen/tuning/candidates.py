@@ -68,7 +68,9 @@ TC_LAYOUTS = ("swizzled", "padded")
 # the ping-pong between them (whose worth only timing can tell: the static model does not see
 # the latency either hides). Two K/V stages: the
 # producer warp keeps the TMA ring full without stealing issue slots (FlashAttention 3 runs two
-# at head dim 128), and a third would double the grid.
+# at head dim 128), and a third would double the grid. The overlapped loop takes one stage
+# more (it releases a slot one key tile later, so with two stages each tile's copy would wait
+# for that release; spec validation drops it where shared memory is short).
 WGMMA_BLOCK_M = (128, 64)
 WGMMA_BLOCK_N = (128, 64)
 WGMMA_STAGES = (2,)
@@ -273,7 +275,7 @@ def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any
             "mma": "wgmma",
             "block_m": block_m,
             "block_n": block_n,
-            "stages": stage_count,
+            "stages": stage_count + 1 if overlap else stage_count,
             "overlap": overlap,
             "archs": list(WGMMA_ARCHS),
         }

@@ -14,8 +14,10 @@
 // complete become known to its .sync threads (kg_mbarrier.h: check_tma_read), the way a
 // __syncthreads passes them on; a use where every thread of the block syncs is a barrier epoch. Misuse traps: an id
 // outside 0..15, a count that is not a positive multiple of 32 or exceeds the block, a .arrive
-// without a count, and threads of one use giving different counts; a count that is never filled
-// is a deadlock, which the watchdog reports naming the barrier and its arrivals.
+// without a count, threads of one use giving different counts, and a use completed by
+// .arrive alone (no thread waits for it: it orders nothing, so a .sync is missing); a count
+// that is never filled is a deadlock, which the watchdog reports naming the barrier and its
+// arrivals.
 #ifndef KG_BARRIER_H
 #define KG_BARRIER_H
 
@@ -61,6 +63,15 @@ inline uint32_t named_barrier_arrive(NamedBarrierState& b, const char* what, uin
   hb_release(b.knowledge[gen].known);
   b.arrived += 1;
   b.syncing += syncing ? 1u : 0u;
+  if (b.arrived == b.expected && b.syncing == 0) {
+    // Legal PTX, but a phase that nobody waits for orders nothing: some thread that should
+    // have waited in bar.sync did not (e.g. a warpgroup taking its turn without waiting for
+    // it, whose partner's bar.arrive calls then fill the barrier on their own).
+    report_error("%s %u, %u by thread %u completed barrier %u with no thread waiting in "
+                 "bar.sync: %u arrivals and no wait (a bar.sync missing?)",
+                 what, id, count, tctx.linear, id, b.arrived);
+    throw Trap{};
+  }
   if (b.arrived == b.expected) {
     b.knowledge[gen].whole_block = b.syncing == tctx.launch->nthreads;
     b.expected = b.arrived = b.syncing = 0;
