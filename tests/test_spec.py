@@ -282,9 +282,6 @@ def test_wgmma_defaults_target_sm90a_with_a_producer_warpgroup():
         ({"block_n": 16}, "block_n=16 is not allowed with mma='wgmma'"),
         ({"stages": 1}, "stages=1 is not allowed with mma='wgmma'"),
         ({"smem_layout": "padded"}, "always 128-byte swizzled"),
-        ({"pack_gqa": True}, "pack_gqa=true is not allowed with mma='wgmma'"),
-        ({"split_kv": True}, "split_kv=true is not allowed with mma='wgmma'"),
-        ({"paged_kv": True}, "paged_kv=true is not allowed with mma='wgmma'"),
         ({"head_dim": 256}, "(lower block_n)"),
         ({"stages": 4}, "exceeds the 232448-byte limit of sm_90a"),
         # the overlap keeps a second tile's weights: 128 keys at head dim 128 spill

@@ -308,7 +308,11 @@ def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
         pages = pages_per_sequence(p)
         kv_strides = (p.page_size * p.num_kv_heads * d, d, p.num_kv_heads * d)
         seqlen_k = pages * p.page_size
-        paging = {"page_size": p.page_size, "block_table_stride": pages}
+        paging = {
+            "page_size": p.page_size,
+            "block_table_stride": pages,
+            "num_pages": p.batch * pages,
+        }
     return Problem(
         batch=p.batch,
         num_heads=p.num_heads,
