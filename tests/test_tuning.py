@@ -397,7 +397,8 @@ def test_as_element_rounds_float32_to_the_element_type():
 
 def test_wgmma_candidates_only_for_16_bit_prefill_on_compute_capability_9_0():
     """Hopper specs (archs [sm_90a]) join the grid on a 9.0 device for fp16/bf16 prefill with a
-    head dim they take, never on sm_80, for fp32, for decode shapes or other head dims."""
+    head dim they take, never on sm_80, for fp32 or other head dims; decode shapes get the
+    Hopper decode grid instead (packed, split-KV: tests/test_tuning_decode.py)."""
 
     def wgmma(p, arch):
         specs, _ = valid_candidates(p, arch)
@@ -411,7 +412,9 @@ def test_wgmma_candidates_only_for_16_bit_prefill_on_compute_capability_9_0():
     assert not wgmma(problem(head_dim=128), "sm_80")
     assert not wgmma(problem(head_dim=80), "sm_90")
     assert not wgmma(problem(dtype="float32"), "sm_90")
-    assert not wgmma(problem(seqlen_q=1), "sm_90")
+    decode = wgmma(problem(seqlen_q=1), "sm_90")
+    assert decode and all(s.pack_gqa and s.block_m == 64 for s in decode)
+    assert not wgmma(problem(seqlen_q=1), "sm_80")
 
 
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", "9.0", 132)
