@@ -167,8 +167,8 @@ def test_wgmma_decode_calls_that_do_not_fit_raise():
 DECODE_MUTATIONS = {
     "the logical page instead of the block table's": (
         PAGED,
-        "const int kv_batch = pages[page];",
-        "const int kv_batch = page;",
+        "const int kv_row = page_row, kv_batch = pages[page];",
+        "const int kv_row = page_row, kv_batch = page;",
     ),
     "no partial lse written": (
         SPLIT,
