@@ -161,6 +161,21 @@ def test_wgmma_decode_calls_that_do_not_fit_raise():
     data = make_case(case, PAGED.dtype, PAGED.head_dim, True, seed=1)
     with pytest.raises(InputError, match=r"page_size=48 is not allowed .*multiple of 64"):
         run_emulated(PAGED, case, data, num_splits=2, page_size=48)
+    # through attention_with_kvcache: refused before the new tokens are written
+    q, k_cache, v_cache, k_new, v_new = kvcache_data(2, 1, 1, 96, 4, 2, "float16", 3, 128)
+    k_pool, table, _ = paged_cache(k_cache, 48, 3)
+    v_pool, _, _ = paged_cache(v_cache, 48, 3)
+    k_pool, v_pool = k_pool.astype(np.float16), v_pool.astype(np.float16)
+    before = k_pool.copy(), v_pool.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CPUBackendWarning)
+        with pytest.raises(InputError, match=r"page_size=48 is not allowed"):
+            kernelgen.attention_with_kvcache(
+                q.astype(np.float16), k_pool, v_pool, [5, 40], block_table=table,
+                k_new=k_new.astype(np.float16), v_new=v_new.astype(np.float16), spec=PAGED,
+                causal=True,
+            )  # fmt: skip
+    assert np.array_equal(k_pool, before[0]) and np.array_equal(v_pool, before[1])
 
 
 # ---- mutations: each must make a run fail (a hazard, a deadlock or a wrong result) ---------
