@@ -232,9 +232,9 @@ def hopper_decode_spec(
     *,
     paged_kv: bool = False,
 ) -> KernelSpec | None:
-    """The wgmma decode spec of a 9.0 device (what the benchmark's ``kg-decode-wg`` runs and
-    the autotuner's Hopper decode grid starts from), or None where the wgmma kernels do not
-    apply. Not the untuned decode default: that stays the mma.sync split-KV spec until a GPU
+    """The wgmma decode spec of a 9.0 device (what the benchmark's ``kg-decode-wg`` runs; the
+    autotuner's Hopper decode grid holds it among its candidates), or None where the wgmma
+    kernels do not apply. Not the untuned decode default: that stays the mma.sync split-KV spec until a GPU
     has timed this one (docs/hopper.md, "Decode and serving").
 
     Packed GQA where the group divides block_m (a TMA box holds whole queries), split-KV, one
