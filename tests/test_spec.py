@@ -294,6 +294,15 @@ def test_invalid_wgmma_specs(changes, needle):
     assert any(needle in p for p in info.value.problems), info.value.problems
 
 
+def test_wgmma_takes_the_decode_fields_and_names_them():
+    """split_kv, pack_gqa and paged_kv on the wgmma engine (docs/hopper.md, "Decode and
+    serving"); what they need of a call (page size, GQA group) is checked at launch."""
+    spec = spec_from_dict({**WG, "block_m": 64, "pack_gqa": True, "split_kv": True,
+                           "paged_kv": True})  # fmt: skip
+    assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m64_n128_w8_s2_gqa_split_paged"
+    assert spec.combine_uri.startswith(spec.uri)
+
+
 def test_the_overlap_is_wgmma_only_and_named():
     spec = spec_from_dict({**WG, "block_n": 64, "overlap": True})
     assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_ovl"
