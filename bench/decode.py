@@ -321,8 +321,15 @@ class DecodeRunner(Harness):
         if self.env.kernelgen is None:
             reason = self.env.kernelgen_error
             return report.make_row(shape, peer, report.UNAVAILABLE, reason=reason)
-        if peer == dr.TUNED_PEER:
-            build: Build = self.build_tuned
+        if peer in dr.WGMMA_DECODE_PEERS:
+            if self.env.arch != "sm_90":
+                arch = self.env.arch
+                reason = f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {arch}"
+                return report.make_row(shape, peer, report.UNAVAILABLE, reason=reason)
+            paged = dr.WGMMA_PAGE_SIZE if peer == dr.WGMMA_PAGED_PEER else 0
+            build: Build = self.wgmma_builder(peer, paged)
+        elif peer == dr.TUNED_PEER:
+            build = self.build_tuned
         elif peer == dr.NOSPLIT_PEER:
             build = self.builder(peer, decode=False)
         elif (page_size := dr.page_size_of(peer)) is not None:
@@ -380,6 +387,33 @@ class DecodeRunner(Harness):
             splits = self.heuristic_splits(spec, shape)
             facts = {**self.launch_facts(spec, shape, splits), "page_size": page_size}
             facts["compile_s"] = round(self.compile_s[spec.uri], 3)
+            pages = paged_sets(self.env, sets, page_size, seed=self.args.seed)
+            return paged_impl(self.env, peer, spec, pages), facts
+
+        return build
+
+    def wgmma_builder(self, peer: str, page_size: int) -> Build:
+        """A Build for the Hopper decode spec (``policy.hopper_decode_spec``) at the heuristic
+        split count; ``page_size`` > 0: over paged copies of the sets."""
+
+        def build(shape: DecodeShape, sets: list) -> tuple[Any, dict[str, Any]]:
+            from kernelgen.policy import hopper_decode_spec
+
+            rows = shape.seqlen_q * shape.group
+            spec = hopper_decode_spec(
+                shape.dtype, shape.head_dim, False, rows, shape.group, paged_kv=page_size > 0
+            )
+            if spec is None:
+                raise ValueError(
+                    f"no wgmma decode spec for dtype {shape.dtype}, D {shape.head_dim}"
+                )
+            self.compiled(spec)
+            splits = self.heuristic_splits(spec, shape)
+            facts = {**self.launch_facts(spec, shape, splits)}
+            facts["compile_s"] = round(self.compile_s[spec.uri], 3)
+            if not page_size:
+                return decode_impl(self.env, peer, spec, None), facts
+            facts["page_size"] = page_size
             pages = paged_sets(self.env, sets, page_size, seed=self.args.seed)
             return paged_impl(self.env, peer, spec, pages), facts
 

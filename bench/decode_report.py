@@ -25,6 +25,11 @@ SPLIT_PREFIX = "kg-split-"
 SPLIT_SWEEP: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 PAGED_PREFIX = "kg-paged-"
 PAGE_SIZES: tuple[int, ...] = (16, 256)  # a lookup per key row / one per key tile
+# The Hopper (wgmma) decode kernel, 9.0 devices only (policy.hopper_decode_spec): contiguous,
+# and paged with pages of WGMMA_PAGE_SIZE keys (a multiple of its key tile: one TMA copy each).
+WGMMA_DECODE_PEER = "kg-decode-wg"
+WGMMA_PAGE_SIZE = 256
+WGMMA_PAGED_PEER = f"kg-wg-paged-{WGMMA_PAGE_SIZE}"
 
 DECODE_PEERS: tuple[Peer, ...] = (
     Peer(
@@ -55,11 +60,26 @@ DECODE_PEERS: tuple[Peer, ...] = (
         )
         for size in PAGE_SIZES
     ),
+    Peer(
+        WGMMA_DECODE_PEER,
+        "kg-wg",
+        "kernelgen Hopper wgmma + TMA decode (sm_90a, 9.0 devices only; "
+        "policy.hopper_decode_spec): packed GQA, split-KV, heuristic splits",
+        "kernelgen",
+    ),
+    Peer(
+        WGMMA_PAGED_PEER,
+        f"kg-wg-p{WGMMA_PAGE_SIZE}",
+        f"kernelgen attention_with_kvcache, Hopper wgmma decode on a paged copy of the cache "
+        f"(pages of {WGMMA_PAGE_SIZE} keys in shuffled order: one TMA copy per key tile)",
+        "kernelgen",
+    ),
     *(p for p in PEERS if p.family == "torch"),
 )
 DECODE_PEER_NAMES: tuple[str, ...] = tuple(p.name for p in DECODE_PEERS)
 DECODE_PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in DECODE_PEERS}
 KERNELGEN_DECODE_PEERS = (DECODE_PEER, TUNED_PEER)
+WGMMA_DECODE_PEERS = (WGMMA_DECODE_PEER, WGMMA_PAGED_PEER)
 PAGED_PEERS: tuple[str, ...] = tuple(f"{PAGED_PREFIX}{size}" for size in PAGE_SIZES)
 
 LEGEND = (
@@ -68,7 +88,8 @@ LEGEND = (
     "the benchmark's policy (memory budget); WRONG e: failed the correctness check with relative "
     "error e, not timed; ERR: raised an error (reasons below and in the JSON). dec/nosplit and "
     "dec/torch: kg-decode's speedup over kg-nosplit and over the fastest torch backend; "
-    "tuned/torch: the same for kg-decode-tuned; pN/dec: kg-paged-N's bandwidth over kg-decode's."
+    "tuned/torch: the same for kg-decode-tuned; pN/dec: kg-paged-N's bandwidth over kg-decode's; "
+    "wg/dec: kg-decode-wg's (Hopper wgmma) over kg-decode's (mma.sync)."
 )
 
 
@@ -133,6 +154,10 @@ def add_comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             row["best_torch_peer"] = torch["peer"] if torch else None
             if page_size_of(row["peer"]) is not None:
                 row["paged_vs_contiguous"] = report.ratio(row, peers.get(DECODE_PEER))
+            if row["peer"] == WGMMA_DECODE_PEER:
+                row["wgmma_vs_decode"] = report.ratio(row, peers.get(DECODE_PEER))
+            if row["peer"] == WGMMA_PAGED_PEER:
+                row["paged_vs_contiguous"] = report.ratio(row, peers.get(WGMMA_DECODE_PEER))
     return rows
 
 
@@ -170,7 +195,7 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
     speedups. A shape-wide row (peer ``all``) fills every peer's cell."""
     rows = add_comparisons(rows)
     ratios_header = ["dec/nosplit", "dec/torch", "tuned/torch"]
-    ratios_header += [f"p{size}/dec" for size in PAGE_SIZES]
+    ratios_header += [f"p{size}/dec" for size in PAGE_SIZES] + ["wg/dec"]
     header = [*SHAPE_HEADER, *(p.short for p in DECODE_PEERS), *ratios_header]
     lines = []
     for _, peers in group_by_shape(rows):
@@ -183,6 +208,7 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
             _ratio_cell(decode, "speedup_vs_best_torch"),
             _ratio_cell(tuned, "speedup_vs_best_torch"),
             *(_ratio_cell(peers.get(name), "paged_vs_contiguous") for name in PAGED_PEERS),
+            _ratio_cell(peers.get(WGMMA_DECODE_PEER), "wgmma_vs_decode"),
         ]
         lines.append([*_shape_cells(first), *cells, *ratios])
     align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(DECODE_PEERS) + len(ratios_header))
@@ -207,7 +233,7 @@ def kernelgen_table(rows: Iterable[dict[str, Any]]) -> str:
     """Per shape and kernelgen decode peer: the spec it ran, its split count, its scratch."""
     lines = []
     for key, peers in group_by_shape(rows):
-        for name in (*KERNELGEN_DECODE_PEERS, NOSPLIT_PEER, *PAGED_PEERS):
+        for name in (*KERNELGEN_DECODE_PEERS, NOSPLIT_PEER, *PAGED_PEERS, *WGMMA_DECODE_PEERS):
             row = peers.get(name)
             if row is None or row["status"] != OK:
                 continue

@@ -511,6 +511,7 @@ class Paging:
     page_size: int
     block_table: Any
     table_stride: int  # elements between the block table's rows
+    num_pages: int = 0  # pages in the pool (the wgmma kernels' tensor maps span it)
 
 
 def checked_plan(
@@ -592,7 +593,10 @@ def checked_plan(
     problem, out_shape = plan(call, layout)
     if paging is not None:
         problem = replace(
-            problem, page_size=paging.page_size, block_table_stride=paging.table_stride
+            problem,
+            page_size=paging.page_size,
+            block_table_stride=paging.table_stride,
+            num_pages=paging.num_pages,
         )
     launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
     out_dtype = arrays.dtype_of(call.q.source)

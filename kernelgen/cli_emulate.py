@@ -237,27 +237,39 @@ def _memory_rows(spec: KernelSpec, run, shape: tuple[int, ...]) -> list[Row]:
         every = row_blocks * math.ceil(sk / spec.block_n)
         rows.append(Row("key tiles visited", f"{visited:g}", f"of {every} (no skipping)", None))
     elif main.tma_bytes:
-        rows += _tma_rows(spec, main.tma_bytes, minimum, shape)
+        rows += _tma_rows(spec, main.tma_bytes, minimum, shape, run.problem.num_splits)
     else:
         rows.append(Row("global bytes read (cp.async)", "n/a", "plain loads, not counted", None))
         rows.append(Row("key tiles visited", "n/a", "counted from cp.async", None))
     return rows
 
 
-def _tma_rows(spec: KernelSpec, tma_bytes: int, minimum: int, shape: tuple[int, ...]) -> list:
+def _tma_rows(
+    spec: KernelSpec, tma_bytes: int, minimum: int, shape: tuple[int, ...], num_splits: int = 1
+) -> list:
     """wgmma specs: the bytes their TMA boxes brought in (whole boxes: 128-byte column blocks,
     rows past the sequence zero-filled) and the key tiles they visited, from those bytes less
-    the Q tiles of the blocks that load one (a block whose rows see no key loads nothing)."""
-    b, h, _, sq, sk = shape
+    the Q tiles of the blocks that load one (a block whose rows see no key, or whose split-KV
+    chunk holds none of them, loads nothing). Packed GQA: a block's rows are (query, head)
+    pairs of one K/V head."""
+    b, h, hkv, sq, sk = shape
     row_bytes = spec.column_blocks * 128
-    key_tiles = []
-    for first in range(0, sq, spec.block_m):
-        last = min(first + spec.block_m, sq) - 1
+    rows_per_query, heads = (h // hkv, b * hkv) if spec.pack_gqa else (1, b * h)
+    all_tiles = math.ceil(sk / spec.block_n)
+    splits = num_splits if spec.split_kv else 1
+    per_chunk = math.ceil(all_tiles / splits)
+    key_tiles = []  # per (row tile, chunk) block of one head
+    for first in range(0, sq * rows_per_query, spec.block_m):
+        last = (min(first + spec.block_m, sq * rows_per_query) - 1) // rows_per_query
         kv_end = min(sk, last + 1 + sk - sq) if spec.causal else sk
-        key_tiles.append(math.ceil(kv_end / spec.block_n) if kv_end > 0 else 0)
-    q_bytes = b * h * sum(1 for n in key_tiles if n) * spec.block_m * row_bytes
+        end = math.ceil(kv_end / spec.block_n) if kv_end > 0 else 0
+        for chunk in range(splits):
+            begin = chunk * per_chunk
+            key_tiles.append(max(0, min(end, begin + per_chunk) - begin))
+    q_bytes = heads * sum(1 for n in key_tiles if n) * spec.block_m * row_bytes
     visited = (tma_bytes - q_bytes) / (2 * spec.block_n * row_bytes)
-    every = b * h * len(key_tiles) * math.ceil(sk / spec.block_n)
+    row_tiles = len(key_tiles) // splits
+    every = heads * row_tiles * all_tiles
     return [
         Row(
             "global bytes read (TMA boxes)",
@@ -268,8 +280,8 @@ def _tma_rows(spec: KernelSpec, tma_bytes: int, minimum: int, shape: tuple[int, 
         Row(
             "key tiles visited",
             f"{visited:g}",
-            f"{b * h * sum(key_tiles)} expected of {every}",
-            visited == b * h * sum(key_tiles),
+            f"{heads * sum(key_tiles)} expected of {every}",
+            visited == heads * sum(key_tiles),
         ),
     ]
 

@@ -227,7 +227,9 @@ def attention_with_kvcache(
                 check_pages(table, lengths + new_len, layout)
                 if appending and new_len:
                     slots = paged_slots(table, lengths, new_len, layout)
-            paging = Paging(layout.page_size, layout.kernel_table, layout.row_stride)
+            paging = Paging(
+                layout.page_size, layout.kernel_table, layout.row_stride, layout.num_pages
+            )
         else:
             paging = None
         call_plan, tensors, temporaries = checked_plan(

@@ -78,6 +78,7 @@ class Problem:
     # the stride between pages, seqlen_k the pages per sequence times page_size).
     page_size: int = 0
     block_table_stride: int = 0
+    num_pages: int = 0  # pages in the pool (the TMA tensor maps of a wgmma paged spec span it)
     # Run-time values of the built-in variants (docs/variants.md), used by specs that have them:
     # the window's (left, right) with -1 unbounded, the soft cap (0: none), and the batch stride
     # of the ALiBi slopes (0 for slopes of shape (H,)).

@@ -448,7 +448,9 @@ def interior_compile(spec: KernelSpec, arch: str) -> tuple[str, str]:
     sass = disassemble(compiled.cubin)
     if sass is None:
         raise SettingError("cuobjdump/nvdisasm are not installed (pip install 'kernelgen[nvrtc]')")
-    return sass, compiled.log
+    # The main kernel alone: a split-KV cubin also holds the combine kernel, whose addresses
+    # start at 0 again and would mix into the loop's address ranges.
+    return function_sass(sass, spec.uri) or sass, compiled.log
 
 
 def interior_sass(spec: KernelSpec, arch: str) -> str:

@@ -230,6 +230,44 @@ def hopper_default_spec(
         return None
 
 
+def hopper_decode_spec(
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    decode_rows: int,
+    group: int,
+    *,
+    paged_kv: bool = False,
+) -> KernelSpec | None:
+    """The wgmma decode spec of a 9.0 device (what the benchmark's ``kg-decode-wg`` runs; the
+    autotuner's Hopper decode grid holds it among its candidates), or None where the wgmma
+    kernels do not apply. Not the untuned decode default: that stays the mma.sync split-KV spec until a GPU
+    has timed this one (docs/hopper.md, "Decode and serving").
+
+    Packed GQA where the group divides block_m (a TMA box holds whole queries), split-KV, one
+    consumer warpgroup up to 64 packed rows (two past them), 128-key tiles at head dims 64
+    and 128 (64 at 96 and 256, or with a paged cache: pages are then multiples of 64), 2
+    stages."""
+    dtype = normalize_dtype(dtype)
+    if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
+        return None
+    block_m = 64 if decode_rows <= 64 else 128
+    return KernelSpec(
+        loop_order="v2",
+        mma="wgmma",
+        dtype=dtype,
+        head_dim=head_dim,
+        block_m=block_m,
+        block_n=128 if head_dim in (64, 128) and not paged_kv else 64,
+        stages=2,
+        causal=bool(causal),
+        pack_gqa=block_m % group == 0,
+        split_kv=True,
+        paged_kv=paged_kv,
+        archs=WGMMA_ARCHS,
+    )
+
+
 # The untuned tensor-core backward, by padded head dim: (largest, block_m, block_n, num_warps,
 # stages). Each is the tiling the static model ranks first among those that compile without
 # spills (docs/performance-model.md, "Backward (tensor cores)"): 8 warps in a 4 x 2 grid of

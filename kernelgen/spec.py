@@ -241,7 +241,8 @@ class KernelSpec(BaseModel):
         False,
         description="Pack the query heads that share a key/value head into the rows of one tile "
         "(row = query * group + head), so each K/V tile is read once per key/value head, not "
-        "once per query head: the decode layout (mma_sync only).",
+        "once per query head: the decode layout (tensor cores; wgmma: block_m must be a "
+        "multiple of the call's group H/Hkv).",
     )
     split_kv: bool = Field(
         False,
@@ -253,7 +254,8 @@ class KernelSpec(BaseModel):
         False,
         description="K and V live in a paged cache (num_pages, page_size, Hkv, D): key j of "
         "batch entry b is row j % page_size of page block_table[b, j / page_size]; page_size and "
-        "the block table are launch arguments (loop_order v2 only).",
+        "the block table are launch arguments (loop_order v2 only; wgmma copies a key tile from "
+        "one page with TMA, so there page_size must be a multiple of block_n).",
     )
     additive_mask: bool = Field(
         False,
@@ -633,14 +635,6 @@ class KernelSpec(BaseModel):
                 f"smem_layout={self.smem_layout!r}, smem_pad={self.smem_pad} are not allowed "
                 "with mma='wgmma'; its tiles are always 128-byte swizzled (leave both out)"
             )
-        refused = (
-            ("pack_gqa", self.pack_gqa),
-            ("split_kv", self.split_kv),
-            ("paged_kv", self.paged_kv),
-        )
-        for field, value in refused:
-            if value:
-                problems.append(f"{field}=true is not allowed with mma='wgmma' (not built yet)")
         return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------

@@ -6,7 +6,8 @@ dim, sequence, head, batch), with the tensor's own byte strides, so batch, head 
 coordinates of the copy and any strided (B, H, S, D) or (B, S, H, D) view works as long as the
 driver's rules hold (16-byte aligned base, strides multiples of 16 bytes). The box is one
 64-column (128-byte) block of block_m query rows or block_n key rows, 128-byte swizzled; rows
-past the sequence and columns past the head dim read as zeros.
+past the sequence and columns past the head dim read as zeros. Packed GQA (q) and a paged
+cache (k, v) change the maps' shapes, not the kernels' copies: :func:`tensor_map_layouts`.
 
 Everything but the data pointer follows from the spec and the call shape, so a call plan
 computes its :class:`TensorMapLayout` once; encoding is per pointer (on a GPU the driver's
@@ -38,43 +39,91 @@ class TensorMapLayout:
 
     tensor: str  # q, k or v (for messages)
     data_type: str  # float16 or bfloat16
-    dims: tuple[int, int, int, int]  # (head_dim, seq, heads, batch)
-    strides_bytes: tuple[int, int, int]  # of dims 1..3: sequence, head, batch
-    box: tuple[int, int, int, int]  # (64, tile rows, 1, 1)
+    dims: tuple[int, ...]  # (head_dim, seq, heads, batch); packed GQA's q: 5-d (below)
+    strides_bytes: tuple[int, ...]  # of dims 1.. (bytes)
+    box: tuple[int, ...]  # (64, tile rows, 1, 1)
 
     @property
     def element_strides(self) -> tuple[int, ...]:
         return (1,) * len(self.dims)
 
 
+def _checked_strides(tensor: str, strides_elems: tuple[int, ...], elem: int) -> tuple[int, ...]:
+    """Byte strides of ``tensor``; InputError naming it when one breaks TMA's 16-byte rule."""
+    strides = tuple(s * elem for s in strides_elems)
+    if any(s % TMA_ALIGN_BYTES or s <= 0 for s in strides):
+        raise InputError(
+            f"{tensor}: strides {strides_elems} (sequence, head, batch; elements) are not "
+            f"allowed with mma='wgmma'; the tensor copies (TMA) need positive strides that are "
+            f"multiples of {TMA_ALIGN_BYTES // elem} elements (a contiguous copy of the tensor "
+            "has them)"
+        )
+    return strides
+
+
+def check_wgmma_decode(spec: KernelSpec, problem: Any) -> None:
+    """What a wgmma spec's TMA boxes need of the call (InputError naming the value and what is
+    allowed): packed GQA, a group (H/Hkv) that divides block_m (a box holds whole queries);
+    a paged cache, a page size that is a multiple of block_n (a key tile from one page)."""
+    if spec.pack_gqa and spec.block_m % problem.group:
+        allowed = ", ".join(str(g) for g in range(1, spec.block_m + 1) if spec.block_m % g == 0)
+        raise InputError(
+            f"num_heads / num_kv_heads = {problem.num_heads} / {problem.num_kv_heads} = "
+            f"{problem.group} is not allowed with spec {spec.uri} (mma='wgmma', pack_gqa, "
+            f"block_m={spec.block_m}): one TMA box packs whole queries, so the group must divide "
+            f"block_m (one of {allowed}); use an mma_sync spec"
+        )
+    if spec.paged_kv and (problem.page_size <= 0 or problem.page_size % spec.block_n):
+        raise InputError(
+            f"page_size={problem.page_size} is not allowed with spec {spec.uri} (mma='wgmma', "
+            f"paged_kv, block_n={spec.block_n}): TMA copies a whole key tile from one page, so "
+            f"page_size must be a positive multiple of {spec.block_n} ({spec.block_n}, "
+            f"{2 * spec.block_n}, {4 * spec.block_n}, ...); use an mma_sync spec for other sizes"
+        )
+    if spec.paged_kv and problem.num_pages <= 0:
+        raise InputError(
+            f"num_pages={problem.num_pages} is not allowed with spec {spec.uri} (mma='wgmma', "
+            "paged_kv): its tensor maps span the page pool; pass the pool's page count"
+        )
+
+
 def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLayout]:
     """The layouts of q_map, k_map and v_map for one call shape (a
     :class:`kernelgen.launch.Problem`, which imports this module); raises :class:`InputError`
-    naming the tensor when a stride breaks TMA's 16-byte rule."""
+    naming the tensor when a stride breaks TMA's 16-byte rule, or the value when the call
+    does not fit the spec's boxes (:func:`check_wgmma_decode`).
+
+    Packed GQA: q is 5-d, (head dim, head in the group, query, K/V head, batch), and its box
+    (64, group, block_m / group, 1, 1) lands rows in the packed order query * group + head.
+    Paged KV: k and v span the pool, (head dim, row in page, K/V head, page)."""
+    check_wgmma_decode(spec, problem)
     elem = DTYPE_BYTES[spec.dtype]
+    seqlen_k, kv_batch = problem.seqlen_k, problem.batch
+    if spec.paged_kv:  # the (b, h, s) strides are (page, head, row)
+        seqlen_k, kv_batch = problem.page_size, problem.num_pages
     shapes = {
-        "q": (problem.seqlen_q, problem.num_heads, problem.q_strides),
-        "k": (problem.seqlen_k, problem.num_kv_heads, problem.k_strides),
-        "v": (problem.seqlen_k, problem.num_kv_heads, problem.v_strides),
+        "q": (problem.seqlen_q, problem.num_heads, problem.batch, problem.q_strides),
+        "k": (seqlen_k, problem.num_kv_heads, kv_batch, problem.k_strides),
+        "v": (seqlen_k, problem.num_kv_heads, kv_batch, problem.v_strides),
     }
     layouts = {}
     for param, (tensor, rows_field) in MAP_TENSORS.items():
-        seq, heads, (stride_b, stride_h, stride_s) = shapes[tensor]
-        strides = (stride_s * elem, stride_h * elem, stride_b * elem)
-        bad = [s for s in strides if s % TMA_ALIGN_BYTES or s <= 0]
-        if bad:
-            raise InputError(
-                f"{tensor}: strides {tuple(s // elem for s in strides)} (sequence, head, batch; "
-                f"elements) are not allowed with mma='wgmma'; the tensor copies (TMA) need "
-                f"positive strides that are multiples of {TMA_ALIGN_BYTES // elem} elements "
-                "(a contiguous copy of the tensor has them)"
-            )
+        seq, heads, batch, (stride_b, stride_h, stride_s) = shapes[tensor]
+        strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
+        rows = getattr(spec, rows_field)
+        dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
+        box: tuple[int, ...] = (WGMMA_COLUMN_BLOCK, rows, 1, 1)
+        if tensor == "q" and spec.pack_gqa:
+            group = problem.group
+            dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
+            strides = (strides[1], strides[0], group * strides[1], strides[2])
+            box = (WGMMA_COLUMN_BLOCK, group, rows // group, 1, 1)
         layouts[param] = TensorMapLayout(
             tensor=tensor,
             data_type=spec.dtype,
-            dims=(spec.head_dim, seq, heads, problem.batch),
-            strides_bytes=strides,  # type: ignore[arg-type]
-            box=(WGMMA_COLUMN_BLOCK, getattr(spec, rows_field), 1, 1),
+            dims=dims,
+            strides_bytes=strides,
+            box=box,
         )
     return layouts
 

@@ -201,21 +201,21 @@ def test_markdown_table_cells():
     assert len(lines) == 2 + 3
     assert _cells(lines[0]) == [
         "dtype", "B", "H/Hkv", "Sq", "Sk", "kg-decode", "kg-tuned", "kg-nosplit", "kg-p16",
-        "kg-p256", "flash", "cudnn", "effic", "dec/nosplit", "dec/torch", "tuned/torch",
-        "p16/dec", "p256/dec",
+        "kg-p256", "kg-wg", "kg-wg-p256", "flash", "cudnn", "effic", "dec/nosplit", "dec/torch",
+        "tuned/torch", "p16/dec", "p256/dec", "wg/dec",
     ]  # fmt: skip
     first = _cells(lines[2])
     assert first == [
         "bf16", "1", "32/8", "1", "32768", "0.05 (89%)", "0.06 (75%)", "0.4 (11%)", "-", "-",
-        "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-",
+        "-", "-", "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-", "-",
     ]  # fmt: skip
     second = _cells(lines[3])
     assert second[4:] == [
-        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "0.2 (22%)", "-", "-", "-",
-        "2.00x", "-", "-", "-",
+        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "-", "-", "0.2 (22%)", "-", "-",
+        "-", "2.00x", "-", "-", "-", "-",
     ]  # fmt: skip
     assert _cells(lines[4])[:5] == ["fp16", "64", "32/32", "1", "131072"]
-    assert _cells(lines[4])[5:13] == ["skip"] * 8
+    assert _cells(lines[4])[5:15] == ["skip"] * 10
 
 
 def test_sweep_table_and_peer_order():
@@ -376,6 +376,41 @@ def test_launch_facts_from_kernelgen(fake_runtime):  # the split count is the ru
         0,
         128,
     )
+
+
+def test_the_wgmma_decode_peers_need_a_9_0_device(monkeypatch):
+    """On another GPU kg-decode-wg and its paged peer are n/a rows, never launched; on a 9.0
+    device they build policy.hopper_decode_spec (paged: 64-key tiles under 256-key pages)."""
+    r, s = runner(), shape()
+    r.env.arch = "sm_80"
+    for peer in dr.WGMMA_DECODE_PEERS:
+        row = r.peer_row(s, peer, [], None)
+        assert (
+            row["status"] == report.UNAVAILABLE and "compute capability 9.0 only" in row["reason"]
+        )
+    r.env.arch = "sm_90"
+    built = {}
+
+    def compiled(spec):
+        built[spec.paged_kv] = spec
+        r.compile_s[spec.uri] = 0.0
+
+    monkeypatch.setattr(r, "compiled", compiled)
+    monkeypatch.setattr(r, "heuristic_splits", lambda spec, shape_: 4)
+    monkeypatch.setattr(decode, "paged_sets", lambda env, sets, size, seed: {})
+
+    def kernelgen_row(shape_, peer, build, sets, ref):
+        impl, facts = build(shape_, sets)
+        assert facts["num_splits"] == 4 and impl.peer == peer
+        return report.make_row(shape_, peer, report.OK, median_ms=1.0)
+
+    monkeypatch.setattr(r, "kernelgen_row", kernelgen_row)
+    for peer in dr.WGMMA_DECODE_PEERS:
+        r.peer_row(s, peer, [], None)
+    contiguous, paged = built[False], built[True]
+    assert contiguous.mma == paged.mma == "wgmma"
+    assert contiguous.pack_gqa and contiguous.split_kv and contiguous.block_n == 128
+    assert paged.paged_kv and dr.WGMMA_PAGE_SIZE % paged.block_n == 0
 
 
 def test_kernelgen_row_records_facts_and_memory_rule(monkeypatch):
@@ -546,6 +581,23 @@ def test_one_chunk_target_reads_the_sweeps_first_count():
     assert _targets(rows)[("vs-one-chunk", "kg-decode")].status == dr.PASS  # 6.00x
 
 
+def test_the_wgmma_decode_peers_are_compared_with_kg_decode():
+    """wg/dec: kg-decode-wg's bandwidth over kg-decode's (mma.sync); its paged peer is compared
+    with kg-decode-wg, its contiguous twin."""
+    a = shape(seqlen_k=32768)
+    rows = [
+        ok(a, "kg-decode", 0.050),
+        ok(a, dr.WGMMA_DECODE_PEER, 0.040),
+        ok(a, dr.WGMMA_PAGED_PEER, 0.044),
+    ]
+    by = {r["peer"]: r for r in dr.add_comparisons(rows)}
+    assert by[dr.WGMMA_DECODE_PEER]["wgmma_vs_decode"] == pytest.approx(1.25)
+    assert by[dr.WGMMA_PAGED_PEER]["paged_vs_contiguous"] == pytest.approx(0.04 / 0.044)
+    line = _cells(dr.markdown_table(rows).splitlines()[2])
+    assert line[-1] == "1.25x"
+    assert dr.WGMMA_PAGE_SIZE % 128 == 0  # a multiple of every wgmma key tile: one TMA copy
+
+
 def test_paged_peers_are_compared_with_kg_decode():
     """pN/dec: a paged peer's bandwidth over kg-decode's on the same shape; the paged target
     is 0.95x on every shape where both ran."""
@@ -563,7 +615,7 @@ def test_paged_peers_are_compared_with_kg_decode():
     assert by[(b.key, "kg-paged-16")]["paged_vs_contiguous"] == pytest.approx(0.8)
     assert "paged_vs_contiguous" not in by[(a.key, "kg-decode")]
     line = _cells(dr.markdown_table(rows).splitlines()[2])
-    assert line[-2:] == ["0.96x", "1.00x"]
+    assert line[-3:] == ["0.96x", "1.00x", "-"]
     results = _targets(rows)
     assert results[("paged", "kg-paged-16")].status == dr.MISS  # 0.80x on the B=8 shape
     assert "worst 0.80x" in results[("paged", "kg-paged-16")].detail

@@ -151,6 +151,22 @@ def test_a_wgmma_spec_reports_its_tma_bytes_and_skipped_tiles():
     assert "12 expected of 24" in out
 
 
+def test_a_wgmma_decode_spec_counts_packed_split_blocks():
+    """Packed GQA and split-KV: 16 queries x 8 heads of one K/V head are two 64-row tiles, each
+    cut into 3 chunks of the 3 key tiles (one each): 6 key tiles, each copied once; the paged
+    spec reads the same tiles from its pages (causal, 3 queries: every key of 5 tiles, 2 K/V
+    heads, 2 entries)."""
+    split = ROOT / "specs" / "v2_wg_bf16_d128_m64_n128_s2_gqa_split.yaml"
+    result = run(split, "--shape", "1,8,1,16,300")
+    assert result.exit_code == 0, result.output
+    assert _value(result.output, "key tiles visited") == "6"
+    assert "6 expected of 6" in result.output
+    paged = ROOT / "specs" / "v2_wg_f16_d128_m64_n64_s2_gqa_split_paged_causal.yaml"
+    result = run(paged, "--shape", "2,8,2,3,300")
+    assert result.exit_code == 0, result.output
+    assert "20 expected of 20" in result.output
+
+
 def test_a_backward_spec_reports_each_gradient_error():
     result = run(str(ROOT / "specs" / "bwd_simt_f16_d64_window_softcap_alibi_sinks.yaml"),
                  "--shape", "1,4,2,21,30")  # fmt: skip

@@ -95,15 +95,18 @@ def test_the_unmutated_kernel_passes():
     assert_matches(out, lse, data, MUTANT_SPEC.dtype)
 
 
-def assert_mutant_fails(spec, mutation: tuple[str, str], case: Case, seed: int) -> None:
+def assert_mutant_fails(
+    spec, mutation: tuple[str, str], case: Case, seed: int, **options: object
+) -> None:
     """The spec's source with ``original`` (present once) replaced by ``mutated`` must fail:
-    a hazard, a deadlock or a wrong result."""
+    a hazard, a deadlock or a wrong result (``options``: run_emulated's, e.g. num_splits)."""
     original, mutated = mutation
     source = render(spec)
     assert source.count(original) == 1, original
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
     with pytest.raises((EmulatorError, AssertionError)):
-        out, lse = run_emulated(spec, case, data, source=source.replace(original, mutated))
+        source = source.replace(original, mutated)
+        out, lse = run_emulated(spec, case, data, source=source, **options)
         assert_matches(out, lse, data, spec.dtype)
 
 

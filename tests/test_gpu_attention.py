@@ -158,8 +158,12 @@ def require_compute_capability_9_0() -> None:
         pytest.skip(f"wgmma (sm_90a) needs compute capability 9.0; this device is {capability}")
 
 
+# paged wgmma specs: test_gpu_serving.py's test_paged_specs_on_gpu
+WGMMA_CONTIGUOUS_PATHS = [p for p in WGMMA_SPEC_PATHS if not load_spec(p).paged_kv]
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("path", WGMMA_SPEC_PATHS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", WGMMA_CONTIGUOUS_PATHS, ids=lambda p: p.stem)
 def test_wgmma_spec_on_gpu(path, case):
     """The Hopper kernels (TMA tensor maps built by the driver, wgmma) on the same cases."""
     require_compute_capability_9_0()

@@ -19,8 +19,8 @@ from attention_cases import (
     paged_cache,
     varlen_reference,
 )
-from conftest import POINTER_SPEC_PATHS
-from test_gpu_attention import device_variants
+from conftest import POINTER_SPEC_PATHS, WGMMA_SPEC_PATHS
+from test_gpu_attention import device_variants, require_compute_capability_9_0
 
 import kernelgen
 from kernelgen.spec import load_spec
@@ -172,7 +172,7 @@ def test_paged_kvcache_append_then_attend_on_gpu(
         )
 
 
-PAGED_SPEC_PATHS = [p for p in POINTER_SPEC_PATHS if load_spec(p).paged_kv]
+PAGED_SPEC_PATHS = [p for p in POINTER_SPEC_PATHS + WGMMA_SPEC_PATHS if load_spec(p).paged_kv]
 
 
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])
@@ -180,8 +180,12 @@ PAGED_SPEC_PATHS = [p for p in POINTER_SPEC_PATHS if load_spec(p).paged_kv]
 def test_paged_specs_on_gpu(path, page_size):
     """Each paged-KV spec of specs/, named explicitly, at pages smaller than its key tile and
     not dividing it, equal to it and a multiple of it: append 3 tokens, then attend (its
-    variants with example values)."""
+    variants with example values). A wgmma spec (9.0 devices) copies a key tile from one page:
+    other page sizes raise InputError naming page_size."""
     spec = load_spec(path)
+    wgmma = spec.engine.warp_specialized
+    if wgmma:
+        require_compute_capability_9_0()
     lengths, new_len, heads, kv_heads = [0, 1, 777, 3000], 3, 8, 2
     max_keys = -(-(max(lengths) + new_len) // page_size) * page_size
     data = kvcache_data(
@@ -193,6 +197,12 @@ def test_paged_specs_on_gpu(path, page_size):
     variants = example_variants(spec.variants, len(lengths), heads, page_size, window=(100, 7))
     q, k_new, v_new = (to_device(x, spec.dtype, "cupy") for x in (data[0], data[3], data[4]))
     k_device, v_device = (to_device(x, spec.dtype, "cupy") for x in (k_pool, v_pool))
+    if wgmma and page_size % spec.block_n:
+        with pytest.raises(kernelgen.InputError, match=f"page_size={page_size} is not allowed"):
+            kernelgen.attention_with_kvcache(
+                q, k_device, v_device, lengths, block_table=table, causal=spec.causal, spec=spec
+            )
+        return
     out, lse = kernelgen.attention_with_kvcache(
         q, k_device, v_device, lengths, block_table=table, k_new=k_new, v_new=v_new,
         causal=spec.causal, spec=spec, return_lse=True, **device_variants(variants),

@@ -275,6 +275,30 @@ def test_wgmma_loop_issues_what_the_tiling_requires(path):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("mma", ["wgmma", "mma_sync"])
+def test_a_split_kv_spec_is_modelled_on_its_main_kernel(mma):
+    """A split-KV cubin also holds the combine kernel, whose SASS addresses start at 0 again:
+    the model reads the main kernel alone, so the key-tile loop of a split spec is its unsplit
+    twin's (the split changes the tile range and the epilogue only)."""
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    fields = {"loop_order": "v2", "dtype": "bfloat16", "head_dim": 128, "mma": mma}
+    if mma == "wgmma":
+        fields |= {"block_m": 64, "block_n": 128, "pack_gqa": True}
+        arch = "sm_90a"
+    else:
+        fields |= {"block_m": 16, "block_n": 64, "num_warps": 1, "smem_layout": "swizzled"}
+        arch = "sm_90"
+    split = model_spec(spec_from_dict({**fields, "split_kv": True}), arch).unit
+    plain = model_spec(spec_from_dict(fields), arch).unit
+    assert split.count("HGMMA" if mma == "wgmma" else "HMMA") == plain.count(
+        "HGMMA" if mma == "wgmma" else "HMMA"
+    )
+    assert split.count("MUFU") == plain.count("MUFU")
+    assert abs(split.instructions - plain.instructions) <= 0.02 * plain.instructions
+
+
+@pytest.mark.compile
 def test_wgmma_d128_bf16_default_meets_the_hopper_targets():
     """The untuned default at head dim 128, bf16, sm_90a (policy.hopper_default_spec: Q in
     registers, 128-key tiles), per 64 x 64 unit of the steady state: no LDSM, at most 48 KiB of

@@ -282,9 +282,6 @@ def test_wgmma_defaults_target_sm90a_with_a_producer_warpgroup():
         ({"block_n": 16}, "block_n=16 is not allowed with mma='wgmma'"),
         ({"stages": 1}, "stages=1 is not allowed with mma='wgmma'"),
         ({"smem_layout": "padded"}, "always 128-byte swizzled"),
-        ({"pack_gqa": True}, "pack_gqa=true is not allowed with mma='wgmma'"),
-        ({"split_kv": True}, "split_kv=true is not allowed with mma='wgmma'"),
-        ({"paged_kv": True}, "paged_kv=true is not allowed with mma='wgmma'"),
         ({"head_dim": 256}, "(lower block_n)"),
         ({"stages": 4}, "exceeds the 232448-byte limit of sm_90a"),
         # the overlap keeps a tile's fp32 weights beside P: with Q in registers as well, 128
@@ -296,6 +293,15 @@ def test_invalid_wgmma_specs(changes, needle):
     with pytest.raises(SpecError) as info:
         spec_from_dict({**WG, **changes})
     assert any(needle in p for p in info.value.problems), info.value.problems
+
+
+def test_wgmma_takes_the_decode_fields_and_names_them():
+    """split_kv, pack_gqa and paged_kv on the wgmma engine (docs/hopper.md, "Decode and
+    serving"); what they need of a call (page size, GQA group) is checked at launch."""
+    spec = spec_from_dict({**WG, "block_m": 64, "pack_gqa": True, "split_kv": True,
+                           "paged_kv": True})  # fmt: skip
+    assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m64_n128_w8_s2_gqa_split_paged"
+    assert spec.combine_uri.startswith(spec.uri)
 
 
 def test_the_overlap_is_wgmma_only_and_named():

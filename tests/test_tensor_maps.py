@@ -56,6 +56,47 @@ def test_bshd_strides_map_the_same_tensor():
     assert layouts["q_map"].strides_bytes == (4 * 96 * 2, 96 * 2, 100 * 4 * 96 * 2)
 
 
+def test_packed_gqa_maps_q_as_5d_boxes_of_whole_queries():
+    """Packed GQA: q is (head dim, head in the group, query, K/V head, batch), so a box of
+    (64, group, block_m / group) rows is the packed order query * group + head."""
+    spec = SPEC.model_copy(update={"pack_gqa": True})
+    q = tensor_map_layouts(spec, problem())["q_map"]  # group 2
+    head, seq, batch = 100 * 192, 192, 4 * 100 * 192
+    assert q.dims == (96, 2, 100, 2, 3)
+    assert q.strides_bytes == (head, seq, 2 * head, batch)
+    assert q.box == (64, 2, 64, 1, 1) and q.element_strides == (1,) * 5
+
+
+def test_a_paged_cache_is_mapped_as_its_pool():
+    """Paged KV: k and v span the pool (head dim, row in page, K/V head, page)."""
+    spec = SPEC.model_copy(update={"paged_kv": True})
+    row, page = 2 * 96, 128 * 2 * 96  # (num_pages, 128, Hkv, D) pool
+    paged = Problem(
+        **{**problem(kv_strides=(page, 96, row)).__dict__, "page_size": 128, "num_pages": 7}
+    )
+    k = tensor_map_layouts(spec, paged)["k_map"]
+    assert k.dims == (96, 128, 2, 7)
+    assert k.strides_bytes == (2 * row, 2 * 96, 2 * page) and k.box == (64, 64, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "changes", "message"),
+    [
+        (
+            {"pack_gqa": True},
+            {"num_heads": 6},
+            r"= 3 is not allowed .* \(one of 1, 2, 4, 8, 16, 32, 64, 128\)",
+        ),
+        ({"paged_kv": True}, {"page_size": 96, "num_pages": 4}, r"^page_size=96 is not allowed"),
+        ({"paged_kv": True}, {"page_size": 128}, r"^num_pages=0 is not allowed"),
+    ],
+)
+def test_calls_the_decode_boxes_cannot_copy_are_input_errors(fields, changes, message):
+    spec = SPEC.model_copy(update=fields)
+    with pytest.raises(InputError, match=message):
+        tensor_map_layouts(spec, Problem(**{**problem().__dict__, **changes}))
+
+
 def test_a_stride_that_is_not_16_bytes_is_an_input_error_naming_the_tensor():
     with pytest.raises(InputError, match=r"^k: strides \(300, 60000, 120000\)"):
         tensor_map_layouts(SPEC, problem(kv_strides=(120000, 60000, 300)))

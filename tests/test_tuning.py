@@ -18,7 +18,7 @@ from test_tuning_fakes import (
 )
 
 from kernelgen.errors import KernelgenError
-from kernelgen.policy import hopper_default_spec
+from kernelgen.policy import hopper_decode_spec, hopper_default_spec
 from kernelgen.tuning import (
     DeviceInfo,
     ProblemDesc,
@@ -397,7 +397,8 @@ def test_as_element_rounds_float32_to_the_element_type():
 
 def test_wgmma_candidates_only_for_16_bit_prefill_on_compute_capability_9_0():
     """Hopper specs (archs [sm_90a]) join the grid on a 9.0 device for fp16/bf16 prefill with a
-    head dim they take, never on sm_80, for fp32, for decode shapes or other head dims."""
+    head dim they take, never on sm_80, for fp32 or other head dims; decode shapes get the
+    Hopper decode grid instead (packed, split-KV: tests/test_tuning_decode.py)."""
 
     def wgmma(p, arch):
         specs, _ = valid_candidates(p, arch)
@@ -411,7 +412,9 @@ def test_wgmma_candidates_only_for_16_bit_prefill_on_compute_capability_9_0():
     assert not wgmma(problem(head_dim=128), "sm_80")
     assert not wgmma(problem(head_dim=80), "sm_90")
     assert not wgmma(problem(dtype="float32"), "sm_90")
-    assert not wgmma(problem(seqlen_q=1), "sm_90")
+    decode = wgmma(problem(seqlen_q=1), "sm_90")
+    assert decode and all(s.pack_gqa and s.block_m == 64 for s in decode)
+    assert not wgmma(problem(seqlen_q=1), "sm_80")
 
 
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", "9.0", 132)
@@ -443,3 +446,23 @@ def test_untuned_prefill_on_a_9_0_device_runs_the_hopper_kernel(dtype, head_dim,
 )
 def test_where_the_hopper_kernel_does_not_apply_the_policy_default_stays(problem):
     assert heuristic_spec(problem, H100).mma != "wgmma"
+
+
+@pytest.mark.parametrize(
+    ("rows", "group", "paged", "expected"),
+    [
+        (4, 4, False, (64, 128, True)),  # one consumer warpgroup, packed
+        (64, 8, False, (64, 128, True)),
+        (128, 32, False, (128, 128, True)),  # two consumers past 64 packed rows
+        (3, 3, False, (64, 128, False)),  # group 3 divides no block_m: rows are not packed
+        (4, 4, True, (64, 64, True)),  # paged: 64-key tiles (pages are multiples of 64)
+    ],
+)
+def test_the_hopper_decode_spec(rows, group, paged, expected):
+    """policy.hopper_decode_spec: what kg-decode-wg runs (not the untuned default: the decode
+    problem above keeps the mma.sync split-KV kernel until a GPU has timed this one)."""
+    spec = hopper_decode_spec("bf16", 128, False, rows, group, paged_kv=paged)
+    assert (spec.block_m, spec.block_n, spec.pack_gqa) == expected
+    assert spec.mma == "wgmma" and spec.split_kv and spec.paged_kv == paged
+    assert hopper_decode_spec("float32", 128, False, rows, group) is None
+    assert hopper_decode_spec("bfloat16", 80, False, rows, group) is None

@@ -74,11 +74,12 @@ def test_a_decode_step_past_one_tile_gets_packed_multi_tile_candidates():
     specs, _ = valid_candidates(decode(seqlen_q=16, num_kv_heads=1), "sm_90")
     split = [s for s in specs if s.split_kv]
     assert split and all(s.pack_gqa for s in split)
-    assert {s.block_m for s in split} == {64, 32}
+    assert {s.block_m for s in split if s.mma == "mma_sync"} == {64, 32}
+    assert {s.block_m for s in split if s.mma == "wgmma"} == {128}  # two consumer warpgroups
 
 
 def test_decode_candidates_are_packed_split_specs_plus_baselines():
-    specs, _ = valid_candidates(decode(), "sm_90")
+    specs, _ = valid_candidates(decode(), "sm_80")
     split = [s for s in specs if s.split_kv]
     assert split and all(s.pack_gqa and s.mma == "mma_sync" for s in split)
     assert {s.num_warps for s in split} == {1}  # 4 packed rows fit one warp's 16
@@ -87,6 +88,12 @@ def test_decode_candidates_are_packed_split_specs_plus_baselines():
     assert any(s.pack_gqa for s in unsplit)  # same tiles without split-KV
     assert any(s.block_m == 64 and not s.pack_gqa for s in unsplit)  # the prefill default
     assert len(specs) <= 20
+    # a 9.0 device adds the Hopper decode grid: packed, 64-key and 128-key tiles, split or not
+    hopper = [s for s in valid_candidates(decode(), "sm_90")[0] if s.mma == "wgmma"]
+    assert {(s.block_n, s.split_kv) for s in hopper} == {(64, True), (64, False), (128, True),
+                                                         (128, False)}  # fmt: skip
+    assert all(s.pack_gqa and s.block_m == 64 and s.archs == ("sm_90a",) for s in hopper)
+    assert len(specs) + len(hopper) <= 24
     prefill, _ = valid_candidates(problem(), "sm_90")
     assert not any(s.split_kv or s.pack_gqa for s in prefill)
 
@@ -102,7 +109,7 @@ def test_float32_decode_tries_cuda_core_split_tiles():
 
 def test_wider_packs_also_try_half_the_warps():
     specs, _ = valid_candidates(decode(seqlen_q=12), "sm_90")  # 48 rows: 4 warps, and 2
-    assert {s.num_warps for s in specs if s.split_kv} == {2, 4}
+    assert {s.num_warps for s in specs if s.split_kv and s.mma == "mma_sync"} == {2, 4}
 
 
 def test_split_counts_surround_the_heuristic_within_the_key_tiles():
@@ -302,8 +309,11 @@ def test_paged_decode_has_its_own_key_and_paged_candidates():
     specs, _ = valid_candidates(paged64, "sm_90")
     plain, _ = valid_candidates(contiguous, "sm_90")
     assert specs and all(s.paged_kv for s in specs)
+    # the Hopper decode grid keeps only key tiles that divide the pages (one TMA copy per tile)
+    assert {s.block_n for s in specs if s.mma == "wgmma"} == {64}
+    assert {s.block_n for s in plain if s.mma == "wgmma"} == {64, 128}
     assert [s.model_copy(update={"paged_kv": False}) for s in specs] == [
-        s for s in plain if s.loop_order == "v2"
+        s for s in plain if s.loop_order == "v2" and not (s.mma == "wgmma" and s.block_n == 128)
     ]
     # 16-key pages: also 16-key tiles, which lie in one page (one block-table load per tile)
     small, _ = valid_candidates(paged16, "sm_90")

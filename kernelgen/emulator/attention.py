@@ -81,9 +81,9 @@ def emulate_attention(
     mod_inputs, a host block_mask) are attention()'s; the spec must have them.
 
     A ``paged_kv`` spec gets k and v as a pool of pages of ``page_size`` keys (default
-    :data:`DEFAULT_PAGE_SIZE`) in reverse order after a NaN spare page, with its block table,
-    and ``seqlens_k`` (default Sk for every entry) hides the last page's padding; a mask is
-    padded with zeros to the pages' keys."""
+    :data:`DEFAULT_PAGE_SIZE`; a wgmma spec's block_n) in reverse order after a NaN spare page,
+    with its block table, and ``seqlens_k`` (default Sk for every entry) hides the last page's
+    padding; a mask is padded with zeros to the pages' keys."""
     if mask is not None:  # as attention() does
         spec = spec.with_additive_mask()
     if num_splits is None:
@@ -97,7 +97,10 @@ def emulate_attention(
     infos = [_info(n, arrays[n], dtype) for n in ("q", "k", "v")]
     keys = k.shape[2]
     if spec.paged_kv:
-        page_size = page_size or DEFAULT_PAGE_SIZE
+        # wgmma copies a key tile from one page: its smallest page is one tile
+        page_size = page_size or (
+            spec.block_n if spec.engine.warp_specialized else DEFAULT_PAGE_SIZE
+        )
         for i, name in ((1, "k"), (2, "v")):
             arrays[name], arrays["block_table"], infos[i] = _paged(
                 arrays[name], name, dtype, layout, page_size
@@ -138,7 +141,12 @@ def emulate_attention(
     if spec.paged_kv:
         pages_per_seq = arrays["block_table"].shape[1]
         problem = Problem(
-            **{**problem.__dict__, "page_size": page_size, "block_table_stride": pages_per_seq}
+            **{
+                **problem.__dict__,
+                "page_size": page_size,
+                "block_table_stride": pages_per_seq,
+                "num_pages": arrays["k"].shape[0],
+            }
         )
     if seqlens_k is not None:
         arrays["seqlens_k"] = np.asarray(seqlens_k, dtype=np.int32)

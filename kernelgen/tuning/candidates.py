@@ -85,6 +85,12 @@ COMPILE_THREADS = min(16, os.cpu_count() or 1)
 # fewest whose 16-row tiles hold the packed rows, and half that.
 DECODE_BLOCK_N = (32, 64, 128)
 DECODE_STAGES = (2, 3)
+# Hopper decode grid (wgmma, offered only on compute capability 9.0 devices, beside the mma.sync
+# grid: the untuned decode default stays mma.sync until a GPU has timed these): packed GQA in
+# one consumer warpgroup (two past 64 packed rows) x key tiles x split or not, 2 stages. Packing
+# where the group divides block_m (a TMA box holds whole queries); a paged problem only takes the
+# key tiles that divide its pages (one TMA copy per tile from one page).
+WGMMA_DECODE_BLOCK_N = (64, 128)
 # A paged cache whose page size is no multiple of 32 (16, 48, ...) also tries 16-key tiles: a
 # tile that lies in one page costs one block-table load (docs/design-decisions.md).
 PAGED_SMALL_BLOCK_N = 16
@@ -265,6 +271,33 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     yield from wgmma_grid()
 
 
+def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
+    """The Hopper decode grid (:data:`WGMMA_DECODE_BLOCK_N`), for fp16/bf16 decode problems on
+    a 9.0 device (``arch`` sm_90) and head dims the wgmma kernels take; nothing elsewhere."""
+    rows = decode_rows(problem)
+    if (
+        arch != HOPPER_DEVICE_ARCH
+        or problem.dtype not in ("float16", "bfloat16")
+        or problem.head_dim not in WGMMA_HEAD_DIMS
+        or rows is None
+    ):
+        return
+    block_m = 64 if rows <= 64 else 128
+    for block_n, split in itertools.product(WGMMA_DECODE_BLOCK_N, (True, False)):
+        if problem.page_size % block_n:
+            continue
+        yield {
+            "loop_order": "v2",
+            "mma": "wgmma",
+            "block_m": block_m,
+            "block_n": block_n,
+            "stages": 2,
+            "pack_gqa": block_m % problem.gqa_ratio == 0,
+            "split_kv": split,
+            "archs": list(WGMMA_ARCHS),
+        }
+
+
 def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any]]:
     """The Hopper grid's field sets (the autotuner's and the benchmark's)."""
     for block_m, block_n, stage_count, overlap in itertools.product(
@@ -310,7 +343,11 @@ def launch_problem(problem: ProblemDesc, num_splits: int = 1) -> Problem:
         pages = pages_per_sequence(p)
         kv_strides = (p.page_size * p.num_kv_heads * d, d, p.num_kv_heads * d)
         seqlen_k = pages * p.page_size
-        paging = {"page_size": p.page_size, "block_table_stride": pages}
+        paging = {
+            "page_size": p.page_size,
+            "block_table_stride": pages,
+            "num_pages": p.batch * pages,
+        }
     return Problem(
         batch=p.batch,
         num_heads=p.num_heads,
@@ -366,7 +403,11 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[AnySpec], li
     if problem.family == "backward":
         grid = backward_candidate_fields(problem, arch)
     else:
-        grid = itertools.chain(wgmma_fields(problem, arch), candidate_fields(problem))
+        grid = itertools.chain(
+            wgmma_fields(problem, arch),
+            candidate_fields(problem),
+            wgmma_decode_fields(problem, arch),
+        )
     for fields in grid:
         try:
             spec = spec_of_family({**common, **fields})
