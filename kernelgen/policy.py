@@ -241,8 +241,8 @@ def hopper_decode_spec(
 ) -> KernelSpec | None:
     """The wgmma decode spec of a 9.0 device (what the benchmark's ``kg-decode-wg`` runs; the
     autotuner's Hopper decode grid holds it among its candidates), or None where the wgmma
-    kernels do not apply. Not the untuned decode default: that stays the mma.sync split-KV spec until a GPU
-    has timed this one (docs/hopper.md, "Decode and serving").
+    kernels do not apply. Not the untuned decode default: that stays the mma.sync split-KV spec
+    until a GPU has timed this one (docs/hopper.md, "Decode and serving").
 
     Packed GQA where the group divides block_m (a TMA box holds whole queries), split-KV, one
     consumer warpgroup up to 64 packed rows (two past them), 128-key tiles at head dims 64
