@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from kernelgen.backward_mask import KEY_LISTS, QUERY_LISTS
 from kernelgen.engines import engine_of
 from kernelgen.errors import InputError
 from kernelgen.expression_cuda import (
@@ -70,6 +71,16 @@ def _recompute_params(spec: BackwardSpec) -> list[Param]:
     return params
 
 
+def _list_params(prefix: str) -> list[Param]:
+    """A block-sparse kernel's tile lists (kernelgen.backward_mask): counts and indices of the
+    partly and fully visible tiles, and the lists' (batch, head) strides in rows."""
+    params = [
+        Param(f"{prefix}_{name}", "const int*")
+        for name in ("partial_counts", "partial_indices", "full_counts", "full_indices")
+    ]
+    return params + [Param(f"{prefix}_mask_stride_{axis}", "long long") for axis in "bh"]
+
+
 def _inputs(spec: BackwardSpec) -> list[Param]:
     elem = CXX_ELEMENT[spec.dtype].name
     return [Param(name, f"const {elem}*") for name in ("q", "k", "v", "dout")] + [
@@ -87,6 +98,8 @@ def main_params(spec: BackwardSpec) -> tuple[Param, ...]:
     params += [Param("dk", f"{elem}*"), Param("dv", f"{elem}*")]
     params += _recompute_params(spec)
     params += _strides("dk") + _strides("dv")
+    if spec.block_sparse:  # per key tile, the query tiles to visit
+        params += _list_params(QUERY_LISTS)
     return tuple(params)
 
 
@@ -94,7 +107,10 @@ def dq_params(spec: BackwardSpec) -> tuple[Param, ...]:
     """Parameters of the deterministic dQ kernel."""
     elem = CXX_ELEMENT[spec.dtype].name
     params = [*_inputs(spec), Param("dq", f"{elem}*"), *_recompute_params(spec)]
-    return tuple(params + _strides("dq"))
+    params += _strides("dq")
+    if spec.block_sparse:  # per query tile, the key tiles to visit
+        params += _list_params(KEY_LISTS)
+    return tuple(params)
 
 
 def pre_params(spec: BackwardSpec) -> tuple[Param, ...]:
