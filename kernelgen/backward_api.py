@@ -375,8 +375,11 @@ class _BackwardKernels:
                 if step.shared_mem > DEFAULT_DYNAMIC_SMEM:
                     self.functions[step.symbol].max_dynamic_shared_size_bytes = step.shared_mem
 
-    def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> None:
+    def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> dict[str, Any]:
+        """Every step in order; in the emulator, returns each kernel's launch statistics by
+        symbol (the tests count the tiles a kernel copied), else an empty dict."""
         null = None if self.host else np.uint64(0)
+        stats: dict[str, Any] = {}
         steps = self._steps.get(problem)
         if steps is None:  # a call shape's grids, worked out once (as PreparedLaunch does)
             if len(self._steps) >= MAX_PREPARED:
@@ -386,9 +389,12 @@ class _BackwardKernels:
             args = kernel_arguments(step.params, problem, tensors, scale, null=null)
             function = self.functions[step.symbol]
             if self.host:
-                function(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
+                stats[step.symbol] = function(
+                    grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args
+                )
             else:
                 function(step.grid, step.block, tuple(args), shared_mem=step.shared_mem)
+        return stats
 
 
 # Any problem gives the same symbols and parameters (only the grids depend on it).

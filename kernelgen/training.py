@@ -123,9 +123,8 @@ _DIFFERENTIABLE = """\
     ``mask``, ``alibi_slopes``, ``mod_inputs`` or through the returned lse; the backward of a
     ``mask_mod`` or ``block_mask`` call is block-sparse (it skips the tiles the mask hides);
     calls with ``seqlens_k`` are not differentiable (they warn once and return detached
-    outputs). ``deterministic=True`` (or
-    ``torch.use_deterministic_algorithms(True)``) makes the backward bitwise reproducible, at
-    some cost; the forward ignores it. No double backward."""
+    outputs). ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) makes the
+    backward bitwise reproducible, at some cost; the forward ignores it. No double backward."""
 
 
 def _docstring() -> str | None:
