@@ -34,13 +34,9 @@ from kernelgen.block_mask import (
     to_host,
 )
 from kernelgen.expressions import Expression
+from kernelgen.families.backward import KEY_LISTS, QUERY_LISTS
 
 __all__ = ["BackwardMasks", "TileLists", "backward_masks", "tile_lists", "tile_lists_reference"]
-
-# The kernels' parameter prefixes: the main kernel's lists of query tiles, the dQ kernel's of
-# key tiles (the forward's block_* names: it is a block mask).
-QUERY_LISTS = "query"
-KEY_LISTS = "block"
 
 
 @dataclass(frozen=True, eq=False)

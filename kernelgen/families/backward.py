@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-from kernelgen.backward_mask import KEY_LISTS, QUERY_LISTS
 from kernelgen.engines import engine_of
 from kernelgen.errors import InputError
 from kernelgen.expression_cuda import (
@@ -39,6 +38,11 @@ from kernelgen.render import (
 from kernelgen.version import __version__
 
 ENTRY_TEMPLATE = {"simt": "fa_bwd_simt.cu.j2", "mma_sync": "fa_bwd_tc.cu.j2"}
+# Parameter prefixes of a block-sparse spec's tile lists (kernelgen.backward_mask): the main
+# kernel's query tiles per key tile, the dQ kernel's key tiles per query tile (a block mask's,
+# named as the forward names them).
+QUERY_LISTS = "query"
+KEY_LISTS = "block"
 # The tensors of a backward call, by parameter name, in the order (b, h, s) of their strides.
 STRIDED_TENSORS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
 
