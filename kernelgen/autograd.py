@@ -62,13 +62,6 @@ class AttentionOptions:
             "validate": self.validate,
         }
 
-    def backward_mask_mod(self) -> Any:
-        """The mask_mod the backward evaluates: the call's, else its block mask's (the backward
-        visits every key tile: a block mask only skips tiles its mask_mod hides entirely)."""
-        if self.mask_mod is None and self.block_mask is not None:
-            return self.block_mask.mask_mod
-        return self.mask_mod
-
 
 class AttentionFunction(torch.autograd.Function):
     """``(out, lse) = attention(q, k, v, ...)`` with gradients for q, k, v and sinks."""
@@ -122,8 +115,9 @@ class AttentionFunction(torch.autograd.Function):
             alibi_slopes=alibi_slopes,
             sinks=sinks,
             score_mod=options.score_mod,
-            mask_mod=options.backward_mask_mod(),
+            mask_mod=options.mask_mod,
             mod_inputs=options.mod_inputs,
+            block_mask=options.block_mask,  # block-sparse backward (docs/backward.md)
             deterministic=options.deterministic or torch.are_deterministic_algorithms_enabled(),
         )
         wanted = ctx.needs_input_grad

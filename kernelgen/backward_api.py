@@ -31,12 +31,21 @@ from kernelgen.api import (
     plan,
     tuned_launch,
 )
+from kernelgen.backward_mask import BackwardMasks, backward_masks
+from kernelgen.block_mask import BlockMask
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.expression_inputs import check_spec_expressions
 from kernelgen.families import backward
 from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.frameworks import Arrays, arrays_of, float32_broadcast, launch_arg, pointer_of
-from kernelgen.host import EMULATED_CAPABILITY, HOST_DEVICE, as_numpy
+from kernelgen.frameworks import (
+    Arrays,
+    arrays_of,
+    device_of,
+    float32_broadcast,
+    launch_arg,
+    pointer_of,
+)
+from kernelgen.host import EMULATED_CAPABILITY, HOST_DEVICE, as_numpy, is_host_array
 from kernelgen.launch import (
     DEFAULT_DYNAMIC_SMEM,
     MAX_PREPARED,
@@ -73,6 +82,7 @@ def attention_backward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_inputs: Mapping[str, Any] | None = None,
+    block_mask: BlockMask | None = None,
     deterministic: bool = False,
     spec: BackwardSpec | None = None,
 ) -> tuple[Any, ...]:
@@ -88,11 +98,19 @@ def attention_backward(
     emulator. Without ``spec``, a GPU call runs the autotuner's choice for its backward problem
     (``KERNELGEN_AUTOTUNE``, docs/autotuning.md), a host call or one with user expressions the
     policy's default.
+
+    With a ``mask_mod`` (or the forward's ``block_mask``, whose mask_mod serves when mask_mod is
+    None) the kernels are block-sparse (docs/backward.md, "Block sparsity"): they visit only the
+    tiles the mask_mod leaves partly or fully visible, listed for their own tile shapes where q
+    lives (a ``block_mask`` is used for its mask_mod, broadcast batch and heads, and its lists
+    where the dQ kernel's tiles are its own; what is derived from it is cached on it).
     """
     check_flags(causal=causal, deterministic=deterministic)
     if spec is not None and not isinstance(spec, BackwardSpec):
         raise InputTypeError(f"spec has type {type(spec).__name__}; expected a BackwardSpec")
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    if isinstance(block_mask, BlockMask):  # its lists as the kernels will index them
+        block_mask.check_arrays(arrays_of(q).name, device_of(q))
     call = check_inputs(
         *infos,
         describe(mask, "mask") if mask is not None else None,
@@ -107,7 +125,7 @@ def attention_backward(
         score_mod=score_mod,
         mask_mod=mask_mod,
         mod_inputs=mod_inputs,
-        block_mask=None,
+        block_mask=block_mask,
     )
     order = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
     grads_in = {
@@ -139,8 +157,15 @@ def attention_backward(
                                                  mask_array))  # fmt: skip
         if call.variants.alibi is not None:
             tensors["alibi_slopes"] = launch_arg(arrays, call.variants.alibi.source)
-        tensors.update(call.expressions.tensors(arrays))
-        problem, q_shape = plan(call, layout)
+        if block_mask is not None and is_host_array(block_mask.partial_counts):
+            block_mask.check_values()
+        expressions = replace(call.expressions, block_mask=None)  # the forward's lists: below
+        tensors.update(expressions.tensors(arrays))
+        problem, q_shape = plan(replace(call, expressions=expressions), layout)
+        if spec.block_sparse:
+            masks = _backward_masks(spec, call, q)
+            tensors.update({n: launch_arg(arrays, x) for n, x in masks.tensors().items()})
+            problem = replace(problem, extra_scalars=problem.extra_scalars + masks.scalars())
         # plan() gives the strides of a fresh forward output; the backward reads the caller's
         # out, which may be a view (rows of a wider out, a context-parallel block)
         problem = replace(problem, out_strides=grads_in["out"].strides[:3])
@@ -284,8 +309,21 @@ def _checked_spec(
     if call.mask is not None:
         spec = spec.with_additive_mask()
     check_spec_variants(spec, call.variants)
-    check_spec_expressions(spec, call.expressions)
+    # block_sparse is the backward spec's own choice (its lists are built for its tiles)
+    check_spec_expressions(spec, call.expressions, sparsity_given=False)
     return spec
+
+
+def _backward_masks(spec: BackwardSpec, call: CheckedCall, q: Any) -> BackwardMasks:
+    """The tile lists of a block-sparse spec for the call (kernelgen.backward_mask)."""
+    batch, heads, seqlen_q, _ = call.q.shape
+    seqlen_k = call.k.shape[2]
+    expressions = call.expressions
+    assert expressions.mask_mod is not None  # a block-sparse spec has the call's mask_mod
+    return backward_masks(
+        spec, expressions.mask_mod, expressions.block_mask, (batch, heads, seqlen_q, seqlen_k),
+        expressions.arrays, q,
+    )  # fmt: skip
 
 
 def _sink_gradients(
@@ -337,8 +375,11 @@ class _BackwardKernels:
                 if step.shared_mem > DEFAULT_DYNAMIC_SMEM:
                     self.functions[step.symbol].max_dynamic_shared_size_bytes = step.shared_mem
 
-    def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> None:
+    def launch(self, problem: Problem, tensors: dict[str, Any], scale: float) -> dict[str, Any]:
+        """Every step in order; in the emulator, returns each kernel's launch statistics by
+        symbol (the tests count the tiles a kernel copied), else an empty dict."""
         null = None if self.host else np.uint64(0)
+        stats: dict[str, Any] = {}
         steps = self._steps.get(problem)
         if steps is None:  # a call shape's grids, worked out once (as PreparedLaunch does)
             if len(self._steps) >= MAX_PREPARED:
@@ -348,9 +389,12 @@ class _BackwardKernels:
             args = kernel_arguments(step.params, problem, tensors, scale, null=null)
             function = self.functions[step.symbol]
             if self.host:
-                function(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
+                stats[step.symbol] = function(
+                    grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args
+                )
             else:
                 function(step.grid, step.block, tuple(args), shared_mem=step.shared_mem)
+        return stats
 
 
 # Any problem gives the same symbols and parameters (only the grids depend on it).

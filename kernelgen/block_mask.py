@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,9 @@ class BlockMask:
     partial_indices: Any
     full_counts: Any
     full_indices: Any
+    # Lists derived for the backward kernels' tiles (kernelgen.backward_mask), built once per
+    # mask and tile shape: a mask reused across layers is reused by their backward passes too.
+    derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def batch(self) -> int:
@@ -405,24 +408,29 @@ def element_strides(array: Any) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------
 
 
-def kernel_name(mask_mod: Expression, block_m: int, block_n: int) -> str:
-    """The builder's symbol: the mask_mod's hash (text and inputs) and the tile shape."""
-    return f"kg_block_mask_{mask_mod.hash}_m{block_m}_n{block_n}"
+def kernel_name(mask_mod: Expression, block_m: int, block_n: int, transposed: bool = False) -> str:
+    """The builder's symbol: the mask_mod's hash (text and inputs), the tile shape and, for the
+    transposed builder (lists of query tiles per key tile), ``_t``."""
+    return f"kg_block_mask{'_t' if transposed else ''}_{mask_mod.hash}_m{block_m}_n{block_n}"
 
 
 def builder_params(mask_mod: Expression) -> tuple[Param, ...]:
     """The builder kernel's parameters: the four outputs, the sizes, then the mod inputs."""
     params = [Param(name, "int*") for name in OUTPUTS]
-    params += [Param(name, "int") for name in ("seqlen_q", "seqlen_k", "num_key_tiles")]
+    params += [Param(name, "int") for name in ("seqlen_q", "seqlen_k", "num_listed_tiles")]
     params += [Param(name, ctype) for ctype, name in input_params(mask_mod.inputs)]
     return tuple(params)
 
 
-def builder_source(mask_mod: Expression, block_m: int, block_n: int) -> str:
-    """CUDA source of the block-mask builder of ``mask_mod`` for ``block_m`` x ``block_n``."""
+def builder_source(
+    mask_mod: Expression, block_m: int, block_n: int, transposed: bool = False
+) -> str:
+    """CUDA source of the block-mask builder of ``mask_mod`` for ``block_m`` x ``block_n``
+    (``transposed``: a block per key tile listing query tiles)."""
     return render_template(
         TEMPLATE,
-        name=kernel_name(mask_mod, block_m, block_n),
+        name=kernel_name(mask_mod, block_m, block_n, transposed),
+        transposed=transposed,
         params=builder_params(mask_mod),
         headers=headers(mask_mod.inputs),
         expressions=expression_source(mask_mod),
@@ -439,16 +447,18 @@ _FUNCTIONS: dict[tuple[str, str, int], Any] = {}  # (symbol, templates, device) 
 _FUNCTIONS_LOCK = threading.Lock()
 
 
-def _builder_function(mask_mod: Expression, block_m: int, block_n: int, device: int) -> Any:
+def _builder_function(
+    mask_mod: Expression, block_m: int, block_n: int, device: int, transposed: bool = False
+) -> Any:
     """The compiled builder, once per process and device (device -1: the emulator's build)."""
-    name = kernel_name(mask_mod, block_m, block_n)
+    name = kernel_name(mask_mod, block_m, block_n, transposed)
     key = (name, template_hash(), device)
     function = _FUNCTIONS.get(key)
     if function is None:
         with _FUNCTIONS_LOCK:
             function = _FUNCTIONS.get(key)
             if function is None:
-                source = builder_source(mask_mod, block_m, block_n)
+                source = builder_source(mask_mod, block_m, block_n, transposed)
                 if device < 0:
                     from kernelgen.emulator import build_kernel
 
@@ -486,41 +496,65 @@ def block_mask(
     _check_sizes(sizes, block_m, block_n)
     batch, heads, seqlen_q, seqlen_k = (int(v) for v in sizes.values())
     expression = checked_expression("mask_mod", mask_mod, inputs_from_arrays(mod_inputs))
-    mod_inputs = dict(mod_inputs or {})
+    outputs = run_builder(
+        expression, (batch, heads, seqlen_q, seqlen_k), block_m, block_n, dict(mod_inputs or {}),
+        like, transposed=False,
+    )  # fmt: skip
+    return BlockMask(expression, seqlen_q, seqlen_k, block_m, block_n, **outputs)
+
+
+def run_builder(
+    expression: Expression,
+    sizes: tuple[int, int, int, int],
+    block_m: int,
+    block_n: int,
+    mod_inputs: dict[str, Any],
+    like: Any,
+    *,
+    transposed: bool,
+) -> dict[str, Any]:
+    """The four lists of the (checked) builder call, by :data:`OUTPUTS` name: per (batch entry,
+    head, query tile) key tiles, or with ``transposed`` per (batch entry, head, key tile) query
+    tiles, in the library and on the device of ``mod_inputs`` / ``like``."""
+    batch, heads, seqlen_q, seqlen_k = sizes
     library, device = _library(mod_inputs, like)
     q_tiles, key_tiles = tiles(seqlen_q, block_m), tiles(seqlen_k, block_n)
-    grid = (q_tiles, heads, batch)
-    function = _builder_function(expression, block_m, block_n, device)
+    own, listed = (key_tiles, q_tiles) if transposed else (q_tiles, key_tiles)
+    grid = (own, heads, batch)
+    if own > MAX_GRID[0]:
+        raise InputError(
+            f"the block-mask builder needs {own} blocks along x, over CUDA's limit of {MAX_GRID[0]}"
+        )
+    function = _builder_function(expression, block_m, block_n, device, transposed)
     shapes = {
-        "partial_counts": (batch, heads, q_tiles),
-        "partial_indices": (batch, heads, q_tiles, key_tiles),
-        "full_counts": (batch, heads, q_tiles),
-        "full_indices": (batch, heads, q_tiles, key_tiles),
+        "partial_counts": (batch, heads, own),
+        "partial_indices": (batch, heads, own, listed),
+        "full_counts": (batch, heads, own),
+        "full_indices": (batch, heads, own, listed),
     }
     if library.host:
         outputs = {
             name: library.empty(shape, library.int32(), device) for name, shape in shapes.items()
         }
         args: list[Any] = [as_numpy(outputs[name]) for name in OUTPUTS]
-        args += [seqlen_q, seqlen_k, key_tiles]
+        args += [seqlen_q, seqlen_k, listed]
         for spec in expression.inputs:
             array = mod_inputs[spec.name]
             args += [as_numpy(array), *array.shape, *element_strides(array)]
         function(grid=grid, block=THREADS, shared_mem=0, args=args)
-    else:
-        with library.scope(device):
-            outputs = {
-                name: library.empty(shape, library.int32(), device)
-                for name, shape in shapes.items()
-            }
-            args = [launch_arg(library, outputs[name]) for name in OUTPUTS]
-            args += [np.int32(seqlen_q), np.int32(seqlen_k), np.int32(key_tiles)]
-            for spec in expression.inputs:
-                array = mod_inputs[spec.name]
-                args.append(launch_arg(library, array))
-                args += [np.int64(n) for n in (*array.shape, *element_strides(array))]
-            function(grid, (THREADS, 1, 1), tuple(args))
-    return BlockMask(expression, seqlen_q, seqlen_k, block_m, block_n, **outputs)
+        return outputs
+    with library.scope(device):
+        outputs = {
+            name: library.empty(shape, library.int32(), device) for name, shape in shapes.items()
+        }
+        args = [launch_arg(library, outputs[name]) for name in OUTPUTS]
+        args += [np.int32(seqlen_q), np.int32(seqlen_k), np.int32(listed)]
+        for spec in expression.inputs:
+            array = mod_inputs[spec.name]
+            args.append(launch_arg(library, array))
+            args += [np.int64(n) for n in (*array.shape, *element_strides(array))]
+        function(grid, (THREADS, 1, 1), tuple(args))
+    return outputs
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kernelgen.block_mask import BlockMask, element_strides, is_array
@@ -179,10 +179,16 @@ def check_expressions(
     return CallExpressions(score, mask, declared, ordered, block_mask)
 
 
-def check_spec_expressions(spec: KernelSpec, expressions: CallExpressions) -> None:
-    """A user-given spec must be compiled with the call's expressions (and be block-sparse
-    exactly when the call has a block mask, of the spec's tile shape)."""
+def check_spec_expressions(
+    spec: KernelSpec, expressions: CallExpressions, *, sparsity_given: bool = True
+) -> None:
+    """A user-given spec must be compiled with the call's expressions (and, with
+    ``sparsity_given``, be block-sparse exactly when the call has a block mask, of the spec's
+    tile shape; the backward builds lists for its own tiles and chooses)."""
     wanted = expressions.spec_fields()
+    if not sparsity_given:
+        wanted.pop("block_sparse", None)
+        expressions = replace(expressions, block_mask=None)
     have = {name: getattr(spec, name) for name in wanted}
     if not expressions.present and spec.has_expressions:
         raise InputError(

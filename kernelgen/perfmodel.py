@@ -89,7 +89,7 @@ _FAMILY_ALIASES = {"REDG": "RED", "ATOMG": "ATOM", "ATOMS": "ATOM"}
 # What makes a query tile take the interior path in the backward template (fa_bwd_tc.cu.j2):
 # no score test, full Q/dO copies, every row of the tile inside seqlen_q (atomics unpredicated).
 BACKWARD_INTERIOR = {
-    "has_mask || MASK_MOD || scale <= 0.f || !tile_is_interior<BLOCK_M, BLOCK_N>(m0, k0, "
+    "has_mask || mask_mod_tile || scale <= 0.f || !tile_is_interior<BLOCK_M, BLOCK_N>(m0, k0, "
     "seqlen_q, seqlen_k, va);": "false;",
     "if (row0 + ROWS <= seq_len) {": "if (true) {",
     "const bool full_tile = m0 + BLOCK_M <= seqlen_q;": "const bool full_tile = true;",

@@ -314,8 +314,9 @@ def default_backward_spec(
     }
     if arch in ARCHS:
         fields["archs"] = (arch,)
-    if expressions is not None:  # the backward visits every key tile: no block_sparse
-        fields.update((k, v) for k, v in expressions.spec_fields().items() if k != "block_sparse")
+    if expressions is not None:  # with a mask_mod: block-sparse (lists built per call)
+        fields.update(expressions.spec_fields())
+        fields["block_sparse"] = expressions.mask_mod is not None
     if tensor_cores and normalize_dtype(dtype) in ("float16", "bfloat16"):
         padded = -(-head_dim // 16) * 16
         rich = bool(variants) or additive_mask or (expressions is not None and expressions.present)

@@ -120,11 +120,11 @@ _DIFFERENTIABLE = """\
     Differentiable by torch autograd (docs/backward.md): when a torch q, k, v or sinks requires
     grad and grad mode is on, a loss's ``backward()`` (e.g. ``out.sum().backward()``) fills
     their ``.grad`` through :func:`kernelgen.attention_backward`. No gradient flows into
-    ``mask``, ``alibi_slopes``, ``mod_inputs`` or through the returned lse; a ``block_mask``
-    call's backward evaluates its mask_mod on every key tile; calls with ``seqlens_k`` are not
-    differentiable (they warn once and return detached outputs). ``deterministic=True`` (or
-    ``torch.use_deterministic_algorithms(True)``) makes the backward bitwise reproducible, at
-    some cost; the forward ignores it. No double backward."""
+    ``mask``, ``alibi_slopes``, ``mod_inputs`` or through the returned lse; the backward of a
+    ``mask_mod`` or ``block_mask`` call is block-sparse (it skips the tiles the mask hides);
+    calls with ``seqlens_k`` are not differentiable (they warn once and return detached
+    outputs). ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) makes the
+    backward bitwise reproducible, at some cost; the forward ignores it. No double backward."""
 
 
 def _docstring() -> str | None:

@@ -38,6 +38,11 @@ from kernelgen.render import (
 from kernelgen.version import __version__
 
 ENTRY_TEMPLATE = {"simt": "fa_bwd_simt.cu.j2", "mma_sync": "fa_bwd_tc.cu.j2"}
+# Parameter prefixes of a block-sparse spec's tile lists (kernelgen.backward_mask): the main
+# kernel's query tiles per key tile, the dQ kernel's key tiles per query tile (a block mask's,
+# named as the forward names them).
+QUERY_LISTS = "query"
+KEY_LISTS = "block"
 # The tensors of a backward call, by parameter name, in the order (b, h, s) of their strides.
 STRIDED_TENSORS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
 
@@ -70,6 +75,16 @@ def _recompute_params(spec: BackwardSpec) -> list[Param]:
     return params
 
 
+def _list_params(prefix: str) -> list[Param]:
+    """A block-sparse kernel's tile lists (kernelgen.backward_mask): counts and indices of the
+    partly and fully visible tiles, and the lists' (batch, head) strides in rows."""
+    params = [
+        Param(f"{prefix}_{name}", "const int*")
+        for name in ("partial_counts", "partial_indices", "full_counts", "full_indices")
+    ]
+    return params + [Param(f"{prefix}_mask_stride_{axis}", "long long") for axis in "bh"]
+
+
 def _inputs(spec: BackwardSpec) -> list[Param]:
     elem = CXX_ELEMENT[spec.dtype].name
     return [Param(name, f"const {elem}*") for name in ("q", "k", "v", "dout")] + [
@@ -87,6 +102,8 @@ def main_params(spec: BackwardSpec) -> tuple[Param, ...]:
     params += [Param("dk", f"{elem}*"), Param("dv", f"{elem}*")]
     params += _recompute_params(spec)
     params += _strides("dk") + _strides("dv")
+    if spec.block_sparse:  # per key tile, the query tiles to visit
+        params += _list_params(QUERY_LISTS)
     return tuple(params)
 
 
@@ -94,7 +111,10 @@ def dq_params(spec: BackwardSpec) -> tuple[Param, ...]:
     """Parameters of the deterministic dQ kernel."""
     elem = CXX_ELEMENT[spec.dtype].name
     params = [*_inputs(spec), Param("dq", f"{elem}*"), *_recompute_params(spec)]
-    return tuple(params + _strides("dq"))
+    params += _strides("dq")
+    if spec.block_sparse:  # per query tile, the key tiles to visit
+        params += _list_params(KEY_LISTS)
+    return tuple(params)
 
 
 def pre_params(spec: BackwardSpec) -> tuple[Param, ...]:

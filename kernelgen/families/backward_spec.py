@@ -112,13 +112,19 @@ class BackwardSpec(BaseModel):
     )
     mask_mod: str | None = Field(None, description="A user mask expression.")
     mod_inputs: tuple[str, ...] = Field((), description="Arrays the expressions read.")
+    block_sparse: bool = Field(
+        False,
+        description="Visit only the tiles a block mask of the mask_mod lists (the main kernel: "
+        "per key tile its partly and fully visible query tiles; the dQ kernel: per query tile "
+        "its key tiles), skipping the mask_mod on fully visible tiles.",
+    )
     archs: tuple[str, ...] = Field(DEFAULT_ARCHS, description="GPU architectures it must fit.")
 
     @model_serializer(mode="wrap")
     def _drop_defaults_that_are_off(self, handler: Any) -> dict[str, Any]:
         """Flags that are off and absent expressions are left out of dumps, as in forward specs."""
         data = handler(self)
-        for name in (*VARIANT_FLAGS, "additive_mask", "deterministic"):
+        for name in (*VARIANT_FLAGS, "additive_mask", "deterministic", "block_sparse"):
             if data.get(name) is False:
                 del data[name]
         if data.get("stages") is None:  # the CUDA-core engine has no stages
@@ -155,7 +161,9 @@ class BackwardSpec(BaseModel):
             return None
         return strict_integer(info.field_name, value)
 
-    @field_validator("causal", "deterministic", "additive_mask", *VARIANT_FLAGS, mode="before")
+    @field_validator(
+        "causal", "deterministic", "additive_mask", "block_sparse", *VARIANT_FLAGS, mode="before"
+    )
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
         return strict_boolean(info.field_name, value)
@@ -200,6 +208,10 @@ class BackwardSpec(BaseModel):
         if self.mod_inputs and not self.has_expressions:
             problems.append(
                 "mod_inputs are declared but the spec has no score_mod or mask_mod; remove them"
+            )
+        if self.block_sparse and self.mask_mod is None:
+            problems.append(
+                "block_sparse=true needs a mask_mod (the block mask lists the tiles to visit)"
             )
         if self.engine.tensor_cores:
             problems += self._tc_problems()
@@ -446,6 +458,8 @@ class BackwardSpec(BaseModel):
             parts.append("amask")
         parts += [VARIANT_TAGS[name] for name in VARIANT_FLAGS if getattr(self, name)]
         parts += [f"{EXPRESSION_TAGS[e.kind]}{e.hash}" for e in self.expressions if e is not None]
+        if self.block_sparse:
+            parts.append("bsparse")
         if self.deterministic:
             parts.append("det")
         return "_".join(parts)
@@ -465,11 +479,6 @@ class BackwardSpec(BaseModel):
     @property
     def has_expressions(self) -> bool:
         return self.score_mod is not None or self.mask_mod is not None
-
-    @property
-    def block_sparse(self) -> bool:
-        """Backward kernels visit every key tile a mask leaves (no block mask yet)."""
-        return False
 
     def compile_arch(self, device_arch: str) -> str:
         return device_arch
