@@ -72,7 +72,7 @@ def plan(results: str = "{results}") -> list[Stage]:
     """The stages in priority order; ``results`` is the folder the benchmarks write to."""
     pytest_gpu = ("-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider")
     prefill = (
-        "-m", "bench.attention", "--quick", "--peers", "torch-flash,torch-cudnn,kg-tc-v2,kg-wgmma",
+        "-m", "bench.attention", "--peers", "torch-flash,torch-cudnn,kg-wgmma",
         "--dtype", "bf16", "--head-dim", "128", "--head-dim", "256",
         "--seqlen", "4096", "--budget-ms", "100", "--tag", "session", "--out", results,
     )  # fmt: skip
@@ -111,7 +111,7 @@ def plan(results: str = "{results}") -> list[Stage]:
         Stage(
             "prefill",
             120,
-            "bf16 d128/d256 4k, causal or not: mma.sync and wgmma against flash and cuDNN",
+            "bf16 d128/d256 4k, causal or not: wgmma against flash and cuDNN",
             python(*prefill),
             python(*prefill, "--list"),
         ),
