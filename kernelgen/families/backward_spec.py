@@ -382,8 +382,16 @@ class BackwardSpec(BaseModel):
         return -(-self.column_pairs // self.dim_warps)
 
     @property
+    def dq_warps(self) -> int:
+        """Warps that compute dQ in the main kernel (split_roles: the P warps)."""
+        return self.num_warps // 2 if self.split_roles else self.num_warps
+
+    @property
     def dq_m_tiles(self) -> int:
-        """m16 tiles of a warp's dQ rows (atomic dQ in the main kernel)."""
+        """m16 tiles of a warp's dQ rows (atomic dQ in the main kernel; split_roles: the whole
+        query tile)."""
+        if self.split_roles:
+            return self.block_m // 16
         return 2 if self.block_m >= 32 else 1
 
     @property
@@ -392,7 +400,7 @@ class BackwardSpec(BaseModel):
 
     @property
     def dq_col_warps(self) -> int:
-        return max(1, self.num_warps // self.dq_row_warps)
+        return max(1, self.dq_warps // self.dq_row_warps)
 
     @property
     def dq_pairs(self) -> int:
