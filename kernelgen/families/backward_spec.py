@@ -299,7 +299,8 @@ class BackwardSpec(BaseModel):
 
     def _split_problems(self) -> list[str]:
         """split_roles (templates/fa_bwd_tc.cu.j2): two warps per 32-key range, one for S^T,
-        P^T and dV, one for dP^T, dS^T and dK, each over the whole query tile."""
+        P^T, dV and dQ, one for dP^T, dS^T and dK, each over the whole query tile (a warp's dK or
+        dV rows span the head dim: the accumulator limit keeps head dims to 128)."""
         if not self.engine.tensor_cores:
             return ["split_roles=True needs mma='mma_sync'"]
         problems = []
@@ -307,11 +308,6 @@ class BackwardSpec(BaseModel):
             problems.append(
                 f"split_roles=True needs two warps per 32 keys: block_n={self.block_n} with "
                 f"num_warps={self.num_warps} is not that; use block_n={16 * self.num_warps}"
-            )
-        if self.head_dim_padded > 128:
-            problems.append(
-                f"split_roles=True holds a warp's dK or dV rows over the whole head dim: "
-                f"head_dim={self.head_dim} is over 128"
             )
         if self.softcap or self.score_mod is not None:
             problems.append(
