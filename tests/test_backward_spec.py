@@ -100,7 +100,7 @@ def test_split_roles_geometry_and_name():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"block_n": 64}, "split_roles=True needs two warps per 32 keys: block_n=64 with num_warps=8"),
+        ({"block_n": 64}, "needs two warps per 32 keys: block_n=64 with num_warps=8 is not"),
         ({"softcap": True}, "softcap and score_mod (a per-score derivative) are not allowed"),
         ({"mma": "simt", "stages": None, "dtype": "float32", "block_m": 32, "block_n": 32},
          "split_roles=True needs mma='mma_sync'"),
@@ -116,7 +116,8 @@ def test_policy_picks_the_engine_and_the_tiling():
     assert spec.uri == "fa_bwd_tc_bf16_d128_m64_n128_w8_s2_split_causal"
     # split roles up to head dim 128, not with variants (64-key blocks) nor above
     assert default_backward_spec("float16", 64, causal=False).split_roles
-    assert not default_backward_spec("bfloat16", 128, causal=False, variants=("window",)).split_roles
+    windowed = default_backward_spec("bfloat16", 128, causal=False, variants=("window",))
+    assert not windowed.split_roles
     assert not default_backward_spec("bfloat16", 192, causal=False).split_roles
     rich = default_backward_spec("float16", 128, causal=False, variants=("softcap",))
     assert (rich.mma, rich.block_n) == ("mma_sync", 64)

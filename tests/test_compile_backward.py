@@ -84,7 +84,8 @@ def test_default_backward_spec_compiles_at_every_head_dim(head_dim):
 
 @pytest.mark.parametrize(
     ("head_dim", "fields"),
-    [(64, {}), (128, {"causal": True}), (128, {"deterministic": True}), (256, {"causal": True}),
+    [(64, {}), (40, {"causal": True}), (128, {"causal": True}), (128, {"deterministic": True}),
+     (256, {"causal": True}),
      (128, {"additive_mask": True}), (144, {"causal": True, "deterministic": True})],
 )  # fmt: skip
 def test_default_tensor_core_backward_compiles_cleanly(head_dim, fields):

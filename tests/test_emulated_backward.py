@@ -493,7 +493,8 @@ SPLIT_MUTATIONS = {
         "        block_sync();\n        if (exact)\n          probs_to_grads<true>",
         "        if (exact)\n          probs_to_grads<true>",
         "probs_to_grads<false>(dp, pairs, pt_tile, dst_tile, split_p_at, ds_factor);\n",
-        "probs_to_grads<false>(dp, pairs, pt_tile, dst_tile, split_p_at, ds_factor);\n        block_sync();\n",
+        "probs_to_grads<false>(dp, pairs, pt_tile, dst_tile, split_p_at, ds_factor);\n"
+        "        block_sync();\n",
     ),
     # the two fp32 halves of a lane's P' read back from each other's places
     "split-halves-swapped": (
