@@ -433,15 +433,18 @@ def test_tensor_core_expressions_match_the_float64_gradients():
     check(p, run(p, spec=spec), "bfloat16")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["grid", "split-roles"])
 def test_tensor_core_backward_is_bitwise_stable_across_block_orders_when_deterministic(
-    monkeypatch,
+    monkeypatch, split
 ):
     """dk, dv (no atomics) and the deterministic dq give the same bits in every block order; the
     atomic dq's fp32 sums are reordered too, but rounding to fp16 mostly hides it, so it is only
-    checked against the reference."""
+    checked against the reference. Both warp layouts (split_roles: one P and one dS warp)."""
     p = make_problem("float16", (1, 4, 1, 24, 160, 16), seed=11)
     out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True)
-    specs = {False: tc_spec("float16", 16), True: tc_spec("float16", 16, deterministic=True)}
+    specs = {
+        det: tc_spec("float16", 16, deterministic=det, split_roles=split) for det in (False, True)
+    }
     grads = {False: {}, True: {}}
     for seed in (0, 1, 2):
         monkeypatch.setenv("KG_EMULATOR_BLOCK_ORDER", str(seed))
@@ -484,6 +487,19 @@ TC_MUTATIONS = {
         "dw * WARP_Q + (lane / 16) * 8 + lane % 8,",
     ),
 }
+
+
+def test_split_roles_gives_the_grid_layouts_bits():
+    """The split layout computes every product from the same fp32 values in the same order (P
+    reaches the dS warps in fp32): dq, dk and dv are the grid layout's to the bit."""
+    p = make_problem("float16", (1, 2, 1, 70, 100, 40), seed=4, options={"causal": True})
+    grid = tc_spec("float16", 40, causal=True, **WIDE)
+    split = tc_spec("float16", 40, causal=True, split_roles=True, **WIDE)
+    expected = run(p, spec=grid)
+    got = run(p, spec=split)
+    check(p, got, "float16")
+    for name, a, b in zip(("dq", "dk", "dv"), expected, got, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
 
 
 # Mutations of the split-roles kernel (split_roles: true), run on SPLIT_SPEC.
