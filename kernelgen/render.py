@@ -47,7 +47,6 @@ class CxxElement:
     mma_type: str | None = None  # PTX operand type of mma.sync (None: no tensor-core path)
     pair_name: str | None = None  # the two-element vector type
     pack_pair: str | None = None  # two fp32 -> one pair, round to nearest even
-    unpack_pair: str | None = None  # one pair -> two fp32 (exact)
 
 
 CXX_ELEMENT: dict[str, CxxElement] = {
@@ -60,7 +59,6 @@ CXX_ELEMENT: dict[str, CxxElement] = {
         mma_type="f16",
         pair_name="__half2",
         pack_pair="__floats2half2_rn",
-        unpack_pair="__half22float2",
     ),
     "bfloat16": CxxElement(
         "__nv_bfloat16",
@@ -70,7 +68,6 @@ CXX_ELEMENT: dict[str, CxxElement] = {
         mma_type="bf16",
         pair_name="__nv_bfloat162",
         pack_pair="__floats2bfloat162_rn",
-        unpack_pair="__bfloat1622float2",
     ),
 }
 
