@@ -506,11 +506,11 @@ def test_split_roles_gives_the_grid_layouts_bits():
 SPLIT_MUTATIONS = {
     # the dS warps read P' before the barrier after which the P warps have stored it
     "split-read-before-barrier": (
-        "        block_sync();\n        if (exact)\n          probs_to_grads<true>",
-        "        if (exact)\n          probs_to_grads<true>",
+        "          block_sync();\n          if (exact)\n            probs_to_grads<true>",
+        "          if (exact)\n            probs_to_grads<true>",
         "probs_to_grads<false>(dp, pairs, pt_tile, dst_tile, split_p_at, ds_factor);\n",
         "probs_to_grads<false>(dp, pairs, pt_tile, dst_tile, split_p_at, ds_factor);\n"
-        "        block_sync();\n",
+        "          block_sync();\n",
     ),
     # the two fp32 halves of a lane's P' read back from each other's places
     "split-halves-swapped": (
