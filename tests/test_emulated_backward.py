@@ -489,9 +489,10 @@ TC_MUTATIONS = {
 }
 
 
-def test_split_roles_gives_the_grid_layouts_bits():
-    """The split layout computes every product from the same fp32 values in the same order (P
-    reaches the dS warps in fp32): dq, dk and dv are the grid layout's to the bit."""
+def test_split_roles_agrees_with_the_grid_layout_to_one_ulp():
+    """The split layout computes every product from the same fp32 values (P reaches the dS warps
+    in fp32); only the order of the queries within a k16 step of dV and dK differs (permuted), so
+    dq, dk and dv are the grid layout's to within one unit in the last place of fp16."""
     p = make_problem("float16", (1, 2, 1, 70, 100, 40), seed=4, options={"causal": True})
     grid = tc_spec("float16", 40, causal=True, **WIDE)
     split = tc_spec("float16", 40, causal=True, split_roles=True, **WIDE)
@@ -499,7 +500,9 @@ def test_split_roles_gives_the_grid_layouts_bits():
     got = run(p, spec=split)
     check(p, got, "float16")
     for name, a, b in zip(("dq", "dk", "dv"), expected, got, strict=True):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+        a, b = np.asarray(a), np.asarray(b)
+        ulp = np.spacing(np.maximum(np.abs(a), np.abs(b)))
+        assert (np.abs(a.astype(np.float32) - b.astype(np.float32)) <= ulp).all(), name
 
 
 # Mutations of the split-roles kernel (split_roles: true), run on SPLIT_SPEC.
