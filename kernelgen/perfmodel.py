@@ -553,10 +553,34 @@ def backward_unit_figures(body: LoopBody, spec: BackwardSpec) -> UnitFigures:
     return UnitFigures(issued, by_class, memory, ldsm_ldgsts_bytes=copies)
 
 
-def backward_interior_loop(spec: BackwardSpec, arch: str) -> LoopBody:
+# split_roles kernels: the statement that gives a warp its role. Its two halves run different
+# code in the loop, each warp one of them: the model counts each role's loop (the statement set to
+# one role) and takes their mean, as half the warps run each.
+BACKWARD_ROLE = "const bool p_role = dw == 0;"
+BACKWARD_ROLES = ("const bool p_role = true;", "const bool p_role = false;")
+
+
+def mean_figures(figures: list[UnitFigures]) -> UnitFigures:
+    """The mean of per-unit figures (of warps that run different loops in equal numbers)."""
+    n = len(figures)
+    by_class = {name: sum(f.by_class[name] for f in figures) / n for name in figures[0].by_class}
+    return UnitFigures(
+        sum(f.instructions for f in figures) / n,
+        by_class,
+        sum(f.smem_bytes for f in figures) / n,
+        ldsm_ldgsts_bytes=sum(f.ldsm_ldgsts_bytes for f in figures) / n,
+    )
+
+
+def backward_interior_loop(spec: BackwardSpec, arch: str, role: str | None = None) -> LoopBody:
     """The steady-state query-tile loop of ``spec``'s main kernel (interior variant) on
-    ``arch``."""
+    ``arch``; for a split_roles spec, ``role`` (one of :data:`BACKWARD_ROLES`) fixes the warps'
+    role."""
     source = backward_interior_source(render_backward(spec), spec.deterministic)
+    if role is not None:
+        if source.count(BACKWARD_ROLE) != 1:
+            raise ValueError(f"the backward template no longer contains {BACKWARD_ROLE!r} once")
+        source = source.replace(BACKWARD_ROLE, role)
     compiled = compile_offline(source, spec.uri, arch, sass=False)
     sass = disassemble(compiled.cubin)
     if sass is None:
@@ -572,7 +596,14 @@ def model_backward_spec(
     if not spec.engine.modelled:
         raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
     rates_of(arch)
-    figures = backward_unit_figures(backward_interior_loop(spec, arch), spec)
+    if spec.split_roles:  # half the warps run each role's loop
+        roles = [
+            backward_unit_figures(backward_interior_loop(spec, arch, role), spec)
+            for role in BACKWARD_ROLES
+        ]
+        figures = mean_figures(roles)
+    else:
+        figures = backward_unit_figures(backward_interior_loop(spec, arch), spec)
     res = resources or compile_offline(render_backward(spec), spec.uri, arch, sass=False).resources
     prediction = predict(figures, arch)
     vs_fa2 = None

@@ -269,16 +269,21 @@ def hopper_decode_spec(
 
 
 # The untuned tensor-core backward, by padded head dim: (largest, block_m, block_n, num_warps,
-# stages). Each is the tiling the static model ranks first among those that compile without
-# spills (docs/performance-model.md, "Backward (tensor cores)"): 8 warps in a 4 x 2 grid of
-# 32-key x half-the-columns shares (128 dK and dV accumulators per thread at head dim 128) over
-# 128-key blocks and 64-query tiles, two Q/dO stages; above head dim 128, 64-key blocks whose 8
-# warps split the head dim four ways, one stage (two spill at head dim 192 on sm_80).
-BACKWARD_TC_TILES = ((128, 64, 128, 8, 2), (256, 64, 64, 8, 1))
+# stages, split_roles). Each is the tiling the static model ranks first among those that compile
+# without spills (docs/performance-model.md, "Backward (tensor cores)"): up to head dim 128, 128-key
+# blocks of 8 warps with split roles (per 32 keys, a P warp for S^T, P^T, dV and dQ and a dS warp
+# for dP^T, dS^T and dK, each over the whole 64-query tile: 128 dK or dV accumulators per thread
+# at head dim 128), two Q/dO stages; above head dim 128, 64-key blocks whose 8 warps split the head
+# dim four ways, one stage (two spill at head dim 192 on sm_80).
+BACKWARD_TC_TILES = ((128, 64, 128, 8, 2, True), (256, 64, 64, 8, 1, False))
 # Kernels with more live state in their exact tiles (the built-in variants, an additive mask,
 # user expressions) spill in the 128-key tiling at head dim 128: 64-key blocks (a 2 x 4 grid),
 # also the fallback where an arch's shared memory is too small for the first (sm_86, sm_89).
-BACKWARD_TC_RICH_TILES = ((64, 64, 128, 8, 2), (128, 64, 64, 8, 2), (256, 64, 64, 8, 1))
+BACKWARD_TC_RICH_TILES = (
+    (64, 64, 128, 8, 2, False),
+    (128, 64, 64, 8, 2, False),
+    (256, 64, 64, 8, 1, False),
+)
 
 
 def default_backward_spec(
@@ -322,12 +327,12 @@ def default_backward_spec(
         rich = bool(variants) or additive_mask or (expressions is not None and expressions.present)
         tables = (BACKWARD_TC_RICH_TILES,) if rich else (BACKWARD_TC_TILES, BACKWARD_TC_RICH_TILES)
         for table in tables:
-            _, block_m, block_n, warps, most = next(t for t in table if padded <= t[0])
+            _, block_m, block_n, warps, most, split = next(t for t in table if padded <= t[0])
             for stages in range(most, 0, -1):
                 try:
                     return BackwardSpec(
                         **fields, mma="mma_sync", block_m=block_m, block_n=block_n,
-                        num_warps=warps, stages=stages,
+                        num_warps=warps, stages=stages, split_roles=split,
                     )  # fmt: skip
                 except ValueError:  # over the arch's shared memory
                     continue

@@ -82,9 +82,43 @@ def test_deterministic_tensor_core_launches_its_own_dq_kernel():
     assert backward.dq_params(spec) == backward.dq_params(spec.model_copy(update={"mma": "simt"}))
 
 
+def test_split_roles_geometry_and_name():
+    """Two warps per 32 keys, each over the whole query tile: one holds dV (and computes dQ for
+    the whole tile, 64 x 32 per warp), the other dK, each of every column."""
+    spec = BackwardSpec(**DEFAULT_TC, split_roles=True)
+    assert spec.uri == "fa_bwd_tc_bf16_d128_m64_n128_w8_s2_split"
+    assert (spec.key_warps, spec.dim_warps, spec.warp_pairs) == (4, 2, 8)
+    assert spec.kv_accumulators == 128 and spec.accumulators_per_thread == 192
+    assert (spec.dq_warps, spec.dq_m_tiles, spec.dq_row_warps, spec.dq_col_warps) == (4, 4, 1, 4)
+    assert spec.dq_pairs == 2
+    assert spec.smem_bytes == BackwardSpec(**DEFAULT_TC).smem_bytes  # the same tiles
+    assert yaml.safe_load(spec.to_yaml())["split_roles"] is True
+    assert "split_roles" not in yaml.safe_load(BackwardSpec(**DEFAULT_TC).to_yaml())
+    assert spec_of_family(yaml.safe_load(spec.to_yaml())) == spec
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"block_n": 64}, "needs two warps per 32 keys: block_n=64 with num_warps=8 is not"),
+        ({"softcap": True}, "softcap and score_mod (a per-score derivative) are not allowed"),
+        ({"mma": "simt", "stages": None, "dtype": "float32", "block_m": 32, "block_n": 32},
+         "split_roles=True needs mma='mma_sync'"),
+        ({"split_roles": "yes"}, "split_roles"),
+    ],
+)  # fmt: skip
+def test_split_roles_problems(fields, message):
+    assert message in problems(**{**DEFAULT_TC, "split_roles": True, **fields})
+
+
 def test_policy_picks_the_engine_and_the_tiling():
     spec = default_backward_spec("bfloat16", 128, causal=True)
-    assert spec.uri == "fa_bwd_tc_bf16_d128_m64_n128_w8_s2_causal"
+    assert spec.uri == "fa_bwd_tc_bf16_d128_m64_n128_w8_s2_split_causal"
+    # split roles up to head dim 128, not with variants (64-key blocks) nor above
+    assert default_backward_spec("float16", 64, causal=False).split_roles
+    windowed = default_backward_spec("bfloat16", 128, causal=False, variants=("window",))
+    assert not windowed.split_roles
+    assert not default_backward_spec("bfloat16", 192, causal=False).split_roles
     rich = default_backward_spec("float16", 128, causal=False, variants=("softcap",))
     assert (rich.mma, rich.block_n) == ("mma_sync", 64)
     assert default_backward_spec("bfloat16", 256, causal=False).stages == 1

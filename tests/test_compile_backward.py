@@ -19,7 +19,12 @@ from kernelgen.compile import (
     sass_instructions,
 )
 from kernelgen.families import backward, load_any_spec
-from kernelgen.perfmodel import FA2_BWD_D128, model_backward_spec
+from kernelgen.perfmodel import (
+    BACKWARD_ROLES,
+    FA2_BWD_D128,
+    backward_interior_loop,
+    model_backward_spec,
+)
 from kernelgen.policy import default_backward_spec
 
 pytestmark = pytest.mark.compile
@@ -79,7 +84,8 @@ def test_default_backward_spec_compiles_at_every_head_dim(head_dim):
 
 @pytest.mark.parametrize(
     ("head_dim", "fields"),
-    [(64, {}), (128, {"causal": True}), (128, {"deterministic": True}), (256, {"causal": True}),
+    [(64, {}), (40, {"causal": True}), (128, {"causal": True}), (128, {"deterministic": True}),
+     (256, {"causal": True}),
      (128, {"additive_mask": True}), (144, {"causal": True, "deterministic": True})],
 )  # fmt: skip
 def test_default_tensor_core_backward_compiles_cleanly(head_dim, fields):
@@ -98,17 +104,22 @@ def test_default_tensor_core_backward_compiles_cleanly(head_dim, fields):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_default_d128_backward_meets_its_static_targets(arch):
-    """Per 64 x 64 x 128 unit of the main loop: the five products' 1280 HMMA, at most 3200
-    instructions (FA2's backward: 3540), one fp32 atomic per dQ element and key block of 128,
-    no spill or stack, and ldmatrix plus cp.async traffic under FA2's 320 KiB."""
+    """Per 64 x 64 x 128 unit of the main loop (the split-roles default, each role's loop counted
+    and averaged): the five products' 1280 HMMA, at most 3200 instructions (FA2's backward:
+    3540), one fp32 atomic per dQ element and key block of 128, no spill or stack, and at most
+    256 KiB of ldmatrix plus cp.async traffic (FA2's: 320 KiB): 224, as the tiling says (per unit,
+    in KiB: S^T 32 K + 16 Q, dP^T 32 V + 16 dO, dV^T 32 dO, dK^T 32 Q, dQ 32 dS + 16 K, copies
+    16)."""
     spec = default_backward_spec("bfloat16", 128, causal=False)
+    assert spec.split_roles
     report = model_backward_spec(spec, arch)
     unit = report.unit
     assert (report.spill_bytes, report.stack_bytes) == (0, 0)
     assert unit.count("HMMA") == FA2_BWD_D128.count("HMMA") == 1280
     assert unit.instructions <= 3200, unit.by_class
     assert unit.count("RED") == 128
-    assert unit.ldsm_ldgsts_bytes <= FA2_BWD_D128.smem_bytes
+    assert unit.count("LDSM") == 416 and unit.count("LDGSTS") == 32
+    assert unit.ldsm_ldgsts_bytes == 224 * 1024 <= 256 * 1024 < FA2_BWD_D128.smem_bytes
     assert "atomics" in report.summary()
 
 
@@ -132,3 +143,18 @@ def test_block_sparse_backward_compiles_cleanly(engine, deterministic):
     )  # fmt: skip
     assert spec.block_sparse and spec.mma == engine
     assert_backward_compiles_cleanly(spec)
+
+
+def test_split_roles_model_counts_each_role_once():
+    """The model counts each role's loop (the role fixed) and takes their mean: each role has a
+    loop of its own in the kernel, and the largest alone would stand for every warp."""
+    spec = default_backward_spec("bfloat16", 128, causal=False)
+    p_loop, ds_loop = (backward_interior_loop(spec, "sm_80", role) for role in BACKWARD_ROLES)
+    # per warp and query tile: P warps 64 x 32 x 128 S^T, dV^T and dQ; dS warps dP^T and dK^T
+    assert (p_loop.counts["HMMA"], ds_loop.counts["HMMA"]) == (384, 256)
+    assert p_loop.counts.get("RED", 0) + p_loop.counts.get("REDG", 0) == 64
+    assert ds_loop.counts.get("RED", 0) + ds_loop.counts.get("REDG", 0) == 0
+    assert ds_loop.counts.get("MUFU", 0) == 0 and p_loop.counts["MUFU"] == 64
+    largest = backward_interior_loop(spec, "sm_80")
+    assert largest.counts["HMMA"] == 384  # the P warps' loop: 1.2 times the mean's HMMA
+    assert model_backward_spec(spec, "sm_80").unit.count("HMMA") == 1280

@@ -349,6 +349,18 @@ TC_CASES = {
         {"window_size": (6, -1), "softcap": 2.5},
     ),
     "deterministic-gqa-bf16": (tc_spec("bfloat16", 64, deterministic=True), (1, 4, 1, 40, 35), {}),
+    # split roles: 16-query groups, a padding n8 tile (dV^T/dK^T rows past the head dim), GQA
+    "split-odd-gqa-f16": (tc_spec("float16", 40, split_roles=True), (1, 4, 2, 37, 53), {}),
+    # split roles: 32-query groups, the exact tiles of causal, window, ALiBi and sinks (P warps)
+    "split-variants-bf16": (
+        tc_spec("bfloat16", 64, causal=True, window=True, alibi=True, sinks=True, split_roles=True,
+                **WIDE),
+        (1, 4, 2, 45, 70),
+        {"window_size": (9, -1)},
+    ),
+    "split-deterministic-f16": (
+        tc_spec("float16", 48, deterministic=True, split_roles=True, **WIDE), (2, 2, 1, 70, 33), {}
+    ),
 }  # fmt: skip
 
 
@@ -421,15 +433,18 @@ def test_tensor_core_expressions_match_the_float64_gradients():
     check(p, run(p, spec=spec), "bfloat16")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["grid", "split-roles"])
 def test_tensor_core_backward_is_bitwise_stable_across_block_orders_when_deterministic(
-    monkeypatch,
+    monkeypatch, split
 ):
     """dk, dv (no atomics) and the deterministic dq give the same bits in every block order; the
     atomic dq's fp32 sums are reordered too, but rounding to fp16 mostly hides it, so it is only
-    checked against the reference."""
+    checked against the reference. Both warp layouts (split_roles: one P and one dS warp)."""
     p = make_problem("float16", (1, 4, 1, 24, 160, 16), seed=11)
     out, lse = kernelgen.attention(p.q, p.k, p.v, return_lse=True)
-    specs = {False: tc_spec("float16", 16), True: tc_spec("float16", 16, deterministic=True)}
+    specs = {
+        det: tc_spec("float16", 16, deterministic=det, split_roles=split) for det in (False, True)
+    }
     grads = {False: {}, True: {}}
     for seed in (0, 1, 2):
         monkeypatch.setenv("KG_EMULATOR_BLOCK_ORDER", str(seed))
@@ -474,15 +489,75 @@ TC_MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", TC_MUTATIONS)
+def test_split_roles_agrees_with_the_grid_layout_to_one_ulp():
+    """The split layout computes every product from the same fp32 values (P reaches the dS warps
+    in fp32); only the order of the queries within a k16 step of dV and dK differs (permuted), so
+    dq, dk and dv are the grid layout's to within one unit in the last place of fp16."""
+    p = make_problem("float16", (1, 2, 1, 70, 100, 40), seed=4, options={"causal": True})
+    grid = tc_spec("float16", 40, causal=True, **WIDE)
+    split = tc_spec("float16", 40, causal=True, split_roles=True, **WIDE)
+    expected = run(p, spec=grid)
+    got = run(p, spec=split)
+    check(p, got, "float16")
+    for name, a, b in zip(("dq", "dk", "dv"), expected, got, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        ulp = np.spacing(np.maximum(np.abs(a), np.abs(b)))
+        assert (np.abs(a.astype(np.float32) - b.astype(np.float32)) <= ulp).all(), name
+
+
+# Mutations of the split-roles kernel (split_roles: true), run on SPLIT_SPEC.
+SPLIT_MUTATIONS = {
+    # the dS warps read P' before the barrier after which the P warps have stored it
+    "split-read-before-barrier": (
+        "          block_sync();\n          if (exact)\n            probs_to_grads<true>",
+        "          if (exact)\n            probs_to_grads<true>",
+        "probs_to_grads<false>(dp, pairs, pt_tile, dst_tile, split_p_at, ds_factor);\n",
+        "probs_to_grads<false>(dp, pairs, pt_tile, dst_tile, split_p_at, ds_factor);\n"
+        "          block_sync();\n",
+    ),
+    # the two fp32 halves of a lane's P' read back from each other's places
+    "split-halves-swapped": (
+        "        load_floats(dst_tile + at, first);\n        load_floats(pt_tile + at, second);",
+        "        load_floats(pt_tile + at, first);\n        load_floats(dst_tile + at, second);",
+    ),
+    # the B fragment's registers (queries 2t.. and 8 + 2t..) swapped
+    "split-b-fragment-order": (
+        "a, b_pairs[g][mt][half][n0], b_pairs[g][mt][half][n0 + 1]);",
+        "a, b_pairs[g][mt][half][n0 + 1], b_pairs[g][mt][half][n0]);",
+    ),
+    # dV^T not divided by sigma (P' = sigma P)
+    "split-dv-scale-dropped": (
+        "kv_acc,\n                                  inv_sigma, warp_key0, seqlen_k);",
+        "kv_acc,\n                                  1.f, warp_key0, seqlen_k);",
+    ),
+    # dS^T not stored: dQ reads the P warps' fp32 P' left in the dS^T tile's place
+    "split-ds-store-dropped": (
+        "        store_pairs(dst_tile + at, grads[g][mt][half]);\n",
+        "\n",
+    ),
+}
+SPLIT_SPEC = tc_spec("float16", 32, causal=True, split_roles=True, **WIDE)
+
+
+@pytest.mark.parametrize("name", [*TC_MUTATIONS, *SPLIT_MUTATIONS])
 def test_tensor_core_template_mutations_are_caught(name, monkeypatch):
-    original, mutated = TC_MUTATIONS[name]
-    spec = tc_spec("float16", 32, causal=True)
+    if name in SPLIT_MUTATIONS:
+        spec, pairs = SPLIT_SPEC, SPLIT_MUTATIONS[name]
+    else:
+        spec, pairs = tc_spec("float16", 32, causal=True), TC_MUTATIONS[name]
     p = make_problem("float16", (1, 2, 1, 70, 64, 32), seed=2, options={"causal": True})
     render = backward.render
-    assert original in render(spec), name  # the mutation applies to the kernel under test
+    replacements = list(zip(pairs[::2], pairs[1::2], strict=True))
+    for original, _ in replacements:  # the mutation applies to the kernel under test, once
+        assert render(spec).count(original) == 1, (name, original)
 
-    monkeypatch.setattr(backward, "render", lambda s: render(s).replace(original, mutated))
+    def mutated_render(s):
+        text = render(s)
+        for original, mutated in replacements:
+            text = text.replace(original, mutated)
+        return text
+
+    monkeypatch.setattr(backward, "render", mutated_render)
     monkeypatch.setattr(backward_api, "_KERNELS", {})
     try:
         grads = run(p, spec=spec)
@@ -514,7 +589,9 @@ def _launch_stats(monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize(
-    "fields", [{}, {**WIDE, "deterministic": True}], ids=["16-query-warps", "32-query-warps-det"]
+    "fields",
+    [{}, {**WIDE, "deterministic": True}, {**WIDE, "split_roles": True}],
+    ids=["16-query-warps", "32-query-warps-det", "split-roles"],
 )
 def test_tensor_core_backward_ldmatrix_is_free_of_bank_conflicts(fields, monkeypatch):
     """Every ldmatrix of the main kernel (the permuted Q and dO rows of S^T and dP^T included)

@@ -95,6 +95,13 @@ class BackwardSpec(BaseModel):
         description="mma_sync only: query tiles (Q and dO) in flight in the cp.async ring, 1 or "
         "2 (default 2; 1 loads each tile after the previous one is done).",
     )
+    split_roles: bool = Field(
+        False,
+        description="mma_sync only: half the warps compute S^T and P^T and sum dV, the other "
+        "half dP^T and dS^T and sum dK, each over the whole query tile with P^T or dS^T kept in "
+        "registers (less shared-memory traffic; block_n = 16 x num_warps, block_m 32 or 64, "
+        "head dims up to 128, no softcap or score_mod).",
+    )
     causal: bool = Field(False, description="Bottom-right aligned causal mask.")
     deterministic: bool = Field(
         False,
@@ -124,7 +131,7 @@ class BackwardSpec(BaseModel):
     def _drop_defaults_that_are_off(self, handler: Any) -> dict[str, Any]:
         """Flags that are off and absent expressions are left out of dumps, as in forward specs."""
         data = handler(self)
-        for name in (*VARIANT_FLAGS, "additive_mask", "deterministic", "block_sparse"):
+        for name in (*VARIANT_FLAGS, "additive_mask", "deterministic", "block_sparse", "split_roles"):
             if data.get(name) is False:
                 del data[name]
         if data.get("stages") is None:  # the CUDA-core engine has no stages
@@ -162,7 +169,7 @@ class BackwardSpec(BaseModel):
         return strict_integer(info.field_name, value)
 
     @field_validator(
-        "causal", "deterministic", "additive_mask", "block_sparse", *VARIANT_FLAGS, mode="before"
+        "causal", "deterministic", "additive_mask", "block_sparse", "split_roles", *VARIANT_FLAGS, mode="before"
     )
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
@@ -217,6 +224,8 @@ class BackwardSpec(BaseModel):
             problems += self._tc_problems()
         else:
             problems += self._simt_problems()
+        if self.split_roles and not problems:
+            problems += self._split_problems()
         if problems:  # the geometry below needs the tiling to be consistent
             raise ValueError("\n".join(problems))
         for arch in self.archs:
@@ -298,6 +307,25 @@ class BackwardSpec(BaseModel):
             )
         return problems
 
+    def _split_problems(self) -> list[str]:
+        """split_roles (templates/fa_bwd_tc.cu.j2): two warps per 32-key range, one for S^T,
+        P^T, dV and dQ, one for dP^T, dS^T and dK, each over the whole query tile (a warp's dK or
+        dV rows span the head dim: the accumulator limit keeps head dims to 128)."""
+        if not self.engine.tensor_cores:
+            return ["split_roles=True needs mma='mma_sync'"]
+        problems = []
+        if self.warp_keys != 32 or self.dim_warps != 2:
+            problems.append(
+                f"split_roles=True needs two warps per 32 keys: block_n={self.block_n} with "
+                f"num_warps={self.num_warps} is not that; use block_n={16 * self.num_warps}"
+            )
+        if self.softcap or self.score_mod is not None:
+            problems.append(
+                "split_roles=True computes dS where the scores are not: softcap and score_mod "
+                "(a per-score derivative) are not allowed with it"
+            )
+        return problems
+
     # ---- derived geometry (single source for render, launch and validation) --------------
     @property
     def engine(self) -> Engine:
@@ -353,12 +381,23 @@ class BackwardSpec(BaseModel):
 
     @property
     def warp_pairs(self) -> int:
-        """Column pairs of a warp's dK and dV rows (the last warps may have fewer)."""
+        """Column pairs of a warp's dK and dV rows (the last warps may have fewer; with
+        split_roles a warp holds dK or dV of every column)."""
+        if self.split_roles:
+            return self.column_pairs
         return -(-self.column_pairs // self.dim_warps)
 
     @property
+    def dq_warps(self) -> int:
+        """Warps that compute dQ in the main kernel (split_roles: the P warps)."""
+        return self.num_warps // 2 if self.split_roles else self.num_warps
+
+    @property
     def dq_m_tiles(self) -> int:
-        """m16 tiles of a warp's dQ rows (atomic dQ in the main kernel)."""
+        """m16 tiles of a warp's dQ rows (atomic dQ in the main kernel; split_roles: the whole
+        query tile)."""
+        if self.split_roles:
+            return self.block_m // 16
         return 2 if self.block_m >= 32 else 1
 
     @property
@@ -367,7 +406,7 @@ class BackwardSpec(BaseModel):
 
     @property
     def dq_col_warps(self) -> int:
-        return max(1, self.num_warps // self.dq_row_warps)
+        return max(1, self.dq_warps // self.dq_row_warps)
 
     @property
     def dq_pairs(self) -> int:
@@ -382,8 +421,8 @@ class BackwardSpec(BaseModel):
 
     @property
     def kv_accumulators(self) -> int:
-        """fp32 registers of a thread's dK and dV rows (tensor cores)."""
-        return self.warp_keys * self.warp_pairs
+        """fp32 registers of a thread's dK and dV rows (tensor cores; split_roles: dK or dV)."""
+        return self.warp_keys * self.warp_pairs // (2 if self.split_roles else 1)
 
     @property
     def dq_threads(self) -> int:
@@ -419,7 +458,7 @@ class BackwardSpec(BaseModel):
     def accumulators_per_thread(self) -> int:
         """fp32 registers of a thread's share of the block's dK and dV rows (tensor cores: and
         of its S^T and dP^T tiles)."""
-        if self.engine.tensor_cores:
+        if self.engine.tensor_cores:  # split_roles: S^T or dP^T over the whole query tile
             return self.kv_accumulators + 2 * self.warp_keys * self.warp_queries // 32
         return 2 * math.ceil(self.block_n * self.head_dim / self.threads)
 
@@ -452,6 +491,8 @@ class BackwardSpec(BaseModel):
         ]
         if self.engine.tensor_cores:
             parts.append(f"s{self.stages}")
+        if self.split_roles:
+            parts.append("split")
         if self.causal:
             parts.append("causal")
         if self.additive_mask:

@@ -231,15 +231,15 @@ def simt_backward_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, 
 
 def tc_backward_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     """The tensor-core backward grid (fp16/bf16 on sm_80 and later): block_m x block_n x
-    num_warps x Q/dO stages; the spec drops what does not fit (warp layouts, accumulators,
-    the arch's shared memory)."""
+    num_warps x Q/dO stages x split warp roles; the spec drops what does not fit (warp layouts,
+    accumulators, split roles' rules, the arch's shared memory)."""
     if problem.dtype not in TC_DTYPES or ARCHS[arch].compute_capability < 80:
         return
-    for block_m, block_n, warps, stages in itertools.product(
-        BACKWARD_TC_TILES, BACKWARD_TC_TILES, BACKWARD_TC_WARPS, BACKWARD_TC_STAGES
+    for block_m, block_n, warps, stages, split in itertools.product(
+        BACKWARD_TC_TILES, BACKWARD_TC_TILES, BACKWARD_TC_WARPS, BACKWARD_TC_STAGES, (False, True)
     ):
         yield {"mma": "mma_sync", "block_m": block_m, "block_n": block_n, "num_warps": warps,
-               "stages": stages}  # fmt: skip
+               "stages": stages, **({"split_roles": True} if split else {})}  # fmt: skip
 
 
 # One grid per backward engine: its field sets for a backward problem on an arch (an engine
