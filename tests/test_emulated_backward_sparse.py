@@ -39,6 +39,14 @@ CUTS = ((37, 90, 121), (20, 64, 100))  # document starts per batch entry, not on
 ENGINES = {  # tiles other than the forward's and than each other's
     "simt": {"mma": "simt", "block_m": 32, "block_n": 16, "num_warps": 4},
     "tc": {"mma": "mma_sync", "block_m": 64, "block_n": 32, "num_warps": 4, "stages": 2},
+    "tc-split": {  # the split_roles layout (P warps and dS warps) walking the lists
+        "mma": "mma_sync",
+        "block_m": 64,
+        "block_n": 64,
+        "num_warps": 4,
+        "stages": 2,
+        "split_roles": True,
+    },
 }
 
 
@@ -194,6 +202,13 @@ def test_the_builder_lists_match_the_numpy_lists(transposed):
         built.tile_states(), states.swapaxes(2, 3) if transposed else states
     )
     assert all((states == state).any() for state in (0, 1, 2))  # hidden, partial and full
+
+
+def test_block_sparse_is_refused_with_split_roles():
+    """The split_roles loops walk every query tile: a spec asking for both is refused, naming
+    the fields (the policy never pairs them: split_roles is its default without a mask_mod)."""
+    with pytest.raises((SpecError, ValueError), match=r"split_roles=True .* block_sparse=True"):
+        spec_for("tc", DOC, documents(), block_n=64, split_roles=True)
 
 
 def test_block_sparse_needs_a_mask_mod():

@@ -131,7 +131,13 @@ class BackwardSpec(BaseModel):
     def _drop_defaults_that_are_off(self, handler: Any) -> dict[str, Any]:
         """Flags that are off and absent expressions are left out of dumps, as in forward specs."""
         data = handler(self)
-        for name in (*VARIANT_FLAGS, "additive_mask", "deterministic", "block_sparse", "split_roles"):
+        for name in (
+            *VARIANT_FLAGS,
+            "additive_mask",
+            "deterministic",
+            "block_sparse",
+            "split_roles",
+        ):
             if data.get(name) is False:
                 del data[name]
         if data.get("stages") is None:  # the CUDA-core engine has no stages
@@ -169,7 +175,13 @@ class BackwardSpec(BaseModel):
         return strict_integer(info.field_name, value)
 
     @field_validator(
-        "causal", "deterministic", "additive_mask", "block_sparse", "split_roles", *VARIANT_FLAGS, mode="before"
+        "causal",
+        "deterministic",
+        "additive_mask",
+        "block_sparse",
+        "split_roles",
+        *VARIANT_FLAGS,
+        mode="before",
     )
     @classmethod
     def _strict_boolean(cls, value: Any, info: Any) -> Any:
@@ -323,6 +335,11 @@ class BackwardSpec(BaseModel):
             problems.append(
                 "split_roles=True computes dS where the scores are not: softcap and score_mod "
                 "(a per-score derivative) are not allowed with it"
+            )
+        if self.block_sparse:
+            problems.append(
+                "split_roles=True walks every query tile in its role loops: block_sparse=True "
+                "is not allowed with it (use split_roles=False)"
             )
         return problems
 
