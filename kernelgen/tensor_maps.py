@@ -23,11 +23,16 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import InputError, ToolchainMissingError
-from kernelgen.spec import DTYPE_BYTES, WGMMA_COLUMN_BLOCK, KernelSpec
+from kernelgen.spec import DTYPE_BYTES, KernelSpec
 
 TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
 SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
 L2_PROMOTION = "256B"  # K and V rows are read by every row tile of a head: promote whole lines
+# A spec's dtype -> the tensor map's data type (fp8 travels as bytes: TMA does not convert).
+TMA_DATA_TYPE = {"float16": "float16", "bfloat16": "bfloat16", "float8_e4m3": "uint8"}
+# fp8's V operand is V^T (batch, kv head, head dim, keys rounded up to FP8_KEY_GROUP), its keys
+# permuted within each group (kernelgen.fp8.v_operand); its box is head-dim rows of block_n keys.
+FP8_KEY_GROUP = 16
 # The kernel parameter of each map -> the tensor it maps, and which tile rows its box holds.
 MAP_TENSORS = {"q_map": ("q", "block_m"), "k_map": ("k", "block_n"), "v_map": ("v", "block_n")}
 
@@ -37,7 +42,7 @@ class TensorMapLayout:
     """The encode parameters of one tensor map except the address, innermost dimension first."""
 
     tensor: str  # q, k or v (for messages)
-    data_type: str  # float16 or bfloat16
+    data_type: str  # float16, bfloat16 or uint8 (fp8)
     dims: tuple[int, int, int, int]  # (head_dim, seq, heads, batch)
     strides_bytes: tuple[int, int, int]  # of dims 1..3: sequence, head, batch
     box: tuple[int, int, int, int]  # (64, tile rows, 1, 1)
@@ -69,12 +74,17 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
                 f"positive strides that are multiples of {TMA_ALIGN_BYTES // elem} elements "
                 "(a contiguous copy of the tensor has them)"
             )
+        dims = (spec.head_dim, seq, heads, problem.batch)
+        box = (spec.row_elems, getattr(spec, rows_field), 1, 1)
+        if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
+            dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, problem.batch)
+            box = (spec.block_n, spec.head_dim, 1, 1)
         layouts[param] = TensorMapLayout(
             tensor=tensor,
-            data_type=spec.dtype,
-            dims=(spec.head_dim, seq, heads, problem.batch),
+            data_type=TMA_DATA_TYPE[spec.dtype],
+            dims=dims,
             strides_bytes=strides,  # type: ignore[arg-type]
-            box=(WGMMA_COLUMN_BLOCK, getattr(spec, rows_field), 1, 1),
+            box=box,
         )
     return layouts
 
@@ -108,6 +118,7 @@ def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.ndarray:
     data_type = {
         "float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        "uint8": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
     }[layout.data_type]
     # The list arguments take cuda-bindings' own integer types: plain ints raise TypeError
     # ("Cannot convert int to cuuint32_t", cuda-bindings 13).
