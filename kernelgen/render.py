@@ -86,10 +86,6 @@ WGMMA_OPERAND: dict[str, WgmmaOperand] = {
     "bfloat16": WgmmaOperand("bf16", 16, True),
     "float8_e4m3": WgmmaOperand("e4m3", 32, False),
 }
-# fp8: the tile's weights P are multiplied by this power of two before they are rounded to e4m3
-# (exact), so weights down to 2^-14 of the row's largest stay normal e4m3 numbers (relative
-# rounding error <= 2^-4); the epilogue divides it out with the v descale.
-FP8_P_SCALE = 256.0
 
 
 # make_variant's arguments (templates/variants.cuh.j2): the kernel's parameters where the spec
@@ -311,7 +307,6 @@ def render(spec: KernelSpec) -> str:
         consumer_regs=consumer_registers(spec) if spec.engine.warp_specialized else 0,
         elem=CXX_ELEMENT[spec.out_dtype],
         operand=WGMMA_OPERAND.get(spec.dtype),
-        fp8_p_scale=FP8_P_SCALE,
         params=kernel_params(spec),
         combine_params=combine_params(spec) if spec.split_kv else (),
         combine_uri=spec.combine_uri,
