@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import WGMMA_SPEC_PATHS
 
 from kernelgen.emulator.attention import emulate_fp8_attention
 from kernelgen.errors import InputError, InputTypeError, SpecError
 from kernelgen.fp8 import E4M3_VALUES, KEY_ORDER, check_descales, decode_e4m3, v_operand
 from kernelgen.render import render
-from kernelgen.spec import spec_from_dict
+from kernelgen.spec import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.emulate
 
@@ -106,16 +107,21 @@ def problem(seed, batch, heads, kv_heads, seqlen_q, seqlen_k, descales=True):
     return q, k, v, scales
 
 
-CASES = [  # (causal, batch, heads, kv heads, Sq, Sk): GQA, lengths off the tiles
-    pytest.param(False, 2, 4, 2, 70, 150, id="gqa_sq70_sk150"),
-    pytest.param(True, 1, 3, 1, 131, 200, id="causal_mqa_sq131_sk200"),
-]
+FP8_SPEC_PATHS = [p for p in WGMMA_SPEC_PATHS if load_spec(p).fp8]
+# (batch, heads, kv heads, Sq, Sk): GQA and MQA, lengths off the tiles (and Sk off 16)
+SHAPES = [(2, 4, 2, 70, 150), (1, 3, 1, 131, 200)]
 
 
-@pytest.mark.parametrize(("causal", "batch", "heads", "kv_heads", "sq", "sk"), CASES)
-def test_fp8_forward_within_the_stated_bound(causal, batch, heads, kv_heads, sq, sk):
-    spec = fp8_spec(causal=causal)
-    q, k, v, descales = problem(1, batch, heads, kv_heads, sq, sk)
+def test_fp8_spec_files_are_plain_and_causal():
+    assert sorted(load_spec(p).causal for p in FP8_SPEC_PATHS) == [False, True]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
+@pytest.mark.parametrize("path", FP8_SPEC_PATHS, ids=lambda p: p.stem)
+def test_fp8_forward_within_the_stated_bound(path, shape):
+    spec = load_spec(path)
+    causal = spec.causal
+    q, k, v, descales = problem(1, *shape)
     result = emulate_fp8_attention(spec, q, k, v, **descales)
     scale = 128**-0.5
     ref, lse, a, b = reference(q, k, v, descales, causal, scale)
