@@ -85,6 +85,11 @@ def emulate_attention(
     :data:`DEFAULT_PAGE_SIZE`) in reverse order after a NaN spare page, with its block table,
     and ``seqlens_k`` (default Sk for every entry) hides the last page's padding; a mask is
     padded with zeros to the pages' keys."""
+    if spec.fp8:
+        raise InputTypeError(
+            f"spec dtype={spec.dtype!r} is not allowed here (float inputs); fp8 specs take e4m3 "
+            "bit patterns and descales: use kernelgen.emulator.attention.emulate_fp8_attention"
+        )
     if mask is not None:  # as attention() does
         spec = spec.with_additive_mask()
     if num_splits is None:
