@@ -22,7 +22,7 @@ import pytest
 from conftest import WGMMA_SPEC_PATHS
 
 from kernelgen.emulator.attention import emulate_attention, emulate_fp8_attention
-from kernelgen.errors import InputError, InputTypeError, SpecError
+from kernelgen.errors import HazardError, InputError, InputTypeError, SpecError
 from kernelgen.fp8 import E4M3_VALUES, KEY_ORDER, check_descales, decode_e4m3, v_operand
 from kernelgen.render import render
 from kernelgen.spec import load_spec, spec_from_dict
@@ -243,3 +243,15 @@ def test_fp8_specs_refuse_float_inputs_and_the_fp8_entry_refuses_other_specs():
         emulate_fp8_attention(bf16, bits, bits, bits)
     with pytest.raises(InputTypeError, match="q has dtype float32"):
         emulate_fp8_attention(fp8_spec(), zeros, bits, bits)
+
+
+def test_fp8_kernel_runs_under_the_race_check():
+    """The emulator's race check covers the fp8 kernel: P V issued before the V^T tile's
+    mbarrier wait (its TMA bytes read before they landed) is a HazardError."""
+    spec = fp8_spec()
+    source = render(spec)
+    wait = "      mbarrier_wait(v_full + 8 * slot, phase);\n"
+    assert source.count(wait) == 1
+    q, k, v, descales = problem(5, 1, 1, 1, 16, 130)
+    with pytest.raises(HazardError):
+        emulate_fp8_attention(spec, q, k, v, source=source.replace(wait, ""), **descales)
