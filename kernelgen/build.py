@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kernelgen.arch import ARCHS
 from kernelgen.compile import Resources, compile_offline
-from kernelgen.engines import engine_of
+from kernelgen.engines import required_sass_of
 from kernelgen.errors import SpecError
 from kernelgen.families import AnySpec, load_any_spec, render_any
 from kernelgen.fileio import atomic_write_text
@@ -66,7 +66,7 @@ def static_problems(spec: AnySpec, res: Resources) -> list[str]:
             f"local memory in the SASS for {res.arch} "
             f"(LDL {sass.get('LDL', 0)}, STL {sass.get('STL', 0)})"
         )
-    required = engine_of(spec).required_sass
+    required = required_sass_of(spec)
     if sass and required and not all(sass.get(name, 0) for name in required):
         problems.append(
             f"{spec.mma} spec without {' or '.join(required)} in its SASS for {res.arch}"

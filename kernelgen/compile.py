@@ -203,6 +203,7 @@ def parse_ptxas_report(log: str, name: str, arch: str) -> Resources:
 SASS_OPCODES: tuple[str, ...] = (
     "HMMA",
     "HGMMA",
+    "QGMMA",  # wgmma with fp8 operands
     "UTMALDG",
     "LDSM",
     "LDGSTS",

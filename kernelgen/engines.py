@@ -83,7 +83,7 @@ ENGINES: dict[str, Engine] = {
             name="wgmma",
             uri_tag="wg",
             description="Hopper tensor cores (wgmma, TMA, mbarriers; warp-specialised)",
-            dtypes=("float16", "bfloat16"),
+            dtypes=("float16", "bfloat16", "float8_e4m3"),
             tensor_cores=True,
             chunk_bytes=16,
             warp_specialized=True,
@@ -103,3 +103,15 @@ ENGINES: dict[str, Engine] = {
 def engine_of(spec: Any) -> Engine:
     """The row of the engine a spec (of any family) names."""
     return ENGINES[spec.mma]
+
+
+# SASS families that differ by operand type from the engine row's: fp8 wgmma compiles to QGMMA
+# where 16-bit wgmma gives HGMMA.
+SASS_BY_DTYPE: dict[str, dict[str, str]] = {"float8_e4m3": {"HGMMA": "QGMMA"}}
+
+
+def required_sass_of(spec: Any) -> tuple[str, ...]:
+    """The instruction families a spec's compiled kernels must show (its engine's, renamed
+    for its operand type)."""
+    renamed = SASS_BY_DTYPE.get(spec.dtype, {})
+    return tuple(renamed.get(name, name) for name in engine_of(spec).required_sass)

@@ -42,7 +42,7 @@ from kernelgen.errors import SettingError
 from kernelgen.families.backward import render as render_backward
 from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.occupancy import kernel_occupancy
-from kernelgen.render import render
+from kernelgen.render import WGMMA_OPERAND, render
 from kernelgen.schedule import schedule_problem
 from kernelgen.spec import KernelSpec
 
@@ -82,6 +82,11 @@ CLASSES = (
     "SYNCS",
 )
 TENSOR_FAMILIES = ("HMMA", "HGMMA")
+# SASS families counted as another: fp8 wgmma is QGMMA in the SASS, one wgmma product like HGMMA.
+_TENSOR_ALIASES = {"QGMMA": "HGMMA"}
+# wgmma multiply-adds per clock of an operand type over those of 16-bit ones (H100: fp8's dense
+# peak is twice bf16's); the model counts fp8 products in 16-bit-equivalent multiply-adds.
+WGMMA_RATE = {"float16": 1, "bfloat16": 1, "float8_e4m3": 2}
 # The backward adds its atomics (RED: fp32 adds to the dq accumulator; REDG on sm_90) and its
 # shared-memory stores and loads (the P^T and dS^T tiles, the rows' statistics).
 BACKWARD_CLASSES = (*CLASSES, "RED", "ATOM", "STS", "LDS")
@@ -95,7 +100,7 @@ BACKWARD_INTERIOR = {
     "const bool full_tile = m0 + BLOCK_M <= seqlen_q;": "const bool full_tile = true;",
 }
 MMA_SYNC_MACS = 16 * 8 * 16  # multiply-adds of one m16n8k16
-_HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)")
+_HGMMA_SHAPE = re.compile(r"[HQ]GMMA\.(\d+)x(\d+)x(\d+)")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 
 
@@ -130,7 +135,8 @@ class UnitFigures:
     by_class: dict[str, float]
     smem_bytes: float
     rescale: float = 0.0  # instructions a row's moving reference adds (per unit)
-    wgmma_macs: float = 0.0  # multiply-adds the unit's HGMMA instructions do
+    # multiply-adds the unit's HGMMA (and fp8 QGMMA) do, in 16-bit-equivalents (WGMMA_RATE)
+    wgmma_macs: float = 0.0
     # (LDSM + LDGSTS) x 512 B, the forward's measure of the traffic (the backward's smem_bytes
     # counts every shared-memory instruction by its width; 0: not counted separately)
     ldsm_ldgsts_bytes: float = 0.0
@@ -238,13 +244,17 @@ def hmma_loop(sass: str, family: str | tuple[str, ...] = TENSOR_FAMILIES) -> Loo
         body = [row for row in rows if start <= row.address <= end.address]
         skipped = _vote_skipped(body)
         kept = [row for row in body if row.address not in skipped]
-        counts = Counter(row.family for row in kept)
+        counts = Counter(_TENSOR_ALIASES.get(row.family, row.family) for row in kept)
         # A range holding an EXIT is no loop: ptxas's out-of-line wait blocks branch back
         # into a loop from below the kernel's exits.
         real = "EXIT" not in counts
         if real and any(counts[f] for f in families) and (best is None or len(kept) > best.issued):
             inner = sum(_backward_target(row) is not None for row in body[:-1])
-            shapes = Counter(row.opcode + row.operands for row in kept if row.family == "HGMMA")
+            shapes = Counter(
+                row.opcode + row.operands
+                for row in kept
+                if _TENSOR_ALIASES.get(row.family, row.family) == "HGMMA"
+            )
             opcodes = dict(Counter(row.opcode for row in kept))
             best = LoopBody(
                 dict(counts), len(skipped), inner, _hgmma_operands(shapes), opcodes=opcodes
@@ -318,7 +328,8 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * spec.block_n)
     per_unit_block = UNIT_QUERIES * UNIT_KEYS / (spec.block_m * spec.block_n)
     if spec.engine.warp_specialized:  # an overlapped loop is unrolled: one iteration, two tiles
-        per_unit /= len(body.hgmma) / (spec.head_dim_padded // 16 + spec.block_n // 16)
+        k = WGMMA_OPERAND[spec.dtype].k  # a tile's products: k-steps of Q K^T and of P V
+        per_unit /= len(body.hgmma) / ((spec.head_dim_padded + spec.block_n) // k)
     by_class = {name: body.counts.get(name, 0) * per_unit for name in CLASSES}
     issued = body.issued * per_unit
     if producer is not None:
@@ -330,9 +341,8 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
     memory += body.hgmma_smem_bytes(spec.elem_bytes) * per_unit
     if spec.engine.warp_specialized:
         memory += tma_tile_bytes(spec) * per_unit_block
-    return UnitFigures(
-        issued, by_class, memory, body.rescale * per_unit, body.hgmma_macs * per_unit
-    )
+    macs = body.hgmma_macs * per_unit / WGMMA_RATE.get(spec.dtype, 1)
+    return UnitFigures(issued, by_class, memory, body.rescale * per_unit, macs)
 
 
 def tma_tile_bytes(spec: KernelSpec) -> int:
@@ -412,22 +422,23 @@ def analytic_figures(spec: KernelSpec) -> UnitFigures:
 
 
 def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
-    """analytic_figures of a wgmma spec. A consumer warp's key tile issues head_dim / 16 HGMMA
-    for S (m64 x block_n x k16, both operands in shared memory) and block_n / 16 for O (A, the
-    probabilities, in registers); per warpgroup and tile they read Q (64 rows; not with
-    ``q_in_registers``, whose one read per block the steady state does not see) and the K and V
-    tiles once. The TMA copies write the K and V tiles once per block. MUFU as for mma.sync."""
-    keys, dim = spec.block_n, spec.head_dim_padded
+    """analytic_figures of a wgmma spec. A consumer warp's key tile issues head_dim / k HGMMA
+    for S (m64 x block_n x k, k = 16, or 32 for fp8; both operands in shared memory) and
+    block_n / k for O (A, the probabilities, in registers); per warpgroup and tile they read Q
+    (64 rows; not with ``q_in_registers``, whose one read per block the steady state does not
+    see) and the K and V tiles once. The TMA copies write the K and V tiles once per block. MUFU
+    as for mma.sync."""
+    keys, dim, k = spec.block_n, spec.head_dim_padded, WGMMA_OPERAND[spec.dtype].k
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * keys)
     per_warpgroup_tile = UNIT_QUERIES * UNIT_KEYS / (64 * keys)
-    hgmma = (dim // 16 + keys // 16) * per_unit
+    hgmma = (dim // k + keys // k) * per_unit
     q_rows = 0 if spec.q_in_registers else 64
     reads = (q_rows + 2 * keys) * dim * spec.elem_bytes * per_warpgroup_tile
     writes = tma_tile_bytes(spec) * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
     per_score = 2 if spec.softcap else 1  # exp2, and the cap's tanh
     mufu = (per_score * spec.rows_per_warp * keys / 32 + 2) * per_unit
     by_class = {"HGMMA": hgmma, "LDSM": 0.0, "LDGSTS": 0.0, "MUFU": mufu}
-    macs = 2 * UNIT_QUERIES * UNIT_KEYS * dim
+    macs = 2 * UNIT_QUERIES * UNIT_KEYS * dim / WGMMA_RATE.get(spec.dtype, 1)
     return UnitFigures(sum(by_class.values()), by_class, reads + writes, wgmma_macs=macs)
 
 

@@ -72,6 +72,22 @@ CXX_ELEMENT: dict[str, CxxElement] = {
 }
 
 
+@dataclass(frozen=True)
+class WgmmaOperand:
+    """How the wgmma kernels spell one operand type (q, k, v and P)."""
+
+    mma_type: str  # PTX operand type of wgmma.mma_async
+    k: int  # the k of one product (m64nNk16, m64nNk32): 32 bytes of every operand row
+    transposes: bool  # the instruction takes imm-trans-a/b (16-bit); fp8 operands are K-major
+
+
+WGMMA_OPERAND: dict[str, WgmmaOperand] = {
+    "float16": WgmmaOperand("f16", 16, True),
+    "bfloat16": WgmmaOperand("bf16", 16, True),
+    "float8_e4m3": WgmmaOperand("e4m3", 32, False),
+}
+
+
 # make_variant's arguments (templates/variants.cuh.j2): the kernel's parameters where the spec
 # has the variant, else the values that turn it off.
 VARIANT_ARGS: dict[str, tuple[str, str]] = {
@@ -136,7 +152,7 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     ``seqlens_k`` (per-sequence key lengths, or null) clamps ``seqlen_k`` for each batch entry.
     A paged-KV kernel also takes ``block_table`` (B, pages per sequence), its row stride and
     ``page_size``; its k/v batch stride is then the stride between pages."""
-    elem = CXX_ELEMENT[spec.dtype].name
+    elem = CXX_ELEMENT[spec.out_dtype].name
     if spec.engine.warp_specialized:  # q, k and v reach the kernel as TMA tensor maps
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
     else:
@@ -166,6 +182,8 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
         params += _strides("out", "bhs")
     params += _strides("mask", "bhqk")
     params.append(Param("scale_log2", "float"))
+    if spec.fp8:  # per (batch, kv head) fp32 factors of the fp8 q, k and v (null: 1)
+        params += [Param(f"{name}_descale", "const float*") for name in "qkv"]
     for name in spec.variants:
         if not (name == "sinks" and spec.split_kv):  # split-KV: the combine adds the sinks
             params += VARIANT_PARAMS[name]
@@ -287,7 +305,8 @@ def render(spec: KernelSpec) -> str:
         engine=spec.engine.description,
         producer_regs=PRODUCER_REGS,
         consumer_regs=consumer_registers(spec) if spec.engine.warp_specialized else 0,
-        elem=CXX_ELEMENT[spec.dtype],
+        elem=CXX_ELEMENT[spec.out_dtype],
+        operand=WGMMA_OPERAND.get(spec.dtype),
         params=kernel_params(spec),
         combine_params=combine_params(spec) if spec.split_kv else (),
         combine_uri=spec.combine_uri,

@@ -33,13 +33,25 @@ from kernelgen.expressions import (
     spec_expressions,
 )
 
-DType = Literal["float32", "float16", "bfloat16"]
+DType = Literal["float32", "float16", "bfloat16", "float8_e4m3"]
 LoopOrder = Literal["v1", "v2"]
 MmaPath = EngineName
 SmemLayout = Literal["padded", "swizzled"]
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
-DTYPE_SHORT: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1}
+DTYPE_SHORT: dict[str, str] = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float8_e4m3": "e4m3",
+}
+# fp8 inputs (docs/hopper.md, "fp8"): the element type of q, k and v -> that of out (and of the
+# split/combine paths, which fp8 does not have). Every other dtype writes out in its own type.
+FP8_OUTPUT_DTYPE: dict[str, str] = {"float8_e4m3": "bfloat16"}
+# What fp8 on the wgmma engine is built for so far: d128 with 128-key tiles (a V^T tile row is
+# then one 128-byte swizzled row of 128 keys), the plain loop, Q from shared memory.
+FP8_HEAD_DIMS = (128,)
+FP8_BLOCK_N = (128,)
 # Every dtype name kernelgen's functions and CLI accept -> the full name (the one table).
 DTYPE_ALIASES: dict[str, str] = {
     "float32": "float32",
@@ -93,6 +105,7 @@ WGMMA_BLOCK_M = (64, 128)  # one or two consumer warpgroups
 WGMMA_BLOCK_N = (32, 64, 128)
 WGMMA_ROWS_PER_WARPGROUP = 64
 WGMMA_COLUMN_BLOCK = 64  # elements of one 128-byte swizzled row (16-bit types)
+WGMMA_ROW_BYTES = 128  # one swizzled row: 64 16-bit or 128 fp8 elements
 WGMMA_SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the repeat of the 128-byte swizzle
 WGMMA_BARRIER_BYTES = 8
 
@@ -198,7 +211,10 @@ class KernelSpec(BaseModel):
         description="v1: FA1 order (outer loop over K/V tiles, running state in global memory); "
         "v2: FA2 order (a thread block per Q tile, state in registers)."
     )
-    dtype: DType = Field(description="Element type of q, k, v and out (accumulation is fp32).")
+    dtype: DType = Field(
+        description="Element type of q, k, v and out (accumulation is fp32). float8_e4m3 "
+        "(mma: wgmma only): q, k, v in e4m3 with per (batch, kv head) descales, out in bfloat16."
+    )
     head_dim: int = Field(description="Head dimension D: a multiple of 8, at most 256.")
     block_m: int = Field(
         description="Query rows per tile: 16, 32, 64 or 128 (mma_sync: 16 or 32 rows per warp "
@@ -441,6 +457,12 @@ class KernelSpec(BaseModel):
     # ---- whole-spec checks ----------------------------------------------------------------
     @model_validator(mode="after")
     def _check_geometry(self) -> KernelSpec:
+        if self.fp8 and self.dtype not in self.engine.dtypes:
+            raise ValueError(
+                f"dtype={self.dtype!r} is not allowed with mma={self.mma!r}; use one of "
+                f"{', '.join(self.engine.dtypes)}"
+                + (" (float8_e4m3 needs mma: wgmma)" if self.fp8 else "")
+            )
         problems = {
             "simt": self._simt_problems,
             "mma_sync": self._mma_problems,
@@ -635,9 +657,51 @@ class KernelSpec(BaseModel):
                 f"smem_layout={self.smem_layout!r}, smem_pad={self.smem_pad} are not allowed "
                 "with mma='wgmma'; its tiles are always 128-byte swizzled (leave both out)"
             )
+        if self.fp8:
+            problems += self._fp8_problems()
+        return problems
+
+    def _fp8_problems(self) -> list[str]:
+        """What an fp8 wgmma spec may not have (yet): docs/hopper.md, "fp8"."""
+        problems = []
+        for field, value, allowed in (
+            ("head_dim", self.head_dim, FP8_HEAD_DIMS),
+            ("block_n", self.block_n, FP8_BLOCK_N),
+        ):
+            if value not in allowed:
+                problems.append(
+                    f"{field}={value} is not allowed with dtype={self.dtype!r}; use "
+                    f"{' or '.join(map(str, allowed))}"
+                )
+        flags = (
+            "overlap", "pingpong", "q_in_registers", "pack_gqa", "split_kv", "paged_kv",
+            *VARIANT_FLAGS,
+        )  # fmt: skip
+        for field in (*flags, *EXPRESSION_FIELDS):
+            value = getattr(self, field)
+            if value not in (False, None):
+                problems.append(
+                    f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} (not built "
+                    "yet: fp8 runs the plain prefill loop, Q from shared memory, causal or not)"
+                )
         return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------
+    @property
+    def fp8(self) -> bool:
+        """q, k and v are fp8 (out is :attr:`out_dtype`)."""
+        return self.dtype in FP8_OUTPUT_DTYPE
+
+    @property
+    def out_dtype(self) -> str:
+        """Element type of out: bfloat16 for fp8 inputs, else the spec's dtype."""
+        return FP8_OUTPUT_DTYPE.get(self.dtype, self.dtype)
+
+    @property
+    def row_elems(self) -> int:
+        """wgmma: elements of one 128-byte swizzled tile row (a column block's width)."""
+        return WGMMA_ROW_BYTES // self.elem_bytes
+
     @property
     def engine(self) -> Engine:
         """The row of this spec's engine (:mod:`kernelgen.engines`)."""
@@ -657,7 +721,7 @@ class KernelSpec(BaseModel):
     @property
     def column_blocks(self) -> int:
         """wgmma: 64-element (128-byte) column blocks a Q, K or V tile row is stored in."""
-        return -(-self.head_dim // WGMMA_COLUMN_BLOCK)
+        return -(-self.head_dim // self.row_elems)
 
     @property
     def threads(self) -> int:
@@ -703,7 +767,7 @@ class KernelSpec(BaseModel):
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K and V tiles in shared memory, in elements."""
         if self.engine.warp_specialized:
-            return WGMMA_COLUMN_BLOCK  # one 128-byte row of a column block
+            return self.row_elems  # one 128-byte row of a column block
         width = self.head_dim_padded if self.engine.tensor_cores else self.head_dim
         return width + self.smem_pad * 4 // self.elem_bytes
 

@@ -24,11 +24,16 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import InputError, ToolchainMissingError
-from kernelgen.spec import DTYPE_BYTES, WGMMA_COLUMN_BLOCK, KernelSpec
+from kernelgen.spec import DTYPE_BYTES, KernelSpec
 
 TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
 SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
 L2_PROMOTION = "256B"  # K and V rows are read by every row tile of a head: promote whole lines
+# A spec's dtype -> the tensor map's data type (fp8 travels as bytes: TMA does not convert).
+TMA_DATA_TYPE = {"float16": "float16", "bfloat16": "bfloat16", "float8_e4m3": "uint8"}
+# fp8's V operand is V^T (batch, kv head, head dim, keys rounded up to FP8_KEY_GROUP), its keys
+# permuted within each group (kernelgen.fp8.v_operand); its box is head-dim rows of block_n keys.
+FP8_KEY_GROUP = 16
 # The kernel parameter of each map -> the tensor it maps, and which tile rows its box holds.
 MAP_TENSORS = {"q_map": ("q", "block_m"), "k_map": ("k", "block_n"), "v_map": ("v", "block_n")}
 
@@ -38,7 +43,7 @@ class TensorMapLayout:
     """The encode parameters of one tensor map except the address, innermost dimension first."""
 
     tensor: str  # q, k or v (for messages)
-    data_type: str  # float16 or bfloat16
+    data_type: str  # float16, bfloat16 or uint8 (fp8)
     dims: tuple[int, ...]  # (head_dim, seq, heads, batch); packed GQA's q: 5-d (below)
     strides_bytes: tuple[int, ...]  # of dims 1.. (bytes)
     box: tuple[int, ...]  # (64, tile rows, 1, 1)
@@ -112,15 +117,18 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
         rows = getattr(spec, rows_field)
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
-        box: tuple[int, ...] = (WGMMA_COLUMN_BLOCK, rows, 1, 1)
+        box: tuple[int, ...] = (spec.row_elems, rows, 1, 1)
         if tensor == "q" and spec.pack_gqa:
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
-            box = (WGMMA_COLUMN_BLOCK, group, rows // group, 1, 1)
+            box = (spec.row_elems, group, rows // group, 1, 1)
+        if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
+            dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
+            box = (spec.block_n, spec.head_dim, 1, 1)
         layouts[param] = TensorMapLayout(
             tensor=tensor,
-            data_type=spec.dtype,
+            data_type=TMA_DATA_TYPE[spec.dtype],
             dims=dims,
             strides_bytes=strides,
             box=box,
@@ -157,6 +165,7 @@ def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.ndarray:
     data_type = {
         "float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        "uint8": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
     }[layout.data_type]
     # The list arguments take cuda-bindings' own integer types: plain ints raise TypeError
     # ("Cannot convert int to cuuint32_t", cuda-bindings 13).

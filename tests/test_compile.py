@@ -24,7 +24,7 @@ from kernelgen.compile import (
     sass_instructions,
 )
 from kernelgen.errors import CompileError
-from kernelgen.render import MAX_SPLITS, PRODUCER_REGS, consumer_registers, render
+from kernelgen.render import MAX_SPLITS, PRODUCER_REGS, WGMMA_OPERAND, consumer_registers, render
 from kernelgen.spec import KernelSpec, load_spec
 
 pytestmark = pytest.mark.compile
@@ -81,7 +81,8 @@ def assert_static_quality(spec) -> None:
             if spec.mma == "mma_sync":  # tensor cores fed by ldmatrix, not a CUDA-core fallback
                 assert (sass["HMMA"], sass["LDSM"]) == tensor_core_instructions(spec), sass
             elif spec.mma == "wgmma":  # wgmma fed by TMA (counted in the test below)
-                assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["LDSM"] == 0, sass
+                product = "QGMMA" if spec.fp8 else "HGMMA"  # fp8 or 16-bit operands
+                assert sass[product] > 0 and sass["UTMALDG"] > 0 and sass["LDSM"] == 0, sass
             else:
                 assert sass["HMMA"] == 0 and sass["LDS"] > 0 and sass["LDG"] > 0, sass
 
@@ -251,10 +252,11 @@ WGMMA_SPEC_PATHS = [p for p in SPEC_PATHS if load_spec(p).mma == "wgmma"]
 
 
 def test_specs_cover_the_wgmma_matrix():
-    """Hopper specs for head dims 64, 128 and 256 in bf16, fp16 too, causal and not."""
+    """Hopper specs for head dims 64, 128 and 256 in bf16, fp16 and fp8 (e4m3) too, causal and
+    not."""
     specs = [load_spec(p) for p in WGMMA_SPEC_PATHS]
     assert {s.head_dim for s in specs if s.dtype == "bfloat16"} >= {64, 128, 256}
-    assert {s.dtype for s in specs} == {"float16", "bfloat16"}
+    assert {s.dtype for s in specs} == {"float16", "bfloat16", "float8_e4m3"}
     assert {s.causal for s in specs} == {False, True}
     assert {s.consumer_warpgroups for s in specs} == {1, 2}
     assert all(s.archs == ("sm_90a",) for s in specs)
@@ -279,11 +281,13 @@ def test_wgmma_kernels_use_hopper_instructions_within_their_register_budgets(pat
     compiled = compile_offline(render(spec), spec.uri, arch)
     sass = compiled.resources.sass_instructions
     require_toolchain(bool(sass), "cuobjdump + nvdisasm wheels")
-    products = spec.head_dim_padded // 16 + spec.block_n // 16  # of one key tile
+    k = WGMMA_OPERAND[spec.dtype].k  # 16, or 32 for fp8 (whose products are QGMMA)
+    family = "QGMMA" if spec.fp8 else "HGMMA"
+    products = (spec.head_dim_padded + spec.block_n) // k  # of one key tile
     if spec.overlap:  # prologue, the loop unrolled by two, its odd tail and two epilogues
-        assert sass["HGMMA"] >= 2 * products, sass
+        assert sass[family] >= 2 * products, sass
     else:  # the loop unrolled by the ring's depth: one body per slot
-        assert sass["HGMMA"] == products * spec.stages, sass
+        assert sass[family] == products * spec.stages, sass
     assert sass["UTMALDG"] > 0 and sass["LDSM"] == sass["LDGSTS"] == sass["HMMA"] == 0, sass
     assert "setmaxnreg" not in compiled.log  # ptxas would say it ignored it
     rows = sass_instructions(function_sass(disassembly(spec, arch), spec.uri))

@@ -13,6 +13,7 @@ from kernelgen.compile import compile_offline, cuobjdump_path, nvrtc_available
 from kernelgen.errors import SettingError
 from kernelgen.perfmodel import (
     FA2_D128,
+    WGMMA_RATE,
     UnitFigures,
     analytic_cost,
     analytic_figures,
@@ -23,7 +24,7 @@ from kernelgen.perfmodel import (
     unit_figures,
 )
 from kernelgen.policy import hopper_default_spec
-from kernelgen.render import render
+from kernelgen.render import WGMMA_OPERAND, render
 from kernelgen.spec import VARIANT_FLAGS, load_spec, spec_from_dict
 
 # The prefill kernels: the decode tiles (1-2 warps, split-KV) copy K/V in inner loops whose
@@ -263,14 +264,16 @@ def test_wgmma_loop_issues_what_the_tiling_requires(path):
     consumer, producer = interior_loops(spec, "sm_90a")
     # backward branches inside the body can only be the retry loops of its mbarrier waits (K
     # and V of each tile: one pass once the tile has landed)
-    tiles = len(consumer.hgmma) / (spec.head_dim_padded // 16 + spec.block_n // 16)
+    k = WGMMA_OPERAND[spec.dtype].k  # 16, or 32 for fp8
+    tiles = len(consumer.hgmma) / ((spec.head_dim_padded + spec.block_n) // k)
     assert consumer.inner_loops <= 2 * tiles and producer is not None
     measured = unit_figures(consumer, spec, producer)
     expected = analytic_figures(spec)
     for name in ("HGMMA", "MUFU", "LDSM", "LDGSTS"):
         assert measured.count(name) == pytest.approx(expected.count(name)), name
     assert measured.smem_bytes == pytest.approx(expected.smem_bytes)
-    assert measured.wgmma_macs == pytest.approx(2 * 64 * 64 * spec.head_dim_padded)
+    macs = 2 * 64 * 64 * spec.head_dim_padded / WGMMA_RATE.get(spec.dtype, 1)  # 16-bit-equivalent
+    assert measured.wgmma_macs == pytest.approx(macs)
     assert measured.count("UTMALDG") > 0
 
 
@@ -317,6 +320,26 @@ def test_wgmma_d128_bf16_default_meets_the_hopper_targets():
     assert report.prediction.limiter == "tensor"
     assert report.prediction.clocks["tensor"] == pytest.approx(512)  # 2048 multiply-adds/clock
     assert "of the wgmma peak" in report.summary()
+
+
+@pytest.mark.compile
+def test_wgmma_d128_fp8_figures_next_to_bf16s():
+    """The fp8 (e4m3) forward at d128 (docs/hopper.md, "fp8"), per 64 x 64 unit: half the
+    products of the bf16 kernel (k32) and half its shared-memory traffic (1-byte operands), at
+    most 760 instructions (744 measured; bf16 with Q from shared memory, the same loop: 803),
+    no spill or stack; the exponentials bind once the products take half the time."""
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
+    fp8, bf16 = (
+        model_spec(load_spec(next(p for p in WGMMA_SPECS if p.stem == stem)), "sm_90a")
+        for stem in ("v2_wg_e4m3_d128_m128_n128_s2", "v2_wg_bf16_d128_m128_n128_s2")
+    )
+    assert fp8.unit.count("HGMMA") * 2 == bf16.unit.count("HGMMA") == 32
+    assert fp8.unit.smem_bytes * 2 == bf16.unit.smem_bytes == 56 * 1024
+    assert fp8.unit.instructions <= 760
+    assert fp8.spill_bytes == fp8.stack_bytes == 0
+    assert fp8.prediction.clocks["tensor"] == pytest.approx(256)  # fp8: 4096 multiply-adds/clock
+    assert fp8.prediction.limiter == "MUFU"
 
 
 @pytest.mark.compile

@@ -17,11 +17,12 @@ import numpy as np
 from kernelgen.api import TensorInfo, check_inputs, plan
 from kernelgen.emulator.kernel import LaunchStats
 from kernelgen.emulator.launches import from_device_dtype, run_launches, to_device_dtype
+from kernelgen.errors import InputError, InputTypeError
 from kernelgen.host import NumpyArrays
 from kernelgen.launch import Problem
 from kernelgen.spec import KernelSpec
 
-__all__ = ["DEFAULT_PAGE_SIZE", "EmulatedAttention", "emulate_attention"]
+__all__ = ["DEFAULT_PAGE_SIZE", "EmulatedAttention", "emulate_attention", "emulate_fp8_attention"]
 
 # Keys per page when a paged-KV spec is emulated without a page size: smaller than every key
 # tile but 16, so the kernels look each row's page up (pass block_n or a multiple of it for
@@ -84,6 +85,11 @@ def emulate_attention(
     :data:`DEFAULT_PAGE_SIZE`; a wgmma spec's block_n) in reverse order after a NaN spare page,
     with its block table, and ``seqlens_k`` (default Sk for every entry) hides the last page's
     padding; a mask is padded with zeros to the pages' keys."""
+    if spec.fp8:
+        raise InputTypeError(
+            f"spec dtype={spec.dtype!r} is not allowed here (float inputs); fp8 specs take e4m3 "
+            "bit patterns and descales: use kernelgen.emulator.attention.emulate_fp8_attention"
+        )
     if mask is not None:  # as attention() does
         spec = spec.with_additive_mask()
     if num_splits is None:
@@ -184,3 +190,71 @@ def _paged(
     else:
         shape, strides = (batch, kv_heads, per_seq * page_size, head_dim), (page, head_dim, row, 1)
     return pool, table, TensorInfo(name, shape, strides, dtype, pool)
+
+
+def emulate_fp8_attention(
+    spec: KernelSpec,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    q_descale: np.ndarray | None = None,
+    k_descale: np.ndarray | None = None,
+    v_descale: np.ndarray | None = None,
+    scale: float | None = None,
+    source: str | None = None,
+) -> EmulatedAttention:
+    """Run an fp8 spec's kernel on q (B, H, Sq, D), k and v (B, Hkv, Sk, D) given as e4m3 bit
+    patterns (uint8, contiguous), with optional fp32 descales of shape (B, Hkv). v is passed
+    to the kernel as :func:`kernelgen.fp8.v_operand` makes it (V^T, keys permuted). ``out``
+    (bf16, widened to float32) and ``lse`` start as NaN."""
+    from kernelgen.fp8 import check_descales, v_operand
+
+    if not spec.fp8:
+        raise InputTypeError(
+            f"spec dtype={spec.dtype!r} is not allowed here; use a float8_e4m3 spec"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != np.uint8 or x.ndim != 4:
+            raise InputTypeError(
+                f"{name} has dtype {x.dtype} and {x.ndim} dims; expected 4-d uint8 (e4m3 bits)"
+            )
+    batch, heads, seqlen_q, dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if dim != spec.head_dim or heads % kv_heads or k.shape != v.shape or k.shape[0] != batch:
+        raise InputError(
+            f"q {q.shape}, k {k.shape}, v {v.shape} do not fit the spec (head_dim="
+            f"{spec.head_dim}; q (B, H, Sq, D), k and v (B, Hkv, Sk, D), H a multiple of Hkv)"
+        )
+    descales = check_descales(
+        {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale},
+        batch,
+        kv_heads,
+        fp8=True,
+    )
+    arrays: dict[str, np.ndarray] = {
+        "q": np.ascontiguousarray(q),
+        "k": np.ascontiguousarray(k),
+        "v": v_operand(v),
+        **descales,
+    }
+    strides = {n: tuple(s // arrays[n].itemsize for s in arrays[n].strides[:3]) for n in "qkv"}
+    out_shape = (batch, heads, seqlen_q, dim)
+    problem = Problem(
+        batch=batch,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        head_dim=dim,
+        q_strides=strides["q"],  # type: ignore[arg-type]
+        k_strides=strides["k"],  # type: ignore[arg-type]
+        v_strides=strides["v"],  # type: ignore[arg-type]  (V^T: batch, head, head dim)
+        out_strides=(heads * seqlen_q * dim, seqlen_q * dim, dim),
+    )
+    arrays["out"] = np.full(out_shape, 0xFFFF, dtype=np.uint16)
+    arrays["lse"] = np.full(out_shape[:3], np.nan, dtype=np.float32)
+    scale = dim**-0.5 if scale is None else float(scale)
+    stats = run_launches(spec, problem, arrays, scale, source=source)
+    out = from_device_dtype(arrays["out"], spec.out_dtype)
+    return EmulatedAttention(out, arrays["lse"], stats, arrays, problem)

@@ -1,0 +1,100 @@
+"""fp8 (e4m3) inputs of the wgmma forward: the V operand's layout and exact decoding.
+
+Both operands of an fp8 wgmma must be K-major. For S = Q K^T they are (q and k rows run over
+the head dim); for O += P V the B operand must run over keys, so the kernel reads V^T. The
+caller's V (batch, kv head, keys, head dim) becomes, on the host, a copy of shape (batch,
+kv head, head dim, keys rounded up to 16) whose keys are also permuted within each group of 16
+(:data:`KEY_ORDER`), to match the order in which a lane's weights fill the k32 register A
+fragment of P (templates/fa_fwd_wgmma.cu.j2, pack_weights): one extra read and write of V per
+call, and no exchange of weights between lanes in the kernel. docs/hopper.md, "fp8".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernelgen.errors import InputError, InputTypeError
+from kernelgen.tensor_maps import FP8_KEY_GROUP
+
+# Slot l of each 16-key group of V^T holds key KEY_ORDER[l] of the group: lane quad position q
+# fills slots 4 q .. 4 q + 3 of its A register with its score columns 2 q, 2 q + 1, 8 + 2 q and
+# 9 + 2 q (the accumulator layout's columns of the lane in two n8 groups).
+KEY_ORDER = np.array(
+    [2 * (slot // 4) + slot % 2 + 8 * (slot % 4 // 2) for slot in range(FP8_KEY_GROUP)]
+)
+
+
+def key_permutation(keys: int) -> np.ndarray:
+    """Source key of each slot of a V^T row of ``keys`` (a multiple of 16) keys."""
+    if keys % FP8_KEY_GROUP:
+        raise InputError(f"keys={keys} is not allowed; use a multiple of {FP8_KEY_GROUP}")
+    groups = np.arange(0, keys, FP8_KEY_GROUP)[:, None]
+    return (groups + KEY_ORDER[None, :]).reshape(-1)
+
+
+def v_operand(v: np.ndarray) -> np.ndarray:
+    """The V^T copy an fp8 kernel reads: v (B, Hkv, Sk, D) of 1-byte elements (e4m3 bit
+    patterns) -> (B, Hkv, D, Sk rounded up to 16), keys permuted by :func:`key_permutation`,
+    zeros past Sk, contiguous."""
+    if v.ndim != 4 or v.dtype.itemsize != 1:
+        raise InputError(
+            f"v has shape {tuple(v.shape)} and dtype {v.dtype}; expected (B, Hkv, Sk, D) of "
+            "1-byte elements (e4m3 bit patterns)"
+        )
+    batch, heads, keys, dim = v.shape
+    padded = -(-keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
+    rows = np.zeros((batch, heads, padded, dim), v.dtype)
+    rows[:, :, :keys] = v
+    return np.ascontiguousarray(rows[:, :, key_permutation(padded)].transpose(0, 1, 3, 2))
+
+
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def check_descales(
+    descales: dict[str, np.ndarray | None], batch: int, kv_heads: int, fp8: bool
+) -> dict[str, np.ndarray]:
+    """The given descales (name -> array or None) as contiguous float32 (batch, kv heads)
+    arrays; raises :class:`InputTypeError` for descales with non-fp8 inputs or a non-floating
+    dtype, :class:`InputError` for a wrong shape."""
+    given = {name: x for name, x in descales.items() if x is not None}
+    for name in given:
+        if name not in DESCALES:
+            raise InputError(f"{name} is not allowed; the descales are {', '.join(DESCALES)}")
+        if not fp8:
+            raise InputTypeError(
+                f"{name} is not allowed with non-fp8 inputs; descales apply to float8_e4m3 "
+                "q, k and v only (leave it out)"
+            )
+    checked = {}
+    for name, x in given.items():
+        x = np.asarray(x)
+        if x.dtype.kind != "f":
+            raise InputTypeError(f"{name} has dtype {x.dtype}; expected float32 (B, Hkv)")
+        if x.shape != (batch, kv_heads):
+            raise InputError(
+                f"{name} has shape {x.shape}; expected ({batch}, {kv_heads}): one factor per "
+                "(batch, kv head)"
+            )
+        checked[name] = np.ascontiguousarray(x, dtype=np.float32)
+    return checked
+
+
+def _e4m3_table() -> np.ndarray:
+    """The value of each e4m3 bit pattern (OCP FP8 E4M3: bias 7, no infinities, S.1111.111 NaN)."""
+    bits = np.arange(256)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    normal = (1 + mantissa / 8) * np.exp2(exponent - 7.0)
+    subnormal = mantissa / 8 * 2.0**-6
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    values[(bits & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+E4M3_VALUES = _e4m3_table()
+
+
+def decode_e4m3(bits: np.ndarray) -> np.ndarray:
+    """e4m3 bit patterns (uint8) as their exact float64 values."""
+    return E4M3_VALUES[np.asarray(bits, dtype=np.uint8)]

@@ -1,0 +1,257 @@
+"""The fp8 (e4m3) wgmma forward on the emulator against a float64 reference of the quantized
+inputs (docs/hopper.md, "fp8").
+
+The reference decodes the e4m3 bit patterns exactly, applies the descales and computes softmax
+attention in float64. The kernel's only rounding beyond fp32 is that of the weights P (and the
+bf16 output): the weights 2^(s - m), m placed 8 below the running maximum (at most 256, the
+maximum's weight), are rounded to e4m3, so a weight's relative error is at most 2^-4 while it is
+>= 2^-6 (a normal e4m3 number), i.e. >= 2^-14 of the maximum's, and its absolute error at most
+2^-10 = 2^-18 of the maximum's weight below. With l the exact row sum (fp32 weights) and
+rescaling by factors <= 1, every output element obeys
+
+    |out - ref| <= vd (2^-4 sum_j p_j |v_j| + 2^-18 sum_j |v_j|) / l + 2^-8 |ref| + fp32 slack,
+
+p the float64 weights, vd the v descale; 2^-8 |ref| covers the bf16 output's rounding. The
+tests assert it element by element, and the relative Frobenius error below 2^-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import WGMMA_SPEC_PATHS
+
+from kernelgen.emulator.attention import emulate_attention, emulate_fp8_attention
+from kernelgen.errors import HazardError, InputError, InputTypeError, SpecError
+from kernelgen.fp8 import E4M3_VALUES, KEY_ORDER, check_descales, decode_e4m3, v_operand
+from kernelgen.render import render
+from kernelgen.spec import load_spec, spec_from_dict
+
+pytestmark = pytest.mark.emulate
+
+P_RELATIVE = 2.0**-4  # e4m3 rounding of a normal weight: 3 mantissa bits
+P_ABSOLUTE = 2.0**-18  # half the e4m3 subnormal spacing (2^-10), over the maximum's weight 256
+OUT_RELATIVE = 2.0**-8  # bf16 output rounding (2^-9), with room for the fp32 epilogue
+FP32_SLACK = 1e-5  # fp32 scores, exponentials and sums, relative to sum_j p_j |v_j| / l
+
+FP8_SPEC = {
+    "loop_order": "v2",
+    "dtype": "float8_e4m3",
+    "head_dim": 128,
+    "block_m": 128,
+    "block_n": 128,
+    "mma": "wgmma",
+    "archs": ["sm_90a"],
+}
+
+
+def fp8_spec(**fields):
+    return spec_from_dict({**FP8_SPEC, **fields})
+
+
+_FINITE = np.flatnonzero(np.isfinite(E4M3_VALUES))
+_ORDER = _FINITE[np.argsort(E4M3_VALUES[_FINITE], kind="stable")]
+_SORTED = E4M3_VALUES[_ORDER]
+
+
+def quantize(x: np.ndarray) -> np.ndarray:
+    """Nearest e4m3 bit pattern of each value (ties either way: the tests only need e4m3 data)."""
+    i = np.clip(np.searchsorted(_SORTED, x), 1, len(_SORTED) - 1)
+    nearer_lower = np.abs(x - _SORTED[i - 1]) <= np.abs(_SORTED[i] - x)
+    return _ORDER[np.where(nearer_lower, i - 1, i)].astype(np.uint8)
+
+
+def reference(q, k, v, descales, causal: bool, scale: float):
+    """float64 attention of the decoded inputs: (out, lse, A, B) with A = vd sum p |v| / l and
+    B = vd sum |v| / l (the bound's terms)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qf, kf, vf = (decode_e4m3(x) for x in (q, k, v))
+    qd, kd, vd = (
+        descales.get(n, np.ones(k.shape[:2])) for n in ("q_descale", "k_descale", "v_descale")
+    )
+    group = heads // kv_heads
+    per_head = lambda d: np.repeat(d.astype(np.float64), group, axis=1)[:, :, None, None]  # noqa: E731
+    kf, vf = np.repeat(kf, group, axis=1), np.repeat(vf, group, axis=1)
+    s = (qf * per_head(qd)) @ (kf * per_head(kd)).transpose(0, 1, 3, 2) * scale
+    sq, sk = s.shape[2:]
+    if causal:
+        visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
+        s = np.where(visible, s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    p = np.exp(s - mx)
+    l = p.sum(-1, keepdims=True)  # noqa: E741
+    v_scaled = vf * per_head(vd)
+    out = p @ v_scaled / l
+    a = p @ np.abs(v_scaled) / l
+    b = np.abs(v_scaled).sum(-2, keepdims=True) / l
+    return out, (mx + np.log(l))[..., 0], a, b
+
+
+def bound_ratio(out, ref, a, b) -> float:
+    """max |out - ref| / bound over the elements (<= 1: within the stated bound)."""
+    bound = P_RELATIVE * a + P_ABSOLUTE * b + OUT_RELATIVE * np.abs(ref) + FP32_SLACK * a
+    return float(np.max(np.abs(out - ref) / bound))
+
+
+def problem(seed, batch, heads, kv_heads, seqlen_q, seqlen_k, descales=True):
+    rng = np.random.default_rng(seed)
+    q = quantize(rng.normal(0, 1.5, (batch, heads, seqlen_q, 128)))
+    k = quantize(rng.normal(0, 1.5, (batch, kv_heads, seqlen_k, 128)))
+    v = quantize(rng.normal(0, 2.0, (batch, kv_heads, seqlen_k, 128)))
+    scales = {}
+    if descales:
+        scales = {
+            name: rng.uniform(0.5, 2.0, (batch, kv_heads)).astype(np.float32)
+            for name in ("q_descale", "k_descale", "v_descale")
+        }
+    return q, k, v, scales
+
+
+FP8_SPEC_PATHS = [p for p in WGMMA_SPEC_PATHS if load_spec(p).fp8]
+# (batch, heads, kv heads, Sq, Sk): GQA and MQA, lengths off the tiles (and Sk off 16)
+SHAPES = [(2, 4, 2, 70, 150), (1, 3, 1, 131, 200)]
+
+
+def test_fp8_spec_files_are_plain_and_causal():
+    assert sorted(load_spec(p).causal for p in FP8_SPEC_PATHS) == [False, True]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
+@pytest.mark.parametrize("path", FP8_SPEC_PATHS, ids=lambda p: p.stem)
+def test_fp8_forward_within_the_stated_bound(path, shape):
+    spec = load_spec(path)
+    causal = spec.causal
+    q, k, v, descales = problem(1, *shape)
+    result = emulate_fp8_attention(spec, q, k, v, **descales)
+    scale = 128**-0.5
+    ref, lse, a, b = reference(q, k, v, descales, causal, scale)
+    ratio = bound_ratio(result.out, ref, a, b)
+    relative = np.linalg.norm(result.out - ref) / np.linalg.norm(ref)
+    print(f"{spec.uri}: max error / bound {ratio:.3f}, relative Frobenius error {relative:.4f}")
+    assert ratio <= 1.0
+    assert relative < P_RELATIVE
+    np.testing.assert_allclose(result.lse, lse, rtol=0, atol=1e-4)
+
+
+def test_fp8_descales_default_to_one():
+    spec = fp8_spec()
+    q, k, v, _ = problem(2, 1, 2, 2, 40, 130, descales=False)
+    result = emulate_fp8_attention(spec, q, k, v)
+    ref, _, a, b = reference(q, k, v, {}, False, 128**-0.5)
+    assert bound_ratio(result.out, ref, a, b) <= 1.0
+    ones = {n: np.ones((1, 2), np.float32) for n in ("q_descale", "k_descale", "v_descale")}
+    np.testing.assert_array_equal(emulate_fp8_attention(spec, q, k, v, **ones).out, result.out)
+
+
+# Mutations of the kernel the bound must catch: a descale dropped, the weights' byte order
+# within a register swapped (P no longer matches V^T's key order), the reference at the maximum
+# (weights <= 1: small ones lose e4m3's precision), a reference 9 below (weights up to 512
+# saturate at 448).
+MUTATIONS = {
+    "v_descale dropped": ("v_descale ? v_descale[descale_index] : 1.f", "1.f"),
+    "k_descale dropped": ("(k_descale ? k_descale[descale_index] : 1.f)", "1.f"),
+    "weights in the wrong key slots": ('"f"(x1), "f"(x0)', '"f"(x0), "f"(x1)'),
+    "reference at the maximum": (
+        "REFERENCE_OFFSET = RESCALE_SLACK;",
+        "REFERENCE_OFFSET = 0.f;",
+    ),
+    "weights past e4m3's range": (
+        "REFERENCE_OFFSET = RESCALE_SLACK;",
+        "REFERENCE_OFFSET = RESCALE_SLACK + 1.f;",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_fp8_mutations_break_the_bound(mutation):
+    spec = fp8_spec()
+    old, new = MUTATIONS[mutation]
+    source = render(spec)
+    assert old in source
+    q, k, v, descales = problem(3, 1, 2, 1, 64, 140)
+    result = emulate_fp8_attention(spec, q, k, v, source=source.replace(old, new), **descales)
+    ref, _, a, b = reference(q, k, v, descales, False, 128**-0.5)
+    ratio = bound_ratio(result.out, ref, a, b)
+    print(f"{mutation}: max error / bound {ratio:.2f}")
+    assert ratio > 1.0
+
+
+def test_v_operand_is_v_transposed_with_keys_permuted():
+    rng = np.random.default_rng(4)
+    v = rng.integers(0, 256, (2, 3, 37, 128), dtype=np.uint8)
+    vt = v_operand(v)
+    assert vt.shape == (2, 3, 128, 48) and vt.flags.c_contiguous
+    assert sorted(KEY_ORDER) == list(range(16))
+    for slot in range(48):
+        key = 16 * (slot // 16) + KEY_ORDER[slot % 16]
+        expected = v[:, :, key, :] if key < 37 else 0
+        np.testing.assert_array_equal(vt[:, :, :, slot], expected)
+
+
+def test_decode_e4m3_matches_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bits = np.arange(256, dtype=np.uint8)
+    expected = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    np.testing.assert_array_equal(decode_e4m3(bits), expected)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"mma": "mma_sync", "block_m": 64, "num_warps": 4},
+            "dtype='float8_e4m3' is not allowed with mma='mma_sync'",
+        ),
+        (
+            {"mma": "simt", "archs": ["sm_80"], "block_m": 64, "block_n": 64},
+            "float8_e4m3 needs mma: wgmma",
+        ),
+        ({"block_n": 64}, "block_n=64 is not allowed with dtype='float8_e4m3'; use 128"),
+        ({"head_dim": 64}, "head_dim=64 is not allowed with dtype='float8_e4m3'; use 128"),
+        ({"overlap": True, "stages": 3}, "overlap=True is not allowed with dtype='float8_e4m3'"),
+        ({"q_in_registers": True}, "q_in_registers=True is not allowed with dtype='float8_e4m3'"),
+    ],
+)
+def test_fp8_spec_errors_name_field_value_and_allowed(fields, message):
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fp8_spec(**fields)
+
+
+def test_fp8_spec_names_and_output_type():
+    spec = fp8_spec(causal=True)
+    assert spec.uri == "fa_fwd_v2_wg_e4m3_d128_m128_n128_w12_s2_causal"
+    assert spec.out_dtype == "bfloat16" and spec.column_blocks == 1
+
+
+def test_descale_errors_are_typed():
+    ok = np.ones((2, 3), np.float32)
+    with pytest.raises(InputTypeError, match="q_descale is not allowed with non-fp8 inputs"):
+        check_descales({"q_descale": ok}, 2, 3, fp8=False)
+    with pytest.raises(InputError, match=r"k_descale has shape \(3, 2\); expected \(2, 3\)"):
+        check_descales({"k_descale": ok.T}, 2, 3, fp8=True)
+    with pytest.raises(InputTypeError, match="v_descale has dtype int64"):
+        check_descales({"v_descale": np.ones((2, 3), np.int64)}, 2, 3, fp8=True)
+
+
+def test_fp8_specs_refuse_float_inputs_and_the_fp8_entry_refuses_other_specs():
+    zeros = np.zeros((1, 1, 16, 128), np.float32)
+    with pytest.raises(InputTypeError, match=r"use kernelgen\.emulator\.attention\.emulate_fp8"):
+        emulate_attention(fp8_spec(), zeros, zeros, zeros)
+    bf16 = spec_from_dict({**FP8_SPEC, "dtype": "bfloat16"})
+    bits = np.zeros((1, 1, 16, 128), np.uint8)
+    with pytest.raises(InputTypeError, match="spec dtype='bfloat16' is not allowed here"):
+        emulate_fp8_attention(bf16, bits, bits, bits)
+    with pytest.raises(InputTypeError, match="q has dtype float32"):
+        emulate_fp8_attention(fp8_spec(), zeros, bits, bits)
+
+
+def test_fp8_kernel_runs_under_the_race_check():
+    """The emulator's race check covers the fp8 kernel: P V issued before the V^T tile's
+    mbarrier wait (its TMA bytes read before they landed) is a HazardError."""
+    spec = fp8_spec()
+    source = render(spec)
+    wait = "      mbarrier_wait(v_full + 8 * slot, phase);\n"
+    assert source.count(wait) == 1
+    q, k, v, descales = problem(5, 1, 1, 1, 16, 130)
+    with pytest.raises(HazardError):
+        emulate_fp8_attention(spec, q, k, v, source=source.replace(wait, ""), **descales)
