@@ -22,7 +22,7 @@ def test_every_shipped_spec_loads(spec_paths):
     assert len(spec_paths) >= 8
     specs = [load_spec(p) for p in spec_paths]
     assert {s.loop_order for s in specs} == {"v1", "v2"}
-    assert {s.dtype for s in specs} == {"float32", "float16", "bfloat16"}
+    assert {s.dtype for s in specs} == {"float32", "float16", "bfloat16", "float8_e4m3"}
     assert {64, 128} <= {s.head_dim for s in specs}
     assert {s.head_dim for s in specs} & {80, 96}
     assert {s.causal for s in specs} == {True, False}
