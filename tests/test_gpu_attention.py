@@ -158,8 +158,11 @@ def require_compute_capability_9_0() -> None:
         pytest.skip(f"wgmma (sm_90a) needs compute capability 9.0; this device is {capability}")
 
 
-# paged wgmma specs: test_gpu_serving.py's test_paged_specs_on_gpu
-WGMMA_CONTIGUOUS_PATHS = [p for p in WGMMA_SPEC_PATHS if not load_spec(p).paged_kv]
+# paged wgmma specs: test_gpu_serving.py's test_paged_specs_on_gpu; fp8 ones (e4m3 bit patterns
+# and descales): test_gpu_fp8.py
+WGMMA_CONTIGUOUS_PATHS = [
+    p for p in WGMMA_SPEC_PATHS if not load_spec(p).paged_kv and not load_spec(p).fp8
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
