@@ -361,12 +361,11 @@ class _BackwardKernels:
         self._steps: dict[Problem, list[LaunchStep]] = {}
         source = backward.render(spec)
         if host:
-            from kernelgen.emulator.launches import spec_kernel
+            from kernelgen.emulator.launches import spec_kernels
 
-            steps = backward.launch_steps(spec, _UNIT_PROBLEM)
-            self.functions = {
-                s.symbol: spec_kernel(spec, s.symbol, s.params, source) for s in steps
-            }
+            steps = backward.launch_steps(spec, _UNIT_PROBLEM)  # one library for all three
+            kernels = tuple((s.symbol, tuple(s.params)) for s in steps)
+            self.functions = dict(spec_kernels(spec, kernels, source))
         else:
             self.functions = compile_functions(
                 import_cupy(), spec.uri, source, backward.symbols(spec)

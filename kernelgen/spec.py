@@ -6,6 +6,7 @@ A spec is everything that is a compile-time constant of a generated kernel. Its 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -1038,6 +1039,13 @@ def parse_spec_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed_spec_text(text: str) -> Any:
+    """:func:`parse_spec_yaml` once per distinct text: the test suite reads the same spec files
+    hundreds of times, and the YAML parser (pure Python) was most of a read."""
+    return parse_spec_yaml(text)
+
+
 def load_spec(path: str | Path) -> KernelSpec:
     """Read one spec from a YAML file (safe loading, UTF-8, at most 1 MiB, no aliases, no
     duplicate keys)."""
@@ -1067,7 +1075,7 @@ def load_spec_data(path: str | Path) -> Any:
             str(path),
         ) from None
     try:
-        data = parse_spec_yaml(text)
+        data = copy.deepcopy(_parsed_spec_text(text))  # the caller may change its copy
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""

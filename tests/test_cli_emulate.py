@@ -105,14 +105,14 @@ def _with_source(monkeypatch, edit) -> None:
     """The emulated kernels are built from ``edit(rendered source)``."""
     original = launches.render
     monkeypatch.setattr(launches, "render", lambda spec: edit(original(spec)))
-    launches.spec_kernel.cache_clear()
+    launches.spec_kernels.cache_clear()
 
 
 @pytest.fixture
 def fresh_kernels():
-    launches.spec_kernel.cache_clear()
+    launches.spec_kernels.cache_clear()
     yield
-    launches.spec_kernel.cache_clear()
+    launches.spec_kernels.cache_clear()
 
 
 def test_a_broken_fragment_layout_fails_the_error_check(monkeypatch, fresh_kernels):

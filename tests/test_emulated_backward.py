@@ -572,18 +572,19 @@ def _launch_stats(monkeypatch) -> dict:
     from kernelgen.emulator import launches
 
     stats: dict = {}
-    build = launches.spec_kernel
+    build = launches.spec_kernels
 
-    def recording(spec, symbol, params, source=None):
-        kernel = build(spec, symbol, params, source)
+    def recording(spec, kernels, source=None):
+        def launcher(symbol, kernel):
+            def launch(**kwargs):
+                stats[symbol] = kernel(**kwargs)
+                return stats[symbol]
 
-        def launch(**kwargs):
-            stats[symbol] = kernel(**kwargs)
-            return stats[symbol]
+            return launch
 
-        return launch
+        return {s: launcher(s, k) for s, k in build(spec, kernels, source).items()}
 
-    monkeypatch.setattr(launches, "spec_kernel", recording)
+    monkeypatch.setattr(launches, "spec_kernels", recording)
     monkeypatch.setattr(backward_api, "_KERNELS", {})
     return stats
 

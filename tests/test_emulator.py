@@ -14,6 +14,7 @@ import pytest
 
 from kernelgen.emulator import (
     EmulatorArgumentError,
+    EmulatorArgumentTypeError,
     EmulatorUnavailableError,
     build_kernel,
     transform_source,
@@ -623,6 +624,55 @@ def test_unsupported_parameter_types_are_rejected():
         build_kernel(STRIDED_SRC, "strided_scale", [("float**", "x")])
     with pytest.raises(ValueError, match="unsupported"):
         build_kernel(STRIDED_SRC, "strided_scale", [("__half", "x")])
+
+
+TWIN_SRC = r"""
+extern "C" __global__ void twice(const float* x, float* y) {
+  y[threadIdx.x] = 2.f * x[threadIdx.x];
+}
+extern "C" __global__ void plus(const float* x, float* y, float c) {
+  y[threadIdx.x] = x[threadIdx.x] + c;
+}
+"""
+TWIN_PARAMS = {
+    "twice": [("const float*", "x"), ("float*", "y")],
+    "plus": [("const float*", "x"), ("float*", "y"), ("float", "c")],
+}
+
+
+def test_a_sources_kernels_build_into_one_library():
+    """build_kernels: one g++ run for both kernels of a source, each launcher running its own
+    kernel with its own parameters; naming them in another order finds the same library."""
+    from uuid import uuid4
+
+    from kernelgen.emulator import build_kernels
+
+    source = f"// {uuid4()}: a build of its own\n{TWIN_SRC}"
+    built = build_kernels(source, TWIN_PARAMS)
+    assert list(built) == ["twice", "plus"]  # the caller's order
+    twice, plus = built["twice"], built["plus"]
+    assert twice.so_path == plus.so_path and twice.compile_seconds > 0
+    x = np.random.default_rng(1).standard_normal(64).astype(np.float32)
+    y = np.full(64, np.nan, np.float32)
+    twice(grid=1, block=64, args=[x, y])
+    np.testing.assert_array_equal(y, 2 * x)
+    plus(grid=1, block=64, args=[x, y, 0.5])
+    np.testing.assert_array_equal(y, x + np.float32(0.5))
+    again = build_kernels(source, dict(reversed(TWIN_PARAMS.items())))
+    assert again["plus"].so_path == plus.so_path and again["plus"].compile_seconds == 0.0
+    with pytest.raises(EmulatorArgumentTypeError, match="takes 3 arguments"):
+        again["plus"](grid=1, block=64, args=[x, y])
+
+
+@pytest.mark.parametrize(
+    ("kernels", "message"),
+    [({}, "at least one kernel"), ({"not a name": []}, "bad kernel name 'not a name'")],
+)
+def test_build_kernels_names_bad_input(kernels, message):
+    from kernelgen.emulator import EmulatorSourceError, build_kernels
+
+    with pytest.raises(EmulatorSourceError, match=message):
+        build_kernels(TWIN_SRC, kernels)
 
 
 @pytest.mark.parametrize(

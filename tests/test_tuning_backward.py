@@ -425,10 +425,8 @@ def numpy_cupy() -> types.SimpleNamespace:
 class EmulatedStep:
     """One backward kernel built by the emulator, called as a CuPy function is."""
 
-    def __init__(self, spec: BackwardSpec, symbol: str, params: tuple, source: str) -> None:
-        from kernelgen.emulator.launches import spec_kernel
-
-        self.kernel = spec_kernel(spec, symbol, params, source)
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
         self.skip = False
 
     def __call__(self, grid, block, args, shared_mem=0) -> None:
@@ -453,9 +451,12 @@ def emulated_bench(request, monkeypatch):
     p = bench_problem(request.param)
 
     def functions(cupy, spec, cubin):
-        source = backward.render(spec)
+        from kernelgen.emulator.launches import spec_kernels
+
         steps = backward.launch_steps(spec, gpu.backward_launch_problem(p, {}))
-        return {s.symbol: EmulatedStep(spec, s.symbol, s.params, source) for s in steps}
+        kernels = tuple((s.symbol, tuple(s.params)) for s in steps)
+        built = spec_kernels(spec, kernels, backward.render(spec))  # one library for the three
+        return {symbol: EmulatedStep(kernel) for symbol, kernel in built.items()}
 
     monkeypatch.setattr(gpu, "require_device", numpy_cupy)
     monkeypatch.setattr(gpu, "backward_functions", functions)

@@ -27,6 +27,7 @@ from kernelgen.emulator.kernel import (
     EmulatedKernel,
     LaunchStats,
     build_kernel,
+    build_kernels,
     include_dir,
 )
 from kernelgen.emulator.tensor_map import TensorMap, encode_tensor_map_tiled
@@ -61,6 +62,7 @@ __all__ = [
     "LaunchStats",
     "TensorMap",
     "build_kernel",
+    "build_kernels",
     "encode_tensor_map_tiled",
     "include_dir",
     "transform_source",

@@ -9,26 +9,54 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import numpy as np
 
-from kernelgen.emulator.kernel import EmulatedKernel, LaunchStats, build_kernel
+from kernelgen.emulator.kernel import EmulatedKernel, LaunchStats, build_kernels
 from kernelgen.launch import Problem, kernel_arguments, launch_steps, scratch_floats
-from kernelgen.render import render
+from kernelgen.render import combine_params, kernel_params, render
 from kernelgen.spec import KernelSpec
 from kernelgen.tensor_maps import encode_on_host, tensor_map_arguments, tensor_map_layouts
 
-__all__ = ["from_device_dtype", "run_launches", "spec_kernel", "to_device_dtype"]
+__all__ = [
+    "from_device_dtype",
+    "run_launches",
+    "spec_kernel",
+    "spec_kernels",
+    "to_device_dtype",
+]
 
 
 @cache
-def spec_kernel(
-    spec: KernelSpec, symbol: str, params: tuple, source: str | None = None
-) -> EmulatedKernel:
-    """The emulated kernel ``symbol`` (the main kernel or the split-KV combine) of ``spec``,
-    built from ``source`` (default: the spec's rendered CUDA), once per process."""
+def spec_kernels(
+    spec: Any, kernels: tuple[tuple[str, tuple], ...], source: str | None = None
+) -> dict[str, EmulatedKernel]:
+    """The emulated kernels ``kernels`` ((symbol, params) pairs: every kernel of the spec's
+    launch plan) of ``spec`` (of any family), built from ``source`` (default: the forward
+    spec's rendered CUDA) into one library, once per process."""
     text = render(spec) if source is None else source
-    return build_kernel(text, symbol, [(p.ctype, p.name) for p in params])
+    params = {symbol: [(p.ctype, p.name) for p in ps] for symbol, ps in kernels}
+    return build_kernels(text, params)
+
+
+def spec_kernel(spec: Any, symbol: str, params: tuple, source: str | None = None) -> EmulatedKernel:
+    """The emulated kernel ``symbol`` of ``spec`` (see :func:`spec_kernels`). A forward spec's
+    main kernel and split-KV combine are built together, as :func:`run_launches` builds them."""
+    kernels = ((symbol, tuple(params)),)
+    if isinstance(spec, KernelSpec):
+        siblings = _forward_kernels(spec)
+        if kernels[0] in siblings:
+            kernels = siblings
+    return spec_kernels(spec, kernels, source)[symbol]
+
+
+def _forward_kernels(spec: KernelSpec) -> tuple[tuple[str, tuple], ...]:
+    """A forward spec's kernels: the main kernel, and the combine of a split-KV spec."""
+    kernels = ((spec.uri, tuple(kernel_params(spec))),)
+    if spec.split_kv:
+        kernels += ((spec.combine_uri, tuple(combine_params(spec))),)
+    return kernels
 
 
 def to_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -72,9 +100,10 @@ def run_launches(
         arrays.update(tensor_map_arguments(layouts, arrays, encode_on_host))
     stats: dict[str, LaunchStats] = {}
     steps = launch_steps(spec, problem)
+    kernels = spec_kernels(spec, tuple((s.symbol, tuple(s.params)) for s in steps), source)
     for i, step in enumerate(steps):
         args = kernel_arguments(step.params, problem, arrays, scale, null=None)
-        kernel = spec_kernel(spec, step.symbol, step.params, source)
+        kernel = kernels[step.symbol]
         launched = kernel(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
         stats[step.symbol] = stats.get(step.symbol, LaunchStats()) + launched
         if on_step is not None:
