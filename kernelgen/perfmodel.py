@@ -460,8 +460,10 @@ def interior_compile(spec: KernelSpec, arch: str) -> tuple[str, str]:
     if sass is None:
         raise SettingError("cuobjdump/nvdisasm are not installed (pip install 'kernelgen[nvrtc]')")
     # The main kernel alone: a split-KV cubin also holds the combine kernel, whose addresses
-    # start at 0 again and would mix into the loop's address ranges.
-    return function_sass(sass, spec.uri) or sass, compiled.log
+    # start at 0 again and would mix into the loop's address ranges. Its "Function :" header
+    # stays, so that readers that select the function (kernelgen.schedule) find it again.
+    main = function_sass(sass, spec.uri)
+    return (f"\tFunction : {main}" if main else sass), compiled.log
 
 
 def interior_sass(spec: KernelSpec, arch: str) -> str:
