@@ -194,13 +194,14 @@ def default_spec(
 # dims 64 and 128 (d128: 560 against 568 TFLOP/s for 64-key tiles, within the noise; causal
 # 497 against 485; and 820 against 1000 instructions per unit), 64-key tiles at 96 (not
 # measured) and 256 (the only ones that fit); the plain loop, without ping-pong. Q in registers
-# up to head dim 128 (where its head_dim / 4 registers fit beside 128-key tiles): at d128 it
-# takes the unit from 56 to 48 KiB of shared-memory traffic for 11 more instructions (814,
-# docs/hopper.md); the H100 run above timed the same tiling with Q from shared memory
-# (specs/v2_wg_bf16_d128_m128_n128_s2.yaml keeps it for the comparison). The overlapped loop
-# (overlap: true) is not the default: with Q in registers its 128-key tiles at d128 need more
-# registers than ptxas pipelines, and its new schedule has not been timed on a GPU yet.
-Q_IN_REGISTERS_MAX_HEAD_DIM = 128
+# only with 64-key tiles: on an H100 (bench/results/2026-11-26-*-run5-session.json, bf16 d128
+# 4k) it ran 0.97x the same 128-key tiling with Q from shared memory (633.1 against 649.8
+# TFLOP/s; causal 0.96x, and 0.90-0.98x in run 4), though it takes the unit from 56 to 48 KiB of
+# traffic, while at 64-key tiles, where Q is re-read twice as often, it ran 1.02-1.05x. The
+# overlapped loop (overlap: true, 3 stages) ran 1.01x the plain loop without causality and
+# 0.99x with it: not the default either.
+Q_IN_REGISTERS_BLOCK_N = 64  # the key tile at which the default holds Q in registers
+Q_IN_REGISTERS_MAX_HEAD_DIM = 128  # where its head_dim / 4 registers fit
 HOPPER_DEVICE_ARCH = "sm_90"  # the device arch that runs sm_90a code (wgmma: 9.0 only)
 
 
@@ -212,6 +213,7 @@ def hopper_default_spec(
     dtype = normalize_dtype(dtype)
     if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
         return None
+    block_n = 128 if head_dim in (64, 128) else 64
     try:
         return KernelSpec(
             loop_order="v2",
@@ -219,10 +221,11 @@ def hopper_default_spec(
             dtype=dtype,
             head_dim=head_dim,
             block_m=128,
-            block_n=128 if head_dim in (64, 128) else 64,
+            block_n=block_n,
             stages=2,
             causal=bool(causal),
-            q_in_registers=head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
+            q_in_registers=block_n == Q_IN_REGISTERS_BLOCK_N
+            and head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
             archs=WGMMA_ARCHS,
             **{name: True for name in variants},
         )
