@@ -43,6 +43,12 @@ WGMMA_2026_11_26 = (
     "2026-11-26-nvidia-h100-80gb-hbm3-wgmma.json",
     "2026-11-26-nvidia-h100-80gb-hbm3-wgmma-d64-d256.json",
 )
+# bench.session's prefill stages of 2026-11-26 (runs 4 and 5): the wgmma kernels of each commit
+SESSIONS_2026_11_26 = (
+    "2026-11-26-nvidia-h100-80gb-hbm3-session.json",
+    "2026-11-26-nvidia-h100-80gb-hbm3-session-long.json",
+    "2026-11-26-nvidia-h100-80gb-hbm3-run5-session.json",
+)
 BEGIN = "<!-- tables:begin {name} -->"
 END = "<!-- tables:end {name} -->"
 _MARKER = re.compile(r"<!-- tables:(begin|end) ([A-Za-z0-9_.-]+) -->")
@@ -491,7 +497,9 @@ SECTIONS = (
     Section(
         ROOT / "README.md",
         "measured",
-        lambda r: measured_section(_runs(r, (PREFILL_2026_11_25, *WGMMA_2026_11_26))),
+        lambda r: measured_section(
+            _runs(r, (PREFILL_2026_11_25, *WGMMA_2026_11_26, *SESSIONS_2026_11_26))
+        ),
     ),
     Section(
         ROOT / "docs" / "performance-model.md",
