@@ -370,7 +370,7 @@ def test_mutated_small_page_lookup_fails(tmp_path, monkeypatch, name):
 
     render = importlib.import_module("kernelgen.render")  # the package exports a render()
     launches = importlib.import_module("kernelgen.emulator.launches")
-    caches = (render.environment, render.template_dir, render.template_hash, launches.spec_kernel)
+    caches = (render.environment, render.template_dir, render.template_hash, launches.spec_kernels)
 
     original, mutated = PAGE_LOOKUP_MUTATIONS[name]
     folder = tmp_path / "templates"

@@ -41,7 +41,7 @@ def test_dry_run_with_a_fake_compile(monkeypatch):
     from kernelgen.tuning import candidates
 
     # on a 9.0 device the wgmma (sm_90a) specs rank first in the static model
-    spilling = "fa_fwd_v2_wg_f16_d64_m128_n128_w12_s2_ovl_causal"
+    spilling = "fa_fwd_v2_wg_f16_d64_m128_n128_w12_s3_ovl_causal"  # overlap: 3 stages
     monkeypatch.setattr(candidates, "offline_resources", fake_compile(frozenset({spilling})))
     monkeypatch.setenv("COLUMNS", "200")
     result = run(
