@@ -559,12 +559,24 @@ def test_tensor_core_template_mutations_are_caught(name, monkeypatch):
 
     monkeypatch.setattr(backward, "render", mutated_render)
     monkeypatch.setattr(backward_api, "_KERNELS", {})
-    try:
-        grads = run(p, spec=spec)
-    except EmulatorLaunchError:  # a trap or hazard the emulator found is a catch too
-        return
-    with pytest.raises(AssertionError):
-        check(p, grads, "float16")
+    # A race through plain shared-memory stores is outside the race check (docs/emulator.md):
+    # whether a warp reads before the other's store depends on thread timing, so such a mutant
+    # is run until caught (about 3 runs in 4 catch it; 8 leave a 1.5e-5 chance of a miss).
+    attempts = TIMING_DEPENDENT_MUTATIONS.get(name, 1)
+    for _ in range(attempts):
+        try:
+            grads = run(p, spec=spec)
+        except EmulatorLaunchError:  # a trap or hazard the emulator found is a catch too
+            return
+        try:
+            check(p, grads, "float16")
+        except AssertionError:
+            return
+    pytest.fail(f"mutation {name!r} gave the right gradients in {attempts} runs")
+
+
+# Mutations whose wrong result depends on thread timing, and the runs that must catch them.
+TIMING_DEPENDENT_MUTATIONS = {"dropped-mid-barrier": 8}
 
 
 def _launch_stats(monkeypatch) -> dict:
