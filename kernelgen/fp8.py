@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernelgen.errors import InputError, InputTypeError
+from kernelgen.launch import Problem
 from kernelgen.tensor_maps import FP8_KEY_GROUP
 
 # Slot l of each 16-key group of V^T holds key KEY_ORDER[l] of the group: lane quad position q
@@ -98,3 +99,22 @@ E4M3_VALUES = _e4m3_table()
 def decode_e4m3(bits: np.ndarray) -> np.ndarray:
     """e4m3 bit patterns (uint8) as their exact float64 values."""
     return E4M3_VALUES[np.asarray(bits, dtype=np.uint8)]
+
+
+def launch_problem(q: np.ndarray, k: np.ndarray, v_t: np.ndarray) -> Problem:
+    """The launch Problem of an fp8 call: q (B, H, Sq, D), k (B, Hkv, Sk, D) and the V^T
+    operand ``v_t`` (:func:`v_operand`), contiguous 1-byte arrays (their byte strides are
+    element strides; v's are (batch, head, head dim)), out (B, H, Sq, D) contiguous."""
+    batch, heads, seqlen_q, dim = q.shape
+    return Problem(
+        batch=batch,
+        num_heads=heads,
+        num_kv_heads=k.shape[1],
+        seqlen_q=seqlen_q,
+        seqlen_k=k.shape[2],
+        head_dim=dim,
+        q_strides=q.strides[:3],  # type: ignore[arg-type]
+        k_strides=k.strides[:3],  # type: ignore[arg-type]
+        v_strides=v_t.strides[:3],  # type: ignore[arg-type]
+        out_strides=(heads * seqlen_q * dim, seqlen_q * dim, dim),
+    )

@@ -20,8 +20,8 @@ import pytest
 from test_emulated_fp8 import FP8_SPEC_PATHS, SHAPES, bound_ratio, problem, reference
 from test_gpu_attention import require_compute_capability_9_0
 
-from kernelgen.fp8 import decode_e4m3, v_operand
-from kernelgen.launch import Problem, runtime_kernel
+from kernelgen.fp8 import decode_e4m3, launch_problem, v_operand
+from kernelgen.launch import runtime_kernel
 from kernelgen.spec import load_spec
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ def test_fp8_wgmma_spec_on_gpu(path, shape):
     import cupy
 
     spec = load_spec(path)
-    batch, heads, kv_heads, seqlen_q, seqlen_k = shape
+    batch, heads, _, seqlen_q, seqlen_k = shape
     q, k, v, descales = problem(len(path.stem) + seqlen_k, *shape)
     scale = 128**-0.5
     v_t = v_operand(v)
@@ -46,19 +46,7 @@ def test_fp8_wgmma_spec_on_gpu(path, shape):
         "out": cupy.full((batch, heads, seqlen_q, 128), 0xFFFF, dtype=cupy.uint16),  # NaN
         "lse": cupy.full((batch, heads, seqlen_q), np.nan, dtype=cupy.float32),
     }
-    run = Problem(
-        batch=batch,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        head_dim=128,
-        # 1-byte elements: NumPy's byte strides are element strides (v: the V^T copy's)
-        q_strides=q.strides[:3],  # type: ignore[arg-type]
-        k_strides=k.strides[:3],  # type: ignore[arg-type]
-        v_strides=v_t.strides[:3],  # type: ignore[arg-type]
-        out_strides=(heads * seqlen_q * 128, seqlen_q * 128, 128),
-    )
+    run = launch_problem(q, k, v_t)
     runtime_kernel(spec)(tensors, run, scale)
     bits = tensors["out"].get().astype(np.uint32) << 16
     out = bits.view(np.float32).astype(np.float64)

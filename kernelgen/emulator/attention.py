@@ -208,7 +208,7 @@ def emulate_fp8_attention(
     patterns (uint8, contiguous), with optional fp32 descales of shape (B, Hkv). v is passed
     to the kernel as :func:`kernelgen.fp8.v_operand` makes it (V^T, keys permuted). ``out``
     (bf16, widened to float32) and ``lse`` start as NaN."""
-    from kernelgen.fp8 import check_descales, v_operand
+    from kernelgen.fp8 import check_descales, launch_problem, v_operand
 
     if not spec.fp8:
         raise InputTypeError(
@@ -220,7 +220,7 @@ def emulate_fp8_attention(
                 f"{name} has dtype {x.dtype} and {x.ndim} dims; expected 4-d uint8 (e4m3 bits)"
             )
     batch, heads, seqlen_q, dim = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     if dim != spec.head_dim or heads % kv_heads or k.shape != v.shape or k.shape[0] != batch:
         raise InputError(
             f"q {q.shape}, k {k.shape}, v {v.shape} do not fit the spec (head_dim="
@@ -238,20 +238,8 @@ def emulate_fp8_attention(
         "v": v_operand(v),
         **descales,
     }
-    strides = {n: tuple(s // arrays[n].itemsize for s in arrays[n].strides[:3]) for n in "qkv"}
     out_shape = (batch, heads, seqlen_q, dim)
-    problem = Problem(
-        batch=batch,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        head_dim=dim,
-        q_strides=strides["q"],  # type: ignore[arg-type]
-        k_strides=strides["k"],  # type: ignore[arg-type]
-        v_strides=strides["v"],  # type: ignore[arg-type]  (V^T: batch, head, head dim)
-        out_strides=(heads * seqlen_q * dim, seqlen_q * dim, dim),
-    )
+    problem = launch_problem(arrays["q"], arrays["k"], arrays["v"])
     arrays["out"] = np.full(out_shape, 0xFFFF, dtype=np.uint16)
     arrays["lse"] = np.full(out_shape[:3], np.nan, dtype=np.float32)
     scale = dim**-0.5 if scale is None else float(scale)
