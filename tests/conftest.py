@@ -3,8 +3,11 @@ GPU (`-m gpu`) skipped where there is no CUDA device."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import sys
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -184,3 +187,22 @@ def host_dtype(dtype: str):
     if dtype == "bfloat16":
         return pytest.importorskip("ml_dtypes").bfloat16
     return np.dtype(dtype)
+
+
+@contextlib.contextmanager
+def templates_at(monkeypatch, folder: Path) -> Iterator[None]:
+    """Render (and emulate) from the templates in ``folder`` ($KERNELGEN_TEMPLATE_DIR) for the
+    block: the caches of the templates' folder, hash, Jinja environment and built emulated
+    kernels start afresh on entry and again on exit."""
+    render = importlib.import_module("kernelgen.render")  # the package exports a render()
+    launches = importlib.import_module("kernelgen.emulator.launches")
+    caches = (render.environment, render.template_dir, render.template_hash, launches.spec_kernels)
+    monkeypatch.setenv(render.TEMPLATE_DIR_ENV, str(folder))
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.delenv(render.TEMPLATE_DIR_ENV, raising=False)
+        for cached in caches:
+            cached.cache_clear()

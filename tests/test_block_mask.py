@@ -333,24 +333,18 @@ def test_the_builder_compiles_offline_without_spills():
 
 def test_a_templates_folder_without_the_builder_is_a_setting_error(tmp_path, monkeypatch):
     """KERNELGEN_TEMPLATE_DIR at an older copy of templates/ (no block_mask.cu.j2)."""
-    from conftest import ROOT
+    from conftest import ROOT, templates_at
 
     from kernelgen.errors import SettingError
     from kernelgen.render import ENTRY_TEMPLATE
 
-    render = importlib.import_module("kernelgen.render")  # kernelgen.render: the function
     for name in ENTRY_TEMPLATE.values():
         (tmp_path / name).write_text((ROOT / "templates" / name).read_text())
-    monkeypatch.setenv("KERNELGEN_TEMPLATE_DIR", str(tmp_path))
-    for cached in (render.template_dir, render.template_hash, render.environment):
-        cached.cache_clear()
-    try:
-        with pytest.raises(SettingError, match=r"has no block_mask\.cu\.j2"):
-            builder_source(parse_mask_mod("q_idx >= kv_idx"), 16, 16)
-    finally:
-        monkeypatch.undo()
-        for cached in (render.template_dir, render.template_hash, render.environment):
-            cached.cache_clear()
+    with (
+        templates_at(monkeypatch, tmp_path),
+        pytest.raises(SettingError, match=r"has no block_mask\.cu\.j2"),
+    ):
+        builder_source(parse_mask_mod("q_idx >= kv_idx"), 16, 16)
 
 
 @pytest.mark.gpu

@@ -366,12 +366,11 @@ def test_mutated_small_page_lookup_fails(tmp_path, monkeypatch, name):
     import importlib
     import shutil
 
+    from conftest import templates_at
+
     from kernelgen import host
 
     render = importlib.import_module("kernelgen.render")  # the package exports a render()
-    launches = importlib.import_module("kernelgen.emulator.launches")
-    caches = (render.environment, render.template_dir, render.template_hash, launches.spec_kernels)
-
     original, mutated = PAGE_LOOKUP_MUTATIONS[name]
     folder = tmp_path / "templates"
     shutil.copytree(render.template_dir(), folder)
@@ -379,20 +378,14 @@ def test_mutated_small_page_lookup_fails(tmp_path, monkeypatch, name):
     text = path.read_text()
     assert text.count(original) == 1, original
     path.write_text(text.replace(original, mutated))
-    monkeypatch.setenv(render.TEMPLATE_DIR_ENV, str(folder))
     monkeypatch.setattr(host, "_KERNELS", {})
-    for cached in caches:  # rendered and built once per process: start afresh
-        cached.cache_clear()
-    try:
+    with templates_at(monkeypatch, folder):
         # chunks of several key tiles, each spanning four or more pages
         out, lse, reference, *_ = _paged_call(
             "float16", 16, 2, 1, 1, [5, 200, 301], 16, 3, num_splits=2
         )
         with pytest.raises(AssertionError):
             check_kvcache(out, lse, *reference, "float16")
-    finally:
-        for cached in caches:
-            cached.cache_clear()
 
 
 def test_paged_multi_tile_chunks_with_small_pages():
