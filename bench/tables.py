@@ -43,11 +43,12 @@ WGMMA_2026_11_26 = (
     "2026-11-26-nvidia-h100-80gb-hbm3-wgmma.json",
     "2026-11-26-nvidia-h100-80gb-hbm3-wgmma-d64-d256.json",
 )
-# bench.session's prefill stages of 2026-11-26 (runs 4 and 5): the wgmma kernels of each commit
+# bench.session's prefill stages of 2026-11-26 (runs 4, 5 and 6): the wgmma kernels of each commit
 SESSIONS_2026_11_26 = (
     "2026-11-26-nvidia-h100-80gb-hbm3-session.json",
     "2026-11-26-nvidia-h100-80gb-hbm3-session-long.json",
     "2026-11-26-nvidia-h100-80gb-hbm3-run5-session.json",
+    "2026-11-26-nvidia-h100-80gb-hbm3-run6-session.json",
 )
 BEGIN = "<!-- tables:begin {name} -->"
 END = "<!-- tables:end {name} -->"
