@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
-from kernelgen.errors import CompileError, ToolchainMissingError
+from kernelgen import compile_cache
+from kernelgen.errors import CompileError, ToolchainMissingError, UnsafeFolderError
 from kernelgen.fileio import create_new_file, private_dir, user_cache_home
 
 log = logging.getLogger(__name__)
@@ -128,17 +129,60 @@ def report_options(nvrtc_version: tuple[int, int]) -> list[str]:
 
 
 def compile_offline(
-    source: str, name: str, arch: str, *, sass: bool = True, report: bool = True
+    source: str,
+    name: str,
+    arch: str,
+    *,
+    sass: bool = True,
+    report: bool = True,
+    cache: bool = True,
 ) -> CompiledKernel:
     """Compile ``source`` for ``arch`` (e.g. ``sm_90``) and, with ``report``, parse ptxas'
     resource report (with ``sass``, also count SASS instructions where cuobjdump is installed).
-    Without ``report`` (a launch that only needs the cubin) ``resources`` is None."""
+    Without ``report`` (a launch that only needs the cubin) ``resources`` is None. With
+    ``cache`` the cubin and log come from, or go to, the on-disk compile cache
+    (:mod:`kernelgen.compile_cache`); an entry made without the report does not serve a call
+    that needs it."""
     nvrtc = _nvrtc()
+    _, major, minor = nvrtc.nvrtcVersion()
+    entry = _cache_entry(source, name, arch, f"{major}.{minor}") if cache else None
+    hit = compile_cache.load(entry) if entry else None
+    if hit is not None and (hit.has_report or not report):
+        cubin, program_log = hit.cubin, hit.log
+    else:
+        cubin, program_log = _nvrtc_compile(nvrtc, source, name, arch, (major, minor), report)
+        if entry:
+            compile_cache.store(entry, compile_cache.CachedCompile(cubin, program_log, report))
+    if not report:
+        return CompiledKernel(name, arch, cubin, program_log, None)
+    resources = parse_ptxas_report(program_log, name, arch)
+    counts = sass_instruction_counts(cubin) if sass else {}
+    if counts:
+        resources = Resources(**{**resources.as_dict(), "sass_instructions": counts})
+    return CompiledKernel(name, arch, cubin, program_log, resources)
+
+
+def _cache_entry(source: str, name: str, arch: str, nvrtc_version: str) -> str | None:
+    """The compile cache's key for this compile, or None where the cache is off or its folder
+    is unsafe (a warning: the compile goes on without it)."""
+    if not compile_cache.enabled():
+        return None
+    try:
+        compile_cache.cache_dir()
+    except UnsafeFolderError as exc:
+        log.warning("compile cache off: %s", exc)
+        return None
+    return compile_cache.key(source, name, arch, nvrtc_options(arch), nvrtc_version)
+
+
+def _nvrtc_compile(
+    nvrtc, source: str, name: str, arch: str, version: tuple[int, int], report: bool
+) -> tuple[bytes, str]:
+    """One NVRTC compile: (cubin, program log); CompileError with the log on failure."""
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
     _check(nvrtc, err)
     try:
-        _, major, minor = nvrtc.nvrtcVersion()
-        options = [*nvrtc_options(arch), *(report_options((major, minor)) if report else [])]
+        options = [*nvrtc_options(arch), *(report_options(version) if report else [])]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check(nvrtc, err)
@@ -153,13 +197,7 @@ def compile_offline(
         _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin)[0])
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    if not report:
-        return CompiledKernel(name, arch, cubin, log, None)
-    resources = parse_ptxas_report(log, name, arch)
-    counts = sass_instruction_counts(cubin) if sass else {}
-    if counts:
-        resources = Resources(**{**resources.as_dict(), "sass_instructions": counts})
-    return CompiledKernel(name, arch, cubin, log, resources)
+    return cubin, log
 
 
 _FUNCTION = re.compile(r"Compiling entry function '(?P<name>\w+)' for '(?P<arch>\w+)'")

@@ -221,14 +221,18 @@ def test_nvrtc_with_a_compile_cache_is_told_to_skip_it_when_the_report_is_needed
 def test_the_same_source_compiled_twice_reports_its_resources_both_times():
     spec = load_spec(SPEC_PATHS[0])
     source = render(spec)
-    first, second = (compile_offline(source, spec.uri, "sm_80", sass=False) for _ in range(2))
+    first, second = (
+        compile_offline(source, spec.uri, "sm_80", sass=False, cache=False) for _ in range(2)
+    )
     assert first.resources == second.resources and first.resources is not None
 
 
 def test_a_launch_compile_needs_no_report():
     """The launch path (report=False) gets the cubin only: no ptxas -v, resources None."""
     spec = load_spec(SPEC_PATHS[0])
-    compiled = compile_offline(render(spec), spec.uri, "sm_80", sass=False, report=False)
+    compiled = compile_offline(
+        render(spec), spec.uri, "sm_80", sass=False, report=False, cache=False
+    )
     assert compiled.resources is None and compiled.cubin[:4] == b"\x7fELF"
     assert "Used" not in compiled.log
 

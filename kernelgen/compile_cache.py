@@ -1,0 +1,113 @@
+"""The on-disk cache of offline compiles: cubin and NVRTC log by content.
+
+An offline compile (NVRTC, then ptxas) of one kernel takes seconds; `kernelgen build`, `model`,
+`check` and the compile tier of the tests compile the same sources again and again. An entry is
+keyed by everything the result depends on (the source, the kernel's name, the architecture, the
+NVRTC options including the header folder, NVRTC's version) and holds the cubin and the full
+program log, so a hit gives back ptxas' resource report as the compile printed it. (NVRTC's own
+cache, from 12.9, skips ptxas and with it the report; kernelgen turns it off where it needs the
+report: :func:`kernelgen.compile.report_options`.)
+
+Entries live in ``$KERNELGEN_CACHE_DIR/nvrtc`` (default ``$XDG_CACHE_HOME/kernelgen/nvrtc``),
+one file each, written atomically; a file that does not read back whole (its checksum) is a
+miss with one warning. ``KERNELGEN_COMPILE_CACHE=0`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernelgen.fileio import atomic_write_bytes, private_dir, user_cache_home
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_MAGIC = b"kgnvrtc1"
+_HEADER_BYTES = 8  # the JSON header's length, little endian, after the magic
+
+
+@dataclass(frozen=True)
+class CachedCompile:
+    cubin: bytes
+    log: str
+    has_report: bool  # whether the log holds ptxas' resource report
+
+
+def enabled() -> bool:
+    return os.environ.get("KERNELGEN_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "no")
+
+
+def cache_dir() -> Path:
+    """``$KERNELGEN_CACHE_DIR/nvrtc``, else ``$XDG_CACHE_HOME/kernelgen/nvrtc``: private (0700)."""
+    root = os.environ.get("KERNELGEN_CACHE_DIR")
+    base = Path(root).expanduser() if root else user_cache_home() / "kernelgen"
+    return private_dir(base / "nvrtc")
+
+
+def key(source: str, name: str, arch: str, options: list[str], nvrtc_version: str) -> str:
+    """The entry's name: a digest of everything the cubin and the log depend on."""
+    parts = [f"format={FORMAT}", name, arch, nvrtc_version, *options, source]
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part.encode()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:40]
+
+
+def _path(entry: str) -> Path:
+    return cache_dir() / f"{entry}.bin"
+
+
+_WARNED: set[str] = set()
+
+
+def load(entry: str) -> CachedCompile | None:
+    """The cached compile of ``entry``, or None (missing, or unreadable: a warning, once)."""
+    try:
+        data = _path(entry).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        _warn(entry, f"cannot be read ({exc.strerror or exc})")
+        return None
+    try:
+        if data[: len(_MAGIC)] != _MAGIC:
+            raise ValueError("not a kernelgen compile-cache file")
+        start = len(_MAGIC) + _HEADER_BYTES
+        size = int.from_bytes(data[len(_MAGIC) : start], "little")
+        header = json.loads(data[start : start + size])
+        cubin = data[start + size :]
+        if hashlib.sha256(cubin).hexdigest() != header["cubin_sha256"]:
+            raise ValueError("its cubin does not match its checksum")
+        return CachedCompile(cubin, str(header["log"]), bool(header["has_report"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        _warn(entry, str(exc))
+        return None
+
+
+def store(entry: str, compiled: CachedCompile) -> None:
+    """Write ``entry`` atomically; a folder that cannot be written only logs (the compile
+    itself succeeded)."""
+    header = json.dumps(
+        {
+            "cubin_sha256": hashlib.sha256(compiled.cubin).hexdigest(),
+            "log": compiled.log,
+            "has_report": compiled.has_report,
+        }
+    ).encode()
+    blob = _MAGIC + len(header).to_bytes(_HEADER_BYTES, "little") + header + compiled.cubin
+    try:
+        atomic_write_bytes(_path(entry), blob, private=True)
+    except OSError as exc:
+        log.warning("compile cache: cannot write %s (%s)", entry, exc.strerror or exc)
+
+
+def _warn(entry: str, why: str) -> None:
+    if entry not in _WARNED:
+        _WARNED.add(entry)
+        log.warning("compile cache: entry %s is ignored and rebuilt: %s", entry, why)
