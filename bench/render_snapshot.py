@@ -11,7 +11,8 @@ Set KERNELGEN_TEMPLATE_DIR to render from another templates folder. The grid cro
 mma.sync tilings (16/32 rows per warp, swizzled/padded rows, padded head dims, decode tiles
 whose chunks do not divide the threads) with every switch the forward template branches on
 (causal, packed GQA, split-KV, paged KV, block sparsity, the variants, the additive mask, user
-expressions); combinations the spec refuses are skipped.
+expressions); combinations the spec refuses are skipped. A few block-sparse backward specs
+follow (none ships in specs/).
 """
 
 from __future__ import annotations
@@ -55,9 +56,18 @@ SWITCHES: tuple[dict[str, object], ...] = (
     {"additive_mask": True, "causal": True, "window": True},
 )
 
+# Block-sparse backward kernels (no spec of specs/ has one), which share the forward's tile runs.
+BACKWARD_SPARSE: tuple[dict[str, object], ...] = (
+    {"mma": "simt", "block_m": 32, "block_n": 16, "num_warps": 4},
+    {"mma": "mma_sync", "block_m": 64, "block_n": 32, "num_warps": 4, "stages": 2},
+    {"mma": "mma_sync", "block_m": 64, "block_n": 64, "num_warps": 4, "causal": True},
+    {"mma": "mma_sync", "block_m": 64, "block_n": 32, "num_warps": 4, "deterministic": True},
+)
+
 
 def grid_specs() -> list[AnySpec]:
-    """The valid specs of TILINGS x layouts x stages x SWITCHES (mma.sync forward)."""
+    """The valid specs of TILINGS x layouts x stages x SWITCHES (mma.sync forward), then the
+    block-sparse backward ones."""
     specs = []
     layouts = ({"smem_layout": "swizzled"}, {"smem_layout": "padded"})
     for tiling, layout, stages, switch in itertools.product(TILINGS, layouts, (2, 3), SWITCHES):
@@ -67,7 +77,9 @@ def grid_specs() -> list[AnySpec]:
             specs.append(spec_of_family(data))
         except SpecError:
             continue
-    return specs
+    sparse = {"family": "backward", "dtype": "float16", "head_dim": 32, "block_sparse": True}
+    sparse["mask_mod"] = "kv_idx <= q_idx"
+    return specs + [spec_of_family(sparse | fields) for fields in BACKWARD_SPARSE]
 
 
 def render_all(out: Path) -> int:

@@ -2,16 +2,22 @@
 byte-identical but for the template-hash line."""
 
 from bench import render_snapshot
+from kernelgen.families.backward_spec import BackwardSpec
 
 
 def test_grid_covers_every_switch_of_the_mma_sync_forward():
-    specs = render_snapshot.grid_specs()
+    specs = [s for s in render_snapshot.grid_specs() if not isinstance(s, BackwardSpec)]
     assert all(spec.mma == "mma_sync" for spec in specs)
     for switch in ("causal", "pack_gqa", "split_kv", "paged_kv", "block_sparse", "sinks", "alibi"):
         assert any(getattr(spec, switch) for spec in specs), switch
     assert {spec.rows_per_warp for spec in specs} == {16, 32}
     assert {spec.smem_layout for spec in specs} == {"swizzled", "padded"}
     assert any(spec.threads % (spec.head_dim_padded // 8) for spec in specs)  # idle copy threads
+
+
+def test_grid_has_block_sparse_backward_kernels_of_both_engines():
+    backward = [s for s in render_snapshot.grid_specs() if isinstance(s, BackwardSpec)]
+    assert {spec.mma for spec in backward if spec.block_sparse} == {"simt", "mma_sync"}
 
 
 def test_compare_ignores_only_the_hash_line(tmp_path):
