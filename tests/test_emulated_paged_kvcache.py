@@ -374,7 +374,7 @@ def test_mutated_small_page_lookup_fails(tmp_path, monkeypatch, name):
     original, mutated = PAGE_LOOKUP_MUTATIONS[name]
     folder = tmp_path / "templates"
     shutil.copytree(render.template_dir(), folder)
-    path = folder / "fa_fwd_v2_tc.cu.j2"
+    path = folder / "fwd_tc_paged_kv.cuh.j2"  # the paged K/V source of the mma.sync kernel
     text = path.read_text()
     assert text.count(original) == 1, original
     path.write_text(text.replace(original, mutated))

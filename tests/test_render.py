@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelgen.render import kernel_params, render, template_dir, template_hash
+from kernelgen.render import folder_hash, kernel_params, render, template_dir, template_hash
 from kernelgen.spec import load_spec, spec_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,6 +157,37 @@ def test_template_dir_override_renders_from_that_folder(tmp_path, monkeypatch, r
     assert template_dir() == copy
     assert render(spec).endswith("// rendered from the copy\n")
     assert template_hash() != own_hash  # so compile and tuning caches never mix the versions
+
+
+def test_template_hash_covers_every_piece_a_kernel_loads(tmp_path, monkeypatch, reread_templates):
+    """The mma.sync forward composes pieces by concern (engine, K/V source, tile schedule,
+    epilogues): every file a render loads is hashed, so editing any changes every cache key."""
+    import shutil
+
+    import jinja2
+
+    copy = tmp_path / "templates"
+    shutil.copytree(template_dir(), copy)
+    monkeypatch.setenv("KERNELGEN_TEMPLATE_DIR", str(copy))
+    reread_templates()
+    loaded: set[str] = set()
+    get_source = jinja2.FileSystemLoader.get_source
+
+    def recording(self, environment, name):
+        loaded.add(name)
+        return get_source(self, environment, name)
+
+    monkeypatch.setattr(jinja2.FileSystemLoader, "get_source", recording)
+    for name in ("gqa_split_paged", "causal_docmask_bsparse"):
+        (path,) = (ROOT / "specs").glob(f"v2_tc_*_s2_swz_{name}.yaml")
+        render(load_spec(path))
+    pieces = {"kv", "paged_kv", "schedule", "epilogue"}
+    assert {f"fwd_tc_{piece}.cuh.j2" for piece in pieces} <= loaded
+    assert {"mma_sync_tile.cuh.j2", "mma_sync_gemm.cuh.j2"} <= loaded
+    for name in sorted(loaded):
+        before = folder_hash(copy)
+        (copy / name).write_text((copy / name).read_text() + "{# edited #}\n")
+        assert folder_hash(copy) != before, name
 
 
 def test_template_dir_override_must_hold_the_entry_templates(
