@@ -54,6 +54,11 @@ from kernelgen.variant_inputs import CallVariants, check_spec_variants, check_va
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+# What a dtype error adds about fp8: where it is taken, and how (docs/hopper.md, fp8).
+FP8_INPUTS = (
+    "fp8 (float8_e4m3fn, as torch.float8_e4m3fn tensors or NumPy ml_dtypes.float8_e4m3fn "
+    "arrays) only in kernelgen.attention"
+)
 _TYPESTR_DTYPES = {"<f4": "float32", "<f2": "float16", "<f8": "float64", "<i4": "int32"}
 
 
@@ -169,8 +174,10 @@ def check_inputs(
     mask_mod: Any = None,
     mod_inputs: Any = None,
     block_mask: Any = None,
+    dtypes: tuple[str, ...] = SUPPORTED_DTYPES,
 ) -> CheckedCall:
-    """All argument checks of attention(), on metadata only (the variants: docs/variants.md)."""
+    """All argument checks of attention(), on metadata only (the variants: docs/variants.md).
+    ``dtypes``: those q, k and v may have (the fp8 call: ``("float8_e4m3",)``)."""
     if layout not in ("bhsd", "bshd"):
         raise InputError(f"layout={layout!r} is not allowed; use 'bhsd' or 'bshd'")
     for t in (q, k, v):
@@ -179,9 +186,10 @@ def check_inputs(
                 f"{t.name} has rank {len(t.shape)} (shape {t.shape}); expected rank 4, "
                 f"({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'})"
             )
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in dtypes:
             raise InputTypeError(
-                f"{t.name} has dtype {t.dtype}; allowed: {', '.join(SUPPORTED_DTYPES)}"
+                f"{t.name} has dtype {t.dtype}; allowed: {', '.join(dtypes)}"
+                + (f"; {FP8_INPUTS}" if dtypes == SUPPORTED_DTYPES else "")
             )
         if 0 in t.shape:
             raise InputError(f"{t.name} has a zero-size dimension (shape {t.shape})")
@@ -335,6 +343,9 @@ def attention(
     mod_inputs: Mapping[str, Any] | None = None,
     block_mask: BlockMask | None = None,
     validate: bool = False,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> Any:
     """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
 
@@ -366,8 +377,31 @@ def attention(
     A block mask's lists are checked on every call (int32, of q's library and device, their
     shapes) and so are their values when they live on the host; device lists are read only
     with ``validate=True`` (one synchronisation, checked there by their own library).
+
+    fp8 (docs/hopper.md, fp8): q, k and v as torch.float8_e4m3fn tensors (CUDA, on a compute
+    capability 9.0 device, or CPU: the emulator) or NumPy ``ml_dtypes.float8_e4m3fn`` arrays
+    (the emulator), head dim 128, causal or not, GQA/MQA, either layout, with optional float32
+    ``q_descale``, ``k_descale``, ``v_descale`` of shape (B, Hkv) (the inputs' true values are
+    the e4m3 values times these; None: 1). out is bfloat16 in the call's layout; no mask,
+    variants, expressions, seqlens_k, split-KV or backward.
     """
     check_flags(causal=causal, return_lse=return_lse, validate=validate)
+    if (
+        q_descale is not None or k_descale is not None or v_descale is not None
+        or one_byte_elements(q) or one_byte_elements(k) or one_byte_elements(v)
+    ):  # fmt: skip
+        from kernelgen.fp8_api import fp8_attention
+
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        return fp8_attention(
+            q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
+            layout=layout, descales=descales,
+            unsupported={"mask": mask, "seqlens_k": seqlens_k, "num_splits": num_splits,
+                         "window_size": window_size, "softcap": softcap,
+                         "alibi_slopes": alibi_slopes, "sinks": sinks, "score_mod": score_mod,
+                         "mask_mod": mask_mod, "mod_inputs": mod_inputs,
+                         "block_mask": block_mask},
+        )  # fmt: skip
     warn_if_grad_wanted(
         q,
         k,
@@ -441,6 +475,11 @@ def attention(
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
         del temporaries  # each library frees in stream order: safe once queued
     return (out, lse) if return_lse else out
+
+
+def one_byte_elements(array: Any) -> bool:
+    """Whether ``array`` has 1-byte elements (fp8, or bytes meant as fp8): the fp8 call's."""
+    return getattr(getattr(array, "dtype", None), "itemsize", 0) == 1
 
 
 # The kernels take scale * log2(e) as a float32: the largest |scale| it is finite for.

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from kernelgen.api import Layout, check_flags
+from kernelgen.api import Layout, check_flags, one_byte_elements
 from kernelgen.api import attention as forward_attention
 from kernelgen.block_mask import BlockMask
 from kernelgen.spec import KernelSpec
@@ -43,6 +43,9 @@ def attention(
     block_mask: BlockMask | None = None,
     validate: bool = False,
     deterministic: bool = False,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> Any:
     """kernelgen.api.attention, differentiable (the full text is set below)."""
     if deterministic is not False and deterministic is not True:
@@ -51,6 +54,11 @@ def attention(
         seqlens_k is None
         and type(q).__module__.startswith("torch")
         and _records_grad(q, k, v, sinks)
+        # fp8 calls have no backward: the forward refuses their inputs that require grad
+        and not any(one_byte_elements(x) for x in (q, k, v))
+        and q_descale is None
+        and k_descale is None
+        and v_descale is None
     ):
         check_flags(causal=causal, return_lse=return_lse, validate=validate)
         from kernelgen.autograd import AttentionOptions, differentiable_attention
@@ -101,6 +109,9 @@ def attention(
         mod_inputs=mod_inputs,
         block_mask=block_mask,
         validate=validate,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -124,7 +135,8 @@ _DIFFERENTIABLE = """\
     ``mask_mod`` or ``block_mask`` call is block-sparse (it skips the tiles the mask hides);
     calls with ``seqlens_k`` are not differentiable (they warn once and return detached
     outputs). ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) makes the
-    backward bitwise reproducible, at some cost; the forward ignores it. No double backward."""
+    backward bitwise reproducible, at some cost; the forward ignores it. No double backward.
+    fp8 calls have no backward: an fp8 input that requires grad raises InputError."""
 
 
 def _docstring() -> str | None:
