@@ -343,9 +343,6 @@ def attention(
     mod_inputs: Mapping[str, Any] | None = None,
     block_mask: BlockMask | None = None,
     validate: bool = False,
-    q_descale: Any = None,
-    k_descale: Any = None,
-    v_descale: Any = None,
 ) -> Any:
     """FlashAttention forward: ``softmax(scale * q k^T + mask) v`` over keys.
 
@@ -378,30 +375,10 @@ def attention(
     shapes) and so are their values when they live on the host; device lists are read only
     with ``validate=True`` (one synchronisation, checked there by their own library).
 
-    fp8 (docs/hopper.md, fp8): q, k and v as torch.float8_e4m3fn tensors (CUDA, on a compute
-    capability 9.0 device, or CPU: the emulator) or NumPy ``ml_dtypes.float8_e4m3fn`` arrays
-    (the emulator), head dim 128, causal or not, GQA/MQA, either layout, with optional float32
-    ``q_descale``, ``k_descale``, ``v_descale`` of shape (B, Hkv) (the inputs' true values are
-    the e4m3 values times these; None: 1). out is bfloat16 in the call's layout; no mask,
-    variants, expressions, seqlens_k, split-KV or backward.
+    fp8 inputs are :func:`kernelgen.attention`'s (kernelgen.training, kernelgen.fp8_api); this
+    forward refuses them.
     """
     check_flags(causal=causal, return_lse=return_lse, validate=validate)
-    if (
-        q_descale is not None or k_descale is not None or v_descale is not None
-        or one_byte_elements(q) or one_byte_elements(k) or one_byte_elements(v)
-    ):  # fmt: skip
-        from kernelgen.fp8_api import fp8_attention
-
-        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-        return fp8_attention(
-            q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
-            layout=layout, descales=descales,
-            unsupported={"mask": mask, "seqlens_k": seqlens_k, "num_splits": num_splits,
-                         "window_size": window_size, "softcap": softcap,
-                         "alibi_slopes": alibi_slopes, "sinks": sinks, "score_mod": score_mod,
-                         "mask_mod": mask_mod, "mod_inputs": mod_inputs,
-                         "block_mask": block_mask},
-        )  # fmt: skip
     warn_if_grad_wanted(
         q,
         k,
@@ -475,11 +452,6 @@ def attention(
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
         del temporaries  # each library frees in stream order: safe once queued
     return (out, lse) if return_lse else out
-
-
-def one_byte_elements(array: Any) -> bool:
-    """Whether ``array`` has 1-byte elements (fp8, or bytes meant as fp8): the fp8 call's."""
-    return getattr(getattr(array, "dtype", None), "itemsize", 0) == 1
 
 
 # The kernels take scale * log2(e) as a float32: the largest |scale| it is finite for.

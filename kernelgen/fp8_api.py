@@ -22,6 +22,7 @@ from kernelgen import api
 from kernelgen.api import (
     CallPlan,
     TensorInfo,
+    check_flags,
     check_inputs,
     common_device,
     describe,
@@ -57,7 +58,18 @@ NOT_BUILT = {
     "mask_mod": "user expressions",
     "mod_inputs": "user expressions",
     "block_mask": "block-sparse form",
+    "deterministic": "backward pass",
 }
+
+
+def wants_fp8(q: Any, k: Any, v: Any, descales: dict[str, Any]) -> bool:
+    """Whether a call is an fp8 one: a descale given, or 1-byte elements in q, k or v (fp8, or
+    bytes meant as fp8, which :func:`fp8_attention` refuses by name)."""
+    return any(x is not None for x in descales.values()) or any(_one_byte(x) for x in (q, k, v))
+
+
+def _one_byte(array: Any) -> bool:
+    return getattr(getattr(array, "dtype", None), "itemsize", 0) == 1
 
 
 def fp8_attention(
@@ -73,9 +85,10 @@ def fp8_attention(
     descales: dict[str, Any],
     unsupported: dict[str, Any],
 ) -> Any:
-    """:func:`kernelgen.api.attention` for a call with 1-byte inputs or descales (``unsupported``:
-    its other arguments by name, each of which must be absent). Every check runs before
-    anything is allocated or launched."""
+    """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
+    arguments by name, each of which must be absent). Every check runs before anything is
+    allocated or launched."""
+    check_flags(causal=causal, return_lse=return_lse)
     for name, value in unsupported.items():
         if value is not None and not (name == "num_splits" and value == 1):
             shown = repr(value) if len(repr(value)) <= 80 else type(value).__name__
@@ -144,7 +157,7 @@ def _check_dtypes(named: dict[str, Any], descales: dict[str, Any]) -> None:
     for name, x in named.items():
         if dtypes[name] == FP8_LIBRARY_DTYPE:
             continue
-        if api.one_byte_elements(x):
+        if _one_byte(x):
             raise InputTypeError(
                 f"{name} has dtype {dtypes[name]}; fp8 attention takes float8_e4m3fn only: "
                 f"{HOW_TO_PASS}"
