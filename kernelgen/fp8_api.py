@@ -35,6 +35,7 @@ from kernelgen.host import emulated_kernel
 from kernelgen.launch import check_fits_device
 from kernelgen.policy import FP8_DTYPE, fp8_default_spec
 from kernelgen.spec import KernelSpec
+from kernelgen.tensor_maps import FP8_KEY_GROUP
 
 __all__ = ["FP8_LIBRARY_DTYPE", "fp8_attention"]
 
@@ -62,13 +63,21 @@ NOT_BUILT = {
 }
 
 
-def wants_fp8(q: Any, k: Any, v: Any, descales: dict[str, Any]) -> bool:
+def wants_fp8(q: Any, k: Any, v: Any, q_descale: Any, k_descale: Any, v_descale: Any) -> bool:
     """Whether a call is an fp8 one: a descale given, or 1-byte elements in q, k or v (fp8, or
-    bytes meant as fp8, which :func:`fp8_attention` refuses by name)."""
-    return any(x is not None for x in descales.values()) or any(_one_byte(x) for x in (q, k, v))
+    bytes meant as fp8, which :func:`fp8_attention` refuses by name). On every call's path."""
+    return (
+        q_descale is not None
+        or k_descale is not None
+        or v_descale is not None
+        or _one_byte(q)
+        or _one_byte(k)
+        or _one_byte(v)
+    )
 
 
 def _one_byte(array: Any) -> bool:
+    """Whether ``array``'s elements are one byte (its dtype's itemsize; none: False)."""
     return getattr(getattr(array, "dtype", None), "itemsize", 0) == 1
 
 
@@ -86,8 +95,8 @@ def fp8_attention(
     unsupported: dict[str, Any],
 ) -> Any:
     """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
-    arguments by name, each of which must be absent). Every check runs before anything is
-    allocated or launched."""
+    arguments by name, each of which must be absent). The checks run before v is copied or
+    anything is launched (descales of another dtype or layout are converted first)."""
     check_flags(causal=causal, return_lse=return_lse)
     for name, value in unsupported.items():
         if value is not None and not (name == "num_splits" and value == 1):
@@ -123,17 +132,19 @@ def fp8_attention(
                 )
             check_fits_device(spec, device)
             kernel = api.runtime_kernel(spec)
+        # V^T's layout: (B, Hkv, D, Sk rounded up to 16), contiguous (fp8.v_operand)
+        keys = -(-call.k.shape[2] // FP8_KEY_GROUP) * FP8_KEY_GROUP
+        kv_heads = call.k.shape[1]
+        v_shape = (batch, kv_heads, head_dim, keys)
+        v_strides = (kv_heads * head_dim * keys, head_dim * keys, keys, 1)
+        problem, out_shape = plan(
+            replace(call, v=TensorInfo("v", v_shape, v_strides, FP8_DTYPE, None)), layout
+        )
+        launch = kernel.prepare(problem, call.scale)  # the tensor maps' checks: nothing made yet
         q_bytes, k_bytes, v_bytes = (_bytes(x) for x in (q, k, v))
         if layout == "bshd":  # v_operand takes (B, Hkv, Sk, D): a view, no copy
             v_bytes = v_bytes.swapaxes(1, 2)
         v_t = v_operand(v_bytes)  # on v's device, in v's library
-        _, kv_heads, dim, keys = v_t.shape
-        v_info = TensorInfo(
-            "v", (batch, kv_heads, dim, keys), (kv_heads * dim * keys, dim * keys, keys, 1),
-            FP8_DTYPE, v_t,
-        )  # fmt: skip
-        problem, out_shape = plan(replace(call, v=v_info), layout)
-        launch = kernel.prepare(problem, call.scale)
         tensors = {
             "q": launch_arg(arrays, q_bytes),
             "k": launch_arg(arrays, k_bytes),

@@ -51,8 +51,8 @@ def attention(
     """kernelgen.api.attention, differentiable (the full text is set below)."""
     if deterministic is not False and deterministic is not True:
         check_flags(deterministic=deterministic)
-    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    if wants_fp8(q, k, v, descales):  # fp8: forward only (it refuses inputs requiring grad)
+    if wants_fp8(q, k, v, q_descale, k_descale, v_descale):  # forward only: no grad
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
         return fp8_attention(
             q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
             layout=layout, descales=descales,
