@@ -54,6 +54,11 @@ from kernelgen.variant_inputs import CallVariants, check_spec_variants, check_va
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+# What a dtype error adds about fp8: where it is taken, and how (docs/hopper.md, fp8).
+FP8_INPUTS = (
+    "fp8 (float8_e4m3fn, as torch.float8_e4m3fn tensors or NumPy ml_dtypes.float8_e4m3fn "
+    "arrays) only in kernelgen.attention"
+)
 _TYPESTR_DTYPES = {"<f4": "float32", "<f2": "float16", "<f8": "float64", "<i4": "int32"}
 
 
@@ -169,8 +174,10 @@ def check_inputs(
     mask_mod: Any = None,
     mod_inputs: Any = None,
     block_mask: Any = None,
+    dtypes: tuple[str, ...] = SUPPORTED_DTYPES,
 ) -> CheckedCall:
-    """All argument checks of attention(), on metadata only (the variants: docs/variants.md)."""
+    """All argument checks of attention(), on metadata only (the variants: docs/variants.md).
+    ``dtypes``: those q, k and v may have (the fp8 call: ``("float8_e4m3",)``)."""
     if layout not in ("bhsd", "bshd"):
         raise InputError(f"layout={layout!r} is not allowed; use 'bhsd' or 'bshd'")
     for t in (q, k, v):
@@ -179,9 +186,10 @@ def check_inputs(
                 f"{t.name} has rank {len(t.shape)} (shape {t.shape}); expected rank 4, "
                 f"({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'})"
             )
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in dtypes:
             raise InputTypeError(
-                f"{t.name} has dtype {t.dtype}; allowed: {', '.join(SUPPORTED_DTYPES)}"
+                f"{t.name} has dtype {t.dtype}; allowed: {', '.join(dtypes)}"
+                + (f"; {FP8_INPUTS}" if dtypes == SUPPORTED_DTYPES else "")
             )
         if 0 in t.shape:
             raise InputError(f"{t.name} has a zero-size dimension (shape {t.shape})")
@@ -366,6 +374,9 @@ def attention(
     A block mask's lists are checked on every call (int32, of q's library and device, their
     shapes) and so are their values when they live on the host; device lists are read only
     with ``validate=True`` (one synchronisation, checked there by their own library).
+
+    fp8 inputs are :func:`kernelgen.attention`'s (kernelgen.training, kernelgen.fp8_api); this
+    forward refuses them.
     """
     check_flags(causal=causal, return_lse=return_lse, validate=validate)
     warn_if_grad_wanted(

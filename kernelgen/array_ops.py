@@ -39,6 +39,24 @@ class ArrayOps:
             return values.to(device=self.like.device, dtype=torch.int64)
         return self.xp.asarray(values).astype(self.xp.int64)
 
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """Uninitialised memory of ``dtype`` (a NumPy name, e.g. "uint8") on the device."""
+        if self.library == "torch":
+            return self.xp.empty(shape, dtype=getattr(self.xp, dtype), device=self.like.device)
+        return self.xp.empty(shape, dtype=dtype)
+
+    def index(self, values: np.ndarray) -> Any:
+        """Host integers as an index array of this library, on its device (a small upload)."""
+        if self.library == "torch":
+            return self.xp.as_tensor(values, device=self.like.device)
+        return self.xp.asarray(values)
+
+    def float32_contiguous(self, values: Any) -> Any:
+        """``values`` (of this library) as a contiguous float32 array (no copy if it is one)."""
+        if self.library == "torch":
+            return values.detach().to(self.xp.float32).contiguous()
+        return self.xp.ascontiguousarray(values, dtype=self.xp.float32)
+
     def arange(self, n: int) -> Any:
         """0 .. n - 1 as int64, on the library's device."""
         if self.library == "torch":

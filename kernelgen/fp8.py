@@ -11,9 +11,13 @@ call, and no exchange of weights between lanes in the kernel. docs/hopper.md, "f
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from kernelgen.array_ops import ArrayOps
 from kernelgen.errors import InputError, InputTypeError
+from kernelgen.frameworks import dtype_name
 from kernelgen.launch import Problem
 from kernelgen.tensor_maps import FP8_KEY_GROUP
 
@@ -33,31 +37,50 @@ def key_permutation(keys: int) -> np.ndarray:
     return (groups + KEY_ORDER[None, :]).reshape(-1)
 
 
-def v_operand(v: np.ndarray) -> np.ndarray:
-    """The V^T copy an fp8 kernel reads: v (B, Hkv, Sk, D) of 1-byte elements (e4m3 bit
-    patterns) -> (B, Hkv, D, Sk rounded up to 16), keys permuted by :func:`key_permutation`,
-    zeros past Sk, contiguous."""
-    if v.ndim != 4 or v.dtype.itemsize != 1:
+def slot_of_key(keys: int) -> np.ndarray:
+    """The V^T slot of each key of a row of ``keys`` (a multiple of 16): the inverse of
+    :func:`key_permutation`."""
+    slots = np.empty(keys, np.int64)
+    slots[key_permutation(keys)] = np.arange(keys)
+    return slots
+
+
+def v_operand(v: Any) -> Any:
+    """The V^T copy an fp8 kernel reads: v (B, Hkv, Sk, D) of bytes (e4m3 bit patterns as
+    uint8; any strides) -> (B, Hkv, D, Sk rounded up to 16), keys permuted by
+    :func:`key_permutation`, zeros past Sk, contiguous, in v's library (NumPy, CuPy or torch)
+    and on its device: one read of v and one scattered write of the copy (no other pass)."""
+    if len(v.shape) != 4 or dtype_name(v.dtype) != "uint8":
         raise InputError(
-            f"v has shape {tuple(v.shape)} and dtype {v.dtype}; expected (B, Hkv, Sk, D) of "
-            "1-byte elements (e4m3 bit patterns)"
+            f"v has shape {tuple(v.shape)} and dtype {dtype_name(v.dtype)}; expected "
+            "(B, Hkv, Sk, D) of uint8 (e4m3 bit patterns)"
         )
     batch, heads, keys, dim = v.shape
     padded = -(-keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
-    rows = np.zeros((batch, heads, padded, dim), v.dtype)
-    rows[:, :, :keys] = v
-    return np.ascontiguousarray(rows[:, :, key_permutation(padded)].transpose(0, 1, 3, 2))
+    ops = ArrayOps(v)
+    v_t = ops.empty((batch, heads, dim, padded), "uint8")
+    rows = v_t.swapaxes(2, 3)  # (B, Hkv, padded keys, D): a view whose writes land in v_t
+    slots = slot_of_key(padded)
+    rows[:, :, ops.index(slots[:keys])] = v
+    if padded > keys:  # the padding keys: zero weights meet zero values
+        rows[:, :, ops.index(slots[keys:])] = 0
+    return v_t
 
 
 DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
+# Descale dtypes accepted (converted to float32, the kernels' type).
+DESCALE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
 def check_descales(
-    descales: dict[str, np.ndarray | None], batch: int, kv_heads: int, fp8: bool
-) -> dict[str, np.ndarray]:
+    descales: dict[str, Any], batch: int, kv_heads: int, fp8: bool
+) -> dict[str, Any]:
     """The given descales (name -> array or None) as contiguous float32 (batch, kv heads)
-    arrays; raises :class:`InputTypeError` for descales with non-fp8 inputs or a non-floating
-    dtype, :class:`InputError` for a wrong shape."""
+    arrays of their own library (NumPy, CuPy or torch; anything else through NumPy); raises
+    :class:`InputTypeError` for descales with non-fp8 inputs or a non-floating dtype,
+    :class:`InputError` for a wrong shape."""
     given = {name: x for name, x in descales.items() if x is not None}
     for name in given:
         if name not in DESCALES:
@@ -69,15 +92,17 @@ def check_descales(
             )
     checked = {}
     for name, x in given.items():
-        x = np.asarray(x)
-        if x.dtype.kind != "f":
-            raise InputTypeError(f"{name} has dtype {x.dtype}; expected float32 (B, Hkv)")
-        if x.shape != (batch, kv_heads):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            x = np.asarray(x)
+        dtype = dtype_name(x.dtype)
+        if dtype not in DESCALE_DTYPES:
+            raise InputTypeError(f"{name} has dtype {dtype}; expected float32 (B, Hkv)")
+        if tuple(x.shape) != (batch, kv_heads):
             raise InputError(
-                f"{name} has shape {x.shape}; expected ({batch}, {kv_heads}): one factor per "
-                "(batch, kv head)"
+                f"{name} has shape {tuple(x.shape)}; expected ({batch}, {kv_heads}): one factor "
+                "per (batch, kv head)"
             )
-        checked[name] = np.ascontiguousarray(x, dtype=np.float32)
+        checked[name] = ArrayOps(x).float32_contiguous(x)
     return checked
 
 

@@ -10,6 +10,7 @@ from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError
 from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.spec import (
+    FP8_HEAD_DIMS,
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
     KernelSpec,
@@ -137,7 +138,20 @@ def default_spec(
     ``additive_mask``: the call has a mask (a kernel that reads one; its tiles from
     :data:`MASKED_WIDE_TILES`). ``expressions``: the caller adds user expressions to the spec
     (their kernels take :data:`RICH_WIDE_TILES`, as do those with ``variants``).
+    ``dtype="float8_e4m3"``: :func:`fp8_default_spec`, the one fp8 kernel (it has none of the
+    options above; asking for one raises InputError).
     """
+    if dtype == FP8_DTYPE:
+        options = {"decode_rows": decode_rows, "split_kv": split_kv, "paged_kv": paged_kv,
+                   "variants": variants, "additive_mask": additive_mask,
+                   "expressions": expressions}  # fmt: skip
+        for name, value in options.items():
+            if value not in (None, False, ()):
+                raise InputError(
+                    f"{name}={value!r} is not allowed with dtype={FP8_DTYPE!r}; the fp8 kernel "
+                    "is the plain prefill forward (docs/hopper.md, fp8)"
+                )
+        return fp8_default_spec(head_dim, causal)
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     decode = decode_rows is not None
@@ -232,6 +246,32 @@ def hopper_default_spec(
         )
     except ValueError:  # a variant the wgmma kernels do not compile
         return None
+
+
+FP8_DTYPE = "float8_e4m3"
+
+
+def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
+    """The spec of every fp8 (e4m3) call without one: the wgmma forward of
+    specs/v2_wg_e4m3_d128_m128_n128_s2.yaml (and its causal twin), the only fp8 kernel built, so
+    fp8 calls are never tuned (docs/hopper.md, fp8). Raises InputError for a head dim other than
+    :data:`~kernelgen.spec.FP8_HEAD_DIMS`."""
+    if head_dim not in FP8_HEAD_DIMS:
+        raise InputError(
+            f"head_dim={head_dim} is not allowed with float8_e4m3 inputs; use "
+            f"{' or '.join(map(str, FP8_HEAD_DIMS))} (other head dims: not built yet)"
+        )
+    return KernelSpec(
+        loop_order="v2",
+        mma="wgmma",
+        dtype=FP8_DTYPE,
+        head_dim=head_dim,
+        block_m=128,
+        block_n=128,
+        stages=2,
+        causal=bool(causal),
+        archs=WGMMA_ARCHS,
+    )
 
 
 def hopper_decode_spec(

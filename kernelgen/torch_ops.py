@@ -26,6 +26,9 @@ log-sum-exp; ``kernelgen::attention_backward(Tensor dout, Tensor q, Tensor k, Te
 out, Tensor lse, Tensor? mask, bool causal, float? scale, str layout, SymInt[]? window, float?
 softcap, Tensor? alibi_slopes, Tensor? sinks, bool deterministic) -> (Tensor, Tensor, Tensor,
 Tensor)``: dq, dk, dv and dsinks (fp32; empty, shape (0,), without sinks).
+
+fp8 (float8_e4m3fn) inputs are not taken (the schema has no descales): the operator and its
+fake raise InputTypeError pointing to :func:`kernelgen.attention`, which runs them eagerly.
 """
 
 from __future__ import annotations
@@ -37,9 +40,21 @@ import torch
 from kernelgen.api import attention as _attention
 from kernelgen.api import check_flags
 from kernelgen.backward_api import attention_backward as _attention_backward
-from kernelgen.errors import InputError
+from kernelgen.errors import InputError, InputTypeError
 
 __all__ = ["attention"]
+
+
+def _refuse_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The operator takes no fp8 (no descales in its schema): an InputTypeError naming the
+    input, also at trace time (the fake implementation calls it)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype.itemsize == 1:
+            raise InputTypeError(
+                f"{name} has dtype {x.dtype}; torch.ops.kernelgen.attention takes no fp8 inputs "
+                "(not built yet): call kernelgen.attention(q, k, v, q_descale=..., ...) outside "
+                "torch.compile"
+            )
 
 
 def _lse_shape(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
@@ -67,7 +82,8 @@ def _attention_op(
     """out in q's layout and dtype, and the fp32 log-sum-exp (B, H, Sq): :func:`kernelgen.attention`
     with ``return_lse=True`` (an operator's outputs are fixed). Every argument after q, k, v has
     kernelgen.attention's default: ``torch.ops.kernelgen.attention(q, k, v, causal=True)``.
-    ``deterministic``: the backward's (the forward ignores it)."""
+    ``deterministic``: the backward's (the forward ignores it). No fp8 inputs."""
+    _refuse_fp8(q, k, v)
     return _attention(
         q,
         k,
@@ -103,6 +119,7 @@ def _attention_fake(
     sinks: torch.Tensor | None = None,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _refuse_fp8(q, k, v)
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32)
     return out, lse

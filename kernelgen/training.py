@@ -15,6 +15,7 @@ from typing import Any
 from kernelgen.api import Layout, check_flags
 from kernelgen.api import attention as forward_attention
 from kernelgen.block_mask import BlockMask
+from kernelgen.fp8_api import fp8_attention, wants_fp8
 from kernelgen.spec import KernelSpec
 
 __all__ = ["attention"]
@@ -43,10 +44,24 @@ def attention(
     block_mask: BlockMask | None = None,
     validate: bool = False,
     deterministic: bool = False,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> Any:
     """kernelgen.api.attention, differentiable (the full text is set below)."""
     if deterministic is not False and deterministic is not True:
         check_flags(deterministic=deterministic)
+    if wants_fp8(q, k, v, q_descale, k_descale, v_descale):  # forward only: no grad
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        return fp8_attention(
+            q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
+            layout=layout, descales=descales,
+            unsupported={"mask": mask, "seqlens_k": seqlens_k, "num_splits": num_splits,
+                         "window_size": window_size, "softcap": softcap,
+                         "alibi_slopes": alibi_slopes, "sinks": sinks, "score_mod": score_mod,
+                         "mask_mod": mask_mod, "mod_inputs": mod_inputs,
+                         "block_mask": block_mask, "deterministic": deterministic or None},
+        )  # fmt: skip
     if (
         seqlens_k is None
         and type(q).__module__.startswith("torch")
@@ -124,7 +139,16 @@ _DIFFERENTIABLE = """\
     ``mask_mod`` or ``block_mask`` call is block-sparse (it skips the tiles the mask hides);
     calls with ``seqlens_k`` are not differentiable (they warn once and return detached
     outputs). ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) makes the
-    backward bitwise reproducible, at some cost; the forward ignores it. No double backward."""
+    backward bitwise reproducible, at some cost; the forward ignores it. No double backward.
+    fp8 calls have no backward: an fp8 input that requires grad raises InputError.
+
+    fp8 (docs/hopper.md, fp8): q, k and v as torch.float8_e4m3fn tensors (CUDA, on a compute
+    capability 9.0 device, or CPU: the emulator) or NumPy ``ml_dtypes.float8_e4m3fn`` arrays
+    (the emulator), head dim 128, causal or not, GQA/MQA, either layout, with optional
+    ``q_descale``, ``k_descale``, ``v_descale``: float32 (B, Hkv) arrays of q's library and
+    device (the inputs' values are the e4m3 values times these; None: 1). out is bfloat16 in
+    the call's layout, lse float32; no mask, variants, expressions, seqlens_k, split-KV or
+    backward (kernelgen.fp8_api)."""
 
 
 def _docstring() -> str | None:

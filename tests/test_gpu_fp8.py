@@ -20,6 +20,7 @@ import pytest
 from test_emulated_fp8 import FP8_SPEC_PATHS, SHAPES, bound_ratio, problem, reference
 from test_gpu_attention import require_compute_capability_9_0
 
+import kernelgen
 from kernelgen.fp8 import decode_e4m3, launch_problem, v_operand
 from kernelgen.launch import runtime_kernel
 from kernelgen.spec import load_spec
@@ -72,3 +73,54 @@ def score_error_bound(q, k, descales, scale: float) -> np.ndarray:
     factor = np.repeat(factor, group, axis=1)[:, :, None, None]
     sums = np.abs(qf) @ np.abs(kf).transpose(0, 1, 3, 2) * factor
     return SCORE_ACCUMULATION * sums.max(-1) + 1e-4
+
+
+# kernelgen.attention on torch CUDA float8_e4m3fn tensors: the same bound, through the public
+# call (V^T built on the device by torch, descales as CUDA float32 tensors, bf16 out in the
+# call's layout). (descales, causal, layout) per case, on both SHAPES.
+API_CASES = [(True, False, "bhsd"), (True, True, "bshd"), (False, True, "bhsd")]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
+@pytest.mark.parametrize(("with_descales", "causal", "layout"), API_CASES)
+def test_fp8_through_kernelgen_attention_on_gpu(shape, with_descales, causal, layout):
+    require_compute_capability_9_0()
+    torch = pytest.importorskip("torch")
+
+    q, k, v, descales = problem(7 + shape[4], *shape, descales=with_descales)
+    scale = 128**-0.5
+
+    def cuda_fp8(bits):
+        tensor = torch.from_numpy(bits).cuda().view(torch.float8_e4m3fn)
+        return tensor.transpose(1, 2) if layout == "bshd" else tensor  # (B, S, H, D) views
+
+    scales = {name: torch.from_numpy(x).cuda() for name, x in descales.items()}
+    out, lse = kernelgen.attention(
+        *(cuda_fp8(x) for x in (q, k, v)),
+        causal=causal,
+        layout=layout,
+        return_lse=True,
+        **scales,
+    )
+    assert out.dtype == torch.bfloat16 and out.is_cuda and lse.dtype == torch.float32
+    got = out.float().cpu().numpy().astype(np.float64)
+    if layout == "bshd":
+        got = got.transpose(0, 2, 1, 3)
+    ref, lse_ref, a, b = reference(q, k, v, descales, causal, scale)
+    assert np.isfinite(got).all()
+    assert bound_ratio(got, ref, a, b) <= 1.0
+    lse_error = np.abs(lse.cpu().numpy() - lse_ref)
+    assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
+
+
+def test_v_operand_built_on_the_device_matches_the_host_copy():
+    """fp8.v_operand on a CUDA uint8 tensor (a strided (B, S, H, D) view's swap, as
+    kernelgen.attention passes a bshd v) is byte for byte the NumPy one."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    rng = np.random.default_rng(8)
+    v = rng.integers(0, 256, (2, 37, 3, 128), dtype=np.uint8)  # (B, Sk, Hkv, D)
+    on_device = v_operand(torch.from_numpy(v).cuda().swapaxes(1, 2))
+    assert on_device.is_cuda and on_device.is_contiguous()
+    np.testing.assert_array_equal(on_device.cpu().numpy(), v_operand(v.transpose(0, 2, 1, 3)))

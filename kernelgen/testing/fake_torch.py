@@ -1,6 +1,8 @@
 """A host-only stand-in for the slice of torch that ``kernelgen.attention`` touches with CUDA
-tensors: shape, ``stride()``, dtype, ``data_ptr()``, ``get_device()``, ``to``, ``expand`` and
-``fill_``; ``torch.empty``; ``torch.cuda.current_stream(device)`` (``cuda_stream`` and the CUDA
+tensors: shape, ``stride()``, dtype, ``data_ptr()``, ``get_device()``, ``to``, ``expand``,
+``fill_``, and for fp8 calls ``view(dtype)``, ``swapaxes``/``transpose``, ``detach``,
+``contiguous`` and indexed writes; ``torch.empty``, ``torch.as_tensor``;
+``torch.cuda.current_stream(device)`` (``cuda_stream`` and the CUDA
 stream protocol); ``torch.cuda.graph`` capture. Tensors hold no data and nothing is computed.
 Like torch's caching allocator, a tensor's block is free the moment the tensor is gone and the
 next allocation that fits takes it at once. Live tensors are :data:`ALLOCATED` (pointer ->
@@ -41,6 +43,7 @@ FREE: list[tuple[int, int]] = []  # free blocks (pointer, bytes), most recently 
 FILLED: set[int] = set()  # pointers of tensors that fill_() wrote (e.g. a NaN poison)
 STREAMS: dict[int, int] = {}  # device -> current stream pointer (0: the default stream)
 HOST: dict[int, np.ndarray] = {}  # pointer -> host memory of backed tensors
+WRITES: list[tuple[int, Any]] = []  # indexed writes (__setitem__): (pointer, index)
 BACKED = {"on": False}  # whether empty() allocates host memory
 
 
@@ -58,8 +61,13 @@ float16 = dtype("float16", 2)
 bfloat16 = dtype("bfloat16", 2)
 float32 = dtype("float32", 4)
 int32 = dtype("int32", 4)
-_NUMPY = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
-_TORCH = {np.dtype(v).name: globals()[k] for k, v in _NUMPY.items() if k != "bfloat16"}
+int64 = dtype("int64", 8)
+uint8 = dtype("uint8", 1)
+float8_e4m3fn = dtype("float8_e4m3fn", 1)  # held as its uint8 bit patterns
+_NUMPY = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int32": np.int32,
+          "int64": np.int64, "uint8": np.uint8, "float8_e4m3fn": np.uint8}  # fmt: skip
+_BITS = ("bfloat16", "float8_e4m3fn")  # held as the bits of another NumPy type
+_TORCH = {np.dtype(v).name: globals()[k] for k, v in _NUMPY.items() if k not in _BITS}
 
 
 class device:  # noqa: N801
@@ -116,7 +124,10 @@ class Tensor:
         return self._device_index
 
     def to(self, dtype: dtype) -> Tensor:
-        """A converted copy: values, not bit patterns (bfloat16 is held as its uint16 bits)."""
+        """A converted copy: values, not bit patterns (bfloat16 is held as its uint16 bits);
+        the tensor itself when it has ``dtype`` already (as torch returns it)."""
+        if dtype is self.dtype:
+            return self
         if self.host is None:
             return Tensor(self.shape, dtype, self._device_index)
         values = self.host
@@ -125,6 +136,60 @@ class Tensor:
         if dtype is bfloat16:
             return from_numpy(bfloat16_bits(np, np.ascontiguousarray(values)), self._device_index)
         return from_numpy(values.astype(_NUMPY[dtype.name]), self._device_index)
+
+    def detach(self) -> Tensor:
+        return self
+
+    def is_contiguous(self) -> bool:
+        running = 1
+        for size, stride in zip(reversed(self.shape), reversed(self._strides), strict=True):
+            if size != 1 and stride != running:
+                return False
+            running *= size
+        return True
+
+    def contiguous(self) -> Tensor:
+        """Itself when contiguous, else a contiguous copy (of the host values, when backed)."""
+        if self.is_contiguous():
+            return self
+        if self.host is None:
+            return Tensor(self.shape, self.dtype, self._device_index)
+        copy = from_numpy(np.ascontiguousarray(self.host), self._device_index)
+        copy.dtype = self.dtype
+        return copy
+
+    def view(self, kind: dtype) -> Tensor:
+        """The same memory as another dtype of the same size (``Tensor.view(dtype)``)."""
+        if kind.itemsize != self.dtype.itemsize:
+            raise RuntimeError("the fake views only between dtypes of one size")
+        return self._view(self.shape, self._strides, dtype=kind)
+
+    def swapaxes(self, first: int, second: int) -> Tensor:
+        """A strided view with two dimensions swapped (``transpose(first, second)``)."""
+        order = list(range(len(self.shape)))
+        order[first], order[second] = second, first
+        shape = tuple(self.shape[i] for i in order)
+        strides = tuple(self._strides[i] for i in order)
+        view = self._view(shape, strides)
+        if self.host is not None:
+            view.host = self.host.swapaxes(first, second)
+        return view
+
+    transpose = swapaxes
+
+    def _view(self, shape: tuple[int, ...], strides: tuple[int, ...], **fields: Any) -> Tensor:
+        view = Tensor.__new__(Tensor)
+        view.__dict__.update(self.__dict__, shape=shape, _strides=strides, _base=self, **fields)
+        return view
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """An indexed write (``index_put_``): logged in :data:`WRITES` (pointer, index); backed
+        tensors write their host memory (index tensors by their host values)."""
+        WRITES.append((self._ptr, index))
+        if self.host is not None:
+            if isinstance(index, tuple):
+                index = tuple(i.host if isinstance(i, Tensor) else i for i in index)
+            self.host[index] = value.host if isinstance(value, Tensor) else value
 
     def is_floating_point(self) -> bool:
         return self.dtype.name in ("float16", "bfloat16", "float32", "float64")
@@ -150,6 +215,12 @@ class Tensor:
         if self.host is not None:
             view.host = np.broadcast_to(self.host, shape)
         return view
+
+
+def as_tensor(values: Any, device: device | None = None) -> Tensor:
+    """``torch.as_tensor``: host values as a tensor on ``device`` (backed by a copy of them)."""
+    index = -1 if device is None or device.type == "cpu" else (device.index or 0)
+    return from_numpy(np.array(values), index)
 
 
 def from_numpy(host: np.ndarray, device_index: int = 0) -> Tensor:
@@ -187,7 +258,9 @@ def _fresh(nbytes: int) -> int:
 def empty(shape: tuple[int, ...], dtype: dtype, device: device) -> Tensor:
     index = device.index if device.index is not None else 0
     if BACKED["on"]:
-        return from_numpy(poisoned_host(shape, _NUMPY[dtype.name]), index)
+        tensor = from_numpy(poisoned_host(shape, _NUMPY[dtype.name]), index)
+        tensor.dtype = dtype  # float8_e4m3fn: held as uint8
+        return tensor
     return Tensor(shape, dtype, index)
 
 
@@ -234,11 +307,14 @@ def module(backed: bool = False) -> types.ModuleType:
     FILLED.clear()
     STREAMS.clear()
     HOST.clear()
+    WRITES.clear()
     BACKED["on"] = backed
     torch = types.ModuleType("torch")
     torch.__version__ = "0.0.0-fake"
     torch.Tensor = Tensor
-    for name in ("float16", "bfloat16", "float32", "int32", "dtype", "device", "empty"):
+    names = ("float16", "bfloat16", "float32", "int32", "int64", "uint8", "float8_e4m3fn",
+             "dtype", "device", "empty", "as_tensor")  # fmt: skip
+    for name in names:
         setattr(torch, name, getattr(sys.modules[__name__], name))
 
     torch.cuda = types.SimpleNamespace(

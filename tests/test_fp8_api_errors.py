@@ -1,0 +1,175 @@
+"""The typed errors of an fp8 call of ``kernelgen.attention`` (docs/hopper.md, fp8), each raised
+before anything is built or launched, and the spec choice: the policy's fp8 default is the
+shipped fp8 spec, and the tuner takes no fp8 problem."""
+
+from __future__ import annotations
+
+import re
+import types
+
+import numpy as np
+import pytest
+
+import kernelgen
+from kernelgen.errors import InputError, InputTypeError
+from kernelgen.policy import default_spec, fp8_default_spec
+from kernelgen.spec import load_spec
+from kernelgen.tuning.key import ProblemDesc
+
+torch = pytest.importorskip("torch")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+if not hasattr(torch, "float8_e4m3fn"):
+    pytest.skip("this torch has no float8_e4m3fn", allow_module_level=True)
+
+B, H, HKV, SQ, SK, D = 2, 4, 2, 8, 16, 128
+
+
+def fp8_inputs(head_dim: int = D, library: str = "torch"):
+    """q, k, v of zero bytes as fp8 (nothing runs: every case fails its checks)."""
+    shapes = ((B, H, SQ, head_dim), (B, HKV, SK, head_dim), (B, HKV, SK, head_dim))
+    bits = [np.zeros(shape, np.uint8) for shape in shapes]
+    if library == "numpy":
+        return [x.view(ml_dtypes.float8_e4m3fn) for x in bits]
+    return [torch.from_numpy(x).view(torch.float8_e4m3fn) for x in bits]
+
+
+def raises(error, message):
+    return pytest.raises(error, match=re.escape(message))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "what"),
+    [
+        ("mask", np.zeros((SQ, SK), np.float32), "additive mask"),
+        ("seqlens_k", [SK, SK], "per-sequence key lengths"),
+        ("num_splits", 2, "split-KV form"),
+        ("window_size", (4, 0), "sliding window"),
+        ("softcap", 30.0, "soft cap"),
+        ("sinks", np.zeros(H, np.float32), "attention sinks"),
+        ("score_mod", "score * 2", "user expressions"),
+    ],
+)
+def test_fp8_refuses_what_its_kernel_lacks(name, value, what):
+    with raises(InputError, f"{name}=") as caught:
+        kernelgen.attention(*fp8_inputs(), **{name: value})
+    assert "is not allowed with fp8 inputs" in str(caught.value)
+    assert what in str(caught.value)
+
+
+def test_descales_need_fp8_inputs():
+    q, k, v = (torch.zeros(shape, dtype=torch.bfloat16) for shape in ((1, 2, 8, 128),) * 3)
+    with raises(InputTypeError, "q_descale is not allowed with non-fp8 inputs"):
+        kernelgen.attention(q, k, v, q_descale=torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("other", ["k", "v"])
+def test_fp8_q_with_non_fp8_k_or_v(other):
+    q, k, v = fp8_inputs()
+    named = {"q": q, "k": k, "v": v}
+    named[other] = named[other].to(torch.bfloat16)
+    with raises(InputTypeError, f"{other} has dtype bfloat16 but q has float8_e4m3fn"):
+        kernelgen.attention(**named)
+
+
+def test_non_fp8_q_with_fp8_v():
+    q, k, v = fp8_inputs()
+    with raises(InputTypeError, "q has dtype bfloat16 but v has float8_e4m3fn"):
+        kernelgen.attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v)
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_bytes_and_other_fp8_types_name_float8_e4m3fn(library):
+    q, k, v = fp8_inputs(library=library)
+    if library == "numpy":
+        q, k, v = (x.view(np.uint8) for x in (q, k, v))
+        message = "q has dtype uint8; fp8 attention takes float8_e4m3fn only"
+    else:
+        q, k, v = (x.view(torch.float8_e5m2) for x in (q, k, v))
+        message = "q has dtype float8_e5m2; fp8 attention takes float8_e4m3fn only"
+    with raises(InputTypeError, message) as caught:
+        kernelgen.attention(q, k, v)
+    assert "torch.float8_e4m3fn" in str(caught.value)
+    assert "ml_dtypes.float8_e4m3fn" in str(caught.value)
+
+
+def test_other_apis_refuse_fp8_naming_kernelgen_attention():
+    """attention_varlen (packed (total, H, D) sequences) takes no fp8: its dtype error says where
+    fp8 is taken."""
+    q, k, v = (x[0].transpose(0, 1) for x in fp8_inputs())  # (S, H, D): one sequence
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (SQ, SK))
+    with raises(InputTypeError, "q has dtype float8_e4m3fn; allowed: float32, float16") as caught:
+        kernelgen.attention_varlen(q, k, v, cu_q, cu_k, SQ, SK)
+    assert "only in kernelgen.attention" in str(caught.value)
+
+
+def test_fp8_head_dim_other_than_128():
+    with raises(InputError, "head_dim=64 is not allowed with float8_e4m3 inputs; use 128"):
+        kernelgen.attention(*fp8_inputs(head_dim=64))
+
+
+def test_fp8_with_a_bf16_spec():
+    spec = default_spec("bfloat16", D, False)
+    with raises(InputError, "has dtype='bfloat16' but the call needs dtype='float8_e4m3'"):
+        kernelgen.attention(*fp8_inputs(), spec=spec)
+
+
+@pytest.mark.parametrize(
+    ("descale", "error", "message"),
+    [
+        (np.ones((B, H), np.float32), InputError, f"k_descale has shape ({B}, {H}); expected "),
+        (
+            np.ones((B, HKV), np.int32),
+            InputTypeError,
+            "k_descale has dtype int32; expected float32",
+        ),
+    ],
+)
+def test_descale_shape_and_dtype(descale, error, message):
+    with raises(error, message):
+        kernelgen.attention(*fp8_inputs(library="numpy"), k_descale=descale)
+
+
+def test_descales_on_another_device_than_q():
+    q, k, v = fp8_inputs(library="numpy")
+    with raises(InputTypeError, "v_descale is on"):
+        kernelgen.attention(q, k, v, v_descale=_CudaLike())
+
+
+class _CudaLike:
+    """A float32 (B, Hkv) array that says it lives on CUDA device 0 (nothing reads it)."""
+
+    shape, dtype = (B, HKV), np.dtype(np.float32)
+    __module__ = "torch"
+    device = types.SimpleNamespace(type="cuda", index=0)
+
+    def detach(self):
+        return self
+
+    def to(self, dtype):
+        return self
+
+    def contiguous(self):
+        return self
+
+    is_cuda = True
+
+    def get_device(self):
+        return 0
+
+
+def test_fp8_inputs_that_require_grad():
+    q, k, v = fp8_inputs()
+    q.requires_grad_(True)
+    with raises(InputError, "q requires grad, but fp8 attention has no backward pass"):
+        kernelgen.attention(q, k, v)
+
+
+def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_no_fp8_problem():
+    for causal, path in ((False, "specs/v2_wg_e4m3_d128_m128_n128_s2.yaml"),
+                         (True, "specs/v2_wg_e4m3_d128_m128_n128_s2_causal.yaml")):  # fmt: skip
+        assert fp8_default_spec(D, causal) == load_spec(path)
+        assert default_spec("float8_e4m3", D, causal) == load_spec(path)
+    with raises(InputError, "split_kv=True is not allowed with dtype='float8_e4m3'"):
+        default_spec("float8_e4m3", D, False, split_kv=True)
+    with raises(InputError, "dtype='float8_e4m3' is not allowed"):
+        ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, D)
