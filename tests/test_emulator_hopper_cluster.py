@@ -290,7 +290,10 @@ extern "C" __global__ void vector_probe(const unsigned* in, unsigned* out) {
   asm volatile("ld.shared.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "r"(smem_u32(words)));
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(smem_u32(words + 4)));
-  out[0] = unsigned(a); out[1] = unsigned(a >> 32); out[2] = unsigned(b); out[3] = unsigned(b >> 32);
+  out[0] = unsigned(a);
+  out[1] = unsigned(a >> 32);
+  out[2] = unsigned(b);
+  out[3] = unsigned(b >> 32);
   for (int i = 0; i < 4; ++i) out[4 + i] = w[i];
 }
 """
