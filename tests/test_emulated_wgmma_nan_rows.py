@@ -14,19 +14,31 @@ mbarrier arrivals that pass on no phases (the correct kernel then raises a false
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import numpy as np
 import pytest
-from attention_cases import Case, CaseData, assert_matches, make_case
+from attention_cases import (
+    Case,
+    CaseData,
+    assert_matches,
+    check_kvcache,
+    kvcache_data,
+    kvcache_reference,
+    make_case,
+    nan_past_lengths,
+    paged_cache,
+)
 from conftest import ROOT
 from test_emulated_kernels import run_emulated
 from test_emulator_hopper import mutated  # noqa: F401 (a fixture)
 
-from kernelgen.errors import EmulatorError, HazardError
+import kernelgen
+from kernelgen.errors import CPUBackendWarning, EmulatorError, HazardError
 from kernelgen.reference import naive_attention
 from kernelgen.render import render
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.spec import KernelSpec, load_spec, spec_from_dict
 
 pytestmark = pytest.mark.emulate
 
@@ -96,6 +108,44 @@ def test_paged_cache_ignores_nan_rows_and_pages_past_seqlens_k(page_size):
         PAGED, Case(3, 8, 2, 5, 300), [131, 1, 300], seed=page_size, num_splits=3,
         page_size=page_size,
     )  # fmt: skip
+
+
+# the split decode spec in float16 (NumPy has no bfloat16 for the public API's host path)
+SPLIT_F16 = spec_from_dict(
+    dict(loop_order="v2", mma="wgmma", dtype="float16", head_dim=128, block_m=64, block_n=128)
+    | dict(pack_gqa=True, split_kv=True)
+)
+
+
+@pytest.mark.parametrize("spec", [SPLIT_F16, PAGED], ids=["contiguous", "paged"])
+def test_attention_with_kvcache_on_nan_filled_caches(spec):
+    """The public decode step (CPU backend) on caches whose rows past each entry's keys after the
+    append are NaN (paged: the pages past them too; spare pages 4096), 2 new tokens appended."""
+    lengths, new_len, heads, kv_heads, max_keys = [37, 150, 1], 2, 8, 2, 256
+    q, k_cache, v_cache, k_new, v_new = kvcache_data(
+        3, new_len, new_len, max_keys, heads, kv_heads, spec.dtype, 33, spec.head_dim
+    )
+    k_cache, v_cache = (nan_past_lengths(c, lengths, new_len) for c in (k_cache, v_cache))
+    k_arg, v_arg, table = k_cache, v_cache, None
+    if spec.paged_kv:
+        k_arg, table, _ = paged_cache(k_cache, 128, seed=33)
+        v_arg, _, _ = paged_cache(v_cache, 128, seed=33)  # same seed: same table
+    f16 = [x.astype(np.float16) for x in (q, k_arg, v_arg, k_new, v_new)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CPUBackendWarning)
+        out, lse = kernelgen.attention_with_kvcache(
+            *f16[:3],
+            np.array(lengths, np.int32),
+            block_table=table,
+            k_new=f16[3],
+            v_new=f16[4],
+            causal=spec.causal,
+            return_lse=True,
+            spec=spec,
+            num_splits=2,
+        )
+    want = kvcache_reference(q, k_cache, v_cache, k_new, v_new, lengths, spec.causal)
+    check_kvcache(out, lse, *want, spec.dtype)
 
 
 # ---- mutations: the zeroing and its synchronisation ------------------------------------------
