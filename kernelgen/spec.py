@@ -796,7 +796,8 @@ class KernelSpec(BaseModel):
         row_bytes = self.smem_row_elems * self.elem_bytes
         if self.engine.warp_specialized:  # Q, K and V rings, their barriers, 1024-byte alignment
             tile_rows = self.block_m + 2 * self.stages * self.block_n
-            barriers = (1 + 3 * self.stages) * WGMMA_BARRIER_BYTES
+            # Q landed; per slot K landed, V landed, slot free; the last V tile staged
+            barriers = (2 + 3 * self.stages) * WGMMA_BARRIER_BYTES
             return tile_rows * self.column_blocks * row_bytes + barriers + WGMMA_SWIZZLE_ATOM
         if self.engine.tensor_cores:  # Q tile (reused to stage the output), then K and V rings
             return (self.block_m + 2 * self.stages * self.block_n) * row_bytes

@@ -247,6 +247,15 @@ def kvcache_reference(q, k_cache, v_cache, k_new, v_new, lengths, causal, **vari
     return out, lse
 
 
+def nan_past_lengths(cache, lengths, new_len):
+    """A copy of the cache (B, S_max, Hkv, D) whose rows past each entry's keys after the append
+    (lengths[b] + new_len on) are NaN, as never-written device memory may be."""
+    poisoned = cache.copy()
+    for b, length in enumerate(lengths):
+        poisoned[b, length + new_len :] = np.nan
+    return poisoned
+
+
 def appended_cache(cache, new, lengths):
     """The cache as it must be after the call: ``new`` in rows lengths[b]:, the rest as was."""
     want = cache.copy()

@@ -270,3 +270,43 @@ def test_mutation_multicast_to_one_block_is_caught(mutated):  # noqa: F811
     kernel = build_kernel(CLUSTER_SRC, "cluster_probe", CLUSTER_PARAMS)
     with pytest.raises(AssertionError):
         test_cluster_registers_dsmem_remote_arrive_and_multicast(kernel, 0)
+
+
+VECTOR_SRC = (
+    COMMON
+    + r"""
+// st / ld .shared vectors (.v2, .v4 of 32- and 64-bit elements): element i at address + i *
+// element size; an ld.shared.v2.b64 reads back what two st.shared.v4.b32 wrote.
+extern "C" __global__ void vector_probe(const unsigned* in, unsigned* out) {
+  __shared__ __align__(16) unsigned words[8];
+  if (threadIdx.x != 0) return;
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(smem_u32(words)), "r"(in[0]),
+               "r"(in[1]), "r"(in[2]), "r"(in[3]) : "memory");
+  asm volatile("st.shared.v2.u64 [%0], {%1, %2};" :: "r"(smem_u32(words + 4)),
+               "l"(static_cast<unsigned long long>(in[5]) << 32 | in[4]),
+               "l"(static_cast<unsigned long long>(in[7]) << 32 | in[6]) : "memory");
+  unsigned long long a, b;
+  unsigned w[4];
+  asm volatile("ld.shared.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "r"(smem_u32(words)));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(smem_u32(words + 4)));
+  out[0] = unsigned(a);
+  out[1] = unsigned(a >> 32);
+  out[2] = unsigned(b);
+  out[3] = unsigned(b >> 32);
+  for (int i = 0; i < 4; ++i) out[4 + i] = w[i];
+}
+"""
+)
+
+
+def test_vector_ld_st_shared_move_elements_in_order():
+    """st/ld.shared with .v2/.v4 (the wgmma kernel zeroes V rows with st.shared.v4.b32): the
+    elements land at consecutive addresses, the first lowest (the PTX ISA's vector forms)."""
+    kernel = build_kernel(
+        VECTOR_SRC, "vector_probe", [("const unsigned*", "in"), ("unsigned*", "out")]
+    )
+    values = np.array([0x11111111 * (i + 1) for i in range(8)], np.uint32)
+    out = np.zeros(8, np.uint32)
+    kernel(grid=1, block=32, args=[values, out])
+    np.testing.assert_array_equal(out, values)

@@ -459,12 +459,12 @@ def test_tma_store_epilogue_reusing_its_buffer(hazard_kernel):
 @pytest.mark.parametrize(
     ("mode", "message"),
     [
-        (1, r"wrote by stmatrix with no fence\.proxy\.async after the write"),
+        (1, r"wrote by stmatrix or st\.shared with no fence\.proxy\.async after the write"),
         (2, r"no barrier ordering the write|still reads it|no barrier orders that thread"),
         (3, r"stmatrix writes shared 0x[0-9a-f]+ while a TMA store of thread 0 still reads it"),
         (4, r"no barrier orders that thread|still reads it|no barrier ordering the write"),
         (5, r"changed between its issue and the cp\.async\.bulk\.wait_group\.read"),
-        (6, r"wrote by stmatrix with no fence\.proxy\.async after the write"),
+        (6, r"wrote by stmatrix or st\.shared with no fence\.proxy\.async after the write"),
     ],
 )
 def test_tma_store_hazards(hazard_kernel, mode, message):

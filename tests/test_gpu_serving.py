@@ -15,11 +15,12 @@ from attention_cases import (
     gather_pages,
     kvcache_data,
     kvcache_reference,
+    nan_past_lengths,
     packed_varlen,
     paged_cache,
     varlen_reference,
 )
-from conftest import POINTER_SPEC_PATHS, WGMMA_SPEC_PATHS
+from conftest import POINTER_SPEC_PATHS, ROOT, WGMMA_SPEC_PATHS
 from test_gpu_attention import device_variants, require_compute_capability_9_0
 
 import kernelgen
@@ -210,4 +211,47 @@ def test_paged_specs_on_gpu(path, page_size):
     want = kvcache_reference(
         data[0], k_logical, v_logical, data[3], data[4], lengths, spec.causal, **variants
     )
+    check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, spec.dtype)
+
+
+# Issue 33: every d128 bf16 loop (plain, overlapped, Q in registers, ping-pong), split-KV decode
+# and the paged spec (tests/test_emulated_wgmma_nan_rows.py runs the same on the emulator).
+NAN_ROW_SPECS = [
+    "v2_wg_bf16_d128_m128_n128_s2",
+    "v2_wg_bf16_d128_m128_n128_s3_ovl",
+    "v2_wg_bf16_d128_m128_n128_s2_qr",
+    "v2_wg_bf16_d128_m128_n64_s2_pp_causal",
+    "v2_wg_bf16_d128_m64_n128_s2_gqa_split",
+    "v2_wg_f16_d128_m64_n64_s2_gqa_split_paged_causal",
+]
+
+
+@pytest.mark.parametrize("name", NAN_ROW_SPECS)
+def test_wgmma_cache_rows_past_the_lengths_hold_nan_on_gpu(name):
+    """The cache rows past each entry's keys after the append hold NaN (never-written
+    cupy.empty / torch.empty memory, a freed page; paged: the pages past them too), which a
+    wgmma kernel's TMA copies with the last key tile: out and lse must be finite and equal to
+    float64 attention of each entry's own keys."""
+    require_compute_capability_9_0()
+    spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+    lengths, new_len, heads, kv_heads, page_size = [37, 300, 1000, 1], 2, 8, 2, 128
+    max_keys = 1152  # past every length, a multiple of the pages
+    data = kvcache_data(
+        len(lengths), new_len, new_len, max_keys, heads, kv_heads, spec.dtype, 33, spec.head_dim
+    )
+    q, k_new, v_new = (to_device(x, spec.dtype, "cupy") for x in (data[0], data[3], data[4]))
+    k_cache, v_cache = (nan_past_lengths(c, lengths, new_len) for c in data[1:3])
+    table = None
+    if spec.paged_kv:
+        k_pool, table, _ = paged_cache(k_cache, page_size, seed=33)
+        v_pool, _, _ = paged_cache(v_cache, page_size, seed=33)  # same seed: same table
+        k_device, v_device = (to_device(x, spec.dtype, "cupy") for x in (k_pool, v_pool))
+    else:
+        k_device, v_device = (to_device(x, spec.dtype, "cupy") for x in (k_cache, v_cache))
+    out, lse = kernelgen.attention_with_kvcache(
+        q, k_device, v_device, np.asarray(lengths, np.int32), block_table=table, k_new=k_new,
+        v_new=v_new, causal=spec.causal, spec=spec, return_lse=True,
+        num_splits=3 if spec.split_kv else None,
+    )  # fmt: skip
+    want = kvcache_reference(data[0], k_cache, v_cache, data[3], data[4], lengths, spec.causal)
     check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, spec.dtype)

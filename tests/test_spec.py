@@ -262,8 +262,9 @@ def test_wgmma_defaults_target_sm90a_with_a_producer_warpgroup():
     assert spec.threads_per_row == 4 and spec.rows_per_warp == 16
     assert spec.accumulators_per_thread == (128 + 128) // 2
     # Q (128 rows) and 2 stages of K and V (128 rows each), 2 column blocks of 128 bytes a row,
-    # 7 barriers of 8 bytes, 1024 bytes to align the base to the swizzle atom.
-    assert spec.smem_bytes == (128 + 4 * 128) * 2 * 128 + 7 * 8 + 1024
+    # 8 barriers of 8 bytes (Q; K, V, free per slot; the last V tile staged), 1024 bytes to align
+    # the base to the swizzle atom.
+    assert spec.smem_bytes == (128 + 4 * 128) * 2 * 128 + 8 * 8 + 1024
     one = spec_from_dict({**WG, "block_m": 64, "head_dim": 96, "dtype": "float16"})
     assert (one.num_warps, one.column_blocks, one.head_dim_padded) == (8, 2, 96)
     assert spec_from_dict(one.model_dump()) == one  # a dumped spec loads back unchanged

@@ -173,12 +173,14 @@ def _paged(
 ) -> tuple[np.ndarray, np.ndarray, TensorInfo]:
     """K or V (device dtype, stored in ``layout``) as a pool of pages (1 + B * P, page_size, Hkv,
     D): page 0 a NaN spare, entry b's logical page j at 1 + B * P - 1 - (b * P + j) (reverse
-    order). Returns the pool, the int32 block table (B, P) and the pool's info as the kernels
-    address it, (B, P * page_size keys) in ``layout`` with the page stride as batch stride."""
+    order), the last page's rows past Sk NaN. Returns the pool, the int32 block table (B, P)
+    and the pool's info as the kernels address it, (B, P * page_size keys) in ``layout`` with
+    the page stride as batch stride."""
     rows = x if layout == "bshd" else x.transpose(0, 2, 1, 3)  # (B, Sk, Hkv, D)
     batch, keys, kv_heads, head_dim = rows.shape
     per_seq = -(-keys // page_size)
-    padded = np.zeros((batch, per_seq * page_size, kv_heads, head_dim), x.dtype)
+    # the last page's rows past Sk hold NaN, like the spare page: reading one poisons the output
+    padded = np.full((batch, per_seq * page_size, kv_heads, head_dim), _NAN_BITS[dtype], x.dtype)
     padded[:, :keys] = rows
     order = np.arange(batch * per_seq)[::-1] + 1
     pool = np.full((1 + batch * per_seq, page_size, kv_heads, head_dim), _NAN_BITS[dtype], x.dtype)

@@ -1129,7 +1129,7 @@ def _ldst_value(stmt: _AsmStatement, arg: tuple, wide: bool, write: bool, role: 
 def _ptx_ld_st(stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]) -> str:
     """ld / st .shared{::cta,::cluster}{.v2,.v4} of 32- or 64-bit elements."""
     load, cluster = m.group(1) == "ld", m.group(2) == "::cluster"
-    n = int(m.group(3)[1]) if m.group(3) else 1
+    n = int(m.group(3)[2]) if m.group(3) else 1  # ".v2" / ".v4"
     wide = m.group(4).endswith("64")
     value_kind = f"vec{n}" if n > 1 else "val"
     shape = f"{value_kind} addr" if load else f"addr {value_kind}"

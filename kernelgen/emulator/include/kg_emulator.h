@@ -248,6 +248,9 @@ enum LaunchStat : int {
 // array holds the source address (the launch passes the arrays' byte ranges).
 constexpr int kMaxArgRanges = 64;
 
+struct SeenPhase {  // an mbarrier phase a thread saw complete (kg_mbarrier.h)
+  uint32_t slot, completed;
+};
 // An mbarrier object (kg_mbarrier.h). `phase` (the phases completed) is read without the lock
 // and is the futex word waiters sleep on; the rest is guarded by Launch::mbar_lock.
 struct MbarrierState {
@@ -259,6 +262,9 @@ struct MbarrierState {
   // Happens-before knowledge (hb_* below) the arrivals released: all of them so far, and as it
   // stood when each of the last four phases completed (what a thread that saw it acquires).
   std::vector<uint32_t> known, known_at[4];
+  // Likewise the mbarrier phases the arriving threads had seen complete (kg_mbarrier.h:
+  // check_tma_read), which a thread that sees the phase complete then knows too.
+  std::vector<SeenPhase> seen, seen_at[4];
   void reset() {
     phase.store(0, std::memory_order_relaxed);
     initialized = expected = 0;
@@ -266,8 +272,10 @@ struct MbarrierState {
     for (int i = 0; i < 4; ++i) {
       seen_phase[i] = seen_epoch[i] = 0;
       known_at[i].clear();
+      seen_at[i].clear();
     }
     known.clear();
+    seen.clear();
   }
 };
 
@@ -298,9 +306,6 @@ struct Warpgroup {
 // thread count below the block's); `generation` (completed generations) is the futex word
 // waiters sleep on, the rest is guarded by Launch::bar_lock.
 constexpr uint32_t kNamedBarriers = 16;
-struct SeenPhase {  // an mbarrier phase a thread saw complete (kg_mbarrier.h)
-  uint32_t slot, completed;
-};
 struct NamedBarrierState {
   std::atomic<uint32_t> generation{0};
   uint32_t expected = 0;  // the thread count of the generation under way (0: none under way)

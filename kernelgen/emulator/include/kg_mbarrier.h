@@ -52,6 +52,7 @@ inline void mbarrier_maybe_complete(MbarrierState& b) {
   if (b.pending != 0 || b.tx != 0) return;
   b.pending = static_cast<int32_t>(b.expected);
   b.known_at[b.phase.load() % 4] = b.known;
+  b.seen_at[b.phase.load() % 4] = b.seen;
   b.phase.fetch_add(1);
   futex_wake_all(b.phase);
 }
@@ -70,22 +71,32 @@ inline void mbarrier_add_tx(MbarrierState& b, int64_t delta, uint32_t addr, cons
 // learnt of through a named barrier (kg_barrier.h).
 inline thread_local std::vector<SeenPhase> mbarrier_seen;
 
-// This thread saw `completed` phases of `b` done: remember it, for itself and (with its epoch)
-// for the threads that pass a later __syncthreads.
-inline void mbarrier_know(uint32_t slot, uint32_t completed) {
-  for (SeenPhase& s : mbarrier_seen) {
+// `completed` phases of barrier `slot` are done, in `seen` (the phases a thread knows of).
+inline void merge_seen(std::vector<SeenPhase>& seen, uint32_t slot, uint32_t completed) {
+  for (SeenPhase& s : seen) {
     if (s.slot == slot) {
       s.completed = completed > s.completed ? completed : s.completed;
       return;
     }
   }
-  mbarrier_seen.push_back(SeenPhase{slot, completed});
+  seen.push_back(SeenPhase{slot, completed});
+}
+
+// This thread saw `completed` phases of `b` done: remember it, for itself and (with its epoch)
+// for the threads that pass a later __syncthreads.
+inline void mbarrier_know(uint32_t slot, uint32_t completed) {
+  merge_seen(mbarrier_seen, slot, completed);
 }
 
 inline void mbarrier_observe(MbarrierState& b, uint32_t slot, uint32_t completed) {
   mbarrier_know(slot, completed);
   MbarrierLock lock;
-  if (completed > 0) hb_acquire(b.known_at[(completed - 1) % 4]);
+  if (completed > 0) {
+    hb_acquire(b.known_at[(completed - 1) % 4]);
+    // the phases the arriving threads had seen (one thread may wait for a TMA copy and pass it
+    // on by its arrival here, as by a named barrier)
+    for (const SeenPhase& s : b.seen_at[(completed - 1) % 4]) mbarrier_know(s.slot, s.completed);
+  }
   const uint32_t i = completed % 4;
   if (b.seen_phase[i] != completed || b.seen_epoch[i] > tctx.epoch) {
     b.seen_phase[i] = completed;
@@ -122,7 +133,10 @@ inline uint64_t mbarrier_arrive_tx(uint32_t addr, long long count, long long tx,
   }
   mbarrier_add_tx(b, tx, addr, what);
   const uint64_t state = b.phase.load();
-  if (&C == tctx.cta) hb_release(b.known);
+  if (&C == tctx.cta) {
+    hb_release(b.known);
+    for (const SeenPhase& s : mbarrier_seen) merge_seen(b.seen, s.slot, s.completed);
+  }
   b.pending -= static_cast<int32_t>(count);
   mbarrier_maybe_complete(b);
   return state;
@@ -186,8 +200,8 @@ inline bool mbarrier_wait(uint32_t addr, bool by_parity, uint64_t operand, bool 
 // ---- reads of TMA destinations ----------------------------------------------------------------
 // Each 16-byte chunk a TMA or bulk copy writes records (mbarrier slot + 1) << 32 | the number of
 // the phase its bytes complete on. A read of the chunk (ldmatrix, wgmma) is ordered after the
-// write when the reader saw that phase complete, or some thread saw it before a __syncthreads
-// the reader has passed since. The copy itself happens at issue, so without this check a kernel
+// write when the reader saw that phase complete, or learnt of it from a thread that did: through
+// a named barrier, an mbarrier phase that thread arrived on, or a __syncthreads since. The copy itself happens at issue, so without this check a kernel
 // that forgets its wait would read the right bytes by luck.
 inline void check_tma_read(size_t chunk) {
   const Cta& C = *tctx.cta;

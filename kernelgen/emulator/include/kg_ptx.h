@@ -186,9 +186,10 @@ inline size_t chunk_of(const unsigned char* host) {
 }
 
 // ---- stmatrix writes and the reads that must come after them ----------------------------------
-// stmatrix writes shared memory through the generic proxy. Each 16-byte chunk it writes records
-// the writer and its point (epoch and barrier arrivals, kg_emulator.h: hb_after), and the
-// writer's next fence.proxy.async.shared::cta records its point beside it. Reported:
+// stmatrix and st.shared (kg_cluster.h) write shared memory through the generic proxy. Each
+// 16-byte chunk they write records the writer and its point (epoch and barrier arrivals,
+// kg_emulator.h: hb_after), and the writer's next fence.proxy.async.shared::cta records its
+// point beside it. Reported:
 //   * an ldmatrix of the chunk by a thread of another warp that no barrier orders after the
 //     write, or a write no barrier orders after the chunk's last ldmatrix by another warp (the
 //     same warp's stmatrix and ldmatrix meet in the warp-synchronous instructions);
@@ -215,7 +216,7 @@ inline uint64_t my_point() {
          static_cast<uint64_t>(tctx.epoch & kStampField) << 26 | (hb.arrivals & kStampField);
 }
 
-// Chunks this thread wrote by stmatrix since its last fence.proxy.async.
+// Chunks this thread wrote by stmatrix or st.shared since its last fence.proxy.async.
 inline thread_local std::vector<uint32_t> unfenced_chunks;
 
 inline uint32_t chunk_address(size_t chunk) { return kSharedBase + static_cast<uint32_t>(chunk * 16); }
@@ -262,7 +263,8 @@ inline void note_generic_write(const unsigned char* host, const char* what) {
   }
 }
 
-// fence.proxy.async{.shared::cta}: this thread's stmatrix writes reach the async proxy.
+// fence.proxy.async{.shared::cta}: this thread's stmatrix and st.shared writes reach the async
+// proxy.
 inline void fence_generic_writes() {
   ChunkShadow* shadow = tctx.cta->shadow;
   for (uint32_t chunk : unfenced_chunks) {
@@ -285,12 +287,12 @@ inline void check_async_read(size_t chunk, const char* what) {
   const PointStamp w = PointStamp::of(sh.gen.load());
   if (!w.any || PointStamp::of(sh.fence.load()).before_me()) return;
   if (w.before_me()) {
-    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix with no "
+    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix or st.shared with no "
                   "fence.proxy.async after the write (generic-proxy writes reach the async "
                   "proxy only through that fence)",
                   what, chunk_address(chunk), w.thread);
   } else {
-    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix, with no barrier "
+    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix or st.shared, with no barrier "
                   "ordering the write and its fence.proxy.async before the read",
                   what, chunk_address(chunk), w.thread);
   }
@@ -788,7 +790,7 @@ inline void cvt_bf16x2_f32(D& d, float a, float b) {
 inline void compiler_barrier() { std::atomic_signal_fence(std::memory_order_seq_cst); }
 
 // fence.proxy.async{.shared::cta,.shared::cluster} (and without a state space): the thread's
-// stmatrix writes so far reach the async proxy (the race check above); .global and
+// stmatrix and st.shared writes so far reach the async proxy (the race check above); .global and
 // fence.mbarrier_init: ordering only (the emulator has one memory proxy).
 inline void fence_proxy_async() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void fence_proxy_async_shared() {
