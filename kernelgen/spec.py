@@ -382,7 +382,7 @@ class KernelSpec(BaseModel):
                 del data[name]
         for name in EXPRESSION_FIELDS:
             if data.get(name) is None:
-                del data[name]
+                data.pop(name, None)  # absent already under exclude_defaults
         if not data.get("mod_inputs"):
             data.pop("mod_inputs", None)
         return data

@@ -556,3 +556,15 @@ def test_wgmma_schedule_options_and_their_limits():
             spec_from_dict({**base, **bad})
     with pytest.raises(SpecError, match="pingpong=true is not allowed with mma='mma_sync'"):
         spec_from_dict({**TC, "head_dim": 64, "block_m": 64, "block_n": 64, "pingpong": True})
+
+
+def test_dumps_without_defaults_leave_out_what_is_off():
+    """model_dump(exclude_defaults=True) works (the unused-variant filter once raised KeyError
+    on the expression fields it had already left out) and loads back to the same spec."""
+    spec = KernelSpec(
+        loop_order="v2", mma="mma_sync", dtype="float16", head_dim=64, block_m=64, block_n=64,
+        causal=True,
+    )  # fmt: skip
+    data = spec.model_dump(exclude_defaults=True)
+    assert data["causal"] is True and "score_mod" not in data and "softcap" not in data
+    assert spec_from_dict(data) == spec
