@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -220,11 +221,36 @@ def _worker(rank: int, world: int, init_file: str, cases: list[dict], out_dir: s
                 result = run_case(case, rank)
             except Exception:
                 result = {"error": traceback.format_exc()}
-                torch.save(result, Path(out_dir) / f"{case.name}.{rank}.pt")
+                _save(result, Path(out_dir) / f"{case.name}.{rank}.pkl")
                 raise
-            torch.save(result, Path(out_dir) / f"{case.name}.{rank}.pt")
+            _save(result, Path(out_dir) / f"{case.name}.{rank}.pkl")
     finally:
         dist.destroy_process_group()
+
+
+def _save(result: dict[str, Any], path: Path) -> None:
+    """A rank's result as NumPy arrays (float32 copies of the tensors, with their dtype names)
+    and scalars, pickled: a spawned rank's torch.save of its tensors was once read back by the
+    parent with a storage record that did not match its size (seen under a loaded pytest-xdist
+    run, not reproduced alone)."""
+    plain = {
+        name: ("tensor", value.detach().float().numpy().copy(), str(value.dtype))
+        if isinstance(value, torch.Tensor)
+        else ("value", value, None)
+        for name, value in result.items()
+    }
+    path.write_bytes(pickle.dumps(plain))
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """What :func:`_save` wrote, tensors rebuilt in their dtype (exact: they were widened)."""
+    plain = pickle.loads(path.read_bytes())
+    return {
+        name: torch.from_numpy(value).to(getattr(torch, dtype.removeprefix("torch.")))
+        if kind == "tensor"
+        else value
+        for name, (kind, value, dtype) in plain.items()
+    }
 
 
 def run_cases(cases: list[Case], world: int, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, list]:
@@ -256,6 +282,5 @@ def run_cases(cases: list[Case], world: int, timeout_s: float = RUN_TIMEOUT_S) -
                 if process.is_alive():
                     process.terminate()
         return {
-            c.name: [torch.load(Path(tmp) / f"{c.name}.{r}.pt") for r in range(world)]
-            for c in cases
+            c.name: [_load(Path(tmp) / f"{c.name}.{r}.pkl") for r in range(world)] for c in cases
         }

@@ -76,11 +76,11 @@ def test_bank_conflict_check_sees_an_unswizzled_tile():
 
 @pytest.mark.parametrize("spec", TC_SPECS, ids=lambda s: s.uri)
 def test_each_kv_row_is_read_once_per_kv_head(spec):
-    """A decode step (2 queries, 4 query heads per K/V head, one query tile) with per-sequence
+    """A decode step (2 queries, 2 query heads per K/V head, one query tile) with per-sequence
     lengths: the copies read each visible K/V row once per K/V head when GQA heads are packed,
     once per query head otherwise, and keys past a sequence's length never. Each block with a
     key tile reads its queries once; an empty split-KV chunk reads nothing."""
-    case = Case(3, 8, 2, 2, 150)
+    case = Case(3, 4, 2, 2, 150)
     lengths = np.array([150, 77, 0], dtype=np.int32)  # 64-key tiles: sequence 1 has an empty chunk
     num_splits = 3 if spec.split_kv else 1
     group = case.heads // case.kv_heads

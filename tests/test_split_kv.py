@@ -51,7 +51,7 @@ SIMT_SPLIT_CAUSAL = KernelSpec(
 SPECS = [DECODE, DECODE_CAUSAL, SPLIT_ONLY, PACK_ONLY, SIMT_SPLIT, SIMT_SPLIT_CAUSAL]
 
 RUNS = [  # (case, split counts)
-    (Case(2, 8, 2, 1, 300), (1, 3, 24)),  # decode, GQA 4: more chunks than key tiles at 24
+    (Case(2, 8, 2, 1, 150), (1, 3, 12)),  # decode, GQA 4: more chunks than key tiles at 12
     (Case(1, 4, 1, 5, 77, mask="full"), (2,)),  # MQA, a few queries per head
     (Case(2, 6, 3, 16, 129, layout="bshd", mask="broadcast"), (4,)),  # rows span 2 tiles
     (Case(1, 2, 1, 1, 4096), (MAX_SPLITS,)),  # 128+ key tiles: every chunk in both combine rounds
