@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 from kernelgen import compile_cache
-from kernelgen.errors import CompileError, ToolchainMissingError, UnsafeFolderError
+from kernelgen.errors import CompileError, ToolchainMissingError
 from kernelgen.fileio import create_new_file, private_dir, user_cache_home
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,11 @@ def compile_offline(
     that needs it."""
     nvrtc = _nvrtc()
     _, major, minor = nvrtc.nvrtcVersion()
-    entry = _cache_entry(source, name, arch, f"{major}.{minor}") if cache else None
+    entry = (
+        compile_cache.entry_path(source, name, arch, nvrtc_options(arch), f"{major}.{minor}")
+        if cache
+        else None
+    )
     hit = compile_cache.load(entry) if entry else None
     if hit is not None and (hit.has_report or not report):
         cubin, program_log = hit.cubin, hit.log
@@ -160,19 +164,6 @@ def compile_offline(
     if counts:
         resources = Resources(**{**resources.as_dict(), "sass_instructions": counts})
     return CompiledKernel(name, arch, cubin, program_log, resources)
-
-
-def _cache_entry(source: str, name: str, arch: str, nvrtc_version: str) -> str | None:
-    """The compile cache's key for this compile, or None where the cache is off or its folder
-    is unsafe (a warning: the compile goes on without it)."""
-    if not compile_cache.enabled():
-        return None
-    try:
-        compile_cache.cache_dir()
-    except UnsafeFolderError as exc:
-        log.warning("compile cache off: %s", exc)
-        return None
-    return compile_cache.key(source, name, arch, nvrtc_options(arch), nvrtc_version)
 
 
 def _nvrtc_compile(

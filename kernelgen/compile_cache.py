@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernelgen.fileio import atomic_write_bytes, private_dir, user_cache_home
+from kernelgen.errors import UnsafeFolderError
+from kernelgen.fileio import atomic_write_bytes, kernelgen_cache_dir, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -38,38 +39,33 @@ class CachedCompile:
     has_report: bool  # whether the log holds ptxas' resource report
 
 
-def enabled() -> bool:
-    return os.environ.get("KERNELGEN_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "no")
-
-
-def cache_dir() -> Path:
-    """``$KERNELGEN_CACHE_DIR/nvrtc``, else ``$XDG_CACHE_HOME/kernelgen/nvrtc``: private (0700)."""
-    root = os.environ.get("KERNELGEN_CACHE_DIR")
-    base = Path(root).expanduser() if root else user_cache_home() / "kernelgen"
-    return private_dir(base / "nvrtc")
-
-
-def key(source: str, name: str, arch: str, options: list[str], nvrtc_version: str) -> str:
-    """The entry's name: a digest of everything the cubin and the log depend on."""
-    parts = [f"format={FORMAT}", name, arch, nvrtc_version, *options, source]
+def entry_path(
+    source: str, name: str, arch: str, options: list[str], nvrtc_version: str
+) -> Path | None:
+    """The entry of this compile: a file named by a digest of everything the cubin and the log
+    depend on, in the cache folder; None where the cache is off, or where its folder is unsafe
+    (a warning: the compile goes on without the cache)."""
+    if os.environ.get("KERNELGEN_COMPILE_CACHE", "1").strip().lower() in ("0", "off", "no"):
+        return None
+    try:
+        folder = private_dir(kernelgen_cache_dir() / "nvrtc")
+    except UnsafeFolderError as exc:
+        log.warning("compile cache off: %s", exc)
+        return None
     digest = hashlib.sha256()
-    for part in parts:
+    for part in (f"format={FORMAT}", name, arch, nvrtc_version, *options, source):
         data = part.encode()
         digest.update(len(data).to_bytes(8, "little") + data)
-    return digest.hexdigest()[:40]
-
-
-def _path(entry: str) -> Path:
-    return cache_dir() / f"{entry}.bin"
+    return folder / f"{digest.hexdigest()[:40]}.bin"
 
 
 _WARNED: set[str] = set()
 
 
-def load(entry: str) -> CachedCompile | None:
-    """The cached compile of ``entry``, or None (missing, or unreadable: a warning, once)."""
+def load(entry: Path) -> CachedCompile | None:
+    """The cached compile in ``entry``, or None (missing, or unreadable: a warning, once)."""
     try:
-        data = _path(entry).read_bytes()
+        data = entry.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -90,7 +86,7 @@ def load(entry: str) -> CachedCompile | None:
         return None
 
 
-def store(entry: str, compiled: CachedCompile) -> None:
+def store(entry: Path, compiled: CachedCompile) -> None:
     """Write ``entry`` atomically; a folder that cannot be written only logs (the compile
     itself succeeded)."""
     header = json.dumps(
@@ -102,12 +98,12 @@ def store(entry: str, compiled: CachedCompile) -> None:
     ).encode()
     blob = _MAGIC + len(header).to_bytes(_HEADER_BYTES, "little") + header + compiled.cubin
     try:
-        atomic_write_bytes(_path(entry), blob, private=True)
+        atomic_write_bytes(entry, blob, private=True)
     except OSError as exc:
-        log.warning("compile cache: cannot write %s (%s)", entry, exc.strerror or exc)
+        log.warning("compile cache: cannot write %s (%s)", entry.name, exc.strerror or exc)
 
 
-def _warn(entry: str, why: str) -> None:
-    if entry not in _WARNED:
-        _WARNED.add(entry)
-        log.warning("compile cache: entry %s is ignored and rebuilt: %s", entry, why)
+def _warn(entry: Path, why: str) -> None:
+    if entry.name not in _WARNED:
+        _WARNED.add(entry.name)
+        log.warning("compile cache: entry %s is ignored and rebuilt: %s", entry.name, why)

@@ -65,6 +65,14 @@ def user_cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
+def kernelgen_cache_dir() -> Path:
+    """``$KERNELGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernelgen``, else ``~/.cache/kernelgen``:
+    the root of kernelgen's caches (tuning records, offline compiles)."""
+    if explicit := os.environ.get("KERNELGEN_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    return user_cache_home() / "kernelgen"
+
+
 def _owner_uid() -> int | None:
     """The uid files must belong to (None where the platform has no uids)."""
     return os.getuid() if hasattr(os, "getuid") else None

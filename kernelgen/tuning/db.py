@@ -24,7 +24,7 @@ from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, SpecError
 from kernelgen.families import family_of, spec_of_family
 from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.fileio import atomic_write_text, user_cache_home
+from kernelgen.fileio import atomic_write_text, kernelgen_cache_dir
 from kernelgen.tuning.key import TuningKey, canonical_digest, spec_fields
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,7 @@ _KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*-[0-9a-f]{12}")  # ProblemBucket.
 
 def cache_dir() -> Path:
     """``$KERNELGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernelgen``, else ``~/.cache/kernelgen``."""
-    if explicit := os.environ.get("KERNELGEN_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    return user_cache_home() / "kernelgen"
+    return kernelgen_cache_dir()
 
 
 def wrap(payload: dict[str, Any]) -> dict[str, Any]:
