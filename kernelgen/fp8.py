@@ -45,6 +45,16 @@ def slot_of_key(keys: int) -> np.ndarray:
     return slots
 
 
+def v_operand_layout(
+    batch: int, kv_heads: int, keys: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, element strides) of the V^T operand of v (batch, kv_heads, keys, head_dim):
+    (B, Hkv, D, keys rounded up to 16), contiguous."""
+    padded = -(-keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
+    shape = (batch, kv_heads, head_dim, padded)
+    return shape, (kv_heads * head_dim * padded, head_dim * padded, padded, 1)
+
+
 def v_operand(v: Any) -> Any:
     """The V^T copy an fp8 kernel reads: v (B, Hkv, Sk, D) of bytes (e4m3 bit patterns as
     uint8; any strides) -> (B, Hkv, D, Sk rounded up to 16), keys permuted by
@@ -55,10 +65,11 @@ def v_operand(v: Any) -> Any:
             f"v has shape {tuple(v.shape)} and dtype {dtype_name(v.dtype)}; expected "
             "(B, Hkv, Sk, D) of uint8 (e4m3 bit patterns)"
         )
-    batch, heads, keys, dim = v.shape
-    padded = -(-keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
+    keys = v.shape[2]
+    shape, _ = v_operand_layout(*v.shape)
+    padded = shape[3]
     ops = ArrayOps(v)
-    v_t = ops.empty((batch, heads, dim, padded), "uint8")
+    v_t = ops.empty(shape, "uint8")
     rows = v_t.swapaxes(2, 3)  # (B, Hkv, padded keys, D): a view whose writes land in v_t
     slots = slot_of_key(padded)
     rows[:, :, ops.index(slots[:keys])] = v

@@ -29,13 +29,12 @@ from kernelgen.api import (
     plan,
 )
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.fp8 import check_descales, v_operand
+from kernelgen.fp8 import check_descales, v_operand, v_operand_layout
 from kernelgen.frameworks import Arrays, arrays_of, dtype_name, launch_arg
 from kernelgen.host import emulated_kernel
 from kernelgen.launch import check_fits_device
-from kernelgen.policy import FP8_DTYPE, fp8_default_spec
-from kernelgen.spec import KernelSpec
-from kernelgen.tensor_maps import FP8_KEY_GROUP
+from kernelgen.policy import fp8_default_spec
+from kernelgen.spec import FP8_DTYPE, KernelSpec
 
 __all__ = ["FP8_LIBRARY_DTYPE", "fp8_attention"]
 
@@ -132,11 +131,7 @@ def fp8_attention(
                 )
             check_fits_device(spec, device)
             kernel = api.runtime_kernel(spec)
-        # V^T's layout: (B, Hkv, D, Sk rounded up to 16), contiguous (fp8.v_operand)
-        keys = -(-call.k.shape[2] // FP8_KEY_GROUP) * FP8_KEY_GROUP
-        kv_heads = call.k.shape[1]
-        v_shape = (batch, kv_heads, head_dim, keys)
-        v_strides = (kv_heads * head_dim * keys, head_dim * keys, keys, 1)
+        v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes
         problem, out_shape = plan(
             replace(call, v=TensorInfo("v", v_shape, v_strides, FP8_DTYPE, None)), layout
         )

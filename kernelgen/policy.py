@@ -10,6 +10,7 @@ from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError
 from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.spec import (
+    FP8_DTYPE,
     FP8_HEAD_DIMS,
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
@@ -212,9 +213,8 @@ def default_spec(
 # 4k) it ran 0.97x the same 128-key tiling with Q from shared memory (633.1 against 649.8
 # TFLOP/s; causal 0.96x, and 0.90-0.98x in run 4; run 6 on another H100: 1.03x, causal 0.95x),
 # though it takes the unit from 56 to 48 KiB of traffic, while at 64-key tiles, where Q is
-# re-read twice as often, it ran 1.02-1.05x. The
-# overlapped loop (overlap: true, 3 stages) ran 1.01x the plain loop without causality and
-# 0.99x with it: not the default either.
+# re-read twice as often, it ran 1.02-1.05x. The overlapped loop (overlap: true, 3 stages) ran
+# 1.01x the plain loop without causality and 0.99x with it: not the default either.
 Q_IN_REGISTERS_BLOCK_N = 64  # the key tile at which the default holds Q in registers
 Q_IN_REGISTERS_MAX_HEAD_DIM = 128  # where its head_dim / 4 registers fit
 HOPPER_DEVICE_ARCH = "sm_90"  # the device arch that runs sm_90a code (wgmma: 9.0 only)
@@ -246,9 +246,6 @@ def hopper_default_spec(
         )
     except ValueError:  # a variant the wgmma kernels do not compile
         return None
-
-
-FP8_DTYPE = "float8_e4m3"
 
 
 def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:

@@ -48,7 +48,8 @@ DTYPE_SHORT: dict[str, str] = {
 }
 # fp8 inputs (docs/hopper.md, "fp8"): the element type of q, k and v -> that of out (and of the
 # split/combine paths, which fp8 does not have). Every other dtype writes out in its own type.
-FP8_OUTPUT_DTYPE: dict[str, str] = {"float8_e4m3": "bfloat16"}
+FP8_DTYPE = "float8_e4m3"  # the fp8 kernels' input dtype (OCP e4m3)
+FP8_OUTPUT_DTYPE: dict[str, str] = {FP8_DTYPE: "bfloat16"}
 # What fp8 on the wgmma engine is built for so far: d128 with 128-key tiles (a V^T tile row is
 # then one 128-byte swizzled row of 128 keys), the plain loop, Q from shared memory.
 FP8_HEAD_DIMS = (128,)

@@ -292,8 +292,8 @@ inline void check_async_read(size_t chunk, const char* what) {
                   "proxy only through that fence)",
                   what, chunk_address(chunk), w.thread);
   } else {
-    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix or st.shared, with no barrier "
-                  "ordering the write and its fence.proxy.async before the read",
+    report_hazard("%s reads shared 0x%x, which thread %u wrote by stmatrix or st.shared, with "
+                  "no barrier ordering the write and its fence.proxy.async before the read",
                   what, chunk_address(chunk), w.thread);
   }
 }
