@@ -414,14 +414,54 @@ def test_early_return_does_not_deadlock():
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
 
 
-def test_watchdog_reports_deadlock():
+def test_deadlock_is_reported_at_once():
+    """Every thread waits for another: no resumption can change anything, so the launch fails
+    without waiting for the watchdog (a timeout of 60 s is not reached)."""
+    script = f"""
+    import time
+    import numpy as np
+    from kernelgen.emulator import build_kernel
+    from kernelgen.errors import EmulatorTimeoutError
+    k = build_kernel({DEADLOCK_SRC!r}, "deadlock", [("int*", "out")])
+    out = np.zeros(64, np.int32)
+    t0 = time.perf_counter()
+    try:
+        k(grid=1, block=64, args=[out], timeout=60.0)
+    except EmulatorTimeoutError as e:
+        print(e)
+    else:
+        print("no error")
+    print(f"seconds {{time.perf_counter() - t0:.3f}}")
+    """
+    res = _run_isolated(script, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "block (0,0,0) deadlocked: 64 of 64 threads wait for each other" in res.stdout, (
+        res.stdout + res.stderr
+    )
+    seconds = float(res.stdout.rsplit("seconds ", 1)[1])
+    assert seconds < 30.0, res.stdout
+
+
+ENDLESS_SRC = r"""
+extern "C" __global__ void endless(volatile int* flag, int* out) {
+  if (threadIdx.x == 0) {
+    while (*flag == 0) {}  // spins without a wait the emulator can switch at
+  }
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+"""
+
+
+def test_watchdog_reports_an_endless_loop():
     script = f"""
     import numpy as np
     from kernelgen.emulator import build_kernel
-    k = build_kernel({DEADLOCK_SRC!r}, "deadlock", [("int*", "out")])
+    k = build_kernel({ENDLESS_SRC!r}, "endless", [("volatile int*", "flag"), ("int*", "out")])
+    flag = np.zeros(1, np.int32)
     out = np.zeros(64, np.int32)
     try:
-        k(grid=1, block=64, args=[out], timeout=1.0)
+        k(grid=1, block=64, args=[flag, out], timeout=1.0)
     except RuntimeError as e:
         print(e)
     else:
@@ -430,6 +470,76 @@ def test_watchdog_reports_deadlock():
     res = _run_isolated(script, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "did not finish within 1000 ms" in res.stdout, res.stdout + res.stderr
+
+
+ORDER_SRC = r"""
+extern "C" __global__ void arrival_order(unsigned* counter, int* order, float* out) {
+  // Which thread gets here first, second, ... between two barriers: the runner's schedule.
+  order[blockIdx.x * blockDim.x + atomicAdd(&counter[blockIdx.x], 1u)] = threadIdx.x;
+  __syncthreads();
+  // Threads still meet correctly whatever the order: a block-wide sum through a shuffle tree.
+  float v = (float)threadIdx.x;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __shared__ float partial[8];
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < (int)(blockDim.x / 32); ++w) s += partial[w];
+    out[blockIdx.x] = s;
+  }
+}
+"""
+
+
+def _arrival_orders(seed: str | None, launches: int, define: str | None = None) -> list:
+    script = f"""
+    import os
+    import numpy as np
+    from kernelgen.emulator import build_kernel
+    defines = {{{define!r}: 1}} if {define!r} else None
+    k = build_kernel({ORDER_SRC!r}, "arrival_order",
+                     [("unsigned*", "counter"), ("int*", "order"), ("float*", "out")],
+                     defines=defines)
+    for _ in range({launches}):
+        counter = np.zeros(3, np.uint32)
+        order = np.full((3, 256), -1, np.int32)
+        out = np.zeros(3, np.float32)
+        k(grid=3, block=256, args=[counter, order, out])
+        assert counter.tolist() == [256] * 3
+        for block in order:
+            assert sorted(block.tolist()) == list(range(256)), block
+        np.testing.assert_array_equal(out, np.full(3, 255 * 256 / 2, np.float32))
+        print(" ".join(map(str, order.ravel())))
+    """
+    env = dict(os.environ)
+    env.pop("KG_EMULATOR_SCHEDULE_SEED", None)
+    if seed is not None:
+        env["KG_EMULATOR_SCHEDULE_SEED"] = seed
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True, text=True, timeout=120, check=False, env=env,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout.splitlines()
+
+
+def test_threads_run_in_a_fresh_order_per_launch_unless_the_seed_is_fixed():
+    """The runner resumes a block's threads in a pseudo-random order (so that which thread runs
+    ahead varies, as on a GPU); KG_EMULATOR_SCHEDULE_SEED replays one schedule exactly. The
+    order array records each block's arrival order at the first atomicAdd."""
+    free = _arrival_orders(None, 3)
+    assert len(set(free)) == 3, "three launches ran their threads in the same order"
+    assert free[0] != " ".join(map(str, list(range(256)) * 3)), "threads ran in index order"
+    fixed = _arrival_orders("12345", 2) + _arrival_orders("12345", 1)
+    assert len(set(fixed)) == 1, fixed
+    assert _arrival_orders("54321", 1)[0] != fixed[0]
+
+
+def test_the_ucontext_fallback_runs_the_same_kernels():
+    """Off x86-64 (or with KG_EMU_UCONTEXT) the fibers switch through ucontext."""
+    orders = _arrival_orders("7", 1, define="KG_EMU_UCONTEXT")
+    assert orders == _arrival_orders("7", 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -304,8 +304,8 @@ def test_mutation_threads_retiring_on_their_own_is_caught(mutated):  # noqa: F81
     names a phase that already passed)."""
     mutated(
         "kg_wgmma.h",
-        "return wg < tctx.launch->nwarpgroups ? &tctx.cta->warpgroups[wg] : nullptr;",
-        "return wg < tctx.launch->nwarpgroups ? nullptr : nullptr;",
+        "return wg < tctx().launch->nwarpgroups ? &tctx().cta->warpgroups[wg] : nullptr;",
+        "return wg < tctx().launch->nwarpgroups ? nullptr : nullptr;",
     )
     kernel = build_kernel(ELECTED_SRC, "elected", ELECTED_PARAMS)
     a, b = operands(21, 5)

@@ -468,7 +468,7 @@ def test_cvta_of_an_address_ldmatrix_uses_still_traps():
 def test_mutation_cvta_trapping_at_conversion_is_caught(mutate_header):
     mutate_header(
         "kg_ptx.h",
-        "    last_outside_cvta = p;\n",
+        "    last_outside_cvta() = p;\n",
         '    trap_with("__cvta_generic_to_shared(%p): outside", p);\n',
     )
     with pytest.raises(EmulatorLaunchError):

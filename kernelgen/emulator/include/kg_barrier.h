@@ -24,15 +24,15 @@
 namespace kg_emu {
 
 struct BarrierLock {
-  BarrierLock() { pthread_mutex_lock(&tctx.launch->bar_lock); }
-  ~BarrierLock() { pthread_mutex_unlock(&tctx.launch->bar_lock); }
+  BarrierLock() { pthread_mutex_lock(&tctx().launch->bar_lock); }
+  ~BarrierLock() { pthread_mutex_unlock(&tctx().launch->bar_lock); }
   BarrierLock(const BarrierLock&) = delete;
   BarrierLock& operator=(const BarrierLock&) = delete;
 };
 
 // The checked thread count of `what` a, b (b < 0: none given, the whole block).
 inline uint32_t named_barrier_count(const char* what, long long id, long long count) {
-  const uint32_t n = tctx.launch->nthreads;
+  const uint32_t n = tctx().launch->nthreads;
   if (id < 0 || id >= static_cast<long long>(kNamedBarriers)) {
     trap_with("%s %lld: the barrier id must be in 0..15", what, id);
   }
@@ -50,16 +50,16 @@ inline uint32_t named_barrier_arrive(NamedBarrierState& b, const char* what, uin
                                      uint32_t count, bool syncing) {
   if (b.expected == 0) {
     b.expected = count;
-    b.first_thread = tctx.linear;
+    b.first_thread = tctx().linear;
   } else if (b.expected != count) {
     report_error("%s %u, %u by thread %u: barrier %u is under way with a thread count of %u "
                  "(since thread %u arrived): every thread of one barrier gives the same count",
-                 what, id, count, tctx.linear, id, b.expected, b.first_thread);
+                 what, id, count, tctx().linear, id, b.expected, b.first_thread);
     throw Trap{};
   }
   const uint32_t gen = b.generation.load();
   if (b.knowledge.size() <= gen) b.knowledge.resize(gen + 1);
-  for (const SeenPhase& s : mbarrier_seen) b.knowledge[gen].seen.push_back(s);
+  for (const SeenPhase& s : mbarrier_seen()) b.knowledge[gen].seen.push_back(s);
   hb_release(b.knowledge[gen].known);
   b.arrived += 1;
   b.syncing += syncing ? 1u : 0u;
@@ -69,14 +69,13 @@ inline uint32_t named_barrier_arrive(NamedBarrierState& b, const char* what, uin
     // it, whose partner's bar.arrive calls then fill the barrier on their own).
     report_error("%s %u, %u by thread %u completed barrier %u with no thread waiting in "
                  "bar.sync: %u arrivals and no wait (a bar.sync missing?)",
-                 what, id, count, tctx.linear, id, b.arrived);
+                 what, id, count, tctx().linear, id, b.arrived);
     throw Trap{};
   }
   if (b.arrived == b.expected) {
-    b.knowledge[gen].whole_block = b.syncing == tctx.launch->nthreads;
+    b.knowledge[gen].whole_block = b.syncing == tctx().launch->nthreads;
     b.expected = b.arrived = b.syncing = 0;
     b.generation.fetch_add(1);
-    futex_wake_all(b.generation);
   }
   return gen;
 }
@@ -89,25 +88,21 @@ namespace kg_emu::ptx {
 inline void bar_sync(long long id, long long count = -1) {
   constexpr const char* what = "bar.sync";
   const uint32_t n = named_barrier_count(what, id, count);
-  if (count < 0 || (id == 0 && n == tctx.launch->nthreads)) {
+  if (count < 0 || (id == 0 && n == tctx().launch->nthreads)) {
     __syncthreads();
     return;
   }
-  NamedBarrierState& b = tctx.cta->named[id];
+  NamedBarrierState& b = tctx().cta->named[id];
   uint32_t gen;
   {
     BarrierLock lock;
     gen = named_barrier_arrive(b, what, static_cast<uint32_t>(id), n, true);
   }
-  while (b.generation.load() == gen) {
-    if (tctx.launch->trapped.load() != 0) throw Trap{};  // the launch failed elsewhere
-    struct timespec ts = {0, 20 * 1000 * 1000};
-    futex_wait(b.generation, gen, &ts);
-  }
+  wait_while(b.generation, gen);
   BarrierLock lock;
   for (const SeenPhase& s : b.knowledge[gen].seen) mbarrier_know(s.slot, s.completed);
   hb_acquire(b.knowledge[gen].known);
-  if (b.knowledge[gen].whole_block) ++tctx.epoch;
+  if (b.knowledge[gen].whole_block) ++tctx().epoch;
 }
 
 // bar.arrive / barrier.arrive a, b: counts towards the barrier without waiting.
@@ -116,7 +111,7 @@ inline void bar_arrive(long long id, long long count) {
   if (count < 0) trap_with("%s %lld: a thread count is required", what, id);
   const uint32_t n = named_barrier_count(what, id, count);
   BarrierLock lock;
-  named_barrier_arrive(tctx.cta->named[id], what, static_cast<uint32_t>(id), n, false);
+  named_barrier_arrive(tctx().cta->named[id], what, static_cast<uint32_t>(id), n, false);
 }
 
 }  // namespace kg_emu::ptx

@@ -1,9 +1,10 @@
 // kg_emulator.h -- host (CPU) emulation of the CUDA C++ subset used by kernelgen kernels.
 //
 // Force-included (g++ -include) in front of a kernel's CUDA source, which is then compiled as
-// ordinary C++20 for the host. One OS thread (pthread) runs each CUDA thread of a block; the
-// blocks of a grid run one after another (the blocks of a thread-block cluster all at once). See
-// docs/emulator.md for the model and its limits. Linux only (futex based barriers).
+// ordinary C++20 for the host. Each CUDA thread of a block is a fiber, and one OS thread per
+// launch runs them, switching where a thread waits for others; the blocks of a grid run one
+// after another (the blocks of a thread-block cluster all at once). See docs/emulator.md for
+// the model and its limits. Linux only (a futex between the caller and the runner).
 #ifndef KG_EMULATOR_H
 #define KG_EMULATOR_H
 
@@ -22,11 +23,21 @@
 #include <vector>
 
 #include <linux/futex.h>
+#include <sys/mman.h>
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <sched.h>
 #include <unistd.h>
+
+// Fibers switch by a few instructions of assembly on x86-64, elsewhere (or with
+// -DKG_EMU_UCONTEXT) by ucontext.
+#if defined(__x86_64__) && !defined(KG_EMU_UCONTEXT)
+#define KG_FIBER_ASM 1
+#else
+#define KG_FIBER_ASM 0
+#include <ucontext.h>
+#endif
 
 
 
@@ -140,24 +151,27 @@ inline void futex_wake_all(std::atomic<uint32_t>& word) {
           nullptr, 0);
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
+// The emulated threads are fibers (kg_fiber below): one OS thread per launch runs them,
+// switching at the points where a CUDA thread waits for others. These are those waits: the
+// calling thread runs on once `word` no longer holds `value` (and throws Trap when the launch
+// failed elsewhere meanwhile); fiber_poll lets the others run once (a spinning test_wait or
+// nanosleep loop).
+struct Fiber;
+inline void wait_while(const std::atomic<uint32_t>& word, uint32_t value);
+inline void fiber_poll();
+// Per-thread state of the emulated thread running now (one object of each type per thread,
+// made on first use): the emulator's replacement for thread_local.
+template <class T>
+inline T& fiber_local();
 
 // Central counting barrier with "drop" support (a thread that leaves the kernel stops being
-// expected), in the spirit of std::barrier::arrive_and_drop. There are usually far more CUDA
-// threads than CPU cores, so a waiter yields the CPU a few times (letting the late threads
-// arrive) before it sleeps on a futex; the futex wake is skipped when nobody sleeps.
+// expected), in the spirit of std::barrier::arrive_and_drop. The emulated threads are fibers
+// of one OS thread, so a waiter just lets the others run until the generation moves on.
 class Barrier {
  public:
   void reset(uint32_t n) {
     participants_.store(n);
     count_.store(n);
-    sleepers_.store(0);
     gen_.store(0);
   }
   void arrive_and_wait() {
@@ -166,13 +180,7 @@ class Barrier {
       complete();
       return;
     }
-    for (int i = 0; i < 4; ++i) {
-      if (gen_.load() != g) return;
-      sched_yield();
-    }
-    sleepers_.fetch_add(1);
-    while (gen_.load() == g) futex_wait(gen_, g);
-    sleepers_.fetch_sub(1);
+    wait_while(gen_, g);
   }
   void arrive_and_drop() {
     participants_.fetch_sub(1);
@@ -180,16 +188,13 @@ class Barrier {
   }
 
  private:
-  // Sequentially consistent throughout: the sleepers_/gen_ handshake needs it.
   void complete() {
     count_.store(participants_.load());
     gen_.fetch_add(1);
-    if (sleepers_.load() != 0) futex_wake_all(gen_);
   }
-  alignas(64) std::atomic<uint32_t> count_{0};
+  std::atomic<uint32_t> count_{0};
   std::atomic<uint32_t> participants_{0};
-  alignas(64) std::atomic<uint32_t> gen_{0};
-  std::atomic<uint32_t> sleepers_{0};
+  std::atomic<uint32_t> gen_{0};
 };
 
 struct Warp {
@@ -230,7 +235,7 @@ struct AsyncCopies {
     committed.clear();
   }
 };
-inline thread_local AsyncCopies async_copies;
+inline AsyncCopies& async_copies() { return fiber_local<AsyncCopies>(); }
 
 // What a launch did, for tests of properties no output shows: shared-memory bank conflicts of
 // ldmatrix and the global bytes the cp.async copies read. Order of the `stats` array the launch
@@ -252,7 +257,7 @@ struct SeenPhase {  // an mbarrier phase a thread saw complete (kg_mbarrier.h)
   uint32_t slot, completed;
 };
 // An mbarrier object (kg_mbarrier.h). `phase` (the phases completed) is read without the lock
-// and is the futex word waiters sleep on; the rest is guarded by Launch::mbar_lock.
+// and is the word waiters wait on (wait_while); the rest is guarded by Launch::mbar_lock.
 struct MbarrierState {
   std::atomic<uint32_t> phase{0};
   uint32_t initialized = 0, expected = 0;
@@ -303,7 +308,7 @@ struct Warpgroup {
 };
 
 // A named barrier of a subset of the block's threads (kg_barrier.h: bar.sync / bar.arrive with a
-// thread count below the block's); `generation` (completed generations) is the futex word
+// thread count below the block's); `generation` (completed generations) is the word
 // waiters sleep on, the rest is guarded by Launch::bar_lock.
 constexpr uint32_t kNamedBarriers = 16;
 struct NamedBarrierState {
@@ -430,6 +435,13 @@ struct Launch {
   const void* static_site_key[kMaxStaticSites] = {};
   size_t static_site_offset[kMaxStaticSites] = {};
   std::atomic<size_t> static_used{0};  // bytes of the arena reserved: the valid part
+  // The emulated threads of one cluster (the runner thread's fibers, reused by every cluster),
+  // whether one got past a wait in the current round, and a deadlock the runner found.
+  Fiber* fibers = nullptr;
+  uint64_t schedule_state = 0;  // splitmix64 state of the resumption orders
+  bool progress = false;
+  bool deadlocked = false;
+  char deadlock_msg[1024] = "";
 };
 
 
@@ -448,7 +460,156 @@ struct ThreadCtx {
   uint64_t stats[kNumStats];  // this thread's share of Launch::stats in the current block
   uint64_t arg_copies[kMaxArgRanges], arg_bytes[kMaxArgRanges];  // and of Launch::arg_*
 };
-inline thread_local ThreadCtx tctx;
+
+// ---- the emulated threads: fibers ------------------------------------------------------------
+// Every CUDA thread of the running cluster is a fiber with a stack of its own. One OS thread,
+// the launch's runner, resumes them in turn (run_fibers); a fiber runs until it must wait for
+// others (wait_while, fiber_poll) or leaves the kernel. A switch saves and restores the
+// callee-saved registers only, some tens of nanoseconds, where handing over between OS threads
+// took a futex call and a trip through the kernel's scheduler for every thread at every
+// barrier, shuffle and mma.sync. The interleaving is deterministic: threads run in index order
+// between their waits.
+constexpr size_t kFiberStackBytes = size_t{8} << 20;  // a pthread's default stack
+constexpr int kMaxFiberLocals = 16;
+
+struct Fiber {
+  void* sp = nullptr;  // the saved stack pointer while switched out (fiber_switch)
+#if !KG_FIBER_ASM
+  ucontext_t uc;
+#endif
+  unsigned char* stack = nullptr;  // kFiberStackBytes, above a guard page
+  Launch* launch = nullptr;
+  uint32_t index = 0;  // block rank in the cluster * nthreads + thread
+  uint3 thread_idx{0, 0, 0};
+  bool done = true;
+  // Blocked while *wait_word == wait_value (the runner need not resume it to find out).
+  const std::atomic<uint32_t>* wait_word = nullptr;
+  uint32_t wait_value = 0;
+  ThreadCtx ctx{};
+  void* locals[kMaxFiberLocals] = {};
+  void (*drop_local[kMaxFiberLocals])(void*) = {};
+  Fiber() = default;
+  Fiber(const Fiber&) = delete;
+  Fiber& operator=(const Fiber&) = delete;
+  ~Fiber() {
+    for (int i = 0; i < kMaxFiberLocals; ++i) {
+      if (locals[i] != nullptr) drop_local[i](locals[i]);
+    }
+    if (stack != nullptr) munmap(stack - kGuardPage, kFiberStackBytes + kGuardPage);
+  }
+  static constexpr size_t kGuardPage = 4096;
+};
+
+// (In an unnamed namespace, like the other registries: each kernel library has its own.)
+namespace {
+thread_local Fiber* current_fiber = nullptr;
+int n_fiber_locals = 0;
+template <class T>
+struct FiberLocalId {
+  static inline const int id = n_fiber_locals++;
+};
+}  // namespace
+
+inline ThreadCtx& tctx() { return current_fiber->ctx; }
+
+template <class T>
+inline T& fiber_local() {
+  const int id = FiberLocalId<T>::id;
+  if (id >= kMaxFiberLocals) std::abort();
+  Fiber& f = *current_fiber;
+  if (f.locals[id] == nullptr) {
+    f.locals[id] = new T();
+    f.drop_local[id] = [](void* q) { delete static_cast<T*>(q); };
+  }
+  return *static_cast<T*>(f.locals[id]);
+}
+
+inline void fiber_entry(Fiber* f);
+
+#if KG_FIBER_ASM
+namespace {
+// Saves the callee-saved registers and the SSE and x87 control words on the running stack,
+// stores the stack pointer in *save (rdi) and resumes the context saved at `next` (rsi).
+__attribute__((naked, noinline)) void fiber_switch(void** /*save*/, void* /*next*/) {
+  asm volatile(
+      "pushq %rbp\n\t"
+      "pushq %rbx\n\t"
+      "pushq %r12\n\t"
+      "pushq %r13\n\t"
+      "pushq %r14\n\t"
+      "pushq %r15\n\t"
+      "subq $8, %rsp\n\t"
+      "stmxcsr (%rsp)\n\t"
+      "fnstcw 4(%rsp)\n\t"
+      "movq %rsp, (%rdi)\n\t"
+      "movq %rsi, %rsp\n\t"
+      "ldmxcsr (%rsp)\n\t"
+      "fldcw 4(%rsp)\n\t"
+      "addq $8, %rsp\n\t"
+      "popq %r15\n\t"
+      "popq %r14\n\t"
+      "popq %r13\n\t"
+      "popq %r12\n\t"
+      "popq %rbx\n\t"
+      "popq %rbp\n\t"
+      "ret\n\t");
+}
+// Where a fresh fiber starts (fiber_switch returns here): fiber_entry(r12), called through r13
+// with the stack aligned as the ABI wants at a call.
+__attribute__((naked, noinline)) void fiber_trampoline() {
+  asm volatile(
+      "movq %r12, %rdi\n\t"
+      "callq *%r13\n\t"
+      "ud2\n\t");
+}
+thread_local void* runner_sp = nullptr;
+}  // namespace
+
+// The fiber starts in fiber_entry at its next resumption: its stack holds the frame that
+// fiber_switch pops (control words, r15..r12, rbx, rbp, return address).
+inline void fiber_prepare(Fiber& f) {
+  uint64_t* x = reinterpret_cast<uint64_t*>(f.stack + kFiberStackBytes) - 3;  // 8 mod 16
+  uint32_t mxcsr = 0;
+  uint16_t fcw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fcw));
+  x[0] = reinterpret_cast<uint64_t>(&fiber_trampoline);
+  x[-1] = x[-2] = 0;                                           // rbp, rbx
+  x[-3] = reinterpret_cast<uint64_t>(&f);                      // r12
+  x[-4] = reinterpret_cast<uint64_t>(&fiber_entry);            // r13
+  x[-5] = x[-6] = 0;                                           // r14, r15
+  x[-7] = uint64_t{mxcsr} | uint64_t{fcw} << 32;
+  f.sp = &x[-7];
+}
+inline void fiber_resume(Fiber& f) { fiber_switch(&runner_sp, f.sp); }
+inline void fiber_suspend() { fiber_switch(&current_fiber->sp, runner_sp); }
+#else
+namespace {
+thread_local ucontext_t runner_uc;
+void fiber_entry_uc(unsigned hi, unsigned lo) {
+  fiber_entry(reinterpret_cast<Fiber*>(uintptr_t{hi} << 32 | uintptr_t{lo}));
+}
+}  // namespace
+inline void fiber_prepare(Fiber& f) {
+  getcontext(&f.uc);
+  f.uc.uc_stack.ss_sp = f.stack;
+  f.uc.uc_stack.ss_size = kFiberStackBytes;
+  f.uc.uc_link = nullptr;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(&f);
+  makecontext(&f.uc, reinterpret_cast<void (*)()>(&fiber_entry_uc), 2,
+              static_cast<unsigned>(p >> 32), static_cast<unsigned>(p & 0xffffffffu));
+}
+inline void fiber_resume(Fiber& f) { swapcontext(&runner_uc, &f.uc); }
+inline void fiber_suspend() { swapcontext(&current_fiber->uc, &runner_uc); }
+#endif
+
+inline void fiber_stack_alloc(Fiber& f) {
+  void* p = mmap(nullptr, kFiberStackBytes + Fiber::kGuardPage, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+  if (p == MAP_FAILED) std::abort();
+  mprotect(p, Fiber::kGuardPage, PROT_NONE);  // an overflow faults instead of corrupting
+  f.stack = static_cast<unsigned char*>(p) + Fiber::kGuardPage;
+}
 
 // ---- happens-before knowledge beyond whole-block barriers --------------------------------------
 // The race checks of stmatrix writes and TMA stores (kg_ptx.h, kg_bulk.h) must accept accesses
@@ -466,19 +627,19 @@ struct HbClock {
   uint32_t arrivals = 0;
   bool live = false;
 };
-inline thread_local HbClock hb;
+inline HbClock& hb() { return fiber_local<HbClock>(); }
 
 inline std::vector<uint32_t>& hb_known() {
-  if (!hb.live) {
-    hb.known.assign(tctx.launch->nthreads, 0);
-    hb.live = true;
+  if (!hb().live) {
+    hb().known.assign(tctx().launch->nthreads, 0);
+    hb().live = true;
   }
-  return hb.known;
+  return hb().known;
 }
 // An arrival of this thread: what it knows (and the arrival) joins `into`.
 inline void hb_release(std::vector<uint32_t>& into) {
   std::vector<uint32_t>& k = hb_known();
-  k[tctx.linear] = ++hb.arrivals;
+  k[tctx().linear] = ++hb().arrivals;
   if (into.size() < k.size()) into.resize(k.size(), 0);
   for (size_t i = 0; i < k.size(); ++i) into[i] = into[i] > k[i] ? into[i] : k[i];
 }
@@ -488,14 +649,14 @@ inline void hb_acquire(const std::vector<uint32_t>& from) {
   for (size_t i = 0; i < k.size() && i < from.size(); ++i) k[i] = k[i] > from[i] ? k[i] : from[i];
 }
 inline bool hb_after(uint32_t thread, uint32_t epoch, uint32_t arrivals) {
-  return thread == tctx.linear || tctx.epoch > epoch ||
-         (hb.live && thread < hb.known.size() && hb.known[thread] > arrivals);
+  return thread == tctx().linear || tctx().epoch > epoch ||
+         (hb().live && thread < hb().known.size() && hb().known[thread] > arrivals);
 }
 
 // Records an error found while the kernel runs on (the first one wins; the launch raises it
 // after the block) without unwinding the thread, so warp-collective partners do not lose it.
 inline void report_error_v(int hazard, const char* fmt, va_list ap) {
-  Launch& L = *tctx.launch;
+  Launch& L = *tctx().launch;
   if (L.trapped.exchange(1) != 0) return;
   L.trap_thread = threadIdx;
   L.trap_block = blockIdx;
@@ -530,16 +691,16 @@ inline bool register_dyn_smem_hook(SmemHook h) {
   return true;
 }
 }  // namespace
-inline unsigned char* dynamic_smem() { return tctx.cta->smem; }
+inline unsigned char* dynamic_smem() { return tctx().cta->smem; }
 
 // Static __shared__ variables declared in functions (transform.py): each declaration site (the
 // address of a static char beside it) gets its offset in the arena at its first execution in a
 // launch, the same in every block of the launch. Lock-free lookups of the launch's table.
 inline unsigned char* static_smem_site(const void* site, size_t bytes, size_t align) {
-  Launch& L = *tctx.launch;
+  Launch& L = *tctx().launch;
   const uint32_t n = L.static_sites.load(std::memory_order_acquire);
   for (uint32_t i = 0; i < n; ++i) {
-    if (L.static_site_key[i] == site) return tctx.cta->static_smem() + L.static_site_offset[i];
+    if (L.static_site_key[i] == site) return tctx().cta->static_smem() + L.static_site_offset[i];
   }
   pthread_mutex_lock(&L.bar_lock);
   uint32_t i = 0;
@@ -559,7 +720,7 @@ inline unsigned char* static_smem_site(const void* site, size_t bytes, size_t al
     L.static_sites.store(m + 1, std::memory_order_release);
   }
   pthread_mutex_unlock(&L.bar_lock);
-  return tctx.cta->static_smem() + L.static_site_offset[i];
+  return tctx().cta->static_smem() + L.static_site_offset[i];
 }
 
 // __cluster_dims__(x, y, z) of the kernels (transform.py registers them at load time).
@@ -605,7 +766,7 @@ inline T warp_exchange(T v, uint32_t src_lane) {
   static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "shuffle of this type");
   // Writing buffer p is safe: every lane finished reading it (two exchanges ago) before it
   // arrived at the barrier of the previous exchange, which this lane has passed.
-  ThreadCtx& c = tctx;
+  ThreadCtx& c = tctx();
   Warp& w = *c.warp;
   uint64_t* slots = w.slots[c.parity];
   c.parity ^= 1u;
@@ -623,73 +784,206 @@ inline void async_thread_begin();
 inline void async_thread_end();
 inline void async_thread_exit();
 
-struct WorkerArg {
-  Launch* launch;
-  uint32_t index;  // block * nthreads + thread
-};
+inline void wait_while(const std::atomic<uint32_t>& word, uint32_t value) {
+  if (word.load() != value) return;
+  Fiber& f = *current_fiber;
+  Launch& L = *f.ctx.launch;
+  f.wait_word = &word;
+  f.wait_value = value;
+  do {
+    if (L.trapped.load() != 0) {  // the launch failed elsewhere
+      f.wait_word = nullptr;
+      throw Trap{};
+    }
+    fiber_suspend();
+  } while (word.load() == value);
+  f.wait_word = nullptr;
+  L.progress = true;
+}
 
-inline void* worker_main(void* p) {
-  WorkerArg wa = *static_cast<WorkerArg*>(p);
-  Launch& L = *wa.launch;
-  const uint32_t t = wa.index % L.nthreads;
-  Cta& C = L.ctas[wa.index / L.nthreads];
-  threadIdx = uint3{t % L.block.x, (t / L.block.x) % L.block.y, t / (L.block.x * L.block.y)};
+inline void fiber_poll() {
+  if (current_fiber->ctx.launch->trapped.load() != 0) throw Trap{};
+  fiber_suspend();
+}
+
+// One emulated thread's run of its block: thread index % nthreads of block index / nthreads of
+// the cluster. It ends switched out for good, `done`.
+inline void fiber_entry(Fiber* fp) {
+  Fiber& f = *fp;
+  Launch& L = *f.launch;
+  const uint32_t t = f.index % L.nthreads;
+  Cta& C = L.ctas[f.index / L.nthreads];
+  ThreadCtx& c = f.ctx;
+  c.launch = &L;
+  c.cta = &C;
+  c.warp = &C.warps[t / 32];
+  c.lane = t % 32;
+  c.linear = t;
+  c.parity = 0;
+  c.wg_parity = 0;
+  c.epoch = 0;
+  hb().live = false;
+  hb().arrivals = 0;
+  for (uint64_t& v : c.stats) v = 0;
+  for (int i = 0; i < L.nranges; ++i) c.arg_copies[i] = c.arg_bytes[i] = 0;
+  L.progress = true;
+  async_copies().clear();
+  async_thread_begin();
+  try {
+    L.thunk(L.args);
+    async_thread_end();
+  } catch (const Trap& trap) {
+    if (L.trapped.exchange(1) == 0) {
+      L.trap_thread = threadIdx;
+      L.trap_block = blockIdx;
+      snprintf(L.trap_msg, sizeof L.trap_msg, "%s", trap.msg[0] ? trap.msg : "__trap()");
+    }
+  } catch (...) {  // nothing may unwind past a fiber's first frame
+    if (L.trapped.exchange(1) == 0) {
+      L.trap_thread = threadIdx;
+      L.trap_block = blockIdx;
+      snprintf(L.trap_msg, sizeof L.trap_msg, "a C++ exception left the kernel");
+    }
+  }
+  async_thread_exit();
+  for (int i = 0; i < kNumStats; ++i) {
+    if (c.stats[i] != 0) L.stats[i].fetch_add(c.stats[i], std::memory_order_relaxed);
+  }
+  for (int i = 0; i < L.nranges; ++i) {
+    if (c.arg_copies[i] != 0) {
+      L.arg_copies[i].fetch_add(c.arg_copies[i], std::memory_order_relaxed);
+      L.arg_bytes[i].fetch_add(c.arg_bytes[i], std::memory_order_relaxed);
+    }
+  }
+  // cp.async copies never waited for are dropped (nothing can observe them legally).
+  async_copies().clear();
+  // Leaving the kernel: no longer expected at block or warp barriers.
+  C.block_bar.arrive_and_drop();
+  c.warp->bar.arrive_and_drop();
+  if (t / 128 < L.nwarpgroups) {
+    for (auto& slots : C.warpgroups[t / 128].slots) slots[t % 128].kind.store(0);
+    C.warpgroups[t / 128].bar.arrive_and_drop();
+  }
+  C.running.fetch_sub(1, std::memory_order_acq_rel);
+  f.done = true;
+  fiber_suspend();
+  __builtin_unreachable();
+}
+
+inline void describe_waits(const Launch& L, char* msg, size_t size, int used);
+inline uint64_t splitmix64(uint64_t& state);
+
+// $KG_EMULATOR_SCHEDULE_SEED, else a fresh seed per launch.
+inline uint64_t schedule_seed() {
+  if (const char* s = std::getenv("KG_EMULATOR_SCHEDULE_SEED"); s != nullptr && *s != '\0') {
+    return std::strtoull(s, nullptr, 0);
+  }
+  static std::atomic<uint64_t> launches{0};
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_nsec) ^ static_cast<uint64_t>(ts.tv_sec) << 30 ^
+         launches.fetch_add(1) << 48 ^ static_cast<uint64_t>(getpid()) << 20;
+}
+
+// Rounds in a row in which only polling threads (test_wait, nanosleep) ran and none got past a
+// wait, after which the cluster counts as deadlocked.
+constexpr uint64_t kStallRounds = 1u << 16;
+
+// Runs the current cluster's threads until every one has left the kernel. When every thread
+// left waits for another (a deadlock: no resumption can change anything), the launch fails at
+// once, naming what they wait for, and the threads are unwound.
+inline void run_fibers(Launch& L) {
+  const uint32_t total = L.nthreads * L.ncta;
+  std::vector<uint32_t> order(total);
+  for (uint32_t i = 0; i < total; ++i) order[i] = i;
+  for (uint32_t i = 0; i < total; ++i) {
+    Fiber& f = L.fibers[i];
+    f.done = false;
+    f.wait_word = nullptr;
+    fiber_prepare(f);
+  }
   blockDim = L.block;
   gridDim = L.grid;
-  tctx.launch = &L;
-  tctx.cta = &C;
-  tctx.warp = &C.warps[t / 32];
-  tctx.lane = t % 32;
-  tctx.linear = t;
+  uint32_t alive = total;
+  uint64_t stalled = 0;
+  while (alive != 0) {
+    L.progress = false;
+    bool resumed = false;
+    // Each round resumes the threads in a fresh pseudo-random order (Fisher-Yates), so that
+    // which thread runs ahead varies as it does on the GPU: a missing wait shows as a hazard
+    // or a wrong result in some runs, not never (KG_EMULATOR_SCHEDULE_SEED fixes the orders).
+    for (uint32_t k = total; k > 1; --k) {
+      const uint32_t j = static_cast<uint32_t>(
+          (static_cast<unsigned __int128>(splitmix64(L.schedule_state)) * k) >> 64);
+      std::swap(order[k - 1], order[j]);
+    }
+    for (const uint32_t i : order) {
+      Fiber& f = L.fibers[i];
+      if (f.done) continue;
+      if (f.wait_word != nullptr && f.wait_word->load(std::memory_order_relaxed) == f.wait_value &&
+          L.trapped.load(std::memory_order_relaxed) == 0) {
+        continue;  // still blocked
+      }
+      resumed = true;
+      current_fiber = &f;
+      threadIdx = f.thread_idx;
+      blockIdx = L.ctas[i / L.nthreads].block;
+      for (int h = 0; h < n_smem_hooks; ++h) smem_hooks[h](L.ctas[i / L.nthreads].smem);
+      fiber_resume(f);
+      current_fiber = nullptr;
+      if (f.done) {
+        --alive;
+        L.progress = true;
+        L.remaining.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+    stalled = L.progress ? 0 : stalled + 1;
+    if (alive != 0 && (!resumed || stalled > kStallRounds) && L.trapped.load() == 0) {
+      const uint3 b0 = L.ctas[0].block;
+      int used = L.ncta == 1
+                     ? snprintf(L.deadlock_msg, sizeof L.deadlock_msg,
+                                "block (%u,%u,%u) deadlocked: %u of %u threads wait for each "
+                                "other (at a barrier, shuffle or mbarrier wait)",
+                                b0.x, b0.y, b0.z, alive, total)
+                     : snprintf(L.deadlock_msg, sizeof L.deadlock_msg,
+                                "the cluster of blocks (%u,%u,%u)..(%u,%u,%u) deadlocked: %u of "
+                                "%u threads wait for each other (at a barrier, shuffle, mbarrier "
+                                "wait or barrier.cluster)",
+                                b0.x, b0.y, b0.z, L.ctas[L.ncta - 1].block.x,
+                                L.ctas[L.ncta - 1].block.y, L.ctas[L.ncta - 1].block.z, alive,
+                                total);
+      describe_waits(L, L.deadlock_msg, sizeof L.deadlock_msg, used);
+      L.deadlocked = true;
+      L.trapped.store(1);  // every wait throws: the threads unwind and leave
+    }
+  }
+}
+
+// The launch's runner thread: runs each cluster the caller starts, then wakes it.
+inline void* runner_main(void* p) {
+  Launch& L = *static_cast<Launch*>(p);
+  const uint32_t total = L.nthreads * L.ncta;
+  L.fibers = new Fiber[total];
+  L.schedule_state = schedule_seed();
+  for (uint32_t i = 0; i < total; ++i) {
+    Fiber& f = L.fibers[i];
+    const uint32_t t = i % L.nthreads;
+    f.launch = &L;
+    f.index = i;
+    f.thread_idx = uint3{t % L.block.x, (t / L.block.x) % L.block.y, t / (L.block.x * L.block.y)};
+    fiber_stack_alloc(f);
+  }
   uint32_t seen = 0;
   for (;;) {
     uint32_t s;
     while ((s = L.start_seq.load(std::memory_order_acquire)) == seen) futex_wait(L.start_seq, s);
     seen = s;
     if (L.stop) break;
-    blockIdx = C.block;
-    tctx.parity = 0;
-    tctx.wg_parity = 0;
-    tctx.epoch = 0;
-    hb.live = false;
-    hb.arrivals = 0;
-    for (uint64_t& v : tctx.stats) v = 0;
-    for (int i = 0; i < L.nranges; ++i) tctx.arg_copies[i] = tctx.arg_bytes[i] = 0;
-    for (int i = 0; i < n_smem_hooks; ++i) smem_hooks[i](C.smem);
-    async_copies.clear();
-    async_thread_begin();
-    try {
-      L.thunk(L.args);
-      async_thread_end();
-    } catch (const Trap& trap) {
-      if (L.trapped.exchange(1) == 0) {
-        L.trap_thread = threadIdx;
-        L.trap_block = blockIdx;
-        snprintf(L.trap_msg, sizeof L.trap_msg, "%s", trap.msg[0] ? trap.msg : "__trap()");
-      }
-    }
-    async_thread_exit();
-    for (int i = 0; i < kNumStats; ++i) {
-      if (tctx.stats[i] != 0) L.stats[i].fetch_add(tctx.stats[i], std::memory_order_relaxed);
-    }
-    for (int i = 0; i < L.nranges; ++i) {
-      if (tctx.arg_copies[i] != 0) {
-        L.arg_copies[i].fetch_add(tctx.arg_copies[i], std::memory_order_relaxed);
-        L.arg_bytes[i].fetch_add(tctx.arg_bytes[i], std::memory_order_relaxed);
-      }
-    }
-    // cp.async copies never waited for are dropped (nothing can observe them legally).
-    async_copies.clear();
-    // Leaving the kernel: no longer expected at block or warp barriers.
-    C.block_bar.arrive_and_drop();
-    tctx.warp->bar.arrive_and_drop();
-    if (t / 128 < L.nwarpgroups) {
-      for (auto& slots : C.warpgroups[t / 128].slots) slots[t % 128].kind.store(0);
-      C.warpgroups[t / 128].bar.arrive_and_drop();
-    }
-    C.running.fetch_sub(1, std::memory_order_acq_rel);
-    if (L.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) futex_wake_all(L.remaining);
+    run_fibers(L);
+    futex_wake_all(L.remaining);
   }
+  delete[] L.fibers;
+  L.fibers = nullptr;
   return nullptr;
 }
 
@@ -700,6 +994,35 @@ inline double now_s() {
 }
 
 inline pthread_mutex_t launch_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+// Named barriers under way, and the first mbarrier with a phase under way, appended to `msg`
+// (`used` bytes written) as hints of what a stuck cluster waits for.
+inline void describe_waits(const Launch& L, char* msg, size_t size, int used) {
+  bool mbar_named = false;
+  for (uint32_t c = 0; c < L.ncta; ++c) {
+    const Cta& C = L.ctas[c];
+    for (uint32_t i = 0; i < kNamedBarriers && used > 0 && used < 700; ++i) {
+      const NamedBarrierState& b = C.named[i];
+      if (b.expected == 0) continue;
+      used += snprintf(msg + used, size - static_cast<size_t>(used),
+                       "; named barrier %u%s has %u of %u threads arrived (%u waiting in "
+                       "bar.sync)", i, L.ncta == 1 ? "" : " of a block", b.arrived,
+                       b.expected, b.syncing);
+    }
+    for (size_t i = 0; i < C.n_mbarriers && used > 0 && used < 850 && !mbar_named; ++i) {
+      const MbarrierState& b = C.mbarriers[i];
+      if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
+        continue;
+      }
+      used += snprintf(msg + used, size - static_cast<size_t>(used),
+                       "; the mbarrier at shared 0x%zx%s is in phase %u with %d of %u "
+                       "arrivals and %d transaction bytes pending",
+                       0x400 /* kSharedBase */ + 8 * i, L.ncta == 1 ? "" : " of a block",
+                       b.phase.load(), b.pending, b.expected, b.tx);
+      mbar_named = true;
+    }
+  }
+}
 
 inline int fail(char* err, int errlen, const char* msg) {
   if (err && errlen > 0) snprintf(err, static_cast<size_t>(errlen), "%s", msg);
@@ -763,6 +1086,11 @@ inline void cta_free(Cta& C) {
   delete[] C.warpgroup_issues;
   delete[] C.warpgroups;
   delete[] C.warps;
+}
+
+inline void cta_free_all(Launch& L) {
+  for (uint32_t c = 0; c < L.ncta; ++c) cta_free(L.ctas[c]);
+  delete[] L.ctas;
 }
 
 inline void cta_reset(Cta& C, int fill, uint3 block) {
@@ -871,17 +1199,14 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   for (uint32_t r = 0; r < L.ncta; ++r) cta_alloc(L.ctas[r], L, r, smem_bytes, fill);
 
   const uint32_t total = n * L.ncta;
-  pthread_t* threads = new pthread_t[total];
-  WorkerArg* wargs = new WorkerArg[total];
-  uint32_t started = 0;
+  pthread_t runner;
   int rc = 0;
-  for (; started < total; ++started) {
-    wargs[started] = WorkerArg{Lp, started};
-    if (pthread_create(&threads[started], nullptr, worker_main, &wargs[started]) != 0) {
-      snprintf(msg, sizeof msg, "pthread_create failed after %u threads", started);
-      rc = fail(err, errlen, msg);
-      break;
-    }
+  if (pthread_create(&runner, nullptr, runner_main, Lp) != 0) {
+    rc = fail(err, errlen, "cannot start the emulator's runner thread");
+    cta_free_all(L);
+    delete Lp;
+    pthread_mutex_unlock(&launch_mutex);
+    return rc;
   }
 
   bool timed_out = false;
@@ -932,34 +1257,14 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
                                 b0.x, b0.y, b0.z, L.ctas[L.ncta - 1].block.x,
                                 L.ctas[L.ncta - 1].block.y, L.ctas[L.ncta - 1].block.z,
                                 timeout_ms, r, total);
-      // Named barriers under way, and the first mbarrier with a phase under way, as hints
-      // (read without the locks: the threads are stuck).
-      bool mbar_named = false;
-      for (uint32_t c = 0; c < L.ncta; ++c) {
-        const Cta& C = L.ctas[c];
-        for (uint32_t i = 0; i < kNamedBarriers && used > 0 && used < 700; ++i) {
-          const NamedBarrierState& b = C.named[i];
-          if (b.expected == 0) continue;
-          used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
-                           "; named barrier %u%s has %u of %u threads arrived (%u waiting in "
-                           "bar.sync)", i, L.ncta == 1 ? "" : " of a block", b.arrived,
-                           b.expected, b.syncing);
-        }
-        for (size_t i = 0; i < C.n_mbarriers && used > 0 && used < 850 && !mbar_named; ++i) {
-          const MbarrierState& b = C.mbarriers[i];
-          if (!b.initialized || (b.pending == static_cast<int32_t>(b.expected) && b.tx == 0)) {
-            continue;
-          }
-          used += snprintf(msg + used, sizeof msg - static_cast<size_t>(used),
-                           "; the mbarrier at shared 0x%zx%s is in phase %u with %d of %u "
-                           "arrivals and %d transaction bytes pending",
-                           0x400 /* kSharedBase */ + 8 * i, L.ncta == 1 ? "" : " of a block",
-                           b.phase.load(), b.pending, b.expected, b.tx);
-          mbar_named = true;
-        }
-      }
+      describe_waits(L, msg, sizeof msg, used);
       rc = 3;
       fail(err, errlen, msg);
+      break;
+    }
+    if (L.deadlocked) {
+      rc = 3;
+      fail(err, errlen, L.deadlock_msg);
       break;
     }
     if (L.trapped.load()) {
@@ -990,8 +1295,10 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
     // Threads are stuck: leave them (and everything they can touch) alive, detached. Those in
     // an mbarrier wait see the flag and leave the kernel (no thread keeps polling).
     L.trapped.store(1);
-    for (uint32_t i = 0; i < started; ++i) pthread_detach(threads[i]);
-    delete[] threads;
+    L.stop = true;
+    L.start_seq.fetch_add(1, std::memory_order_acq_rel);
+    futex_wake_all(L.start_seq);
+    pthread_detach(runner);
     pthread_mutex_unlock(&launch_mutex);
     return rc;
   }
@@ -1004,11 +1311,8 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   L.stop = true;
   L.start_seq.fetch_add(1, std::memory_order_acq_rel);
   futex_wake_all(L.start_seq);
-  for (uint32_t i = 0; i < started; ++i) pthread_join(threads[i], nullptr);
-  delete[] threads;
-  delete[] wargs;
-  for (uint32_t c = 0; c < L.ncta; ++c) cta_free(L.ctas[c]);
-  delete[] L.ctas;
+  pthread_join(runner, nullptr);
+  cta_free_all(L);
   delete Lp;
   pthread_mutex_unlock(&launch_mutex);
   return rc;
@@ -1020,11 +1324,11 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
 // Synchronization, warp primitives
 // ---------------------------------------------------------------------------------------------
 inline void __syncthreads() {
-  kg_emu::tctx.cta->block_bar.arrive_and_wait();
-  ++kg_emu::tctx.epoch;
+  kg_emu::tctx().cta->block_bar.arrive_and_wait();
+  ++kg_emu::tctx().epoch;
 }
 inline void __syncwarp(unsigned int /*mask*/ = 0xffffffffu) {
-  kg_emu::tctx.warp->bar.arrive_and_wait();
+  kg_emu::tctx().warp->bar.arrive_and_wait();
 }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -1034,14 +1338,14 @@ inline unsigned int __activemask() { return 0xffffffffu; }
 // Lane selection follows the PTX shfl.sync rules for a segment of `width` lanes.
 template <class T>
 inline T __shfl_sync(unsigned int /*mask*/, T var, int src_lane, int width = 32) {
-  const uint32_t lane = kg_emu::tctx.lane;
+  const uint32_t lane = kg_emu::tctx().lane;
   const uint32_t w = static_cast<uint32_t>(width);
   const uint32_t lo = lane & ~(w - 1);
   return kg_emu::warp_exchange(var, lo | (static_cast<uint32_t>(src_lane) & (w - 1)));
 }
 template <class T>
 inline T __shfl_xor_sync(unsigned int /*mask*/, T var, int lane_mask, int width = 32) {
-  const uint32_t lane = kg_emu::tctx.lane;
+  const uint32_t lane = kg_emu::tctx().lane;
   const uint32_t w = static_cast<uint32_t>(width);
   const uint32_t hi = (lane & ~(w - 1)) + w - 1;
   const uint32_t j = lane ^ (static_cast<uint32_t>(lane_mask) & 31u);
@@ -1049,7 +1353,7 @@ inline T __shfl_xor_sync(unsigned int /*mask*/, T var, int lane_mask, int width 
 }
 template <class T>
 inline T __shfl_down_sync(unsigned int /*mask*/, T var, unsigned int delta, int width = 32) {
-  const uint32_t lane = kg_emu::tctx.lane;
+  const uint32_t lane = kg_emu::tctx().lane;
   const uint32_t w = static_cast<uint32_t>(width);
   const uint32_t hi = (lane & ~(w - 1)) + w - 1;
   const uint32_t j = lane + delta;
@@ -1057,14 +1361,14 @@ inline T __shfl_down_sync(unsigned int /*mask*/, T var, unsigned int delta, int 
 }
 template <class T>
 inline T __shfl_up_sync(unsigned int /*mask*/, T var, unsigned int delta, int width = 32) {
-  const int lane = static_cast<int>(kg_emu::tctx.lane);
+  const int lane = static_cast<int>(kg_emu::tctx().lane);
   const int lo = lane & ~(width - 1);
   const int j = lane - static_cast<int>(delta);
   return kg_emu::warp_exchange(var, static_cast<uint32_t>(j >= lo ? j : lane));
 }
 
 inline unsigned int __ballot_sync(unsigned int /*mask*/, int pred) {
-  kg_emu::ThreadCtx& c = kg_emu::tctx;
+  kg_emu::ThreadCtx& c = kg_emu::tctx();
   kg_emu::Warp& w = *c.warp;
   uint64_t* slots = w.slots[c.parity];  // same double buffering as kg_emu::warp_exchange
   c.parity ^= 1u;
@@ -1078,7 +1382,8 @@ inline int __any_sync(unsigned int mask, int pred) { return __ballot_sync(mask, 
 inline int __all_sync(unsigned int mask, int pred) { return __ballot_sync(mask, pred) == ~0u; }
 
 // ---------------------------------------------------------------------------------------------
-// Atomics (blocks are sequential, but the threads of a block are real threads)
+// Atomics (blocks are sequential; the threads of a block are fibers of one OS thread, and the
+// atomics stay atomic for the rest of the process)
 // ---------------------------------------------------------------------------------------------
 template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
 inline T atomicAdd(T* p, T v) {

@@ -17,8 +17,8 @@ namespace kg_emu {
 constexpr int32_t kMbarrierMaxCount = (1 << 20) - 1;  // arrivals and |transaction count|
 
 struct MbarrierLock {
-  MbarrierLock() { pthread_mutex_lock(&tctx.launch->mbar_lock); }
-  ~MbarrierLock() { pthread_mutex_unlock(&tctx.launch->mbar_lock); }
+  MbarrierLock() { pthread_mutex_lock(&tctx().launch->mbar_lock); }
+  ~MbarrierLock() { pthread_mutex_unlock(&tctx().launch->mbar_lock); }
   MbarrierLock(const MbarrierLock&) = delete;
   MbarrierLock& operator=(const MbarrierLock&) = delete;
 };
@@ -29,7 +29,7 @@ inline uint32_t mbarrier_slot_in(const Cta& C, uint32_t addr, const char* what) 
   return static_cast<uint32_t>((p - C.smem) / 8);
 }
 inline uint32_t mbarrier_slot(uint32_t addr, const char* what) {
-  return mbarrier_slot_in(*tctx.cta, addr, what);
+  return mbarrier_slot_in(*tctx().cta, addr, what);
 }
 inline uint32_t mbarrier_address(uint32_t slot) { return kSharedBase + 8 * slot; }
 
@@ -43,7 +43,7 @@ inline MbarrierState& mbarrier_initialized_in(Cta& C, uint32_t addr, const char*
   return b;
 }
 inline MbarrierState& mbarrier_initialized(uint32_t addr, const char* what) {
-  return mbarrier_initialized_in(*tctx.cta, addr, what);
+  return mbarrier_initialized_in(*tctx().cta, addr, what);
 }
 
 // Completes the current phase when nothing is pending (lock held); what its arrivals released
@@ -54,7 +54,6 @@ inline void mbarrier_maybe_complete(MbarrierState& b) {
   b.known_at[b.phase.load() % 4] = b.known;
   b.seen_at[b.phase.load() % 4] = b.seen;
   b.phase.fetch_add(1);
-  futex_wake_all(b.phase);
 }
 
 inline void mbarrier_add_tx(MbarrierState& b, int64_t delta, uint32_t addr, const char* what) {
@@ -69,7 +68,10 @@ inline void mbarrier_add_tx(MbarrierState& b, int64_t delta, uint32_t addr, cons
 
 // Phases of barrier `slot` this thread saw complete (try_wait / test_wait returned true), or
 // learnt of through a named barrier (kg_barrier.h).
-inline thread_local std::vector<SeenPhase> mbarrier_seen;
+struct MbarrierSeen {
+  std::vector<SeenPhase> value;
+};
+inline std::vector<SeenPhase>& mbarrier_seen() { return fiber_local<MbarrierSeen>().value; }
 
 // `completed` phases of barrier `slot` are done, in `seen` (the phases a thread knows of).
 inline void merge_seen(std::vector<SeenPhase>& seen, uint32_t slot, uint32_t completed) {
@@ -85,7 +87,7 @@ inline void merge_seen(std::vector<SeenPhase>& seen, uint32_t slot, uint32_t com
 // This thread saw `completed` phases of `b` done: remember it, for itself and (with its epoch)
 // for the threads that pass a later __syncthreads.
 inline void mbarrier_know(uint32_t slot, uint32_t completed) {
-  merge_seen(mbarrier_seen, slot, completed);
+  merge_seen(mbarrier_seen(), slot, completed);
 }
 
 inline void mbarrier_observe(MbarrierState& b, uint32_t slot, uint32_t completed) {
@@ -98,9 +100,9 @@ inline void mbarrier_observe(MbarrierState& b, uint32_t slot, uint32_t completed
     for (const SeenPhase& s : b.seen_at[(completed - 1) % 4]) mbarrier_know(s.slot, s.completed);
   }
   const uint32_t i = completed % 4;
-  if (b.seen_phase[i] != completed || b.seen_epoch[i] > tctx.epoch) {
+  if (b.seen_phase[i] != completed || b.seen_epoch[i] > tctx().epoch) {
     b.seen_phase[i] = completed;
-    b.seen_epoch[i] = tctx.epoch;
+    b.seen_epoch[i] = tctx().epoch;
   }
 }
 
@@ -110,7 +112,7 @@ inline void mbarrier_init(uint32_t addr, long long count) {
     trap_with("mbarrier.init: count %lld outside [1, 2^20-1]", count);
   }
   MbarrierLock lock;
-  MbarrierState& b = tctx.cta->mbarriers[slot];
+  MbarrierState& b = tctx().cta->mbarriers[slot];
   b.reset();
   b.initialized = 1;
   b.expected = static_cast<uint32_t>(count);
@@ -122,7 +124,7 @@ inline void mbarrier_init(uint32_t addr, long long count) {
 inline uint64_t mbarrier_arrive_tx(uint32_t addr, long long count, long long tx,
                                    const char* what, bool cluster = false) {
   uint32_t cta_addr = addr;
-  Cta& C = cluster ? cluster_target(addr, cta_addr, what) : *tctx.cta;
+  Cta& C = cluster ? cluster_target(addr, cta_addr, what) : *tctx().cta;
   MbarrierLock lock;
   MbarrierState& b = mbarrier_initialized_in(C, cta_addr, what);
   if (tx < 0 || tx > kMbarrierMaxCount) trap_with("%s: tx-count %lld outside [0, 2^20-1]", what, tx);
@@ -133,9 +135,9 @@ inline uint64_t mbarrier_arrive_tx(uint32_t addr, long long count, long long tx,
   }
   mbarrier_add_tx(b, tx, addr, what);
   const uint64_t state = b.phase.load();
-  if (&C == tctx.cta) {
+  if (&C == tctx().cta) {
     hb_release(b.known);
-    for (const SeenPhase& s : mbarrier_seen) merge_seen(b.seen, s.slot, s.completed);
+    for (const SeenPhase& s : mbarrier_seen()) merge_seen(b.seen, s.slot, s.completed);
   }
   b.pending -= static_cast<int32_t>(count);
   mbarrier_maybe_complete(b);
@@ -188,12 +190,10 @@ inline bool mbarrier_wait(uint32_t addr, bool by_parity, uint64_t operand, bool 
       return true;
     }
     if (!blocking) {
-      sched_yield();  // a spinning test_wait loop lets the other threads run
+      fiber_poll();  // a spinning test_wait loop lets the other threads run
       return false;
     }
-    if (tctx.launch->trapped.load() != 0) throw Trap{};  // the launch failed elsewhere
-    struct timespec ts = {0, 20 * 1000 * 1000};
-    futex_wait(b->phase, completed, &ts);
+    wait_while(b->phase, completed);
   }
 }
 
@@ -204,19 +204,19 @@ inline bool mbarrier_wait(uint32_t addr, bool by_parity, uint64_t operand, bool 
 // a named barrier, an mbarrier phase that thread arrived on, or a __syncthreads since. The copy itself happens at issue, so without this check a kernel
 // that forgets its wait would read the right bytes by luck.
 inline void check_tma_read(size_t chunk) {
-  const Cta& C = *tctx.cta;
+  const Cta& C = *tctx().cta;
   const uint64_t stamp = C.shadow[chunk].tma.load();
   if (stamp == 0) return;
   const uint32_t slot = static_cast<uint32_t>(stamp >> 32) - 1u;
   const uint32_t phase = static_cast<uint32_t>(stamp);
-  for (const SeenPhase& s : mbarrier_seen) {
+  for (const SeenPhase& s : mbarrier_seen()) {
     if (s.slot == slot && s.completed > phase) return;
   }
   MbarrierState& b = C.mbarriers[slot];
   {
     MbarrierLock lock;
     for (int i = 0; i < 4; ++i) {
-      if (b.seen_phase[i] > phase && b.seen_epoch[i] < tctx.epoch) return;
+      if (b.seen_phase[i] > phase && b.seen_epoch[i] < tctx().epoch) return;
     }
   }
   const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);

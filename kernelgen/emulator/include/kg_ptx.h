@@ -34,7 +34,10 @@ constexpr uint32_t kSharedBase = 0x400;
 // an address in [kOutsideShared, 2 kOutsideShared) that traps only when an instruction uses it,
 // naming the conversion (each thread remembers its last such pointer).
 constexpr uint32_t kOutsideShared = 0x80000000u;
-inline thread_local const void* last_outside_cvta = nullptr;
+struct LastOutsideCvta {
+  const void* value = nullptr;
+};
+inline const void*& last_outside_cvta() { return fiber_local<LastOutsideCvta>().value; }
 
 // .shared::cluster addresses (kg_cluster.h: mapa): bits 24..27 hold the target block's
 // %cluster_ctarank + 1 over its .shared::cta address; 0 there is the executing block's own
@@ -52,12 +55,12 @@ inline bool in_shared_window(const Cta& C, const unsigned char* c, size_t bytes)
 // The .shared-window address of a generic pointer into the block's dynamic shared memory or
 // static arena (one-past-the-end included, as for any pointer); see kOutsideShared for others.
 inline uint32_t shared_address_of(const void* p) {
-  const Cta& C = *tctx.cta;
+  const Cta& C = *tctx().cta;
   const unsigned char* c = static_cast<const unsigned char*>(p);
   const unsigned char* st = C.static_smem();
   const bool dyn = c >= C.smem && c <= C.smem + C.smem_bytes;
   if (!dyn && !(c >= st && c <= st + kStaticSmemBytes)) {
-    last_outside_cvta = p;
+    last_outside_cvta() = p;
     return kOutsideShared | (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)) & 0x0FFFFFF0u);
   }
   return kSharedBase + static_cast<uint32_t>(c - C.smem);
@@ -78,10 +81,10 @@ inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t byt
   if (misaligned || !(dyn || stat)) {
     char from[32] = "";
     if (lane >= 0) snprintf(from, sizeof from, " (from lane %d)", lane);
-    if ((addr & kOutsideShared) != 0 && (lane < 0 || static_cast<uint32_t>(lane) == tctx.lane)) {
+    if ((addr & kOutsideShared) != 0 && (lane < 0 || static_cast<uint32_t>(lane) == tctx().lane)) {
       trap_with("%s: __cvta_generic_to_shared(%p)%s: not a pointer into the %zu bytes of dynamic "
                 "shared memory or the static __shared__ variables of the block",
-                what, last_outside_cvta, from, C.smem_bytes);
+                what, last_outside_cvta(), from, C.smem_bytes);
     }
     if ((addr & kOutsideShared) != 0) {
       trap_with("%s: shared address 0x%x%s comes from __cvta_generic_to_shared of a pointer "
@@ -108,22 +111,22 @@ inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t byt
 // The same in the executing thread's block.
 inline unsigned char* shared_bytes(uint32_t addr, uint32_t bytes, uint32_t align, const char* what,
                                    int lane = -1) {
-  return cta_shared_bytes(*tctx.cta, addr, bytes, align, what, lane);
+  return cta_shared_bytes(*tctx().cta, addr, bytes, align, what, lane);
 }
 
 // The block of the cluster a .shared::cluster address names, and (in `cta_addr`) the
 // .shared::cta address there; traps for a rank outside the cluster or a block that has exited.
 inline Cta& cluster_target(uint32_t addr, uint32_t& cta_addr, const char* what) {
-  const Launch& L = *tctx.launch;
+  const Launch& L = *tctx().launch;
   const uint32_t field = (addr & kClusterRankMask) >> kClusterRankShift;
   cta_addr = addr & ~kClusterRankMask;
-  if (field == 0 || (addr & kOutsideShared) != 0) return *tctx.cta;
+  if (field == 0 || (addr & kOutsideShared) != 0) return *tctx().cta;
   if (field > L.ncta) {
     trap_with("%s: .shared::cluster address 0x%x names block rank %u of a cluster of %u", what,
               addr, field - 1u, L.ncta);
   }
   Cta& C = L.ctas[field - 1];
-  if (&C != tctx.cta && C.running.load() == 0) {
+  if (&C != tctx().cta && C.running.load() == 0) {
     trap_with("%s: .shared::cluster address 0x%x is in block rank %u, whose threads have all "
               "exited (a block's shared memory lives only while it runs: barrier.cluster before "
               "leaving)", what, addr, field - 1u);
@@ -182,7 +185,7 @@ inline uint64_t write_stamp(uint32_t thread, uint32_t issued, uint32_t done_plus
 }
 
 inline size_t chunk_of(const unsigned char* host) {
-  return static_cast<size_t>(host - tctx.cta->smem) / 16;
+  return static_cast<size_t>(host - tctx().cta->smem) / 16;
 }
 
 // ---- stmatrix writes and the reads that must come after them ----------------------------------
@@ -212,12 +215,15 @@ struct PointStamp {  // a thread's point: bit 63 valid, thread << 52, epoch << 2
   bool before_me() const { return any && hb_after(thread, epoch, arrivals); }
 };
 inline uint64_t my_point() {
-  return kStampValid | static_cast<uint64_t>(tctx.linear) << 52 |
-         static_cast<uint64_t>(tctx.epoch & kStampField) << 26 | (hb.arrivals & kStampField);
+  return kStampValid | static_cast<uint64_t>(tctx().linear) << 52 |
+         static_cast<uint64_t>(tctx().epoch & kStampField) << 26 | (hb().arrivals & kStampField);
 }
 
 // Chunks this thread wrote by stmatrix or st.shared since its last fence.proxy.async.
-inline thread_local std::vector<uint32_t> unfenced_chunks;
+struct UnfencedChunks {
+  std::vector<uint32_t> value;
+};
+inline std::vector<uint32_t>& unfenced_chunks() { return fiber_local<UnfencedChunks>().value; }
 
 inline uint32_t chunk_address(size_t chunk) { return kSharedBase + static_cast<uint32_t>(chunk * 16); }
 
@@ -252,38 +258,38 @@ constexpr const char* kUnorderedStmatrix =
 // checks this write), so of a write and a read no barrier orders, the later one sees the other.
 inline void note_generic_write(const unsigned char* host, const char* what) {
   const size_t chunk = chunk_of(host);
-  ChunkShadow& sh = tctx.cta->shadow[chunk];
+  ChunkShadow& sh = tctx().cta->shadow[chunk];
   sh.fence.store(0);
   sh.gen.store(my_point());
-  unfenced_chunks.push_back(static_cast<uint32_t>(chunk));
+  unfenced_chunks().push_back(static_cast<uint32_t>(chunk));
   check_bulk_pending(sh, chunk, what);
   const PointStamp r = PointStamp::of(sh.reader.load());
-  if (r.any && r.thread / 32 != tctx.linear / 32 && !r.before_me()) {
-    report_hazard(kUnorderedStmatrix, tctx.linear, r.thread, chunk_address(chunk));
+  if (r.any && r.thread / 32 != tctx().linear / 32 && !r.before_me()) {
+    report_hazard(kUnorderedStmatrix, tctx().linear, r.thread, chunk_address(chunk));
   }
 }
 
 // fence.proxy.async{.shared::cta}: this thread's stmatrix and st.shared writes reach the async
 // proxy.
 inline void fence_generic_writes() {
-  ChunkShadow* shadow = tctx.cta->shadow;
-  for (uint32_t chunk : unfenced_chunks) {
+  ChunkShadow* shadow = tctx().cta->shadow;
+  for (uint32_t chunk : unfenced_chunks()) {
     const PointStamp w = PointStamp::of(shadow[chunk].gen.load());
-    if (w.any && w.thread == tctx.linear) shadow[chunk].fence.store(my_point());
+    if (w.any && w.thread == tctx().linear) shadow[chunk].fence.store(my_point());
   }
-  unfenced_chunks.clear();
+  unfenced_chunks().clear();
 }
 
 // A generic-proxy read (ldmatrix) of a chunk stmatrix wrote.
 inline void check_generic_write(const ChunkShadow& sh, size_t chunk) {
   const PointStamp w = PointStamp::of(sh.gen.load());
-  if (!w.any || w.thread / 32 == tctx.linear / 32 || w.before_me()) return;
-  report_hazard(kUnorderedStmatrix, w.thread, tctx.linear, chunk_address(chunk));
+  if (!w.any || w.thread / 32 == tctx().linear / 32 || w.before_me()) return;
+  report_hazard(kUnorderedStmatrix, w.thread, tctx().linear, chunk_address(chunk));
 }
 
 // An async-proxy read (TMA store, wgmma) of chunk `chunk` of the executing thread's block.
 inline void check_async_read(size_t chunk, const char* what) {
-  const ChunkShadow& sh = tctx.cta->shadow[chunk];
+  const ChunkShadow& sh = tctx().cta->shadow[chunk];
   const PointStamp w = PointStamp::of(sh.gen.load());
   if (!w.any || PointStamp::of(sh.fence.load()).before_me()) return;
   if (w.before_me()) {
@@ -302,9 +308,9 @@ inline void check_async_read(size_t chunk, const char* what) {
 // An ldmatrix lane reads the 16-byte row at `host`.
 // `generic`: an ldmatrix (else a wgmma operand, an async-proxy read: check_async_read).
 inline void note_shared_read(const unsigned char* host, bool generic = true) {
-  ChunkShadow& sh = tctx.cta->shadow[chunk_of(host)];
+  ChunkShadow& sh = tctx().cta->shadow[chunk_of(host)];
   const size_t chunk = chunk_of(host);
-  const uint32_t warp = tctx.linear / 32, epoch = tctx.epoch;
+  const uint32_t warp = tctx().linear / 32, epoch = tctx().epoch;
   const uint64_t mine = static_cast<uint64_t>(epoch + 1) << 32 | warp;
   uint64_t old = sh.reads.load();
   for (;;) {
@@ -327,7 +333,7 @@ inline void note_shared_read(const unsigned char* host, bool generic = true) {
     report_hazard("ldmatrix reads shared 0x%x while its cp.async (thread %u, issued after "
                  "barrier %u) is in flight: wait for the copy, then __syncthreads",
                  addr, w.thread, w.issued);
-  } else if (w.thread != tctx.linear && epoch <= w.done) {
+  } else if (w.thread != tctx().linear && epoch <= w.done) {
     report_hazard("ldmatrix reads shared 0x%x after barrier %u, but thread %u waited for its "
                  "cp.async there only after barrier %u: no __syncthreads orders the two",
                  addr, epoch, w.thread, w.done);
@@ -337,10 +343,10 @@ inline void note_shared_read(const unsigned char* host, bool generic = true) {
 // A cp.async is issued into the chunk at `host`.
 inline void note_async_write(const unsigned char* host) {
   const size_t chunk = chunk_of(host);
-  ChunkShadow& sh = tctx.cta->shadow[chunk];
-  const uint32_t epoch = tctx.epoch, warp = tctx.linear / 32;
+  ChunkShadow& sh = tctx().cta->shadow[chunk];
+  const uint32_t epoch = tctx().epoch, warp = tctx().linear / 32;
   const WriteStamp before =
-      WriteStamp::of(sh.writes.exchange(write_stamp(tctx.linear, epoch, 0)));
+      WriteStamp::of(sh.writes.exchange(write_stamp(tctx().linear, epoch, 0)));
   const uint64_t read = sh.reads.load();
   check_bulk_pending(sh, chunk, "cp.async");
   const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
@@ -356,13 +362,13 @@ inline void note_async_write(const unsigned char* host) {
 
 // The issuing thread's wait performed its copy into the chunk at `host`.
 inline void note_async_done(const unsigned char* host) {
-  std::atomic<uint64_t>& writes = tctx.cta->shadow[chunk_of(host)].writes;
+  std::atomic<uint64_t>& writes = tctx().cta->shadow[chunk_of(host)].writes;
   uint64_t old = writes.load();
   for (;;) {
     const WriteStamp w = WriteStamp::of(old);
-    if (!w.in_flight() || w.thread != tctx.linear) return;  // a later copy replaced it
+    if (!w.in_flight() || w.thread != tctx().linear) return;  // a later copy replaced it
     if (writes.compare_exchange_weak(
-            old, write_stamp(w.thread, w.issued, tctx.epoch + 1)))
+            old, write_stamp(w.thread, w.issued, tctx().epoch + 1)))
       return;
   }
 }
@@ -375,7 +381,7 @@ inline void note_async_done(const unsigned char* host) {
 // the 8 * N row addresses.
 template <int N>
 inline void note_ldmatrix_banks(const uint64_t* rows) {
-  ThreadCtx& c = tctx;
+  ThreadCtx& c = tctx();
   uint32_t wavefronts = 0;
   for (int m = 0; m < N; ++m) {
     const uint64_t* mat = rows + 8 * m;
@@ -532,7 +538,7 @@ template <int N, bool Trans, class... R>
 inline void ldmatrix(uint32_t addr, R&... regs) {
   static_assert(N == 1 || N == 2 || N == 4, "ldmatrix .x1, .x2 or .x4");
   static_assert(sizeof...(R) == N, "one destination register per matrix");
-  ThreadCtx& c = tctx;
+  ThreadCtx& c = tctx();
   Warp& w = *c.warp;
   uint64_t* slots = w.slots[c.parity];  // same double buffering as kg_emu::warp_exchange
   c.parity ^= 1u;
@@ -578,7 +584,7 @@ template <int N, bool Trans, class... R>
 inline void stmatrix(uint32_t addr, const R&... regs) {
   static_assert(N == 1 || N == 2 || N == 4, "stmatrix .x1, .x2 or .x4");
   static_assert(sizeof...(R) == N, "one source register per matrix");
-  ThreadCtx& c = tctx;
+  ThreadCtx& c = tctx();
   Warp& w = *c.warp;
   uint64_t* slots = w.slots[c.parity];  // same double buffering as kg_emu::warp_exchange
   uint32_t(*frags)[6] = w.frags[c.parity];
@@ -635,7 +641,7 @@ template <Elem E, class D0, class D1, class D2, class D3>
 inline void mma_m16n8k16(D0& d0, D1& d1, D2& d2, D3& d3, uint32_t a0, uint32_t a1, uint32_t a2,
                          uint32_t a3, uint32_t b0, uint32_t b1, float c0, float c1, float c2,
                          float c3) {
-  ThreadCtx& c = tctx;
+  ThreadCtx& c = tctx();
   Warp& w = *c.warp;
   uint32_t(*frags)[6] = w.frags[c.parity];  // [lane][a0 a1 a2 a3 b0 b1]
   c.parity ^= 1u;
@@ -687,17 +693,17 @@ inline void cp_async(uint32_t dst, P src, S src_size_operand) {
               CpSize);
   }
   if (CpSize == 16) note_async_write(d);
-  tctx.stats[kCpAsyncGlobalBytes] += static_cast<uint64_t>(src_size);
-  const Launch& L = *tctx.launch;
+  tctx().stats[kCpAsyncGlobalBytes] += static_cast<uint64_t>(src_size);
+  const Launch& L = *tctx().launch;
   const uint64_t at = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s));
   for (int i = 0; i < L.nranges; ++i) {
     if (L.ranges[2 * i] <= at && at < L.ranges[2 * i + 1]) {
-      tctx.arg_copies[i] += 1;
-      tctx.arg_bytes[i] += static_cast<uint64_t>(src_size);
+      tctx().arg_copies[i] += 1;
+      tctx().arg_bytes[i] += static_cast<uint64_t>(src_size);
       break;
     }
   }
-  async_copies.current.push_back(
+  async_copies().current.push_back(
       PendingCopy{d, s, static_cast<uint32_t>(CpSize), static_cast<uint32_t>(src_size)});
 }
 template <int CpSize, bool Cg = false, class P>
@@ -712,14 +718,14 @@ inline void perform(const PendingCopy& c) {
 }
 
 inline void cp_async_commit_group() {
-  AsyncCopies& q = async_copies;
+  AsyncCopies& q = async_copies();
   q.committed.push_back(std::move(q.current));
   q.current.clear();
 }
 
 inline void cp_async_wait_group(long long n) {
   if (n < 0) trap_with("cp.async.wait_group %lld: negative count", n);
-  AsyncCopies& q = async_copies;
+  AsyncCopies& q = async_copies();
   while (static_cast<long long>(q.committed.size()) > n) {
     for (const PendingCopy& c : q.committed.front()) perform(c);
     q.committed.pop_front();
@@ -805,12 +811,12 @@ inline void elect_sync(uint32_t membermask, R& elected, bool& is_elected) {
   if (membermask == 0) trap_with("elect.sync: empty membermask");
   const uint32_t leader = static_cast<uint32_t>(__builtin_ctz(membermask));
   set_b32(elected, leader);
-  is_elected = tctx.lane == leader;
+  is_elected = tctx().lane == leader;
 }
 
 // nanosleep.u32 t: suspends the thread for up to t ns; here it yields the CPU (a spin loop with
 // nanosleep lets the other threads run).
-inline void nanosleep(uint32_t) { sched_yield(); }
+inline void nanosleep(uint32_t) { fiber_poll(); }
 
 // setmaxnreg.{inc,dec}.sync.aligned.u32 N: register reallocation has no effect on the CPU.
 template <long long N>

@@ -133,7 +133,7 @@ inline void stamp_tma_chunks(Cta& C, const unsigned char* dst, uint32_t bytes, u
   const size_t first = static_cast<size_t>(dst - C.smem) / 16;
   const size_t last = static_cast<size_t>(dst + bytes - 1 - C.smem) / 16;
   for (size_t c = first; c <= last; ++c) {
-    if (&C == tctx.cta) check_bulk_pending(C.shadow[c], c, "a TMA load");
+    if (&C == tctx().cta) check_bulk_pending(C.shadow[c], c, "a TMA load");
     const uint64_t old = C.shadow[c].tma.exchange((static_cast<uint64_t>(slot) + 1) << 32 | phase);
     if (old == 0) continue;
     const uint32_t old_slot = static_cast<uint32_t>(old >> 32) - 1u;
@@ -154,7 +154,7 @@ inline void tma_complete(Cta& C, uint32_t bar, const unsigned char* dst, uint32_
   MbarrierState& b = mbarrier_initialized_in(C, bar, what);
   stamp_tma_chunks(C, dst, bytes, mbarrier_slot_in(C, bar, what), b.phase.load());
   mbarrier_complete_tx(b, bar, bytes);
-  tctx.stats[kTmaBytes] += bytes;
+  tctx().stats[kTmaBytes] += bytes;
 }
 
 // The blocks a load writes: the block of the .shared::cluster destination (whose mbarrier must
@@ -167,7 +167,7 @@ struct TmaTargets {
 inline TmaTargets tma_targets(uint32_t dst, uint32_t bar, bool multicast, uint32_t mask,
                               const char* what) {
   TmaTargets t;
-  const Launch& L = *tctx.launch;
+  const Launch& L = *tctx().launch;
   if (!multicast) {
     Cta& bc = cluster_target(bar, t.bar, what);
     Cta* dc = &cluster_target(dst, t.dst, what);
@@ -233,12 +233,12 @@ struct BulkGroups {
     next_seq = 0;
   }
 };
-inline thread_local BulkGroups bulk_groups;
+inline BulkGroups& bulk_groups() { return fiber_local<BulkGroups>(); }
 
 // The shared byte offsets (from the block's smem) of a store's source, in the order of `data`.
 template <class F>
 inline void bulk_source_each(const BulkOp& op, F&& fn) {
-  const unsigned char* base = tctx.cta->smem;
+  const unsigned char* base = tctx().cta->smem;
   if (op.kind == kBulkStore || op.kind == kBulkReduce) {
     const unsigned char* p = shared_bytes(op.src, op.bytes, 1, "cp.async.bulk source");
     for (uint32_t i = 0; i < op.bytes; ++i) fn(i, static_cast<size_t>(p - base) + i);
@@ -253,15 +253,15 @@ inline void bulk_source_each(const BulkOp& op, F&& fn) {
 }
 
 inline uint64_t bulk_chunk_stamp(const BulkOp& op, bool pending) {
-  return kStampValid | (pending ? kBulkPending : 0) | static_cast<uint64_t>(tctx.linear) << 40 |
+  return kStampValid | (pending ? kBulkPending : 0) | static_cast<uint64_t>(tctx().linear) << 40 |
          op.seq;
 }
 
 inline void bulk_issue(BulkOp& op, const char* what) {
-  BulkGroups& g = bulk_groups;
+  BulkGroups& g = bulk_groups();
   op.seq = g.next_seq++;
   op.data.resize(op.bytes);
-  const unsigned char* base = tctx.cta->smem;
+  const unsigned char* base = tctx().cta->smem;
   size_t last_chunk = SIZE_MAX;
   bulk_source_each(op, [&](uint64_t i, size_t off) {
     op.data[i] = base[off];
@@ -272,7 +272,7 @@ inline void bulk_issue(BulkOp& op, const char* what) {
     }
   });
   const size_t first = (op.src - kSharedBase) / 16, last = (op.src - kSharedBase + op.bytes - 1) / 16;
-  for (size_t c = first; c <= last; ++c) tctx.cta->shadow[c].bulk.store(bulk_chunk_stamp(op, true));
+  for (size_t c = first; c <= last; ++c) tctx().cta->shadow[c].bulk.store(bulk_chunk_stamp(op, true));
   g.current.push_back(op);
 }
 
@@ -281,7 +281,7 @@ inline void bulk_issue(BulkOp& op, const char* what) {
 inline void bulk_retire_read(BulkOp& op) {
   if (op.read_done) return;
   op.read_done = true;
-  const unsigned char* base = tctx.cta->smem;
+  const unsigned char* base = tctx().cta->smem;
   bool changed = false;
   bulk_source_each(op, [&](uint64_t i, size_t off) { changed = changed || base[off] != op.data[i]; });
   if (changed) {
@@ -292,7 +292,7 @@ inline void bulk_retire_read(BulkOp& op) {
   const size_t first = (op.src - kSharedBase) / 16, last = (op.src - kSharedBase + op.bytes - 1) / 16;
   const uint64_t mine = bulk_chunk_stamp(op, true);
   for (size_t c = first; c <= last; ++c) {
-    ChunkShadow& sh = tctx.cta->shadow[c];
+    ChunkShadow& sh = tctx().cta->shadow[c];
     if (sh.bulk.load() != mine) continue;  // a later store of the chunk owns it
     sh.bulk_release.store(my_point());
     uint64_t expect = mine;
@@ -336,7 +336,7 @@ inline void reduce_element(unsigned char* dst, const unsigned char* src, uint8_t
 // The store's global writes (its read ended first).
 inline void bulk_retire_write(BulkOp& op) {
   bulk_retire_read(op);
-  Launch& L = *tctx.launch;
+  Launch& L = *tctx().launch;
   if (op.kind == kBulkStore) {
     std::memcpy(op.gdst, op.data.data(), op.bytes);
     return;
@@ -369,7 +369,7 @@ inline void bulk_retire_write(BulkOp& op) {
 // Every store of the thread, when it leaves the kernel: read and written (the emulator writes
 // the global results of stores never waited for; on the GPU they complete on their own).
 inline void bulk_thread_end() {
-  BulkGroups& g = bulk_groups;
+  BulkGroups& g = bulk_groups();
   for (auto& group : g.committed) {
     for (BulkOp& op : group) bulk_retire_write(op);
   }
@@ -515,7 +515,7 @@ inline void cp_async_bulk_store(P dst, uint32_t src, long long size) {
 
 // cp.async.bulk.commit_group: the stores issued since the last one form a bulk async-group.
 inline void cp_async_bulk_commit_group() {
-  BulkGroups& g = bulk_groups;
+  BulkGroups& g = bulk_groups();
   g.committed.push_back(std::move(g.current));
   g.current.clear();
 }
@@ -524,7 +524,7 @@ inline void cp_async_bulk_commit_group() {
 // (.read) or completed (their global writes done).
 inline void cp_async_bulk_wait_group(long long n, bool read) {
   if (n < 0) trap_with("cp.async.bulk.wait_group %lld: negative count", n);
-  BulkGroups& g = bulk_groups;
+  BulkGroups& g = bulk_groups();
   if (read) {
     for (size_t i = 0; i + static_cast<size_t>(n) < g.committed.size(); ++i) {
       for (BulkOp& op : g.committed[i]) bulk_retire_read(op);

@@ -108,7 +108,7 @@ struct WgmmaThreadState {
     issued = commits = 0;
   }
 };
-inline thread_local WgmmaThreadState wgmma_state;
+inline WgmmaThreadState& wgmma_state() { return fiber_local<WgmmaThreadState>(); }
 
 // Element x (the f32 fragment's numbering, d[x]) of accumulator registers `regs`: a float, or
 // with f16 accumulators half x % 2 of register x / 2 (the pair of adjacent columns).
@@ -121,7 +121,7 @@ inline double accumulator_element(const WgmmaOp& op, const uint32_t* regs, int x
 // issue). Returns a hash (FNV-1a) of the shared-memory bits it read, in order.
 inline uint64_t wgmma_compute(const WgmmaOp& op, uint32_t* out, bool check_reads) {
   uint64_t hash = 0xcbf29ce484222325ull;
-  const uint32_t lane = tctx.lane, w = (tctx.linear / 32) % 4;
+  const uint32_t lane = tctx().lane, w = (tctx().linear / 32) % 4;
   const uint32_t g = lane / 4, q = lane % 4;
   const MatrixDescriptor da = MatrixDescriptor::of(op.desc_a), db = MatrixDescriptor::of(op.desc_b);
   const int K = op.k();
@@ -198,18 +198,18 @@ inline void check_warpgroup_issue(const WgmmaOp& op, uint64_t number) {
                          static_cast<uint64_t>(op.tb) << 19 |
                          static_cast<uint64_t>(op.acc_f16) << 21;
   const uint64_t desc_a = op.rs ? 0 : op.desc_a;
-  const uint32_t wg = tctx.linear / 128;
+  const uint32_t wg = tctx().linear / 128;
   MbarrierLock lock;
-  WarpgroupIssue& e = tctx.cta->warpgroup_issues[wg * kWarpgroupIssueRing +
+  WarpgroupIssue& e = tctx().cta->warpgroup_issues[wg * kWarpgroupIssueRing +
                                                  number % kWarpgroupIssueRing];
   if (e.number_plus_1 < number + 1) {
-    e = WarpgroupIssue{number + 1, desc_a, op.desc_b, shape, tctx.linear};
+    e = WarpgroupIssue{number + 1, desc_a, op.desc_b, shape, tctx().linear};
   } else if (e.number_plus_1 == number + 1 &&
              (e.desc_a != desc_a || e.desc_b != op.desc_b || e.shape != shape)) {
     report_error("wgmma.mma_async #%llu of warpgroup %u differs between threads %u and %u "
                  "(descriptors A 0x%llx / 0x%llx, B 0x%llx / 0x%llx, or shape, scale-d, "
                  "scales, transposes): all threads of a warpgroup must issue the same wgmma",
-                 static_cast<unsigned long long>(number), wg, e.thread, tctx.linear,
+                 static_cast<unsigned long long>(number), wg, e.thread, tctx().linear,
                  static_cast<unsigned long long>(e.desc_a),
                  static_cast<unsigned long long>(desc_a),
                  static_cast<unsigned long long>(e.desc_b),
@@ -218,11 +218,11 @@ inline void check_warpgroup_issue(const WgmmaOp& op, uint64_t number) {
 }
 
 inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
-  WgmmaThreadState& s = wgmma_state;
-  if (tctx.linear / 128 * 128 + 128 > tctx.launch->nthreads) {
+  WgmmaThreadState& s = wgmma_state();
+  if (tctx().linear / 128 * 128 + 128 > tctx().launch->nthreads) {
     trap_with("wgmma.mma_async by thread %u: its warpgroup (threads %u..%u) is not complete in a "
-              "block of %u threads", tctx.linear, tctx.linear / 128 * 128,
-              tctx.linear / 128 * 128 + 127, tctx.launch->nthreads);
+              "block of %u threads", tctx().linear, tctx().linear / 128 * 128,
+              tctx().linear / 128 * 128 + 127, tctx().launch->nthreads);
   }
   if (!s.fenced) {
     report_hazard("wgmma.mma_async without a wgmma.fence since the thread's last "
@@ -249,12 +249,12 @@ inline void wgmma_issue(WgmmaOp& op, uint32_t* const* regs) {
     *regs[r] = op.poison();
     s.in_flight[regs[r]] = {op.id, op.result[r]};
   }
-  if (tctx.linear % 128 == 0) tctx.stats[kWgmma] += 1;
+  if (tctx().linear % 128 == 0) tctx().stats[kWgmma] += 1;
   s.current.push_back(std::move(op));
 }
 
 inline void wgmma_retire(WgmmaOp& op) {
-  WgmmaThreadState& s = wgmma_state;
+  WgmmaThreadState& s = wgmma_state();
   uint32_t again[128];
   const int nregs = op.nregs();
   if (wgmma_compute(op, again, false) != op.read_hash) {
@@ -359,7 +359,7 @@ inline void wgmma_rs(A0&& a0, A1&& a1, A2&& a2, A3&& a3, uint64_t desc_b, bool s
                             register_a(static_cast<A2&&>(a2), op),
                             register_a(static_cast<A3&&>(a3), op)};
   // The warp's 16 rows of A come from its own lanes: exchange like mma.sync.
-  ThreadCtx& c = tctx;
+  ThreadCtx& c = tctx();
   Warp& w = *c.warp;
   uint32_t(*frags)[6] = w.frags[c.parity];
   c.parity ^= 1u;
@@ -396,7 +396,7 @@ inline void wgmma_rs(A0&& a0, A1&& a1, A2&& a2, A3&& a3, uint64_t desc_b, bool s
 }
 
 inline void wgmma_fence() {
-  wgmma_state.fenced = true;
+  wgmma_state().fenced = true;
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
@@ -414,15 +414,15 @@ enum : uint32_t { kRendezvousCommit = 1, kRendezvousWait = 2 };
 
 // The thread's warpgroup, or nullptr when the block does not hold it whole.
 inline Warpgroup* my_warpgroup() {
-  const uint32_t wg = tctx.linear / 128;
-  return wg < tctx.launch->nwarpgroups ? &tctx.cta->warpgroups[wg] : nullptr;
+  const uint32_t wg = tctx().linear / 128;
+  return wg < tctx().launch->nwarpgroups ? &tctx().cta->warpgroups[wg] : nullptr;
 }
 
 inline void warpgroup_rendezvous(Warpgroup& g, uint32_t kind, uint32_t wait_n) {
-  const WgmmaThreadState& s = wgmma_state;
-  WarpgroupSlot* slots = g.slots[tctx.wg_parity];
-  tctx.wg_parity ^= 1u;
-  WarpgroupSlot& mine = slots[tctx.linear % 128];
+  const WgmmaThreadState& s = wgmma_state();
+  WarpgroupSlot* slots = g.slots[tctx().wg_parity];
+  tctx().wg_parity ^= 1u;
+  WarpgroupSlot& mine = slots[tctx().linear % 128];
   mine.wait_n = wait_n;
   mine.issued = s.issued;
   mine.commits = s.commits;
@@ -432,16 +432,16 @@ inline void warpgroup_rendezvous(Warpgroup& g, uint32_t kind, uint32_t wait_n) {
   for (uint32_t i = 0; i < 128; ++i) {
     const WarpgroupSlot& other = slots[i];
     const uint32_t other_kind = other.kind.load();
-    if (other_kind == 0 || i == tctx.linear % 128) continue;
+    if (other_kind == 0 || i == tctx().linear % 128) continue;
     if (other_kind == kind && other.issued == mine.issued && other.commits == mine.commits &&
         (kind != kRendezvousWait || other.wait_n == wait_n)) {
       continue;
     }
-    const uint32_t base = tctx.linear / 128 * 128;
+    const uint32_t base = tctx().linear / 128 * 128;
     report_hazard("threads %u and %u of warpgroup %u are at different warpgroup-collective "
                   "instructions (%s %u after %llu wgmmas and %llu commit_groups; %s %u after "
                   "%llu and %llu): every thread of the warpgroup executes each wgmma, "
-                  "commit_group and wait_group", tctx.linear, base + i, tctx.linear / 128,
+                  "commit_group and wait_group", tctx().linear, base + i, tctx().linear / 128,
                   kName[kind], wait_n, static_cast<unsigned long long>(mine.issued),
                   static_cast<unsigned long long>(mine.commits), kName[other_kind],
                   other.wait_n, static_cast<unsigned long long>(other.issued),
@@ -451,7 +451,7 @@ inline void warpgroup_rendezvous(Warpgroup& g, uint32_t kind, uint32_t wait_n) {
 }
 
 inline void wgmma_commit_group() {
-  WgmmaThreadState& s = wgmma_state;
+  WgmmaThreadState& s = wgmma_state();
   s.committed.push_back(std::move(s.current));
   s.current.clear();
   ++s.commits;
@@ -460,7 +460,7 @@ inline void wgmma_commit_group() {
 
 inline void wgmma_wait_group(long long n) {
   if (n < 0) trap_with("wgmma.wait_group %lld: negative count", n);
-  WgmmaThreadState& s = wgmma_state;
+  WgmmaThreadState& s = wgmma_state();
   Warpgroup* g = my_warpgroup();
   if (g != nullptr) warpgroup_rendezvous(*g, kRendezvousWait, static_cast<uint32_t>(n));
   while (static_cast<long long>(s.committed.size()) > n) {
@@ -476,15 +476,15 @@ inline void wgmma_wait_group(long long n) {
 namespace kg_emu {
 
 inline void async_thread_begin() {
-  ptx::wgmma_state.clear();
-  mbarrier_seen.clear();
-  bulk_groups.clear();
-  unfenced_chunks.clear();
+  ptx::wgmma_state().clear();
+  mbarrier_seen().clear();
+  bulk_groups().clear();
+  unfenced_chunks().clear();
   cluster_thread_begin();
 }
 
 inline void async_thread_end() {
-  ptx::WgmmaThreadState& s = ptx::wgmma_state;
+  ptx::WgmmaThreadState& s = ptx::wgmma_state();
   size_t pending = s.current.size();
   for (const auto& group : s.committed) pending += group.size();
   if (pending != 0) {
@@ -496,7 +496,7 @@ inline void async_thread_end() {
 
 // Leaving the kernel, also after a trap: no longer expected at barrier.cluster.
 inline void async_thread_exit() {
-  bulk_groups.clear();
+  bulk_groups().clear();
   cluster_thread_exit();
 }
 
