@@ -20,11 +20,18 @@ def model_reports(specs, archs: list[str] | None, built=None, shape=None) -> lis
     so it is not compiled again; ``shape`` (a :class:`kernelgen.perfmodel_shape.ProblemShape`)
     adds one call's predicted time to each report."""
     from kernelgen.perfmodel import RATES, model_spec
+    from kernelgen.perfmodel_shape import model_with_shape
 
     resources = {(k.spec.uri, r.arch): r for k in built or [] for r in k.resources}
+
+    def model(spec, arch):
+        if shape is None:
+            return model_spec(spec, arch, resources.get((spec.uri, arch)))
+        return model_with_shape(spec, arch, shape, resources.get((spec.uri, arch)))
+
     try:
         return [
-            model_spec(spec, arch, resources.get((spec.uri, arch)), shape)
+            model(spec, arch)
             for spec in specs
             if spec.engine.modelled
             for arch in (archs or spec.archs)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kernelgen.compile import (
     Resources,
@@ -46,9 +46,6 @@ from kernelgen.occupancy import kernel_occupancy
 from kernelgen.render import WGMMA_OPERAND, render
 from kernelgen.schedule import schedule_problem
 from kernelgen.spec import KernelSpec
-
-if TYPE_CHECKING:
-    from kernelgen.perfmodel_shape import ProblemShape, ShapeEstimate
 
 UNIT_QUERIES = UNIT_KEYS = 64
 WARP_MEMORY_BYTES = 512  # bytes one warp-wide LDSM.x4 or LDGSTS.128 moves through shared memory
@@ -355,6 +352,12 @@ def tma_tile_bytes(spec: KernelSpec) -> int:
     return 2 * spec.block_n * spec.column_blocks * spec.smem_row_elems * spec.elem_bytes
 
 
+class ShapeTerms(Protocol):
+    """What a report shows of a shape's terms (kernelgen.perfmodel_shape.ShapeEstimate)."""
+
+    def summary(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class ModelReport:
     """The model of one tensor-core spec on one arch: resources, per-unit figures, prediction,
@@ -375,9 +378,9 @@ class ModelReport:
     # None when nothing is (or nothing was promised).
     schedule: str | None = field(default=None)
     backward: bool = False  # a backward spec: vs_fa2 is against FlashAttention 2's backward
-    # One call's predicted time with the grid fill, latency and memory terms
-    # (kernelgen.perfmodel_shape), when the model was given a problem shape.
-    shape: ShapeEstimate | None = None
+    # One call's predicted time with the grid fill, latency and memory terms, when the model was
+    # given a problem shape (kernelgen.perfmodel_shape.model_with_shape).
+    shape: ShapeTerms | None = None
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -494,27 +497,17 @@ def loops_of(spec: KernelSpec, sass: str) -> tuple[LoopBody, LoopBody | None]:
 
 
 def model_spec(
-    spec: KernelSpec | BackwardSpec,
-    arch: str,
-    resources: Resources | None = None,
-    shape: ProblemShape | None = None,
+    spec: KernelSpec | BackwardSpec, arch: str, resources: Resources | None = None
 ) -> ModelReport:
     """Model ``spec``'s key-tile loop on ``arch``; ``resources`` is the real kernel's ptxas report
-    where the caller has it (else it is compiled for it); with a problem ``shape`` the report
-    also predicts one call's time (:func:`kernelgen.perfmodel_shape.estimate`, forward specs
-    only). Backward specs: :func:`model_backward_spec`."""
+    where the caller has it (else it is compiled for it). Backward specs:
+    :func:`model_backward_spec`; one call's time for a problem shape:
+    :func:`kernelgen.perfmodel_shape.model_with_shape`."""
     if isinstance(spec, BackwardSpec):
-        if shape is not None:
-            raise SettingError(f"{spec.uri}: the shape terms model forward specs only")
         return model_backward_spec(spec, arch, resources)
     if not spec.engine.modelled:
         raise SettingError(f"{spec.uri}: the performance model covers tensor-core specs only")
     rates_of(arch)  # an arch the model knows, before compiling anything
-    if shape is not None:  # a device and a grid the shape terms know, before compiling
-        from kernelgen.perfmodel_shape import block_key_tiles, device_of
-
-        device_of(arch)
-        block_key_tiles(spec, shape)
     sass, log = interior_compile(spec, arch)
     consumer, producer = loops_of(spec, sass)
     figures = unit_figures(consumer, spec, producer)
@@ -523,24 +516,17 @@ def model_spec(
     vs_fa2 = None
     if spec.head_dim == 128:
         vs_fa2 = predict(FA2_D128, arch).cost / prediction.cost
-    resident = kernel_occupancy(spec, arch, res).blocks
-    estimate = None
-    if shape is not None:
-        from kernelgen.perfmodel_shape import estimate as estimate_shape
-
-        estimate = estimate_shape(spec, prediction, arch, resident, shape)
     return ModelReport(
         uri=spec.uri,
         arch=arch,
         registers=res.registers,
         spill_bytes=res.spill_store_bytes + res.spill_load_bytes,
         stack_bytes=res.stack_bytes,
-        blocks_per_sm=resident,
+        blocks_per_sm=kernel_occupancy(spec, arch, res).blocks,
         unit=figures,
         prediction=prediction,
         vs_fa2=vs_fa2,
         schedule=schedule_problem(spec, sass, log),
-        shape=estimate,
     )
 
 

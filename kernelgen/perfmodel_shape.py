@@ -19,13 +19,16 @@ committed measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
 
 from kernelgen.arch import ARCHS, Device
+from kernelgen.compile import Resources
 from kernelgen.errors import InputError, SettingError
-from kernelgen.perfmodel import UNIT_KEYS, UNIT_QUERIES, Prediction
+from kernelgen.families.backward_spec import BackwardSpec
+from kernelgen.perfmodel import UNIT_KEYS, UNIT_QUERIES, ModelReport, Prediction, model_spec
 from kernelgen.spec import DTYPE_BYTES, KernelSpec
 
 WARP_SCHEDULERS = 4  # sub-partitions of an SM, one warp scheduler and tensor core each
@@ -232,7 +235,8 @@ class ShapeEstimate:
         priced = {True: "priced", False: "not priced"}
         return (
             f"shape {s.batch}x{s.heads}x{s.seqlen_q}x{s.seqlen_k}{kv}: {g.blocks} blocks, "
-            f"{g.resident}/SM, {g.waves} waves ({g.ideal_waves:.2f} ideal, fill {g.fill:.3f}); "
+            f"{g.resident}/SM, {g.waves} wave{'s' * (g.waves != 1)} ({g.ideal_waves:.2f} ideal, "
+            f"fill {g.fill:.3f}); "
             f"latency {self.latency_clocks:.0f} clk/unit ({priced[self.latency]}); "
             f"HBM {self.hbm_bytes / 1e6:.1f} MB {self.hbm_s * 1e6:.1f} us, "
             f"L2 {self.l2_bytes / 1e6:.1f} MB {self.l2_s * 1e6:.1f} us ({priced[self.l2]}); "
@@ -285,3 +289,21 @@ def estimate(
         time_s=times[limiter],
         limiter=limiter,
     )
+
+
+def model_with_shape(
+    spec: KernelSpec | BackwardSpec,
+    arch: str,
+    shape: ProblemShape,
+    resources: Resources | None = None,
+) -> ModelReport:
+    """:func:`kernelgen.perfmodel.model_spec` of a forward ``spec`` with its ``shape`` field set
+    to the :class:`ShapeEstimate` of one call of ``shape`` (the default terms); the arch's
+    device and the spec's grid are checked before anything is compiled."""
+    if isinstance(spec, BackwardSpec):
+        raise SettingError(f"{spec.uri}: the shape terms model forward specs only")
+    device_of(arch)
+    block_key_tiles(spec, shape)
+    report = model_spec(spec, arch, resources)
+    found = estimate(spec, report.prediction, arch, report.blocks_per_sm, shape)
+    return dataclasses.replace(report, shape=found)
