@@ -28,7 +28,17 @@ from kernelgen.arch import ARCHS, Device
 from kernelgen.compile import Resources
 from kernelgen.errors import InputError, SettingError
 from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.perfmodel import UNIT_KEYS, UNIT_QUERIES, ModelReport, Prediction, model_spec
+from kernelgen.occupancy import kernel_occupancy
+from kernelgen.perfmodel import (
+    RATES,
+    UNIT_KEYS,
+    UNIT_QUERIES,
+    ModelReport,
+    Prediction,
+    analytic_figures,
+    model_spec,
+    predict,
+)
 from kernelgen.spec import DTYPE_BYTES, KernelSpec
 
 WARP_SCHEDULERS = 4  # sub-partitions of an SM, one warp scheduler and tensor core each
@@ -307,3 +317,23 @@ def model_with_shape(
     report = model_spec(spec, arch, resources)
     found = estimate(spec, report.prediction, arch, report.blocks_per_sm, shape)
     return dataclasses.replace(report, shape=found)
+
+
+def analytic_estimate(
+    spec: KernelSpec,
+    arch: str,
+    shape: ProblemShape,
+    latency: bool = LATENCY_DEFAULT,
+    l2: bool = L2_DEFAULT,
+) -> ShapeEstimate:
+    """:func:`estimate` from the tiling alone, as the autotuner ranks without SASS
+    (:func:`kernelgen.perfmodel.analytic_cost`: the analytic figures, issue left out, so the
+    latency chain is tensor + MUFU) with the blocks per SM that shared memory and threads allow
+    (registers unknown)."""
+    target = spec.engine.arch_target or arch
+    bounds = predict(analytic_figures(spec), target if target in RATES else "sm_80").clocks
+    clocks = {**bounds, "issue": 0.0}
+    limiter = max(clocks, key=lambda name: clocks[name])
+    prediction = Prediction(clocks, limiter, clocks["tensor"] / clocks[limiter])
+    resident = kernel_occupancy(spec, arch, None).blocks
+    return estimate(spec, prediction, arch, resident, shape, latency=latency, l2=l2)

@@ -15,6 +15,7 @@ from kernelgen.errors import InputError, SettingError
 from kernelgen.perfmodel import Prediction
 from kernelgen.perfmodel_shape import (
     ProblemShape,
+    analytic_estimate,
     block_key_tiles,
     estimate,
     grid_fill,
@@ -152,6 +153,15 @@ def test_estimate_prices_fill_latency_and_hbm_and_reports_l2():
     assert not two.l2 and two.l2_s < two.time_s  # reported, not priced by default
     priced = estimate(wgmma(block_m=64), D128, "sm_90a", 1, shape(), latency=False, l2=True)
     assert priced.limiter == "L2" and priced.time_s == priced.l2_s
+
+
+def test_the_tiling_only_estimate_uses_the_analytic_figures():
+    """d128 wgmma 128 x 128 from the tiling alone: tensor 512 clocks per unit, MUFU (16 rows x
+    128 keys / 32 + 2 per warp and tile, 2 tiles per unit: 132) 264, issue not counted; 1 block
+    per SM (shared memory): latency (512 + 264) / 2, the same time as the SASS figures give."""
+    found = analytic_estimate(wgmma(), "sm_90a", shape())
+    assert (found.cost_clocks, found.latency_clocks, found.grid.resident) == (512, 388, 1)
+    assert found.time_s == pytest.approx(estimate(wgmma(), D128, "sm_90a", 1, shape()).time_s)
 
 
 def test_a_short_decode_call_is_bound_by_hbm():
