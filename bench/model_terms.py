@@ -163,9 +163,28 @@ def section(calibrated: Sequence[calibration.Calibrated]) -> str:
         cells = [_cell(fit.groups[g][1]) for g in groups]
         cells += [_cell(fit.row_medians[p][1]) for p in peers]
         lines.append(f"| {fit.name} | " + " | ".join(cells) + " |")
+    lines += ["", _level_words(priced)]
     if skipped:
         lines += ["", f"Left out ({len(skipped)}): " + "; ".join(skipped)]
     return "\n".join(lines)
+
+
+def _level_words(priced: Sequence[Priced]) -> str:
+    """Measured over predicted time per peer, with the default terms and with the per-unit model
+    alone: the level (1.0: the prediction reached) and its spread."""
+    parts = []
+    for peer in sorted({p.calibrated.measured.peer for p in priced}):
+        members = [p for p in priced if p.calibrated.measured.peer == peer]
+        cells = []
+        for name in ("default: fill, latency, HBM", "per-unit model (before)"):
+            ratios = [p.calibrated.measured.median_ms / 1e3 / TERM_SETS[name](p) for p in members]
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+        parts.append(f"{peer} {cells[0]}, per-unit model alone {cells[1]}")
+    return (
+        "Measured over predicted time, median (range), with the default terms: "
+        + "; ".join(parts)
+        + ". The prediction is a ceiling: above 1 is time the model does not see."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
