@@ -73,6 +73,11 @@ def test_causal_blocks_walk_their_visible_tiles_longest_first():
     assert block_key_tiles(wgmma(block_n=64), shape(1, 1, 300, 500)) == [8, 8, 8]  # 500 / 64
     # more queries than keys: the first 256 rows see none (their tile walks 0 tiles)
     assert block_key_tiles(causal, shape(1, 1, 512, 256)) == [4, 2, 0, 0]
+    # pack_gqa: a block's rows are (query, head) pairs, query-major: 4 heads per kv head, 64
+    # queries -> 256 rows; rows 0-127 are queries 0-31 (32 keys: 1 tile of 32), 128-255 2 tiles
+    packed = mma_sync(pack_gqa=True, causal=True)
+    assert block_key_tiles(packed, shape(1, 8, 64, 64, kv_heads=2)) == [2, 1]
+    assert grid_fill(packed, shape(1, 8, 64, 64, kv_heads=2), "sm_90", 1).blocks == 4
 
 
 def test_causal_fill_is_the_makespan_of_blocks_in_launch_order():
