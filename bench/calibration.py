@@ -65,6 +65,12 @@ class MeasuredSpec:
     tflops: float | None
     matmul_tflops: float | None
     winner: bool
+    # the row's sizes (bench.model_terms prices the shape terms with them)
+    batch: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    seqlen_q: int = 0
+    seqlen_k: int = 0
 
     @property
     def model_key(self) -> str:
@@ -121,6 +127,11 @@ def measured_specs(path: Path, data: dict[str, Any]) -> list[MeasuredSpec]:
                     tflops=cand.get("tflops"),
                     matmul_tflops=matmul.get(row["dtype"]),
                     winner=cand["label"] == winner,
+                    batch=int(row.get("batch") or 0),
+                    heads=int(row.get("heads") or 0),
+                    kv_heads=int(row.get("kv_heads") or row.get("heads") or 0),
+                    seqlen_q=int(row.get("seqlen_q") or 0),
+                    seqlen_k=int(row.get("seqlen_k") or 0),
                 )
             )
     return found

@@ -30,7 +30,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from bench import calibration, metrics, results_io
+from bench import calibration, metrics, model_terms, results_io
 from bench.harness import ROOT
 from bench.report import md_table, write_atomic
 from bench.shapes import DTYPE_SHORT
@@ -506,6 +506,11 @@ SECTIONS = (
         ROOT / "docs" / "performance-model.md",
         "calibration",
         lambda r: calibration_summary_section(_calibrated(r)),
+    ),
+    Section(
+        ROOT / "docs" / "performance-model.md",
+        "model-terms",
+        lambda r: model_terms.section(_calibrated(r)),
     ),
     Section(
         ROOT / "bench" / "results" / "calibration.md",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 from kernelgen.compile import (
     Resources,
@@ -351,6 +352,12 @@ def tma_tile_bytes(spec: KernelSpec) -> int:
     return 2 * spec.block_n * spec.column_blocks * spec.smem_row_elems * spec.elem_bytes
 
 
+class ShapeTerms(Protocol):
+    """What a report shows of a shape's terms (kernelgen.perfmodel_shape.ShapeEstimate)."""
+
+    def summary(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class ModelReport:
     """The model of one tensor-core spec on one arch: resources, per-unit figures, prediction,
@@ -371,6 +378,9 @@ class ModelReport:
     # None when nothing is (or nothing was promised).
     schedule: str | None = field(default=None)
     backward: bool = False  # a backward spec: vs_fa2 is against FlashAttention 2's backward
+    # One call's predicted time with the grid fill, latency and memory terms, when the model was
+    # given a problem shape (kernelgen.perfmodel_shape.model_with_shape).
+    shape: ShapeTerms | None = None
 
     def as_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -491,7 +501,8 @@ def model_spec(
 ) -> ModelReport:
     """Model ``spec``'s key-tile loop on ``arch``; ``resources`` is the real kernel's ptxas report
     where the caller has it (else it is compiled for it). Backward specs:
-    :func:`model_backward_spec`."""
+    :func:`model_backward_spec`; one call's time for a problem shape:
+    :func:`kernelgen.perfmodel_shape.model_with_shape`."""
     if isinstance(spec, BackwardSpec):
         return model_backward_spec(spec, arch, resources)
     if not spec.engine.modelled:
