@@ -518,7 +518,11 @@ def _arrival_orders(seed: str | None, launches: int, define: str | None = None) 
         env["KG_EMULATOR_SCHEDULE_SEED"] = seed
     res = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True, text=True, timeout=120, check=False, env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout.splitlines()

@@ -49,8 +49,9 @@ SHIM_NAME = "kg_emulator.h"
 CXX_FLAGS = (
     "-std=c++20",
     # -Og: the optimisations that do not slow compiling; g++ spent 13-26 % less time than at
-    # -O1 on the two kernels timed (a forward, a backward), the suite about the same run time (the results are the same at any
-    # level: ISO C++ mode, so no FMA contraction, and x86-64's SSE arithmetic is IEEE)
+    # -O1 on the two kernels timed (a forward, a backward), the suite about the same run time
+    # (the results are the same at any level: ISO C++ mode, so no FMA contraction, and
+    # x86-64's SSE arithmetic is IEEE)
     "-Og",
     "-pthread",
     "-shared",
