@@ -1,4 +1,4 @@
-"""Run CUDA kernels on the CPU: one OS thread per CUDA thread, PTX semantics, race checks.
+"""Run CUDA kernels on the CPU: one fiber per CUDA thread, PTX semantics, race checks.
 
 The kernel's CUDA source is preprocessed and compiled as C++20 by ``g++`` against a small shim
 (``include/kg_emulator.h``) that supplies the CUDA subset it uses; inline PTX (ldmatrix,
