@@ -492,6 +492,9 @@ extern "C" __global__ void arrival_order(unsigned* counter, int* order, float* o
 """
 
 
+ORDER_PARAMS = [("unsigned*", "counter"), ("int*", "order"), ("float*", "out")]
+
+
 def _arrival_orders(seed: str | None, launches: int, define: str | None = None) -> list:
     script = f"""
     import os
@@ -544,6 +547,55 @@ def test_the_ucontext_fallback_runs_the_same_kernels():
     """Off x86-64 (or with KG_EMU_UCONTEXT) the fibers switch through ucontext."""
     orders = _arrival_orders("7", 1, define="KG_EMU_UCONTEXT")
     assert orders == _arrival_orders("7", 1)
+
+
+def test_kernels_link_the_shared_runtime_library_and_survive_its_deletion(tmp_path):
+    """A kernel's library links the shim's runtime library, built once per cache; a cached
+    kernel whose runtime library was deleted still loads (the library is made again)."""
+    script = f"""
+    import numpy as np
+    from kernelgen.emulator import build_kernel
+    k = build_kernel({ORDER_SRC!r}, "arrival_order", {ORDER_PARAMS!r})
+    counter, order = np.zeros(3, np.uint32), np.zeros((3, 256), np.int32)
+    out = np.zeros(3, np.float32)
+    k(grid=3, block=256, args=[counter, order, out])
+    print(out.tolist(), k.compile_seconds > 0)
+    """
+    env = dict(os.environ, KG_EMULATOR_CACHE=str(tmp_path / "cache"))
+    # The precompiled shim and the runtime library of this process's cache (both keyed by
+    # content) spare the subprocesses their builds: only the deleted runtime is built again.
+    from kernelgen.emulator import kernel as emulator_kernel
+
+    build_kernel(ORDER_SRC, "arrival_order", ORDER_PARAMS)
+    (tmp_path / "cache").mkdir(mode=0o700)
+    for shared in emulator_kernel.cache_dir().glob("pch-*"):
+        shutil.copytree(shared, tmp_path / "cache" / shared.name)
+
+    def run() -> str:
+        res = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=env,
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+        return res.stdout.strip()
+
+    expected = str([255 * 256 / 2] * 3)
+    assert run() == f"{expected} True"
+    runtimes = list((tmp_path / "cache").glob("libkg_emu_runtime-*.so"))
+    assert len(runtimes) == 1
+    kernels = [p for p in (tmp_path / "cache").glob("arrival_order-*.so")]
+    assert len(kernels) == 1
+    readelf = shutil.which("readelf")
+    if readelf is not None:
+        dynamic = subprocess.run([readelf, "-d", str(kernels[0])], capture_output=True, text=True)
+        assert runtimes[0].name in dynamic.stdout
+    runtimes[0].unlink()
+    assert run() == f"{expected} False"  # the cached kernel, not rebuilt
+    assert runtimes[0].exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ namespace kg_emu {
 struct ClusterArrival {
   int64_t value = -1;
 };
-inline int64_t& cluster_arrival() { return fiber_local<ClusterArrival>().value; }
+inline int64_t& cluster_arrival() {
+  return fiber_local<ClusterArrival, kLocalClusterArrival>().value;
+}
 
 inline void cluster_thread_begin() { cluster_arrival() = -1; }
 

@@ -159,9 +159,20 @@ inline void futex_wake_all(std::atomic<uint32_t>& word) {
 struct Fiber;
 inline void wait_while(const std::atomic<uint32_t>& word, uint32_t value);
 inline void fiber_poll();
-// Per-thread state of the emulated thread running now (one object of each type per thread,
-// made on first use): the emulator's replacement for thread_local.
-template <class T>
+// Per-thread state of the emulated thread running now (one object per slot and thread, made on
+// first use): the emulator's replacement for thread_local. The slots are fixed, so that a
+// kernel's library and the prebuilt runtime library (KG_EMU_EXTERN_RUNTIME) agree on them.
+enum FiberLocalSlot : int {
+  kLocalAsyncCopies,     // AsyncCopies (cp.async)
+  kLocalHb,              // HbClock (happens-before knowledge)
+  kLocalMbarrierSeen,    // kg_mbarrier.h
+  kLocalLastOutsideCvta, kLocalUnfencedChunks,  // kg_ptx.h
+  kLocalBulkGroups,      // kg_tma.h
+  kLocalWgmma,           // kg_wgmma.h
+  kLocalClusterArrival,  // kg_cluster.h
+  kMaxFiberLocals
+};
+template <class T, int Slot>
 inline T& fiber_local();
 
 // Central counting barrier with "drop" support (a thread that leaves the kernel stops being
@@ -235,7 +246,7 @@ struct AsyncCopies {
     committed.clear();
   }
 };
-inline AsyncCopies& async_copies() { return fiber_local<AsyncCopies>(); }
+inline AsyncCopies& async_copies() { return fiber_local<AsyncCopies, kLocalAsyncCopies>(); }
 
 // What a launch did, for tests of properties no output shows: shared-memory bank conflicts of
 // ldmatrix and the global bytes the cp.async copies read. Order of the `stats` array the launch
@@ -438,6 +449,13 @@ struct Launch {
   // The emulated threads of one cluster (the runner thread's fibers, reused by every cluster),
   // whether one got past a wait in the current round, and a deadlock the runner found.
   Fiber* fibers = nullptr;
+  void* runner_sp = nullptr;  // the runner's saved context while a fiber runs (fiber_switch)
+#if !KG_FIBER_ASM
+  ucontext_t runner_uc;
+#endif
+  // Makes a fiber the running thread for the kernel library's code (enter_fiber: its own
+  // thread_local variables, which the prebuilt runtime library cannot see).
+  void (*enter)(Fiber*) = nullptr;
   uint64_t schedule_state = 0;  // splitmix64 state of the resumption orders
   bool progress = false;
   bool deadlocked = false;
@@ -470,7 +488,6 @@ struct ThreadCtx {
 // barrier, shuffle and mma.sync. The interleaving is deterministic: threads run in index order
 // between their waits.
 constexpr size_t kFiberStackBytes = size_t{8} << 20;  // a pthread's default stack
-constexpr int kMaxFiberLocals = 16;
 
 struct Fiber {
   void* sp = nullptr;  // the saved stack pointer while switched out (fiber_switch)
@@ -500,31 +517,23 @@ struct Fiber {
   static constexpr size_t kGuardPage = 4096;
 };
 
-// (In an unnamed namespace, like the other registries: each kernel library has its own.)
+// (In an unnamed namespace, like the other registries: each library has its own.)
 namespace {
 thread_local Fiber* current_fiber = nullptr;
-int n_fiber_locals = 0;
-template <class T>
-struct FiberLocalId {
-  static inline const int id = n_fiber_locals++;
-};
 }  // namespace
 
 inline ThreadCtx& tctx() { return current_fiber->ctx; }
 
-template <class T>
+template <class T, int Slot>
 inline T& fiber_local() {
-  const int id = FiberLocalId<T>::id;
-  if (id >= kMaxFiberLocals) std::abort();
+  static_assert(Slot >= 0 && Slot < kMaxFiberLocals);
   Fiber& f = *current_fiber;
-  if (f.locals[id] == nullptr) {
-    f.locals[id] = new T();
-    f.drop_local[id] = [](void* q) { delete static_cast<T*>(q); };
+  if (f.locals[Slot] == nullptr) {
+    f.locals[Slot] = new T();
+    f.drop_local[Slot] = [](void* q) { delete static_cast<T*>(q); };
   }
-  return *static_cast<T*>(f.locals[id]);
+  return *static_cast<T*>(f.locals[Slot]);
 }
-
-inline void fiber_entry(Fiber* f);
 
 #if KG_FIBER_ASM
 namespace {
@@ -554,62 +563,11 @@ __attribute__((naked, noinline)) void fiber_switch(void** /*save*/, void* /*next
       "popq %rbp\n\t"
       "ret\n\t");
 }
-// Where a fresh fiber starts (fiber_switch returns here): fiber_entry(r12), called through r13
-// with the stack aligned as the ABI wants at a call.
-__attribute__((naked, noinline)) void fiber_trampoline() {
-  asm volatile(
-      "movq %r12, %rdi\n\t"
-      "callq *%r13\n\t"
-      "ud2\n\t");
-}
-thread_local void* runner_sp = nullptr;
 }  // namespace
-
-// The fiber starts in fiber_entry at its next resumption: its stack holds the frame that
-// fiber_switch pops (control words, r15..r12, rbx, rbp, return address).
-inline void fiber_prepare(Fiber& f) {
-  uint64_t* x = reinterpret_cast<uint64_t*>(f.stack + kFiberStackBytes) - 3;  // 8 mod 16
-  uint32_t mxcsr = 0;
-  uint16_t fcw = 0;
-  asm volatile("stmxcsr %0" : "=m"(mxcsr));
-  asm volatile("fnstcw %0" : "=m"(fcw));
-  x[0] = reinterpret_cast<uint64_t>(&fiber_trampoline);
-  x[-1] = x[-2] = 0;                                           // rbp, rbx
-  x[-3] = reinterpret_cast<uint64_t>(&f);                      // r12
-  x[-4] = reinterpret_cast<uint64_t>(&fiber_entry);            // r13
-  x[-5] = x[-6] = 0;                                           // r14, r15
-  x[-7] = uint64_t{mxcsr} | uint64_t{fcw} << 32;
-  f.sp = &x[-7];
-}
-inline void fiber_resume(Fiber& f) { fiber_switch(&runner_sp, f.sp); }
-inline void fiber_suspend() { fiber_switch(&current_fiber->sp, runner_sp); }
+inline void fiber_suspend() { fiber_switch(&current_fiber->sp, current_fiber->launch->runner_sp); }
 #else
-namespace {
-thread_local ucontext_t runner_uc;
-void fiber_entry_uc(unsigned hi, unsigned lo) {
-  fiber_entry(reinterpret_cast<Fiber*>(uintptr_t{hi} << 32 | uintptr_t{lo}));
-}
-}  // namespace
-inline void fiber_prepare(Fiber& f) {
-  getcontext(&f.uc);
-  f.uc.uc_stack.ss_sp = f.stack;
-  f.uc.uc_stack.ss_size = kFiberStackBytes;
-  f.uc.uc_link = nullptr;
-  const uintptr_t p = reinterpret_cast<uintptr_t>(&f);
-  makecontext(&f.uc, reinterpret_cast<void (*)()>(&fiber_entry_uc), 2,
-              static_cast<unsigned>(p >> 32), static_cast<unsigned>(p & 0xffffffffu));
-}
-inline void fiber_resume(Fiber& f) { swapcontext(&runner_uc, &f.uc); }
-inline void fiber_suspend() { swapcontext(&current_fiber->uc, &runner_uc); }
+inline void fiber_suspend() { swapcontext(&current_fiber->uc, &current_fiber->launch->runner_uc); }
 #endif
-
-inline void fiber_stack_alloc(Fiber& f) {
-  void* p = mmap(nullptr, kFiberStackBytes + Fiber::kGuardPage, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
-  if (p == MAP_FAILED) std::abort();
-  mprotect(p, Fiber::kGuardPage, PROT_NONE);  // an overflow faults instead of corrupting
-  f.stack = static_cast<unsigned char*>(p) + Fiber::kGuardPage;
-}
 
 // ---- happens-before knowledge beyond whole-block barriers --------------------------------------
 // The race checks of stmatrix writes and TMA stores (kg_ptx.h, kg_bulk.h) must accept accesses
@@ -627,7 +585,7 @@ struct HbClock {
   uint32_t arrivals = 0;
   bool live = false;
 };
-inline HbClock& hb() { return fiber_local<HbClock>(); }
+inline HbClock& hb() { return fiber_local<HbClock, kLocalHb>(); }
 
 inline std::vector<uint32_t>& hb_known() {
   if (!hb().live) {
@@ -658,8 +616,8 @@ inline bool hb_after(uint32_t thread, uint32_t epoch, uint32_t arrivals) {
 inline void report_error_v(int hazard, const char* fmt, va_list ap) {
   Launch& L = *tctx().launch;
   if (L.trapped.exchange(1) != 0) return;
-  L.trap_thread = threadIdx;
-  L.trap_block = blockIdx;
+  L.trap_thread = current_fiber->thread_idx;
+  L.trap_block = tctx().cta->block;
   L.hazard = hazard;
   vsnprintf(L.trap_msg, sizeof L.trap_msg, fmt, ap);
 }
@@ -806,6 +764,94 @@ inline void fiber_poll() {
   fiber_suspend();
 }
 
+namespace {
+// Makes `f` the running thread for this library's code: its thread_local variables
+// (current_fiber, threadIdx, blockIdx, blockDim, gridDim) and the pointers of namespace-scope
+// dynamic shared memory. The runtime calls it through Launch::enter before every resumption.
+[[maybe_unused]] void enter_fiber(Fiber* f) {
+  current_fiber = f;
+  const Launch& L = *f->launch;
+  const Cta& C = L.ctas[f->index / L.nthreads];
+  threadIdx = f->thread_idx;
+  blockIdx = C.block;
+  blockDim = L.block;
+  gridDim = L.grid;
+  for (int h = 0; h < n_smem_hooks; ++h) smem_hooks[h](C.smem);
+}
+}  // namespace
+
+// ---- the runtime: the runner, the fibers' lives, the launch -----------------------------------
+// Compiled into every kernel's library, or (KG_EMU_EXTERN_RUNTIME) once into a runtime library
+// the kernels' libraries link (kernelgen/emulator/kernel.py builds it with KG_EMU_RUNTIME_BUILD):
+// a sixth of a kernel's g++ time.
+#if defined(KG_EMU_EXTERN_RUNTIME)
+int launch(void (*thunk)(void**), void (*enter)(Fiber*), void** args, const long long* cfg,
+           long long* stats, const unsigned long long* ranges, int nranges, long long* arg_stats,
+           char* note, int notelen, char* err, int errlen);
+#else
+#if defined(KG_EMU_RUNTIME_BUILD)
+#define KG_EMU_RUNTIME_API __attribute__((visibility("default")))
+#else
+#define KG_EMU_RUNTIME_API inline
+#endif
+
+inline void fiber_entry(Fiber* f);
+
+#if KG_FIBER_ASM
+namespace {
+// Where a fresh fiber starts (fiber_switch returns here): fiber_entry(r12), called through r13
+// with the stack aligned as the ABI wants at a call.
+__attribute__((naked, noinline)) void fiber_trampoline() {
+  asm volatile(
+      "movq %r12, %rdi\n\t"
+      "callq *%r13\n\t"
+      "ud2\n\t");
+}
+}  // namespace
+
+// The fiber starts in fiber_entry at its next resumption: its stack holds the frame that
+// fiber_switch pops (control words, r15..r12, rbx, rbp, return address).
+inline void fiber_prepare(Fiber& f) {
+  uint64_t* x = reinterpret_cast<uint64_t*>(f.stack + kFiberStackBytes) - 3;  // 8 mod 16
+  uint32_t mxcsr = 0;
+  uint16_t fcw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fcw));
+  x[0] = reinterpret_cast<uint64_t>(&fiber_trampoline);
+  x[-1] = x[-2] = 0;                                           // rbp, rbx
+  x[-3] = reinterpret_cast<uint64_t>(&f);                      // r12
+  x[-4] = reinterpret_cast<uint64_t>(&fiber_entry);            // r13
+  x[-5] = x[-6] = 0;                                           // r14, r15
+  x[-7] = uint64_t{mxcsr} | uint64_t{fcw} << 32;
+  f.sp = &x[-7];
+}
+inline void fiber_resume(Fiber& f) { fiber_switch(&f.launch->runner_sp, f.sp); }
+#else
+namespace {
+void fiber_entry_uc(unsigned hi, unsigned lo) {
+  fiber_entry(reinterpret_cast<Fiber*>(uintptr_t{hi} << 32 | uintptr_t{lo}));
+}
+}  // namespace
+inline void fiber_prepare(Fiber& f) {
+  getcontext(&f.uc);
+  f.uc.uc_stack.ss_sp = f.stack;
+  f.uc.uc_stack.ss_size = kFiberStackBytes;
+  f.uc.uc_link = nullptr;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(&f);
+  makecontext(&f.uc, reinterpret_cast<void (*)()>(&fiber_entry_uc), 2,
+              static_cast<unsigned>(p >> 32), static_cast<unsigned>(p & 0xffffffffu));
+}
+inline void fiber_resume(Fiber& f) { swapcontext(&f.launch->runner_uc, &f.uc); }
+#endif
+
+inline void fiber_stack_alloc(Fiber& f) {
+  void* p = mmap(nullptr, kFiberStackBytes + Fiber::kGuardPage, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+  if (p == MAP_FAILED) std::abort();
+  mprotect(p, Fiber::kGuardPage, PROT_NONE);  // an overflow faults instead of corrupting
+  f.stack = static_cast<unsigned char*>(p) + Fiber::kGuardPage;
+}
+
 // One emulated thread's run of its block: thread index % nthreads of block index / nthreads of
 // the cluster. It ends switched out for good, `done`.
 inline void fiber_entry(Fiber* fp) {
@@ -834,14 +880,14 @@ inline void fiber_entry(Fiber* fp) {
     async_thread_end();
   } catch (const Trap& trap) {
     if (L.trapped.exchange(1) == 0) {
-      L.trap_thread = threadIdx;
-      L.trap_block = blockIdx;
+      L.trap_thread = f.thread_idx;
+      L.trap_block = C.block;
       snprintf(L.trap_msg, sizeof L.trap_msg, "%s", trap.msg[0] ? trap.msg : "__trap()");
     }
   } catch (...) {  // nothing may unwind past a fiber's first frame
     if (L.trapped.exchange(1) == 0) {
-      L.trap_thread = threadIdx;
-      L.trap_block = blockIdx;
+      L.trap_thread = f.thread_idx;
+      L.trap_block = C.block;
       snprintf(L.trap_msg, sizeof L.trap_msg, "a C++ exception left the kernel");
     }
   }
@@ -902,8 +948,6 @@ inline void run_fibers(Launch& L) {
     f.wait_word = nullptr;
     fiber_prepare(f);
   }
-  blockDim = L.block;
-  gridDim = L.grid;
   uint32_t alive = total;
   uint64_t stalled = 0;
   while (alive != 0) {
@@ -925,10 +969,8 @@ inline void run_fibers(Launch& L) {
         continue;  // still blocked
       }
       resumed = true;
-      current_fiber = &f;
-      threadIdx = f.thread_idx;
-      blockIdx = L.ctas[i / L.nthreads].block;
-      for (int h = 0; h < n_smem_hooks; ++h) smem_hooks[h](L.ctas[i / L.nthreads].smem);
+      current_fiber = &f;  // this library's (fiber_entry's); L.enter sets the kernel's
+      L.enter(&f);
       fiber_resume(f);
       current_fiber = nullptr;
       if (f.done) {
@@ -1138,9 +1180,11 @@ inline const char* cta_guard_broken(const Cta& C) {
 // stats: kNumStats counters, filled when the launch succeeds; note: the first bank conflict.
 // ranges: nranges [lo, hi) byte ranges; arg_stats: per range, cp.async copies then bytes.
 // Returns 0, or on error 1 (a trap or bad access), 2 (a race-check hazard), 3 (the watchdog).
-inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long long* stats,
-                  const unsigned long long* ranges, int nranges, long long* arg_stats,
-                  char* note, int notelen, char* err, int errlen) {
+KG_EMU_RUNTIME_API int launch(void (*thunk)(void**), void (*enter)(Fiber*), void** args,
+                              const long long* cfg, long long* stats,
+                              const unsigned long long* ranges, int nranges,
+                              long long* arg_stats, char* note, int notelen, char* err,
+                              int errlen) {
   char msg[1024];
   const dim3 grid(static_cast<unsigned>(cfg[0]), static_cast<unsigned>(cfg[1]),
                   static_cast<unsigned>(cfg[2]));
@@ -1185,6 +1229,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   Launch* Lp = new Launch();
   Launch& L = *Lp;
   L.thunk = thunk;
+  L.enter = enter;
   L.args = args;
   L.ranges = reinterpret_cast<const uint64_t*>(ranges);
   L.nranges = nranges;
@@ -1318,6 +1363,7 @@ inline int launch(void (*thunk)(void**), void** args, const long long* cfg, long
   return rc;
 }
 
+#endif  // KG_EMU_EXTERN_RUNTIME
 }  // namespace kg_emu
 
 // ---------------------------------------------------------------------------------------------

@@ -71,7 +71,9 @@ inline void mbarrier_add_tx(MbarrierState& b, int64_t delta, uint32_t addr, cons
 struct MbarrierSeen {
   std::vector<SeenPhase> value;
 };
-inline std::vector<SeenPhase>& mbarrier_seen() { return fiber_local<MbarrierSeen>().value; }
+inline std::vector<SeenPhase>& mbarrier_seen() {
+  return fiber_local<MbarrierSeen, kLocalMbarrierSeen>().value;
+}
 
 // `completed` phases of barrier `slot` are done, in `seen` (the phases a thread knows of).
 inline void merge_seen(std::vector<SeenPhase>& seen, uint32_t slot, uint32_t completed) {

@@ -37,7 +37,9 @@ constexpr uint32_t kOutsideShared = 0x80000000u;
 struct LastOutsideCvta {
   const void* value = nullptr;
 };
-inline const void*& last_outside_cvta() { return fiber_local<LastOutsideCvta>().value; }
+inline const void*& last_outside_cvta() {
+  return fiber_local<LastOutsideCvta, kLocalLastOutsideCvta>().value;
+}
 
 // .shared::cluster addresses (kg_cluster.h: mapa): bits 24..27 hold the target block's
 // %cluster_ctarank + 1 over its .shared::cta address; 0 there is the executing block's own
@@ -223,7 +225,9 @@ inline uint64_t my_point() {
 struct UnfencedChunks {
   std::vector<uint32_t> value;
 };
-inline std::vector<uint32_t>& unfenced_chunks() { return fiber_local<UnfencedChunks>().value; }
+inline std::vector<uint32_t>& unfenced_chunks() {
+  return fiber_local<UnfencedChunks, kLocalUnfencedChunks>().value;
+}
 
 inline uint32_t chunk_address(size_t chunk) { return kSharedBase + static_cast<uint32_t>(chunk * 16); }
 

@@ -233,7 +233,7 @@ struct BulkGroups {
     next_seq = 0;
   }
 };
-inline BulkGroups& bulk_groups() { return fiber_local<BulkGroups>(); }
+inline BulkGroups& bulk_groups() { return fiber_local<BulkGroups, kLocalBulkGroups>(); }
 
 // The shared byte offsets (from the block's smem) of a store's source, in the order of `data`.
 template <class F>

@@ -108,7 +108,7 @@ struct WgmmaThreadState {
     issued = commits = 0;
   }
 };
-inline WgmmaThreadState& wgmma_state() { return fiber_local<WgmmaThreadState>(); }
+inline WgmmaThreadState& wgmma_state() { return fiber_local<WgmmaThreadState, kLocalWgmma>(); }
 
 // Element x (the f32 fragment's numbering, d[x]) of accumulator registers `regs`: a float, or
 // with f16 accumulators half x % 2 of register x / 2 (the pair of adjacent columns).
