@@ -169,7 +169,7 @@ EPILOGUE_MUTATIONS = {
         r"no fence\.proxy\.async after the write",
     ),
     "no named barrier before the store": (
-        "named_barrier_sync(STORE_BARRIER + consumer, 128);",
+        "named_barrier_sync(STORE_BARRIER + store_consumer, 128);",
         "",
         r"with no barrier ordering the write",
     ),
