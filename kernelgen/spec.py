@@ -541,7 +541,10 @@ class KernelSpec(BaseModel):
     def _epilogue_problems(self) -> list[str]:
         """What ``epilogue: tma`` needs: the wgmma engine, 16-bit out rows of whole queries."""
         why = {
-            "mma": (self.mma != "wgmma", "the TMA store is a wgmma kernel's epilogue"),
+            "mma": (
+                not self.engine.warp_specialized,
+                "the TMA store is an epilogue of the wgmma kernel's consumer warpgroups",
+            ),
             "dtype": (self.fp8, "fp8 keeps the direct epilogue (not built yet)"),
             "split_kv": (self.split_kv, "split-KV writes fp32 partials, not out"),
             "pack_gqa": (
