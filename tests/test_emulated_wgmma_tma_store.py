@@ -7,7 +7,8 @@ rows of a padded output buffer past seqlen_q must stay NaN (the map clips there)
 
 Mutations that must fail: no fence.proxy.async after the stmatrix writes, no named barrier
 before the elected thread's store, no wait_group.read before the thread leaves (the emulator's
-exit check), and an out_map whose row extent overshoots seqlen_q (writes the padding).
+exit check), an out_map whose row extent overshoots seqlen_q (writes the padding), and the
+tile written without the swizzle out_map reads it with (wrong numbers).
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ pytestmark = pytest.mark.emulate
 
 BASE = dict(loop_order="v2", mma="wgmma", epilogue="tma")
 TMA_CASES = [
-    # (spec fields, case): the default d128 tiling, a half-used column block (d96), one
-    # consumer warpgroup, the overlapped, ping-pong and Q-in-registers loops
+    # (spec fields, case): the default d128 tiling, a half-used column block (d96), four
+    # column blocks (d256), one consumer warpgroup, the overlapped, ping-pong and
+    # Q-in-registers loops
     (dict(dtype="bfloat16", head_dim=128, block_m=128, block_n=128), Case(2, 4, 2, 17, 33)),
     (
         dict(dtype="bfloat16", head_dim=128, block_m=128, block_n=128, causal=True),
         Case(1, 2, 1, 130, 129, layout="bshd", mask="broadcast"),
     ),
     (dict(dtype="bfloat16", head_dim=96, block_m=128, block_n=64), Case(1, 2, 2, 70, 45)),
+    (dict(dtype="float16", head_dim=256, block_m=128, block_n=64), Case(1, 2, 1, 70, 100)),
     (
         dict(dtype="float16", head_dim=64, block_m=64, block_n=64, causal=True),
         Case(2, 2, 1, 100, 150, layout="bshd", scale=-0.2),
@@ -214,3 +217,17 @@ def test_attention_on_host_arrays_with_the_tma_epilogue():
         bshd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)]
         out = kernelgen.attention(*bshd, causal=True, layout="bshd", spec=spec)
     assert_matches(out.transpose(0, 2, 1, 3).astype(np.float32), None, data, spec.dtype)
+
+
+def test_stmatrix_rows_written_unswizzled_give_wrong_numbers():
+    """Mutation: the tile written without the 128-byte swizzle that out_map reads it with: the
+    columns of rows 1..7 of every 8 land in other chunks (no hazard, wrong numbers)."""
+    original = "const int chunk = ((col % 64) / 8) ^ (st_row % 8);"
+    source = render(PADDED_SPEC)
+    assert source.count(original) == 1
+    case = Case(1, 2, 1, 70, 100)
+    data = make_case(case, PADDED_SPEC.dtype, PADDED_SPEC.head_dim, False, seed=5)
+    mutant = source.replace(original, "const int chunk = (col % 64) / 8;")
+    out, lse = run_emulated(PADDED_SPEC, case, data, source=mutant)
+    with pytest.raises(AssertionError):
+        assert_matches(out, lse, data, PADDED_SPEC.dtype)
