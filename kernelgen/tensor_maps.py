@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import InputError, ToolchainMissingError
-from kernelgen.spec import DTYPE_BYTES, KernelSpec
+from kernelgen.spec import DTYPE_BYTES, WGMMA_ROWS_PER_WARPGROUP, KernelSpec
 
 TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
 SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
@@ -40,7 +40,7 @@ MAP_TENSORS = {"q_map": ("q", "block_m"), "k_map": ("k", "block_n"), "v_map": ("
 # epilogue: tma (docs/hopper.md): out_map, whose box is one consumer warpgroup's 64 rows of one
 # column block (each consumer stores its own rows). Its sequence extent is the call's seqlen_q,
 # so a TMA store clips the rows of a last tile past the queries.
-OUT_MAP = ("out_map", "out", 64)
+OUT_MAP = ("out_map", "out", WGMMA_ROWS_PER_WARPGROUP)
 
 
 @dataclass(frozen=True)
