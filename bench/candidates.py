@@ -82,9 +82,10 @@ def candidate_label(fields: dict[str, Any]) -> str:
         overlap = "-ovl" if fields.get("overlap") else ""
         turns = "-pp" if fields.get("pingpong") else ""
         q_regs = "-qr" if fields.get("q_in_registers") else ""
+        store = "-tma" if fields.get("epilogue") == "tma" else ""
         return (
             f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
-            f"{overlap}{turns}{q_regs}"
+            f"{overlap}{turns}{q_regs}{store}"
         )
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
     return (

@@ -155,6 +155,8 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     elem = CXX_ELEMENT[spec.out_dtype].name
     if spec.engine.warp_specialized:  # q, k and v reach the kernel as TMA tensor maps
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
+        if spec.epilogue == "tma":  # out written by TMA stores (out and its strides stay)
+            params.append(Param("out_map", TENSOR_MAP_CTYPE))
     else:
         params = [
             Param("q", f"const {elem}*"),

@@ -38,6 +38,10 @@ DType = Literal["float32", "float16", "bfloat16", "float8_e4m3"]
 LoopOrder = Literal["v1", "v2"]
 MmaPath = EngineName
 SmemLayout = Literal["padded", "swizzled"]
+# How the wgmma forward writes out (docs/hopper.md, "TMA-store epilogue"): straight from the
+# accumulators, or through a swizzled shared-memory tile (stmatrix) and one TMA store per block.
+Epilogue = Literal["direct", "tma"]
+EPILOGUE_TAGS = {"direct": "", "tma": "tma"}
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1}
 DTYPE_SHORT: dict[str, str] = {
@@ -343,6 +347,13 @@ class KernelSpec(BaseModel):
         "warpgroup's softmax runs while the other's product is on the tensor cores "
         "(FlashAttention 3's inter-warpgroup scheduling).",
     )
+    epilogue: Epilogue = Field(
+        "direct",
+        description="wgmma only: how out is written. direct: 4-byte stores from the "
+        "accumulators; tma: each consumer warpgroup converts its 64 rows to 16 bits, writes them "
+        "into its rows of the Q tile with stmatrix (128-byte swizzled) and one thread copies "
+        "them out with a TMA store (float16/bfloat16, not split_kv or pack_gqa).",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -386,6 +397,8 @@ class KernelSpec(BaseModel):
                 data.pop(name, None)  # absent already under exclude_defaults
         if not data.get("mod_inputs"):
             data.pop("mod_inputs", None)
+        if data.get("epilogue") == "direct":  # the default keeps the identities it had
+            del data["epilogue"]
         return data
 
     @model_validator(mode="before")
@@ -507,6 +520,8 @@ class KernelSpec(BaseModel):
                 f"q_in_registers=true is not allowed with mma={self.mma!r}; it is the wgmma "
                 "kernels' register A operand of Q K^T (use mma: wgmma)"
             )
+        if self.epilogue != "direct":
+            problems += self._epilogue_problems()
         if not wgmma and self.num_warps == 12:
             problems.append(
                 f"num_warps=12 is not allowed with mma={self.mma!r}; use 1, 2, 4 or 8 (12 is "
@@ -522,6 +537,27 @@ class KernelSpec(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _epilogue_problems(self) -> list[str]:
+        """What ``epilogue: tma`` needs: the wgmma engine, 16-bit out rows of whole queries."""
+        why = {
+            "mma": (
+                not self.engine.warp_specialized,
+                "the TMA store is an epilogue of the wgmma kernel's consumer warpgroups",
+            ),
+            "dtype": (self.fp8, "fp8 keeps the direct epilogue (not built yet)"),
+            "split_kv": (self.split_kv, "split-KV writes fp32 partials, not out"),
+            "pack_gqa": (
+                self.pack_gqa,
+                "a packed tile's rows span several heads of out (not built yet)",
+            ),
+        }
+        return [
+            f"epilogue={self.epilogue!r} is not allowed with {field}={_echo(getattr(self, field))}"
+            f": {reason}; use epilogue: direct"
+            for field, (refused, reason) in why.items()
+            if refused
+        ]
 
     def _expression_problems(self) -> list[str]:
         problems = []
@@ -825,6 +861,7 @@ class KernelSpec(BaseModel):
                 + ("_ovl" if self.overlap else "")
                 + ("_pp" if self.pingpong else "")
                 + ("_qr" if self.q_in_registers else "")
+                + (f"_{EPILOGUE_TAGS[self.epilogue]}" if EPILOGUE_TAGS[self.epilogue] else "")
             )
         elif engine.tensor_cores:
             parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]

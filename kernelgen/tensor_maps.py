@@ -8,6 +8,7 @@ driver's rules hold (16-byte aligned base, strides multiples of 16 bytes). The b
 64-column (128-byte) block of block_m query rows or block_n key rows, 128-byte swizzled; rows
 past the sequence and columns past the head dim read as zeros. Packed GQA (q) and a paged
 cache (k, v) change the maps' shapes, not the kernels' copies: :func:`tensor_map_layouts`.
+With ``epilogue: tma`` the kernel also writes out through a map (``out_map``, 64-row boxes).
 
 Everything but the data pointer follows from the spec and the call shape, so a call plan
 computes its :class:`TensorMapLayout` once; encoding is per pointer (on a GPU the driver's
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import InputError, ToolchainMissingError
-from kernelgen.spec import DTYPE_BYTES, KernelSpec
+from kernelgen.spec import DTYPE_BYTES, WGMMA_ROWS_PER_WARPGROUP, KernelSpec
 
 TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
 SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
@@ -36,13 +37,17 @@ TMA_DATA_TYPE = {"float16": "float16", "bfloat16": "bfloat16", "float8_e4m3": "u
 FP8_KEY_GROUP = 16
 # The kernel parameter of each map -> the tensor it maps, and which tile rows its box holds.
 MAP_TENSORS = {"q_map": ("q", "block_m"), "k_map": ("k", "block_n"), "v_map": ("v", "block_n")}
+# epilogue: tma (docs/hopper.md): out_map, whose box is one consumer warpgroup's 64 rows of one
+# column block (each consumer stores its own rows). Its sequence extent is the call's seqlen_q,
+# so a TMA store clips the rows of a last tile past the queries.
+OUT_MAP = ("out_map", "out", WGMMA_ROWS_PER_WARPGROUP)
 
 
 @dataclass(frozen=True)
 class TensorMapLayout:
     """The encode parameters of one tensor map except the address, innermost dimension first."""
 
-    tensor: str  # q, k or v (for messages)
+    tensor: str  # q, k, v or out (for messages)
     data_type: str  # float16, bfloat16 or uint8 (fp8)
     dims: tuple[int, ...]  # (head_dim, seq, heads, batch); packed GQA's q: 5-d (below)
     strides_bytes: tuple[int, ...]  # of dims 1.. (bytes)
@@ -93,10 +98,10 @@ def check_wgmma_decode(spec: KernelSpec, problem: Any) -> None:
 
 
 def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLayout]:
-    """The layouts of q_map, k_map and v_map for one call shape (a
-    :class:`kernelgen.launch.Problem`, which imports this module); raises :class:`InputError`
-    naming the tensor when a stride breaks TMA's 16-byte rule, or the value when the call
-    does not fit the spec's boxes (:func:`check_wgmma_decode`).
+    """The layouts of q_map, k_map and v_map (and out_map with ``epilogue: tma``) for one call
+    shape (a :class:`kernelgen.launch.Problem`, which imports this module); raises
+    :class:`InputError` naming the tensor when a stride breaks TMA's 16-byte rule, or the value
+    when the call does not fit the spec's boxes (:func:`check_wgmma_decode`).
 
     Packed GQA: q is 5-d, (head dim, head in the group, query, K/V head, batch), and its box
     (64, group, block_m / group, 1, 1) lands rows in the packed order query * group + head.
@@ -111,11 +116,15 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         "k": (seqlen_k, problem.num_kv_heads, kv_batch, problem.k_strides),
         "v": (seqlen_k, problem.num_kv_heads, kv_batch, problem.v_strides),
     }
+    maps = {param: (tensor, getattr(spec, field)) for param, (tensor, field) in MAP_TENSORS.items()}
+    if spec.epilogue == "tma":
+        param, tensor, rows = OUT_MAP
+        maps[param] = (tensor, rows)
+        shapes[tensor] = (problem.seqlen_q, problem.num_heads, problem.batch, problem.out_strides)
     layouts = {}
-    for param, (tensor, rows_field) in MAP_TENSORS.items():
+    for param, (tensor, rows) in maps.items():
         seq, heads, batch, (stride_b, stride_h, stride_s) = shapes[tensor]
         strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
-        rows = getattr(spec, rows_field)
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
         box: tuple[int, ...] = (spec.row_elems, rows, 1, 1)
         if tensor == "q" and spec.pack_gqa:
@@ -128,7 +137,7 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
             box = (spec.block_n, spec.head_dim, 1, 1)
         layouts[param] = TensorMapLayout(
             tensor=tensor,
-            data_type=TMA_DATA_TYPE[spec.dtype],
+            data_type=TMA_DATA_TYPE[spec.out_dtype if tensor == "out" else spec.dtype],
             dims=dims,
             strides_bytes=strides,
             box=box,
@@ -235,7 +244,7 @@ def encode_device_tensor(layout: TensorMapLayout, tensor: Any) -> np.ndarray:
 def tensor_map_arguments(
     layouts: dict[str, TensorMapLayout], tensors: dict[str, Any], encode: Encoder
 ) -> dict[str, Any]:
-    """The q_map, k_map and v_map arguments of a launch over ``tensors`` (by name)."""
+    """The q_map, k_map, v_map (and out_map) arguments of a launch over ``tensors`` (by name)."""
     return {param: encode(layout, tensors[layout.tensor]) for param, layout in layouts.items()}
 
 

@@ -382,7 +382,8 @@ def test_bulk_store_reaches_global_memory_at_the_wait(store_kernel):
 # 1 no fence.proxy.async after the first stmatrix, 2 no named barrier before the first store,
 # 3 no cp.async.bulk.wait_group.read before the refill, 4 no __syncthreads between the wait and
 # the refill, 5 thread 0 overwrites the source (plain store) before the wait, 6 the fence is
-# executed by thread 0, not by the writers.
+# executed by thread 0, not by the writers, 7 thread 0 leaves without waiting for the second
+# store (its read may outlive the block's shared memory).
 STORE_HAZARD_SRC = (
     COMMON
     + r"""
@@ -422,7 +423,7 @@ extern "C" __global__ void store_hazard(const __grid_constant__ CUtensorMap tmap
   asm volatile("bar.sync 1, 64;" ::: "memory");
   if (threadIdx.x == 0) {
     store_rows(&tmap, src, 4);
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (mode != 7) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
 }
 """
@@ -465,6 +466,7 @@ def test_tma_store_epilogue_reusing_its_buffer(hazard_kernel):
         (4, r"no barrier orders that thread|still reads it|no barrier ordering the write"),
         (5, r"changed between its issue and the cp\.async\.bulk\.wait_group\.read"),
         (6, r"wrote by stmatrix or st\.shared with no fence\.proxy\.async after the write"),
+        (7, r"leaves the kernel with 1 TMA store\(s\) still reading shared memory"),
     ],
 )
 def test_tma_store_hazards(hazard_kernel, mode, message):
@@ -506,3 +508,19 @@ def test_mutations_of_the_emulator_are_caught(mutated):  # noqa: F811
     )
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         test_tma_store_hazards(hazard, 1, "fence")
+
+
+def test_mutation_leaving_before_the_read_wait_unreported_is_caught(mutated):  # noqa: F811
+    """The emulator without its exit check of TMA stores still reading: mode 7 passes."""
+    mutated("kg_tma.h", "if (reading != 0) {", "if (false) {")
+    hazard = build_kernel(
+        STORE_HAZARD_SRC,
+        "store_hazard",
+        [
+            ("const __grid_constant__ CUtensorMap", "tmap"),
+            ("const unsigned*", "tiles"),
+            ("int", "mode"),
+        ],
+    )
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_tma_store_hazards(hazard, 7, "leaves the kernel")

@@ -56,6 +56,23 @@ def test_bshd_strides_map_the_same_tensor():
     assert layouts["q_map"].strides_bytes == (4 * 96 * 2, 96 * 2, 100 * 4 * 96 * 2)
 
 
+def test_the_tma_epilogue_maps_out_with_seqlen_q_rows_and_64_row_boxes():
+    """epilogue: tma adds out_map: out's own strides (bhsd or bshd), its row extent the
+    call's seqlen_q (the store clips rows past it), one consumer warpgroup's 64 rows a box."""
+    spec = SPEC.model_copy(update={"epilogue": "tma"})
+    bshd = (100 * 4 * 96, 96, 4 * 96)
+    layouts = tensor_map_layouts(spec, Problem(**{**problem().__dict__, "out_strides": bshd}))
+    assert set(layouts) == {"q_map", "k_map", "v_map", "out_map"}
+    out = layouts["out_map"]
+    assert (out.tensor, out.data_type) == ("out", "bfloat16")
+    assert out.dims == (96, 100, 4, 3) and out.box == (64, 64, 1, 1)
+    assert out.strides_bytes == (4 * 96 * 2, 96 * 2, 100 * 4 * 96 * 2)
+    assert layouts["q_map"].strides_bytes == (192, 100 * 192, 4 * 100 * 192)  # q stays bhsd
+    odd = Problem(**{**problem().__dict__, "out_strides": (4 * 100 * 100, 100 * 100, 100)})
+    with pytest.raises(InputError, match="out: strides"):
+        tensor_map_layouts(spec, odd)
+
+
 def test_packed_gqa_maps_q_as_5d_boxes_of_whole_queries():
     """Packed GQA: q is (head dim, head in the group, query, K/V head, batch), so a box of
     (64, group, block_m / group) rows is the packed order query * group + head."""

@@ -315,6 +315,9 @@ def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any
         yield fields
         if overlap:
             continue
+        # The TMA-store epilogue (docs/hopper.md): the same loop, so one twin of the plain loop
+        # per tiling; which epilogue is faster is for a GPU to time.
+        yield fields | {"epilogue": "tma"}
         yield fields | {"q_in_registers": True}  # (where the registers allow)
         if block_m == 128:  # two consumers that may take turns
             yield fields | {"pingpong": True}

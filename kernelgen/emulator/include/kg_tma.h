@@ -14,7 +14,8 @@
 // Stores read their shared source at issue (through the same box order and swizzle) and keep
 // the bytes; each chunk of the source is marked as read by a store in flight. The global memory
 // is written only when a cp.async.bulk.wait_group (not .read) retires the store's group, or when
-// the issuing thread leaves the kernel; a .read wait (or that) ends the read: the source bytes
+// the issuing thread leaves the kernel; a .read wait ends the read (leaving the kernel before
+// one is a hazard: the shared memory is released): the source bytes
 // must still be what the store read (compared), the chunks are released, and any write into
 // them before that (stmatrix, cp.async, TMA load) is a hazard (kg_ptx.h: check_bulk_pending).
 // Elements of the box outside the tensor are not written.
@@ -367,9 +368,21 @@ inline void bulk_retire_write(BulkOp& op) {
 }
 
 // Every store of the thread, when it leaves the kernel: read and written (the emulator writes
-// the global results of stores never waited for; on the GPU they complete on their own).
+// the global results of stores never waited for; on the GPU they complete on their own). A
+// store whose read no cp.async.bulk.wait_group{.read} ended is reported: the block's shared
+// memory is released when its threads leave, while the store may still read it.
 inline void bulk_thread_end() {
   BulkGroups& g = bulk_groups();
+  size_t reading = 0;
+  for (const auto& group : g.committed) {
+    for (const BulkOp& op : group) reading += op.read_done ? 0 : 1;
+  }
+  reading += g.current.size();
+  if (reading != 0) {
+    report_hazard("the thread leaves the kernel with %zu TMA store(s) still reading shared "
+                  "memory: no cp.async.bulk.wait_group.read (or wait_group) ended their read",
+                  reading);
+  }
   for (auto& group : g.committed) {
     for (BulkOp& op : group) bulk_retire_write(op);
   }
