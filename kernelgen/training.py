@@ -17,6 +17,7 @@ from kernelgen.api import attention as forward_attention
 from kernelgen.block_mask import BlockMask
 from kernelgen.fp8_api import fp8_attention, wants_fp8
 from kernelgen.spec import KernelSpec
+from kernelgen.variant_inputs import VariantArgs
 
 __all__ = ["attention"]
 
@@ -76,12 +77,9 @@ def attention(
             layout=layout,
             spec=spec,
             num_splits=num_splits,
-            window_size=window_size,
-            softcap=softcap,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            mod_inputs=mod_inputs,
-            block_mask=block_mask,
+            variants=VariantArgs(
+                window_size, softcap, None, None, score_mod, mask_mod, mod_inputs, block_mask
+            ),
             validate=bool(validate),
             deterministic=bool(deterministic),
         )

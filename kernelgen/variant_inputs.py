@@ -67,6 +67,10 @@ class VariantArgs:
     mod_inputs: Any = None
     block_mask: Any = None
 
+    def keywords(self) -> dict[str, Any]:
+        """Every field as the keyword arguments of attention() and attention_backward()."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def arrays(self) -> dict[str, Any]:
         """The built-in variants' arrays by argument name (None where not given)."""
         return {name: getattr(self, name) for name in VARIANT_ARRAYS}
