@@ -18,12 +18,7 @@ import numpy as np
 
 from kernelgen.block_mask import BlockMask, check_library
 from kernelgen.errors import InputError, InputTypeError, KernelgenError, caller_stacklevel
-from kernelgen.expression_inputs import (
-    CallExpressions,
-    check_expressions,
-    check_spec_expressions,
-    with_expressions,
-)
+from kernelgen.expression_inputs import CallExpressions, check_spec_expressions, with_expressions
 from kernelgen.expressions import FLOAT32_MAX
 from kernelgen.frameworks import (
     Arrays,
@@ -50,7 +45,13 @@ from kernelgen.launch import (
 )
 from kernelgen.policy import decode_rows, default_spec
 from kernelgen.spec import DTYPE_BYTES, MAX_HEAD_DIM, KernelSpec
-from kernelgen.variant_inputs import CallVariants, check_spec_variants, check_variants
+from kernelgen.variant_inputs import (
+    NO_VARIANTS,
+    CallVariants,
+    VariantArgs,
+    check_spec_variants,
+    check_variants,
+)
 
 Layout = Literal["bhsd", "bshd"]
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -152,8 +153,12 @@ class CheckedCall:
     mask: TensorInfo | None
     dtype: str
     scale: float
-    variants: CallVariants = field(default_factory=CallVariants)
-    expressions: CallExpressions = field(default_factory=CallExpressions)
+    variants: CallVariants = field(default_factory=CallVariants)  # expressions included
+
+    @property
+    def expressions(self) -> CallExpressions:
+        """The call's checked user expressions and block mask (part of ``variants``)."""
+        return self.variants.expressions
 
 
 def check_inputs(
@@ -166,17 +171,11 @@ def check_inputs(
     scale: float | None,
     spec: KernelSpec | None,
     causal: bool,
-    window_size: Any = None,
-    softcap: Any = None,
-    alibi_slopes: TensorInfo | None = None,
-    sinks: TensorInfo | None = None,
-    score_mod: Any = None,
-    mask_mod: Any = None,
-    mod_inputs: Any = None,
-    block_mask: Any = None,
+    variants: VariantArgs = NO_VARIANTS,
     dtypes: tuple[str, ...] = SUPPORTED_DTYPES,
 ) -> CheckedCall:
-    """All argument checks of attention(), on metadata only (the variants: docs/variants.md).
+    """All argument checks of attention(), on metadata only. ``variants``: the built-in
+    variants' and user expressions' arguments (docs/variants.md; arrays or their TensorInfo).
     ``dtypes``: those q, k and v may have (the fp8 call: ``("float8_e4m3",)``)."""
     if layout not in ("bhsd", "bshd"):
         raise InputError(f"layout={layout!r} is not allowed; use 'bhsd' or 'bshd'")
@@ -224,20 +223,10 @@ def check_inputs(
     if mask is not None:
         mask = _check_mask(mask, (batch, heads, q.shape[2], k.shape[2]))
     scale = _checked_scale(scale, head_dim)
-    variants = check_variants(
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
+    checked = check_variants(
+        variants,
+        describe=_described,
         causal=causal,
-        batch=batch,
-        heads=heads,
-    )
-    expressions = check_expressions(
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        mod_inputs=mod_inputs,
-        block_mask=block_mask,
         batch=batch,
         heads=heads,
         seqlen_q=q.shape[2],
@@ -252,14 +241,19 @@ def check_inputs(
                     f"spec {spec.uri} has {name}={getattr(spec, name)!r} but the call needs "
                     f"{name}={wanted!r}"
                 )
-        check_spec_variants(spec, variants)
-        check_spec_expressions(spec, expressions)
+        check_spec_variants(spec, checked)
+        check_spec_expressions(spec, checked.expressions)
         if spec.engine.chunk_bytes:  # tensor-core specs copy 16-byte chunks (cp.async, TMA)
             for t in (q, k, v):
                 problem = _misaligned_strides(t)
                 if problem:
                     raise InputError(f"{problem}; spec {spec.uri} copies 16-byte chunks")
-    return CheckedCall(q, k, v, mask, q.dtype, float(scale), variants, expressions)
+    return CheckedCall(q, k, v, mask, q.dtype, float(scale), checked)
+
+
+def _described(array: Any, name: str) -> TensorInfo:
+    """A variant array's metadata (an array, or already its TensorInfo)."""
+    return array if isinstance(array, TensorInfo) else describe(array, name)
 
 
 CHUNK_BYTES = 16  # the tensor-core kernels move rows in 16-byte chunks (cp.async)
@@ -389,14 +383,15 @@ def attention(
         else "kernelgen.api.attention is the forward pass only (kernelgen.attention "
         "differentiates)",
     )
-    options = (window_size, softcap)
-    arrays_in = {"alibi_slopes": alibi_slopes, "sinks": sinks}
-    expressions_given = any(x is not None for x in (score_mod, mask_mod, mod_inputs, block_mask))
+    variants = VariantArgs(
+        window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_inputs, block_mask
+    )
+    arrays_in = variants.arrays()
     plan_key = (
         None  # expressions take the checked path on every call
-        if expressions_given
+        if variants.has_expressions
         else _call_plan_key(
-            q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits, options, arrays_in
+            q, k, v, mask, seqlens_k, causal, scale, spec, layout, num_splits, variants
         )
     )
     if plan_key is not None and (known := _CALL_PLANS.get(plan_key)) is not None:
@@ -407,22 +402,10 @@ def attention(
     if isinstance(block_mask, BlockMask):  # its lists as the kernels will index them
         block_mask.check_arrays(arrays_of(q).name, device_of(q))
     mask_info = describe(mask, "mask") if mask is not None else None
-    variant_infos = {n: describe(x, n) for n, x in arrays_in.items() if x is not None}
     call = check_inputs(
-        *infos,
-        mask_info,
-        layout=layout,
-        scale=scale,
-        spec=spec,
-        causal=bool(causal),
-        window_size=window_size,
-        softcap=softcap,
-        **variant_infos,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        mod_inputs=mod_inputs,
-        block_mask=block_mask,
-    )
+        *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=bool(causal),
+        variants=variants,
+    )  # fmt: skip
     num_splits = check_num_splits(num_splits, spec)
     check_expression_libraries(q, call.expressions)
     arrays = arrays_of(q)
@@ -597,9 +580,7 @@ def checked_plan(
         temporaries.append(mask_array)
         mask_info = TensorInfo("mask", mask_shape(call), strides, "float32", mask_array)
         call = replace(call, mask=mask_info)
-    for info in (call.variants.alibi, call.variants.sinks):
-        if info is not None:
-            tensors[info.name] = launch_arg(arrays, info.source)
+    tensors.update(call.variants.tensors(arrays))
     tensors.update(call.expressions.tensors(arrays))
     problem, out_shape = plan(call, layout)
     if paging is not None:
@@ -685,15 +666,15 @@ def _call_plan_key(
     spec: Any,
     layout: Any,
     num_splits: Any,
-    options: tuple[Any, ...] = (),
-    variant_arrays: dict[str, Any] | None = None,
+    variants: VariantArgs = NO_VARIANTS,
 ) -> tuple[Any, ...] | None:
     """Everything a call's launches depend on but its data: shapes, strides, dtypes and 16-byte
     alignment of q, k, v, the options, the device, the autotune mode and the tuner memo's
     generation (a new winner or a cleared memo makes every plan stale). None where calls always
     take the checked path: q, k, v not all CuPy arrays or all torch tensors (of one type), a
     mask, seqlens_k neither of q's type nor a host sequence, variant arrays (ALiBi slopes,
-    sinks) not of q's type, unhashable options. ``options``: the variants' scalars."""
+    sinks) not of q's type, unhashable options. ``variants``: the call's (without expressions:
+    those calls are always checked)."""
     if mask is not None or not type(q) is type(k) is type(v):
         return None
     module = module_of(q)
@@ -712,7 +693,7 @@ def _call_plan_key(
     else:
         return None
     variant_signatures = []
-    for x in (variant_arrays or {}).values():
+    for x in variants.arrays().values():
         if x is not None and type(x) is not type(q):
             return None
         variant_signatures.append(None if x is None else arrays.signature(x))
@@ -722,7 +703,7 @@ def _call_plan_key(
         *arrays.signature(q), *arrays.signature(k), *arrays.signature(v),
         lengths, bool(causal), type(scale), scale, spec, layout, num_splits,  # True == 1
         arrays.device_of(q), os.environ.get("KERNELGEN_AUTOTUNE"), memo_generation(),
-        options, *variant_signatures,
+        variants.key_scalars(), *variant_signatures,
     )  # fmt: skip
     try:
         hash(key)
@@ -918,9 +899,7 @@ def plan(call: CheckedCall, layout: str) -> tuple[Problem, tuple[int, ...]]:
         v_strides=call.v.strides[:3],
         out_strides=out_strides,
         mask_strides=call.mask.strides if call.mask is not None else (0, 0, 0, 0),
-        window=call.variants.window or (-1, -1),
-        softcap=call.variants.softcap or 0.0,
-        alibi_stride_b=call.variants.alibi_stride_b,
+        variant_scalars=call.variants.scalars(),
         extra_scalars=call.expressions.scalars(),
     )
     return problem, out_shape

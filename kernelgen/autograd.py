@@ -14,8 +14,7 @@ backward: ``once_differentiable`` raises).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from kernelgen.api import attention as forward_attention
 from kernelgen.backward_api import attention_backward
+from kernelgen.variant_inputs import NO_VARIANTS, VariantArgs
 
 __all__ = ["AttentionFunction", "AttentionOptions", "differentiable_attention"]
 
@@ -36,31 +36,25 @@ class AttentionOptions:
     layout: str = "bhsd"
     spec: Any = None  # the forward's KernelSpec (the backward takes the policy's default)
     num_splits: int | None = None
-    window_size: tuple[int, int] | None = None
-    softcap: float | None = None
-    score_mod: Any = None
-    mask_mod: Any = None
-    mod_inputs: Mapping[str, Any] | None = None
-    block_mask: Any = None
+    # the variants and expressions; the arrays (alibi_slopes, sinks) travel as Function inputs
+    variants: VariantArgs = NO_VARIANTS
     validate: bool = False
     deterministic: bool = False
 
     def forward_options(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`kernelgen.api.attention` (all but the tensors)."""
+        """The keyword arguments of :func:`kernelgen.api.attention` but the tensors."""
         return {
             "causal": self.causal,
             "scale": self.scale,
             "layout": self.layout,
             "spec": self.spec,
             "num_splits": self.num_splits,
-            "window_size": self.window_size,
-            "softcap": self.softcap,
-            "score_mod": self.score_mod,
-            "mask_mod": self.mask_mod,
-            "mod_inputs": self.mod_inputs,
-            "block_mask": self.block_mask,
             "validate": self.validate,
         }
+
+    def variant_keywords(self, alibi_slopes: Any, sinks: Any) -> dict[str, Any]:
+        """The variants' keyword arguments with the call's arrays."""
+        return replace(self.variants, alibi_slopes=alibi_slopes, sinks=sinks).keywords()
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -82,10 +76,9 @@ class AttentionFunction(torch.autograd.Function):
             k,
             v,
             mask=mask,
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
             return_lse=True,
             **options.forward_options(),
+            **options.variant_keywords(alibi_slopes, sinks),
         )
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, sinks, mask, alibi_slopes)
@@ -110,14 +103,8 @@ class AttentionFunction(torch.autograd.Function):
             scale=options.scale,
             mask=mask,
             layout=options.layout,
-            window_size=options.window_size,
-            softcap=options.softcap,
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
-            score_mod=options.score_mod,
-            mask_mod=options.mask_mod,
-            mod_inputs=options.mod_inputs,
-            block_mask=options.block_mask,  # block-sparse backward (docs/backward.md)
+            # with a block_mask or mask_mod: the block-sparse backward (docs/backward.md)
+            **options.variant_keywords(alibi_slopes, sinks),
             deterministic=options.deterministic or torch.are_deterministic_algorithms_enabled(),
         )
         wanted = ctx.needs_input_grad

@@ -58,7 +58,7 @@ from kernelgen.launch import (
     kernel_arguments,
 )
 from kernelgen.policy import default_backward_spec
-from kernelgen.variant_inputs import check_spec_variants
+from kernelgen.variant_inputs import VariantArgs, check_spec_variants
 
 __all__ = ["attention_backward"]
 
@@ -111,22 +111,13 @@ def attention_backward(
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     if isinstance(block_mask, BlockMask):  # its lists as the kernels will index them
         block_mask.check_arrays(arrays_of(q).name, device_of(q))
-    call = check_inputs(
-        *infos,
-        describe(mask, "mask") if mask is not None else None,
-        layout=layout,
-        scale=scale,
-        spec=None,
-        causal=bool(causal),
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=describe(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else None,
-        sinks=describe(sinks, "sinks") if sinks is not None else None,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        mod_inputs=mod_inputs,
-        block_mask=block_mask,
+    variants = VariantArgs(
+        window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_inputs, block_mask
     )
+    call = check_inputs(
+        *infos, describe(mask, "mask") if mask is not None else None, layout=layout,
+        scale=scale, spec=None, causal=bool(causal), variants=variants,
+    )  # fmt: skip
     order = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
     grads_in = {
         name: _check_like_q(describe(x, name).permuted(order), call)
@@ -136,7 +127,7 @@ def attention_backward(
     arrays = arrays_of(q)
     device = common_device(
         {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "mask": mask,
-         "alibi_slopes": alibi_slopes, "sinks": sinks, **call.expressions.named_arrays()}
+         **variants.arrays(), **call.expressions.named_arrays()}
     )  # fmt: skip
     misaligned = _misaligned([call.q, call.k, call.v, grads_in["dout"]])
     with arrays.scope(device):
@@ -155,13 +146,13 @@ def attention_backward(
             temporaries.append(mask_array)
             call = replace(call, mask=TensorInfo("mask", mask_shape(call), strides, "float32",
                                                  mask_array))  # fmt: skip
-        if call.variants.alibi is not None:
-            tensors["alibi_slopes"] = launch_arg(arrays, call.variants.alibi.source)
+        tensors.update(call.variants.tensors(arrays))  # no kernel takes sinks: _sink_gradients
         if block_mask is not None and is_host_array(block_mask.partial_counts):
             block_mask.check_values()
         expressions = replace(call.expressions, block_mask=None)  # the forward's lists: below
         tensors.update(expressions.tensors(arrays))
-        problem, q_shape = plan(replace(call, expressions=expressions), layout)
+        variants_here = replace(call.variants, expressions=expressions)
+        problem, q_shape = plan(replace(call, variants=variants_here), layout)
         if spec.block_sparse:
             masks = _backward_masks(spec, call, q)
             tensors.update({n: launch_arg(arrays, x) for n, x in masks.tensors().items()})

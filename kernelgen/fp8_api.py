@@ -102,7 +102,7 @@ def fp8_attention(
             shown = repr(value) if len(repr(value)) <= 80 else type(value).__name__
             raise InputError(
                 f"{name}={shown} is not allowed with fp8 inputs: the fp8 kernel has no "
-                f"{NOT_BUILT[name]} (not built yet; docs/hopper.md, fp8); leave it out"
+                f"{NOT_BUILT.get(name, name)} (not built yet; docs/hopper.md, fp8); leave it out"
             )
     named = {"q": q, "k": k, "v": v}
     _check_dtypes(named, descales)

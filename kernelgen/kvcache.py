@@ -46,6 +46,7 @@ from kernelgen.kvcache_checks import (
     validate_on_device,
 )
 from kernelgen.spec import DTYPE_BYTES, KernelSpec
+from kernelgen.variant_inputs import VariantArgs
 
 __all__ = ["attention_with_kvcache"]
 
@@ -137,21 +138,12 @@ def attention_with_kvcache(
     if layout is None and k_info.shape[0] != batch:
         raise InputError(f"k_cache has batch {k_info.shape[0]} but q has batch {batch}")
     kernel_infos = [q_info] + [_as_batched(t, layout) for t in (k_info, v_info)]
-    variant_arrays = {"alibi_slopes": alibi_slopes, "sinks": sinks}
+    variants = VariantArgs(window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod,
+                           mod_inputs)  # fmt: skip
     call = check_inputs(
-        *kernel_infos,
-        None,
-        layout="bshd",
-        scale=scale,
-        spec=spec,
-        causal=bool(causal),
-        window_size=window_size,
-        softcap=softcap,
-        **{n: describe(x, n) for n, x in variant_arrays.items() if x is not None},
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        mod_inputs=mod_inputs,
-    )
+        *kernel_infos, None, layout="bshd", scale=scale, spec=spec, causal=bool(causal),
+        variants=variants,
+    )  # fmt: skip
     check_expression_libraries(q, call.expressions)
     # the kernels' parameter names (errors above named the caches)
     call = replace(call, k=replace(call.k, name="k"), v=replace(call.v, name="v"))
@@ -189,7 +181,7 @@ def attention_with_kvcache(
             "v_new": v_new,
             "cache_seqlens": None if lengths is not None else cache_seqlens,
             "block_table": None if not paged or table is not None else block_table,
-            **variant_arrays,
+            **variants.arrays(),
             **call.expressions.named_arrays(),
         }
     )

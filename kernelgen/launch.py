@@ -23,6 +23,7 @@ from kernelgen.occupancy import blocks_per_sm
 from kernelgen.render import (
     COMBINE_WARPS,
     MAX_SPLITS,
+    VARIANT_OFF,
     Param,
     combine_params,
     kernel_params,
@@ -79,15 +80,19 @@ class Problem:
     page_size: int = 0
     block_table_stride: int = 0
     num_pages: int = 0  # pages in the pool (the TMA tensor maps of a wgmma paged spec span it)
-    # Run-time values of the built-in variants (docs/variants.md), used by specs that have them:
-    # the window's (left, right) with -1 unbounded, the soft cap (0: none), and the batch stride
-    # of the ALiBi slopes (0 for slopes of shape (H,)).
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi_stride_b: int = 0
+    # Scalar arguments of the built-in variants by parameter name (CallVariants.scalars(),
+    # render.VARIANT_PARAMS); a parameter absent here gets its render.VARIANT_OFF value.
+    variant_scalars: tuple[tuple[str, int | float], ...] = ()
     # Further integer arguments by parameter name: the user expressions' input shapes and
     # strides, a block mask's strides (docs/expressions.md).
     extra_scalars: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """The window's (left, right), -1 unbounded (both without one): what tile skipping and
+        split counts read."""
+        values = {**VARIANT_OFF, **dict(self.variant_scalars)}
+        return int(values["window_left"]), int(values["window_right"])
 
     @property
     def group(self) -> int:
@@ -475,10 +480,8 @@ def kernel_arguments(
         "page_size": problem.page_size,
         "block_table_stride_b": problem.block_table_stride,
         "scale_log2": scale * math.log2(math.e),
-        "window_left": problem.window[0],
-        "window_right": problem.window[1],
-        "softcap": problem.softcap,
-        "alibi_stride_b": problem.alibi_stride_b,
+        **VARIANT_OFF,
+        **dict(problem.variant_scalars),
         **dict(problem.extra_scalars),
     }
     for tensor, axes, strides in (

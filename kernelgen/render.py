@@ -203,6 +203,15 @@ VARIANT_PARAMS: dict[str, tuple[Param, ...]] = {
     "alibi": (Param("alibi_slopes", "const float*"), Param("alibi_stride_b", "long long")),
     "sinks": (Param("sinks", "const float*"),),
 }
+# The value of each scalar parameter above that turns its variant off: what a kernel compiled
+# with the variant receives from a call without it (a window kernel serves calls without a
+# window: unbounded on both sides).
+VARIANT_OFF: dict[str, int | float] = {
+    "window_left": -1,
+    "window_right": -1,
+    "softcap": 0.0,
+    "alibi_stride_b": 0,
+}
 
 
 def combine_params(spec: KernelSpec) -> tuple[Param, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from kernelgen.api import Layout, check_flags
@@ -17,6 +18,7 @@ from kernelgen.api import attention as forward_attention
 from kernelgen.block_mask import BlockMask
 from kernelgen.fp8_api import fp8_attention, wants_fp8
 from kernelgen.spec import KernelSpec
+from kernelgen.variant_inputs import VariantArgs
 
 __all__ = ["attention"]
 
@@ -51,16 +53,16 @@ def attention(
     """kernelgen.api.attention, differentiable (the full text is set below)."""
     if deterministic is not False and deterministic is not True:
         check_flags(deterministic=deterministic)
+    variants = VariantArgs(
+        window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_inputs, block_mask
+    )
     if wants_fp8(q, k, v, q_descale, k_descale, v_descale):  # forward only: no grad
         descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
         return fp8_attention(
             q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
             layout=layout, descales=descales,
             unsupported={"mask": mask, "seqlens_k": seqlens_k, "num_splits": num_splits,
-                         "window_size": window_size, "softcap": softcap,
-                         "alibi_slopes": alibi_slopes, "sinks": sinks, "score_mod": score_mod,
-                         "mask_mod": mask_mod, "mod_inputs": mod_inputs,
-                         "block_mask": block_mask, "deterministic": deterministic or None},
+                         **variants.keywords(), "deterministic": deterministic or None},
         )  # fmt: skip
     if (
         seqlens_k is None
@@ -76,12 +78,7 @@ def attention(
             layout=layout,
             spec=spec,
             num_splits=num_splits,
-            window_size=window_size,
-            softcap=softcap,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            mod_inputs=mod_inputs,
-            block_mask=block_mask,
+            variants=replace(variants, alibi_slopes=None, sinks=None),  # Function inputs
             validate=bool(validate),
             deterministic=bool(deterministic),
         )
@@ -107,14 +104,7 @@ def attention(
         layout=layout,
         seqlens_k=seqlens_k,
         num_splits=num_splits,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        mod_inputs=mod_inputs,
-        block_mask=block_mask,
+        **variants.keywords(),
         validate=validate,
     )
 

@@ -1,5 +1,7 @@
-"""The built-in attention variants of one call (docs/variants.md): argument checks and what the
-kernels get from them (spec flags, run-time scalars, the slope and sink arrays).
+"""The variants of one call as one value (docs/variants.md, docs/expressions.md): the arguments
+as given (:class:`VariantArgs`), their checks (:func:`check_variants`) and the checked value
+(:class:`CallVariants`) that the plan, the render parameters, the launch and the backward read
+(spec flags, run-time scalars by kernel parameter, the slope and sink arrays, the expressions).
 
 Checks run on metadata only, before anything is compiled or launched; each bad argument raises a
 typed error naming it, its value and what is allowed.
@@ -8,13 +10,35 @@ typed error naming it, its value and what is allowed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from kernelgen.errors import InputError, InputTypeError
+from kernelgen.expression_inputs import CallExpressions, check_expressions
+from kernelgen.frameworks import Arrays, launch_arg
 from kernelgen.spec import VARIANT_FLAGS, KernelSpec
 
-__all__ = ["CallVariants", "check_spec_variants", "check_variants"]
+__all__ = [
+    "EXPRESSION_ARGUMENTS",
+    "NO_VARIANTS",
+    "VARIANT_ARGUMENTS",
+    "CallVariants",
+    "VariantArgs",
+    "check_spec_variants",
+    "check_variants",
+]
+
+# Each built-in variant's spec flag (kernelgen.spec.VARIANT_FLAGS) -> its argument of
+# attention() and of VariantArgs; the user expressions' spec fields -> theirs.
+VARIANT_ARGUMENTS = {
+    "window": "window_size",
+    "softcap": "softcap",
+    "alibi": "alibi_slopes",
+    "sinks": "sinks",
+}
+EXPRESSION_ARGUMENTS = {"score_mod": "score_mod", "mask_mod": "mask_mod"}
+VARIANT_ARRAYS = ("alibi_slopes", "sinks")  # the built-in variants' array arguments
 
 
 class ArrayInfo(Protocol):
@@ -28,15 +52,61 @@ class ArrayInfo(Protocol):
 
 
 @dataclass(frozen=True)
+class VariantArgs:
+    """A call's variant arguments as given, unchecked: the built-in variants' (window_size,
+    softcap, alibi_slopes, sinks: arrays, or their ArrayInfo) and the user expressions'
+    (score_mod, mask_mod, mod_inputs, block_mask). The public functions build it once from
+    their keywords; :func:`check_variants` gives the checked :class:`CallVariants`."""
+
+    window_size: Any = None
+    softcap: Any = None
+    alibi_slopes: Any = None
+    sinks: Any = None
+    score_mod: Any = None
+    mask_mod: Any = None
+    mod_inputs: Any = None
+    block_mask: Any = None
+
+    def keywords(self) -> dict[str, Any]:
+        """Every field as the keyword arguments of attention() and attention_backward()."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def arrays(self) -> dict[str, Any]:
+        """The built-in variants' arrays by argument name (None where not given)."""
+        return {name: getattr(self, name) for name in VARIANT_ARRAYS}
+
+    def key_scalars(self) -> tuple[Any, ...]:
+        """The built-in variants' arguments but the arrays (a call plan's key holds these; the
+        arrays by signature)."""
+        return tuple(
+            getattr(self, f.name)
+            for f in fields(self)
+            if f.name in VARIANT_ARGUMENTS.values() and f.name not in VARIANT_ARRAYS
+        )
+
+    @property
+    def has_expressions(self) -> bool:
+        """Whether any user-expression argument is given (such calls are checked every time)."""
+        return any(
+            x is not None for x in (self.score_mod, self.mask_mod, self.mod_inputs, self.block_mask)
+        )
+
+
+NO_VARIANTS = VariantArgs()  # a call without variants or expressions
+
+
+@dataclass(frozen=True)
 class CallVariants:
     """A call's checked variants. ``window`` is (left, right) with -1 unbounded, causal already
     applied (causal narrows right to 0), or None without a window; ``softcap`` None without a
-    cap; ``alibi`` (fp32, (H,) or (B, H)) and ``sinks`` (fp32, (H,)) array metadata or None."""
+    cap; ``alibi`` (fp32, (H,) or (B, H)) and ``sinks`` (fp32, (H,)) array metadata or None;
+    ``expressions`` the checked user expressions and block mask."""
 
     window: tuple[int, int] | None = None
     softcap: float | None = None
     alibi: ArrayInfo | None = None
     sinks: ArrayInfo | None = None
+    expressions: CallExpressions = field(default_factory=CallExpressions)
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -56,12 +126,26 @@ class CallVariants:
             return 0
         return self.alibi.strides[0]
 
-    def key(self) -> tuple[Any, ...]:
-        """The scalars and array signatures a call plan depends on (arrays by shape/strides)."""
-        arrays = tuple(
-            None if a is None else (a.shape, a.strides, a.dtype) for a in (self.alibi, self.sinks)
-        )
-        return (self.window, self.softcap, *arrays)
+    def scalars(self) -> tuple[tuple[str, int | float], ...]:
+        """The built-in variants' scalar kernel arguments by parameter name
+        (kernelgen.render.VARIANT_PARAMS); an absent one gets render.VARIANT_OFF at launch."""
+        values: list[tuple[str, int | float]] = []
+        if self.window is not None:
+            values += [("window_left", self.window[0]), ("window_right", self.window[1])]
+        if self.softcap is not None:
+            values.append(("softcap", self.softcap))
+        if self.alibi is not None:
+            values.append(("alibi_stride_b", self.alibi_stride_b))
+        return tuple(values)
+
+    def tensors(self, arrays: Arrays) -> dict[str, Any]:
+        """The built-in variants' array arguments by parameter name, in ``arrays``' library (the
+        expressions' are ``expressions.tensors``)."""
+        return {
+            info.name: launch_arg(arrays, info.source)
+            for info in (self.alibi, self.sinks)
+            if info is not None
+        }
 
 
 def _check_window(window_size: Any, causal: bool) -> tuple[int, int] | None:
@@ -129,22 +213,36 @@ def _check_array(info: ArrayInfo | None, shapes: list[tuple[int, ...]]) -> Array
 
 
 def check_variants(
+    args: VariantArgs,
     *,
-    window_size: Any,
-    softcap: Any,
-    alibi_slopes: ArrayInfo | None,
-    sinks: ArrayInfo | None,
+    describe: Callable[[Any, str], ArrayInfo],
     causal: bool,
     batch: int,
     heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
 ) -> CallVariants:
     """The call's variants, checked: window_size (left, right) integers >= -1, softcap a finite
-    number > 0, alibi_slopes float32 (H,) or (B, H), sinks float32 (H,)."""
+    number > 0, alibi_slopes float32 (H,) or (B, H), sinks float32 (H,) (arrays read through
+    ``describe(array, name)``), and the expressions (:func:`check_expressions`)."""
+    if not isinstance(args, VariantArgs):
+        raise InputTypeError(f"variants has type {type(args).__name__}; expected a VariantArgs")
+    infos = {n: None if x is None else describe(x, n) for n, x in args.arrays().items()}
     return CallVariants(
-        window=_check_window(window_size, causal),
-        softcap=_check_softcap(softcap),
-        alibi=_check_array(alibi_slopes, [(heads,), (batch, heads)]),
-        sinks=_check_array(sinks, [(heads,)]),
+        window=_check_window(args.window_size, causal),
+        softcap=_check_softcap(args.softcap),
+        alibi=_check_array(infos["alibi_slopes"], [(heads,), (batch, heads)]),
+        sinks=_check_array(infos["sinks"], [(heads,)]),
+        expressions=check_expressions(
+            score_mod=args.score_mod,
+            mask_mod=args.mask_mod,
+            mod_inputs=args.mod_inputs,
+            block_mask=args.block_mask,
+            batch=batch,
+            heads=heads,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+        ),
     )
 
 

@@ -14,6 +14,7 @@ packed outputs, and device-resident offsets are read back to the host (one synch
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from kernelgen.errors import InputError, InputTypeError
 from kernelgen.frameworks import arrays_of, device_of, module_of, refuse_during_capture
 from kernelgen.spec import KernelSpec
 from kernelgen.training import attention
-from kernelgen.variant_inputs import check_variants
+from kernelgen.variant_inputs import VariantArgs, check_variants
 
 __all__ = ["attention_varlen", "sequence_runs"]
 
@@ -83,7 +84,7 @@ def attention_varlen(
         )
         for t in infos
     ]
-    sinks_info = None if sinks is None else describe(sinks, "sinks")
+    variants = VariantArgs(window_size, softcap, alibi_slopes, sinks)
     check_inputs(
         *as_batch,
         None,
@@ -91,9 +92,7 @@ def attention_varlen(
         scale=scale,
         spec=None if alibi_slopes is not None else spec,  # its flags: checked per run below
         causal=bool(causal),
-        window_size=window_size,
-        softcap=softcap,
-        sinks=sinks_info,
+        variants=replace(variants, alibi_slopes=None),  # one batch entry here: checked below
     )
     total_q, heads, head_dim = infos[0].shape
     total_k = infos[1].shape[0]
@@ -119,16 +118,15 @@ def attention_varlen(
     _check_max(max_seqlen_k, "max_seqlen_k", np.diff(starts_k), "cu_seqlens_k")
     per_sequence = False  # ALiBi slopes per sequence, (B, H)
     if alibi_slopes is not None:  # (H,) or (B, H), B the sequences
-        slopes = describe(alibi_slopes, "alibi_slopes")
-        check_variants(
-            window_size=None,
-            softcap=None,
-            alibi_slopes=slopes,
-            sinks=None,
+        slopes = check_variants(
+            VariantArgs(alibi_slopes=alibi_slopes),
+            describe=describe,
             causal=False,
             batch=starts_q.shape[0] - 1,
             heads=heads,
-        )
+            seqlen_q=max_seqlen_q,
+            seqlen_k=max_seqlen_k,
+        ).alibi
         per_sequence = len(slopes.shape) == 2
 
     arrays = arrays_of(q)

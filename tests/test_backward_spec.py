@@ -141,9 +141,8 @@ def _call(q_strides_from=None):
         q = q_strides_from[..., :32]
     infos = [backward_api.describe(x, n) for x, n in ((q, "q"), (q[:, :1], "k"), (q[:, :1], "v"))]
     call = backward_api.check_inputs(
-        *infos, None, layout="bhsd", scale=None, spec=None, causal=False, window_size=None,
-        softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None,
-        mod_inputs=None, block_mask=None,
+        *infos, None, layout="bhsd", scale=None, spec=None, causal=False,
+        variants=backward_api.VariantArgs(),
     )  # fmt: skip
     return call, infos
 

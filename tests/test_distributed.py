@@ -301,11 +301,12 @@ def _group(rank: int, world: int):
 
 def _setup(q, k, v, group, **kw):
     from kernelgen.distributed.attention import _setup
+    from kernelgen.variant_inputs import VariantArgs
 
-    options = dict(sharding=None, schedule="ring", causal=True, scale=None, window_size=None,
-                   softcap=None, alibi_slopes=None, sinks=None)  # fmt: skip
+    options = dict(sharding=None, schedule="ring", causal=True, scale=None)
+    variants = {name: kw.pop(name) for name in list(kw) if name not in options}
     options.update(kw)
-    return _setup(q, k, v, group, **options)
+    return _setup(q, k, v, group, **options, variants=VariantArgs(**variants))
 
 
 def test_the_checks_name_the_problem():

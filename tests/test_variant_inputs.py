@@ -19,7 +19,7 @@ from kernelgen.policy import default_spec
 from kernelgen.render import kernel_params, render
 from kernelgen.spec import KernelSpec, spec_from_dict, spec_json_schema
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
-from kernelgen.variant_inputs import check_variants
+from kernelgen.variant_inputs import VariantArgs, check_variants
 
 BATCH, HEADS = 2, 8  # infos()' q is (2, 8, 17, 64)
 
@@ -31,8 +31,9 @@ def fp32(shape, typestr="<f4", name="alibi_slopes"):
 def check(spec=None, causal=False, **variants):
     arrays, mask = infos()
     return check_inputs(
-        *arrays, mask, layout="bhsd", scale=None, spec=spec, causal=causal, **variants
-    )
+        *arrays, mask, layout="bhsd", scale=None, spec=spec, causal=causal,
+        variants=VariantArgs(**variants),
+    )  # fmt: skip
 
 
 def test_window_is_normalised_and_causal_narrows_its_right_side():
@@ -98,24 +99,14 @@ def test_bad_variants_fail_before_any_compile_or_launch(monkeypatch):
 
 
 def test_alibi_batch_stride():
-    per_head = check_variants(
-        window_size=None,
-        softcap=None,
-        alibi_slopes=fp32((HEADS,)),
-        sinks=None,
-        causal=False,
-        batch=BATCH,
-        heads=HEADS,
-    )
-    per_batch = check_variants(
-        window_size=None,
-        softcap=None,
-        alibi_slopes=fp32((BATCH, HEADS)),
-        sinks=None,
-        causal=False,
-        batch=BATCH,
-        heads=HEADS,
-    )
+    per_head, per_batch = (
+        check_variants(
+            VariantArgs(alibi_slopes=FakeDeviceArray(shape, "<f4")), describe=describe,
+            causal=False,
+            batch=BATCH, heads=HEADS, seqlen_q=17, seqlen_k=17,
+        )
+        for shape in ((HEADS,), (BATCH, HEADS))
+    )  # fmt: skip
     assert (per_head.alibi_stride_b, per_batch.alibi_stride_b) == (0, HEADS)
 
 
@@ -237,8 +228,12 @@ def test_split_counts_follow_the_windows_keys_not_the_cache():
 
     spec = default_spec("float16", 128, True, "sm_90", decode_rows=4, variants=("window",))
     plain = Problem(4, 32, 8, 1, 32768, 128, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0))
-    windowed = dataclasses.replace(plain, window=(1023, 0))
+    windowed = dataclasses.replace(
+        plain, variant_scalars=(("window_left", 1023), ("window_right", 0))
+    )
     assert window_keys(spec, plain) == 32768 and window_keys(spec, windowed) == 1024
     assert default_num_splits(spec, windowed, 132) <= 1024 // spec.block_n
-    unbounded_right = dataclasses.replace(plain, window=(1023, -1))
+    unbounded_right = dataclasses.replace(
+        plain, variant_scalars=(("window_left", 1023), ("window_right", -1))
+    )
     assert window_keys(spec.model_copy(update={"causal": False}), unbounded_right) == 32768

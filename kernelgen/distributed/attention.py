@@ -20,6 +20,7 @@ from kernelgen.distributed.sharding import Sharding
 from kernelgen.distributed.ulysses import UlyssesAttention
 from kernelgen.errors import InputError
 from kernelgen.expressions import Expression
+from kernelgen.variant_inputs import VariantArgs
 
 __all__ = ["SCHEDULES", "context_parallel_attention"]
 
@@ -94,9 +95,9 @@ def context_parallel_attention(
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     group_info = Group.of(group)
-    expressions = {"score_mod": score_mod, "mask_mod": mask_mod, "mod_inputs": mod_inputs}
-    setup = _setup(q, k, v, group_info, sharding, schedule, causal, scale, window_size,
-                   softcap, alibi_slopes, sinks, **expressions)  # fmt: skip
+    variants = VariantArgs(window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod,
+                           mod_inputs)  # fmt: skip
+    setup = _setup(q, k, v, group_info, sharding, schedule, causal, scale, variants)
     out, lse = SCHEDULES[schedule].apply(setup, q, k, v, sinks)
     if layout == "bshd":
         out = out.transpose(1, 2)
@@ -112,13 +113,7 @@ def _setup(
     schedule: str,
     causal: bool,
     scale: float | None,
-    window_size: tuple[int, int] | None,
-    softcap: float | None,
-    alibi_slopes: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    score_mod: Any = None,
-    mask_mod: Any = None,
-    mod_inputs: Mapping[str, Any] | None = None,
+    variants: VariantArgs,
 ) -> Setup:
     """The call's checked setup: attention()'s own checks on the shards' metadata, then the
     sharding's."""
@@ -143,21 +138,10 @@ def _setup(
     infos = [describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     infos = [replace(t, shape=(*t.shape[:2], max(1, t.shape[2]), t.shape[3])) for t in infos]
     call = check_inputs(
-        *infos,
-        None,
-        layout="bhsd",
-        scale=scale,
-        spec=None,
-        causal=bool(causal),
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=None if alibi_slopes is None else describe(alibi_slopes, "alibi_slopes"),
-        sinks=None if sinks is None else describe(sinks, "sinks"),
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        mod_inputs=mod_inputs,
-    )
-    reserved = [n for n in mod_inputs or {} if n.startswith(RESERVED_PREFIX)]
+        *infos, None, layout="bhsd", scale=scale, spec=None, causal=bool(causal),
+        variants=variants,
+    )  # fmt: skip
+    reserved = [n for n in variants.mod_inputs or {} if n.startswith(RESERVED_PREFIX)]
     if reserved:
         raise InputError(
             f"mod_inputs[{reserved[0]!r}]: names starting with {RESERVED_PREFIX!r} are reserved "
@@ -170,17 +154,17 @@ def _setup(
             f"schedule='ulysses' splits the {heads} query heads over {group.world} ranks; they "
             "must divide evenly (use 'ring' or 'allgather')"
         )
-    alibi = None if alibi_slopes is None else alibi_slopes.expand(batch, heads)
+    slopes, sinks = variants.alibi_slopes, variants.sinks
     options = Options(
         scale=call.scale,
         softcap=call.variants.softcap,
-        alibi=alibi,
+        alibi=None if slopes is None else slopes.expand(batch, heads),
         sinks=None if sinks is None else sinks.detach(),
         score_mod=None if found.score_mod is None else globalize(found.score_mod.text),
         mask_mod=None if found.mask_mod is None else globalize(found.mask_mod.text),
         mod_inputs=dict(found.arrays),
     )
-    rule = Visibility.of(bool(causal), window_size)
+    rule = Visibility.of(bool(causal), variants.window_size)
     return Setup(group, sharding, rule, options, kv_heads=k.shape[1])
 
 

@@ -9,7 +9,7 @@ It sits above :mod:`kernelgen.api` (it uses its checks and plan); the API itself
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from kernelgen.errors import InputError, InputTypeError
 from kernelgen.host import NumpyArrays
 from kernelgen.launch import Problem
 from kernelgen.spec import KernelSpec
+from kernelgen.variant_inputs import VariantArgs
 
 __all__ = ["DEFAULT_PAGE_SIZE", "EmulatedAttention", "emulate_attention", "emulate_fp8_attention"]
 
@@ -121,26 +122,16 @@ def emulate_attention(
             width = infos[1].shape[2 if layout == "bhsd" else 1] - keys
             arrays["mask"] = np.pad(arrays["mask"], ((0, 0), (0, 0), (0, 0), (0, width)))
         mask_info = _info("mask", arrays["mask"], "float32")
-    variant_infos = {}
-    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+    variants = VariantArgs(window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod,
+                           mod_inputs, block_mask)  # fmt: skip
+    for name, x in variants.arrays().items():
         if x is not None:
             arrays[name] = np.ascontiguousarray(x, dtype=np.float32)
-            variant_infos[name] = _info(name, arrays[name], "float32")
+            variants = replace(variants, **{name: _info(name, arrays[name], "float32")})
     call = check_inputs(
-        *infos,
-        mask_info,
-        layout=layout,
-        scale=scale,
-        spec=spec,
-        causal=spec.causal,
-        window_size=window_size,
-        softcap=softcap,
-        **variant_infos,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        mod_inputs=mod_inputs,
-        block_mask=block_mask,
-    )
+        *infos, mask_info, layout=layout, scale=scale, spec=spec, causal=spec.causal,
+        variants=variants,
+    )  # fmt: skip
     arrays.update(call.expressions.tensors(NumpyArrays))
     problem, out_shape = plan(call, layout)
     problem = Problem(**{**problem.__dict__, "num_splits": num_splits})

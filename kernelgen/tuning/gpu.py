@@ -344,12 +344,12 @@ def backward_launch_problem(problem: ProblemDesc, variants: dict[str, Any]) -> P
         for tensor, values in strides.items()
         for i, axis in enumerate("bhs")
     )
-    return dataclasses.replace(
-        base,
-        window=variants.get("window_size", (-1, -1)),
-        softcap=variants.get("softcap", 0.0),
-        extra_scalars=extra,
-    )
+    scalars: list[tuple[str, int | float]] = []
+    if "window_size" in variants:  # bench_variants' window is bounded on both sides already
+        scalars += zip(("window_left", "window_right"), variants["window_size"], strict=True)
+    if "softcap" in variants:
+        scalars.append(("softcap", variants["softcap"]))
+    return dataclasses.replace(base, variant_scalars=tuple(scalars), extra_scalars=extra)
 
 
 def backward_functions(cupy: Any, spec: BackwardSpec, cubin: Path | None) -> dict[str, Any]:
