@@ -1,27 +1,33 @@
-"""A kernelgen spec's launch plan run on the emulator: the generated CUDA over NumPy arrays.
+"""A kernelgen spec's kernels built by the emulator, and what their launches report.
 
-The same plan as on the GPU (:func:`kernelgen.launch.launch_steps`, its arguments and scratch
-buffers); only the launcher differs. Sits below :mod:`kernelgen.api` (it takes a checked
-:class:`~kernelgen.launch.Problem`, not user tensors).
+The CPU backend (:mod:`kernelgen.host`) launches these kernels through the same
+:class:`~kernelgen.launch.PreparedLaunch` as a GPU call; only the runner differs. Within
+:func:`recording`, the emulated launches of a call report into a :class:`Recording` (the final
+Problem, each kernel's :class:`~kernelgen.emulator.LaunchStats`, every array the kernels saw):
+what ``kernelgen emulate`` and the emulation tests read (:mod:`kernelgen.emulated_api`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 import numpy as np
 
 from kernelgen.emulator.kernel import EmulatedKernel, LaunchStats, build_kernels
-from kernelgen.launch import Problem, kernel_arguments, launch_steps, scratch_floats
+from kernelgen.launch import Problem
 from kernelgen.render import combine_params, kernel_params, render
 from kernelgen.spec import KernelSpec
-from kernelgen.tensor_maps import encode_on_host, tensor_map_arguments, tensor_map_layouts
 
 __all__ = [
+    "Recording",
+    "active_recording",
     "from_device_dtype",
-    "run_launches",
+    "recording",
     "spec_kernel",
     "spec_kernels",
     "to_device_dtype",
@@ -42,7 +48,7 @@ def spec_kernels(
 
 def spec_kernel(spec: Any, symbol: str, params: tuple, source: str | None = None) -> EmulatedKernel:
     """The emulated kernel ``symbol`` of ``spec`` (see :func:`spec_kernels`). A forward spec's
-    main kernel and split-KV combine are built together, as :func:`run_launches` builds them."""
+    main kernel and split-KV combine are built together, into one library."""
     kernels = ((symbol, tuple(params)),)
     if isinstance(spec, KernelSpec):
         siblings = _forward_kernels(spec)
@@ -77,35 +83,58 @@ def from_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def run_launches(
-    spec: KernelSpec,
-    problem: Problem,
-    arrays: dict[str, np.ndarray],
-    scale: float,
-    *,
-    source: str | None = None,
-    on_step: Callable[[int, int], None] | None = None,
-) -> dict[str, LaunchStats]:
-    """Every launch of the spec's plan for ``problem``, in order, over ``arrays`` (q, k, v, out
-    and the optional lse, mask, seqlens_k by parameter name); the scratch buffers are added to
-    ``arrays`` poisoned with NaN, and a wgmma spec's tensor maps of q, k and v. Returns each
-    kernel's launch statistics by symbol.
+@dataclass
+class Recording:
+    """What the emulated launches of one call reported: the Problem they were planned for (split
+    count and paging included), each kernel's launch statistics by symbol (summed over its
+    launches), and every array argument by parameter name as the kernels saw it (scratch
+    buffers cut to their size). ``source`` replaces the rendered CUDA of the call's forward
+    spec (e.g. a mutated kernel); ``on_step(done, total)`` runs after each launch."""
 
-    ``source`` replaces the rendered CUDA (e.g. a modified kernel); ``on_step(done, total)`` is
-    called after each launch."""
-    for name, floats in scratch_floats(spec, problem).items():
-        arrays[name] = np.full(floats, np.nan, dtype=np.float32)
-    if spec.engine.warp_specialized:  # q, k and v reach the kernel as TMA tensor maps
-        layouts = tensor_map_layouts(spec, problem)
-        arrays.update(tensor_map_arguments(layouts, arrays, encode_on_host))
-    stats: dict[str, LaunchStats] = {}
-    steps = launch_steps(spec, problem)
-    kernels = spec_kernels(spec, tuple((s.symbol, tuple(s.params)) for s in steps), source)
-    for i, step in enumerate(steps):
-        args = kernel_arguments(step.params, problem, arrays, scale, null=None)
-        kernel = kernels[step.symbol]
-        launched = kernel(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
-        stats[step.symbol] = stats.get(step.symbol, LaunchStats()) + launched
-        if on_step is not None:
-            on_step(i + 1, len(steps))
-    return stats
+    source: str | None = None
+    on_step: Callable[[int, int], None] | None = None
+    problem: Problem | None = None
+    stats: dict[str, LaunchStats] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    launches: int = 0  # planned
+    done: int = 0
+    scratch: dict[str, int] = field(default_factory=dict)  # floats of each scratch buffer
+
+    def planned(self, problem: Problem, launches: int, scratch: dict[str, int]) -> None:
+        """A launch was prepared: ``launches`` kernels for ``problem``, with ``scratch``."""
+        self.problem, self.launches, self.scratch = problem, launches, dict(scratch)
+
+    def launched(
+        self, symbol: str, names: Sequence[str], values: Sequence[Any], stats: LaunchStats
+    ) -> None:
+        """Kernel ``symbol`` ran with ``values`` (its parameters ``names``) and gave ``stats``."""
+        self.stats[symbol] = self.stats.get(symbol, LaunchStats()) + stats
+        for name, value in zip(names, values, strict=True):
+            if isinstance(value, np.ndarray):  # scratch pointers resolve to the rest of a buffer
+                floats = self.scratch.get(name)
+                self.arrays[name] = value if floats is None else value[:floats]
+        self.done += 1
+        if self.on_step is not None:
+            self.on_step(self.done, self.launches)
+
+
+_ACTIVE: ContextVar[Recording | None] = ContextVar("kernelgen_emulated_recording", default=None)
+
+
+def active_recording() -> Recording | None:
+    """The recording emulated launches report into now (None: not recorded)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def recording(
+    source: str | None = None, on_step: Callable[[int, int], None] | None = None
+) -> Iterator[Recording]:
+    """Within the block, the CPU backend's launches (this thread's) report into the yielded
+    :class:`Recording`, and its kernels are built from ``source`` when given."""
+    recorded = Recording(source, on_step)
+    token = _ACTIVE.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _ACTIVE.reset(token)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import WGMMA_SPEC_PATHS
 
-from kernelgen.emulator.attention import emulate_attention, emulate_fp8_attention
+from kernelgen.emulated_api import emulate_attention, emulate_fp8_attention
 from kernelgen.errors import HazardError, InputError, InputTypeError, SpecError
 from kernelgen.fp8 import E4M3_VALUES, KEY_ORDER, check_descales, decode_e4m3, v_operand
 from kernelgen.render import render

@@ -23,7 +23,7 @@ from kernelgen.emulator import (
     build_kernel,
     encode_tensor_map_tiled,
 )
-from kernelgen.emulator.launches import to_device_dtype
+from kernelgen.emulated_launch import to_device_dtype
 
 pytestmark = pytest.mark.emulate
 
