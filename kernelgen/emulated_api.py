@@ -173,7 +173,7 @@ def _paged_attention(
     # wgmma copies a key tile from one page: its smallest page is one tile
     page_size = page_size or (spec.block_n if spec.engine.warp_specialized else DEFAULT_PAGE_SIZE)
     infos = [_info("q", q)]
-    for name in ("k", "v"):
+    for name in ("k", "v"):  # one block table and page count for both
         pool, table, info = _paged(inputs[name], name, spec.dtype, layout, page_size)
         infos.append(info)
     keys = inputs["k"].shape[2 if layout == "bhsd" else 1]
@@ -188,9 +188,9 @@ def _paged_attention(
         width = infos[1].shape[2 if layout == "bhsd" else 1] - keys
         mask_info = _info("mask", np.pad(full, ((0, 0), (0, 0), (0, 0), (0, width))))
     variant_infos = {
-        name: _info(name, variants.pop(name))
+        name: _info(name, x)
         for name in ("alibi_slopes", "sinks")
-        if variants[name] is not None
+        if (x := variants[name]) is not None
     }
     call = check_inputs(
         *infos,
@@ -199,9 +199,13 @@ def _paged_attention(
         scale=scale,
         spec=spec,
         causal=spec.causal,
-        **variants,
+        window_size=variants["window_size"],
+        softcap=variants["softcap"],
         **variant_infos,
-        **expressions,
+        score_mod=expressions["score_mod"],
+        mask_mod=expressions["mask_mod"],
+        mod_inputs=expressions["mod_inputs"],
+        block_mask=expressions["block_mask"],
     )
     num_splits = check_num_splits(num_splits, spec)
     paging = Paging(page_size, table, table.shape[1], pool.shape[0])
