@@ -352,7 +352,7 @@ class _BackwardKernels:
         self._steps: dict[Problem, list[LaunchStep]] = {}
         source = backward.render(spec)
         if host:
-            from kernelgen.emulator.launches import spec_kernels
+            from kernelgen.emulated_launch import spec_kernels
 
             steps = backward.launch_steps(spec, _UNIT_PROBLEM)  # one library for all three
             kernels = tuple((s.symbol, tuple(s.params)) for s in steps)

@@ -1,7 +1,7 @@
 """``kernelgen emulate SPEC``: run a spec's kernels on the CPU emulator against float64.
 
 Fresh random inputs (rounded to the spec's dtype), the spec's launch plan through
-:func:`kernelgen.emulator.attention.emulate_attention`, and a table: the error against the
+:func:`kernelgen.emulated_api.emulate_attention`, and a table: the error against the
 float64 reference with its tolerance, hazards, ldmatrix wavefronts against the conflict-free
 ideal, cp.async global bytes against reading q, k and v once, and the key tiles visited.
 Exit 1 on an error over tolerance, a NaN, a hazard or a failed launch; bad input prints one line
@@ -64,7 +64,7 @@ class Row:
 
 
 def _random_inputs(spec: KernelSpec, shape: tuple[int, ...], seed: int):
-    from kernelgen.emulator.launches import from_device_dtype, to_device_dtype
+    from kernelgen.emulated_launch import from_device_dtype, to_device_dtype
 
     b, h, hkv, sq, sk = shape
     rng = np.random.default_rng(seed)
@@ -332,7 +332,7 @@ def emulate(
     """Run SPEC's kernels on the CPU emulator on random inputs; print the error against float64
     with its tolerance, hazards, ldmatrix wavefronts, global bytes read and key tiles visited.
     Exit 1 when the error is over tolerance or a hazard is found."""
-    from kernelgen.emulator.attention import emulate_attention
+    from kernelgen.emulated_api import emulate_attention
     from kernelgen.families import load_any_spec
 
     try:

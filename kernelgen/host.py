@@ -7,7 +7,10 @@ arguments); only the array library (:class:`NumpyArrays`, :class:`TorchCpuArrays
 ``Arrays`` of :mod:`kernelgen.frameworks`) and the kernel runner (:class:`EmulatedRuntimeKernel`,
 the generated CUDA compiled by g++ instead of NVRTC) differ. No tuning: there is no GPU to time.
 It is for correctness and debugging, not speed: the first call warns once
-(:class:`~kernelgen.errors.CPUBackendWarning`). See docs/emulator.md.
+(:class:`~kernelgen.errors.CPUBackendWarning`), and its allocations start as NaN (every bit set)
+so that an element a kernel leaves unwritten shows. Within
+:func:`kernelgen.emulated_launch.recording` (``kernelgen emulate``, the emulation tests), the
+launches report what they ran and the call does not warn. See docs/emulator.md.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import CPUBackendWarning, caller_stacklevel
-from kernelgen.launch import RuntimeKernel, default_num_splits
+from kernelgen.launch import (
+    PreparedLaunch,
+    Problem,
+    RuntimeKernel,
+    default_num_splits,
+    scratch_floats,
+)
 from kernelgen.spec import KernelSpec
 from kernelgen.tensor_maps import TensorMapLayout, encode_on_host
 
@@ -79,7 +88,10 @@ _ALLOCATIONS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDi
 
 
 def _allocate(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A host allocation of the backend, poisoned: every bit set is a NaN in each float type
+    (bfloat16 bits too) and -1 in the integer ones."""
     array = np.empty(shape, dtype=dtype)
+    array.reshape(-1).view(np.uint8).fill(0xFF)
     _ALLOCATIONS[array.ctypes.data] = array
     return array
 
@@ -126,7 +138,10 @@ class _HostArrays:
 
     @staticmethod
     def scope(device: int) -> contextlib.AbstractContextManager[Any]:
-        warn_once()
+        from kernelgen.emulated_launch import active_recording
+
+        if active_recording() is None:  # a recorded call asked for the emulator
+            warn_once()
         return contextlib.nullcontext()
 
 
@@ -202,21 +217,29 @@ def host_arrays_of(q: Any) -> HostArrays:
 
 
 class _EmulatedFunction:
-    """One kernel of a spec built by the emulator, called like a CuPy RawKernel:
-    ``function(grid, block, args, shared_mem=)``, pointers (``np.uint64``) resolved to arrays."""
+    """One kernel of a spec built by the emulator (from ``source`` when given, else the spec's
+    rendered CUDA), called like a CuPy RawKernel: ``function(grid, block, args, shared_mem=)``,
+    pointers (``np.uint64``) resolved to arrays; reports to the active recording."""
 
-    def __init__(self, spec: KernelSpec, symbol: str) -> None:
-        from kernelgen.emulator.launches import spec_kernel
+    def __init__(self, spec: KernelSpec, symbol: str, source: str | None = None) -> None:
+        from kernelgen.emulated_launch import spec_kernel
         from kernelgen.render import combine_params, kernel_params
 
         params = kernel_params(spec) if symbol == spec.uri else combine_params(spec)
-        self.kernel = spec_kernel(spec, symbol, params)
+        self.symbol = symbol
+        self.names = [p.name for p in params]
+        self.kernel = spec_kernel(spec, symbol, params, source)
 
     def __call__(self, grid: Any, block: Any, args: tuple[Any, ...], shared_mem: int = 0) -> None:
+        from kernelgen.emulated_launch import active_recording
+
         values = [
             (array_at(int(a)) if int(a) else None) if type(a) is np.uint64 else a for a in args
         ]
-        self.kernel(grid=grid, block=block, shared_mem=shared_mem, args=values)
+        stats = self.kernel(grid=grid, block=block, shared_mem=shared_mem, args=values)
+        recorded = active_recording()
+        if recorded is not None:
+            recorded.launched(self.symbol, self.names, values, stats)
 
 
 def encode_host_tensor_map(layout: TensorMapLayout, tensor: Any) -> Any:
@@ -232,11 +255,26 @@ class EmulatedRuntimeKernel(RuntimeKernel):
 
     encode_tensor_map = staticmethod(encode_host_tensor_map)
 
-    def __init__(self, spec: KernelSpec) -> None:  # no super().__init__: nothing of CuPy's
+    def __init__(self, spec: KernelSpec, source: str | None = None) -> None:
+        # no super().__init__: nothing of CuPy's
         self.spec = spec
         self._prepared = {}
         symbols = [spec.uri] + ([spec.combine_uri] if spec.split_kv else [])
-        self.functions = {symbol: _EmulatedFunction(spec, symbol) for symbol in symbols}
+        self.functions = {symbol: _EmulatedFunction(spec, symbol, source) for symbol in symbols}
+
+    def prepare(
+        self, problem: Problem, scale: float, num_splits: int | None = None
+    ) -> PreparedLaunch:
+        """:meth:`RuntimeKernel.prepare`; the active recording learns the launch's Problem, its
+        number of launches and its scratch buffers' sizes."""
+        from kernelgen.emulated_launch import active_recording
+
+        launch = super().prepare(problem, scale, num_splits)
+        recorded = active_recording()
+        if recorded is not None:
+            scratch = scratch_floats(self.spec, launch.problem)
+            recorded.planned(launch.problem, len(launch.steps), scratch)
+        return launch
 
     def default_num_splits(self, problem: Any) -> int:
         return default_num_splits(self.spec, problem, EMULATED_SM_COUNT, EMULATED_ARCH)
@@ -247,7 +285,15 @@ _KERNELS_LOCK = threading.Lock()
 
 
 def emulated_kernel(spec: KernelSpec) -> EmulatedRuntimeKernel:
-    """The emulated kernels of ``spec``, built once per process (g++ output is cached on disk)."""
+    """The emulated kernels of ``spec``, built once per process (g++ output is cached on disk).
+    A recorded call's are not kept: taken afresh from the cache of
+    :func:`kernelgen.emulated_launch.spec_kernels` (which tests clear to rebuild), from the
+    recording's ``source`` when it has one."""
+    from kernelgen.emulated_launch import active_recording
+
+    recorded = active_recording()
+    if recorded is not None:
+        return EmulatedRuntimeKernel(spec, recorded.source)
     kernel = _KERNELS.get(spec)
     if kernel is None:
         with _KERNELS_LOCK:

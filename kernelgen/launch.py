@@ -358,6 +358,7 @@ class PreparedLaunch:
         encode_tensor_map: Encoder = encode_device_tensor,
     ) -> None:
         self.spec_uri = spec.uri
+        self.problem = problem  # split count included: what the CPU backend's recording reports
         self.reads_mask = spec.additive_mask
         # wgmma: the TMA tensor maps' layouts are checked and fixed here, once per call shape
         self.tensor_maps = (

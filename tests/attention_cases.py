@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernelgen.emulator.launches import to_device_dtype
+from kernelgen.emulated_launch import to_device_dtype
 from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS, expression_arguments
 from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
 

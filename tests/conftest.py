@@ -195,7 +195,7 @@ def templates_at(monkeypatch, folder: Path) -> Iterator[None]:
     block: the caches of the templates' folder, hash, Jinja environment and built emulated
     kernels start afresh on entry and again on exit."""
     render = importlib.import_module("kernelgen.render")  # the package exports a render()
-    launches = importlib.import_module("kernelgen.emulator.launches")
+    launches = importlib.import_module("kernelgen.emulated_launch")
     caches = (render.environment, render.template_dir, render.template_hash, launches.spec_kernels)
     monkeypatch.setenv(render.TEMPLATE_DIR_ENV, str(folder))
     for cached in caches:

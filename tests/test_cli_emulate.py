@@ -7,8 +7,8 @@ import pytest
 from conftest import ROOT
 from typer.testing import CliRunner
 
+from kernelgen import emulated_launch as launches
 from kernelgen.cli import app
-from kernelgen.emulator import launches
 from kernelgen.render import render
 from kernelgen.spec import load_spec
 

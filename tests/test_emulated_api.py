@@ -21,7 +21,7 @@ from attention_cases import (
 from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
-from kernelgen.emulator.launches import spec_kernel
+from kernelgen.emulated_launch import spec_kernel
 from kernelgen.launch import clear_kernel_cache
 from kernelgen.reference import naive_attention
 from kernelgen.testing import fake_cupy, fake_torch

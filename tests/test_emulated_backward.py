@@ -583,7 +583,7 @@ TIMING_DEPENDENT_MUTATIONS = {"dropped-mid-barrier": 8, "split-read-before-barri
 
 def _launch_stats(monkeypatch) -> dict:
     """Collects the emulator's LaunchStats of every backward kernel launched, by symbol."""
-    from kernelgen.emulator import launches
+    from kernelgen import emulated_launch as launches
 
     stats: dict = {}
     build = launches.spec_kernels

@@ -182,7 +182,7 @@ def test_mutation_mbarrier_passing_no_phases_on_is_caught(mutated):  # noqa: F81
     """An emulator whose mbarrier arrivals do not pass on the phases their threads saw
     complete: the consumers learn that the last V tile's copy landed (on v_staged) only through
     the producer's arrival on v_full, so the unmutated kernel raises a false hazard."""
-    from kernelgen.emulator import launches
+    from kernelgen import emulated_launch as launches
 
     mutated(
         "kg_mbarrier.h",

@@ -451,7 +451,7 @@ def emulated_bench(request, monkeypatch):
     p = bench_problem(request.param)
 
     def functions(cupy, spec, cubin):
-        from kernelgen.emulator.launches import spec_kernels
+        from kernelgen.emulated_launch import spec_kernels
 
         steps = backward.launch_steps(spec, gpu.backward_launch_problem(p, {}))
         kernels = tuple((s.symbol, tuple(s.params)) for s in steps)

@@ -19,7 +19,9 @@ trap or a bad shared-memory access, :class:`~kernelgen.errors.HazardError` for a
 cp.async wait or barrier, :class:`~kernelgen.errors.EmulatorTimeoutError` for a deadlock.
 What is modelled and what is not: docs/emulator.md. Needs only g++ (C++20) on Linux.
 
-:mod:`kernelgen.emulator.launches` runs a kernelgen spec's launch plan on NumPy arrays.
+The package imports nothing of kernelgen but its errors and file helpers: kernelgen's specs run
+on it through the CPU backend (:mod:`kernelgen.host`, :mod:`kernelgen.emulated_launch`,
+:mod:`kernelgen.emulated_api`).
 """
 
 from kernelgen.emulator.kernel import (
