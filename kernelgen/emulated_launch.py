@@ -19,15 +19,17 @@ from typing import Any
 import numpy as np
 
 from kernelgen.emulator.kernel import EmulatedKernel, LaunchStats, build_kernels
-from kernelgen.launch import Problem
+from kernelgen.launch import Problem, kernel_arguments, launch_steps, scratch_floats
 from kernelgen.render import combine_params, kernel_params, render
 from kernelgen.spec import KernelSpec
+from kernelgen.tensor_maps import encode_on_host, tensor_map_arguments, tensor_map_layouts
 
 __all__ = [
     "Recording",
     "active_recording",
     "from_device_dtype",
     "recording",
+    "run_launches",
     "spec_kernel",
     "spec_kernels",
     "to_device_dtype",
@@ -138,3 +140,38 @@ def recording(
         yield recorded
     finally:
         _ACTIVE.reset(token)
+
+
+def run_launches(
+    spec: KernelSpec,
+    problem: Problem,
+    arrays: dict[str, np.ndarray],
+    scale: float,
+    *,
+    source: str | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> dict[str, LaunchStats]:
+    """Every launch of the spec's plan for ``problem``, in order, over ``arrays`` (q, k, v, out
+    and the optional lse, mask, seqlens_k by parameter name), outside any call of the API: for
+    tests that launch into buffers they lay out themselves. The scratch buffers are added to
+    ``arrays`` poisoned with NaN, and a wgmma spec's tensor maps. Returns each kernel's launch
+    statistics by symbol.
+
+    ``source`` replaces the rendered CUDA (e.g. a modified kernel); ``on_step(done, total)`` is
+    called after each launch."""
+    for name, floats in scratch_floats(spec, problem).items():
+        arrays[name] = np.full(floats, np.nan, dtype=np.float32)
+    if spec.engine.warp_specialized:  # q, k and v reach the kernel as TMA tensor maps
+        layouts = tensor_map_layouts(spec, problem)
+        arrays.update(tensor_map_arguments(layouts, arrays, encode_on_host))
+    stats: dict[str, LaunchStats] = {}
+    steps = launch_steps(spec, problem)
+    kernels = spec_kernels(spec, tuple((s.symbol, tuple(s.params)) for s in steps), source)
+    for i, step in enumerate(steps):
+        args = kernel_arguments(step.params, problem, arrays, scale, null=None)
+        kernel = kernels[step.symbol]
+        launched = kernel(grid=step.grid, block=step.block, shared_mem=step.shared_mem, args=args)
+        stats[step.symbol] = stats.get(step.symbol, LaunchStats()) + launched
+        if on_step is not None:
+            on_step(i + 1, len(steps))
+    return stats

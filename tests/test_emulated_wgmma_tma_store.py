@@ -21,9 +21,9 @@ import pytest
 from attention_cases import Case, CaseData, assert_matches, example_variants, make_case
 from test_emulated_kernels import run_emulated
 
-from kernelgen.emulator import launches
-from kernelgen.emulator.attention import emulate_attention
-from kernelgen.emulator.launches import from_device_dtype, run_launches
+from kernelgen import emulated_launch as launches
+from kernelgen.emulated_api import emulate_attention
+from kernelgen.emulated_launch import from_device_dtype, run_launches, to_device_dtype
 from kernelgen.errors import CPUBackendWarning, HazardError
 from kernelgen.launch import Problem
 from kernelgen.render import render
@@ -124,7 +124,12 @@ def run_into_padded_out(
     head), in the case's layout, with the tensor maps of ``layouts``: returns (out rows,
     padding rows), both (B, H, S, D) float32."""
     first = emulate_attention(spec, data.q, data.k, data.v, layout=case.layout)
-    arrays = {name: first.arrays[name] for name in ("q", "k", "v")}
+    # q, k, v as that call stored them: (B, H, S, D) laid out in the case's layout, contiguous
+    order = (0, 1, 2, 3) if case.layout == "bhsd" else (0, 2, 1, 3)
+    arrays = {
+        name: to_device_dtype(x.transpose(order), spec.dtype)
+        for name, x in (("q", data.q), ("k", data.k), ("v", data.v))
+    }
     b, h, sq, d = data.q.shape
     rows = sq + PAD
     shape = (b, h, rows, d) if case.layout == "bhsd" else (b, rows, h, d)
