@@ -942,6 +942,7 @@ inline void run_fibers(Launch& L) {
   const uint32_t total = L.nthreads * L.ncta;
   std::vector<uint32_t> order(total);
   for (uint32_t i = 0; i < total; ++i) order[i] = i;
+  std::vector<uint8_t> held(total / 32);
   for (uint32_t i = 0; i < total; ++i) {
     Fiber& f = L.fibers[i];
     f.done = false;
@@ -952,14 +953,19 @@ inline void run_fibers(Launch& L) {
   uint64_t stalled = 0;
   while (alive != 0) {
     L.progress = false;
-    bool resumed = false;
-    // Each round resumes the threads in a fresh pseudo-random order (Fisher-Yates), so that
-    // which thread runs ahead varies as it does on the GPU: a missing wait shows as a hazard
+    bool runnable = false;
+    // Each round resumes the threads in a fresh pseudo-random order (Fisher-Yates) and holds
+    // back a random half of the warps, so that which thread runs ahead varies as it does on
+    // the GPU and warps drift apart by whole steps: a missing wait or barrier shows as a hazard
     // or a wrong result in some runs, not never (KG_EMULATOR_SCHEDULE_SEED fixes the orders).
     for (uint32_t k = total; k > 1; --k) {
       const uint32_t j = static_cast<uint32_t>(
           (static_cast<unsigned __int128>(splitmix64(L.schedule_state)) * k) >> 64);
       std::swap(order[k - 1], order[j]);
+    }
+    for (size_t w = 0; w < held.size(); w += 64) {
+      const uint64_t bits = splitmix64(L.schedule_state);
+      for (size_t b = 0; b < 64 && w + b < held.size(); ++b) held[w + b] = (bits >> b) & 1u;
     }
     for (const uint32_t i : order) {
       Fiber& f = L.fibers[i];
@@ -968,7 +974,8 @@ inline void run_fibers(Launch& L) {
           L.trapped.load(std::memory_order_relaxed) == 0) {
         continue;  // still blocked
       }
-      resumed = true;
+      runnable = true;
+      if (held[i / 32] != 0 && L.trapped.load(std::memory_order_relaxed) == 0) continue;
       current_fiber = &f;  // this library's (fiber_entry's); L.enter sets the kernel's
       L.enter(&f);
       fiber_resume(f);
@@ -980,7 +987,7 @@ inline void run_fibers(Launch& L) {
       }
     }
     stalled = L.progress ? 0 : stalled + 1;
-    if (alive != 0 && (!resumed || stalled > kStallRounds) && L.trapped.load() == 0) {
+    if (alive != 0 && (!runnable || stalled > kStallRounds) && L.trapped.load() == 0) {
       const uint3 b0 = L.ctas[0].block;
       int used = L.ncta == 1
                      ? snprintf(L.deadlock_msg, sizeof L.deadlock_msg,
