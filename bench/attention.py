@@ -200,7 +200,7 @@ class Runner(Harness):
         return out
 
     def spec_from(self, fields: dict[str, Any]) -> Any:
-        from kernelgen.spec import spec_from_dict
+        from kernelgen.specs.forward import spec_from_dict
 
         return spec_from_dict(fields)
 
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> int:
         **env.info,
         "kernelgen_version": getattr(kg, "__version__", None) if kg else None,
         "kernelgen_error": env.kernelgen_error,
-        "template_hash": env.kg_module("render").template_hash() if kg else None,
+        "template_hash": env.kg_module("kernels.render").template_hash() if kg else None,
         **git_info(),
         "clocks_start": gpu_clocks(),
         "python": sys.version.split()[0],

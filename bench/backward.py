@@ -557,14 +557,14 @@ def kernelgen_options(env: Any, case: BackwardCase) -> dict[str, Any]:
 
 
 def backward_spec(case: BackwardCase, deterministic: bool, mod_inputs: Any = None) -> Any:
-    """kernelgen.policy.default_backward_spec for the case (its variant flags, and for the
+    """kernelgen.model.policy.default_backward_spec for the case (its variant flags, and for the
     document case the mask_mod checked against ``mod_inputs``, any arrays of (B, S))."""
-    from kernelgen.policy import default_backward_spec
+    from kernelgen.model.policy import default_backward_spec
 
     s = case.shape
     expressions = None
     if case.variant == "document":
-        from kernelgen.expression_inputs import check_expressions
+        from kernelgen.calls.expression_inputs import check_expressions
 
         expressions = check_expressions(
             score_mod=None, mask_mod=DOC_MASK, mod_inputs=mod_inputs, block_mask=None,
@@ -866,7 +866,7 @@ def run_meta(env: Any, today: dt.date) -> dict[str, Any]:
     template_hash = None
     if kg is not None:
         with contextlib.suppress(Exception):
-            template_hash = env.kg_module("render").template_hash()
+            template_hash = env.kg_module("kernels.render").template_hash()
     mode = os.environ.get("KERNELGEN_AUTOTUNE")
     return {
         "date": today.isoformat(),

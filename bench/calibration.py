@@ -2,9 +2,9 @@
 
 Every kernelgen tensor-core spec a committed prefill result file timed (the candidates of the
 ``kg-tc-v2`` and ``kg-wgmma`` rows, each with its screening median) is set beside the static
-model's prediction for the same spec (:func:`kernelgen.perfmodel.model_spec`, from the SASS) and
-the tiling-only cost the autotuner ranks its candidates by
-(:func:`kernelgen.perfmodel.analytic_cost`).
+model's prediction for the same spec (:func:`kernelgen.model.perfmodel.model_spec`, from the SASS)
+and the tiling-only cost the autotuner ranks its candidates by
+(:func:`kernelgen.model.perfmodel.analytic_cost`).
 
 The model is computed from the templates the run measured: the commit of each result file
 (its provenance) is exported with ``git archive`` into a temporary folder, checked against the
@@ -43,7 +43,7 @@ MODELLED_PEERS = ("kg-tc-v2", "kg-wgmma")
 # The committed prefill result files the calibration covers (bench.attention documents).
 PREFILL_GLOB = "*-nvidia-*.json"
 NOT_PREFILL_SUFFIXES = ("-tuning.json", "-decode.json", "-variants.json", "-serving.json")
-DENSE_MACS_PER_CLOCK = 2048  # wgmma's fp16/bf16 rate per SM (kernelgen.perfmodel.RATES)
+DENSE_MACS_PER_CLOCK = 2048  # wgmma's fp16/bf16 rate per SM (kernelgen.model.perfmodel.RATES)
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def load_models(path: Path = CALIBRATION_FILE) -> dict[str, dict[str, Any]]:
 def save_models(models: dict[str, dict[str, Any]], path: Path = CALIBRATION_FILE) -> None:
     document = {
         "schema": CALIBRATION_SCHEMA,
-        "about": "Static performance model (kernelgen.perfmodel.model_spec, and analytic_cost, "
+        "about": "Static performance model (kernelgen.model.perfmodel.model_spec, and analytic_cost, "
         "the autotuner's ranking) of every spec timed in the prefill result files, computed "
         "from the templates each run measured; written by python -m bench.calibration. Keys: "
         "template hash (12 hex digits)/arch/spec uri.",
@@ -171,7 +171,7 @@ def save_models(models: dict[str, dict[str, Any]], path: Path = CALIBRATION_FILE
 
 def model_entry(spec: Any, arch: str) -> dict[str, Any]:
     """The stored figures of one spec's model (compiles it: needs NVRTC)."""
-    from kernelgen.perfmodel import analytic_cost, model_spec
+    from kernelgen.model.perfmodel import analytic_cost, model_spec
 
     report = model_spec(spec, arch)
     unit, prediction = report.unit, report.prediction
@@ -191,7 +191,7 @@ def model_entry(spec: Any, arch: str) -> dict[str, Any]:
     }
 
 
-# The interior test of earlier tensor-core templates (kernelgen.perfmodel.INTERIOR holds
+# The interior test of earlier tensor-core templates (kernelgen.model.perfmodel.INTERIOR holds
 # today's): a run is modelled from the templates it measured, so the worker takes the set whose
 # every test the rendered kernel contains exactly once.
 EARLIER_INTERIOR = {
@@ -207,7 +207,7 @@ EARLIER_INTERIOR = {
 def interior_for(source: str, mma: str) -> dict[str, str] | None:
     """The interior substitutions (today's, else an earlier template's) whose every test occurs
     exactly once in ``source``; None when none does."""
-    from kernelgen import perfmodel
+    from kernelgen.model import perfmodel as perfmodel
 
     for option in [perfmodel.INTERIOR[mma], *EARLIER_INTERIOR.get(mma, [])]:
         if all(source.count(test) == 1 for test in option):
@@ -217,8 +217,8 @@ def interior_for(source: str, mma: str) -> dict[str, str] | None:
 
 def model_with_templates(spec: Any, arch: str) -> dict[str, Any]:
     """:func:`model_entry` with the interior test of the templates in use."""
-    from kernelgen import perfmodel
-    from kernelgen.render import render
+    from kernelgen.kernels.render import render
+    from kernelgen.model import perfmodel as perfmodel
 
     today = perfmodel.INTERIOR[spec.mma]
     found = interior_for(render(spec), spec.mma)
@@ -234,7 +234,7 @@ def model_with_templates(spec: Any, arch: str) -> dict[str, Any]:
 def worker(lines: Iterable[str], out: Any) -> None:
     """Model each ``{"key", "fields", "arch"}`` request line; one JSON line per spec on ``out``
     (``{"key", "entry"}`` or ``{"key", "error"}``). Runs under the requested templates."""
-    from kernelgen.spec import spec_from_dict
+    from kernelgen.specs.forward import spec_from_dict
 
     for line in lines:
         if not line.strip():
@@ -297,7 +297,7 @@ def model_missing(
     for m in measured:
         if m.model_key not in models:
             todo.setdefault(m.template_hash, {})[m.model_key] = m
-    from kernelgen.render import TEMPLATE_DIR_ENV, folder_hash
+    from kernelgen.kernels.render import TEMPLATE_DIR_ENV, folder_hash
 
     commits = template_commit(measured, results_dir)
     for templates, specs in todo.items():

@@ -2,8 +2,8 @@
 
 Candidates are plain dicts of tiling fields laid over a shape's identity (dtype, head_dim,
 causal, archs); fields they leave out (``smem_pad``) take the spec's own defaults. Whether each
-one is valid is for ``kernelgen.spec.spec_from_dict`` to say: the GPU layer skips the ones it
-rejects. kernelgen's own tensor-core ``default_spec`` is tried too, first.
+one is valid is for ``kernelgen.specs.forward.spec_from_dict`` to say: the GPU layer skips the ones
+it rejects. kernelgen's own tensor-core ``default_spec`` is tried too, first.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ REFERENCE = (
 )
 SCRATCH = (
     "split-KV kernels allocate fp32 partials per call: num_splits * B * H * Sq * (D + 1) floats "
-    "(kernelgen.launch.scratch_floats); kernelgen rows' extra_mem_limit_bytes is that scratch "
+    "(kernelgen.runtime.launch.scratch_floats); kernelgen rows' extra_mem_limit_bytes is that scratch "
     "plus the fp32 LSE; extra_mem_ok is recorded, never a failure"
 )
 
@@ -397,7 +397,7 @@ class DecodeRunner(Harness):
         split count; ``page_size`` > 0: over paged copies of the sets."""
 
         def build(shape: DecodeShape, sets: list) -> tuple[Any, dict[str, Any]]:
-            from kernelgen.policy import hopper_decode_spec
+            from kernelgen.model.policy import hopper_decode_spec
 
             rows = shape.seqlen_q * shape.group
             spec = hopper_decode_spec(
@@ -444,14 +444,14 @@ class DecodeRunner(Harness):
     def heuristic_splits(self, spec: Any, shape: DecodeShape) -> int:
         """The split count a call without ``num_splits`` launches: the runtime kernel's own
         heuristic (this device's SMs and limits, the compiled kernel's registers)."""
-        from kernelgen.launch import runtime_kernel
+        from kernelgen.runtime.launch import runtime_kernel
         from kernelgen.tuning.candidates import launch_problem
 
         return runtime_kernel(spec).default_num_splits(launch_problem(problem_desc(shape)))
 
     def launch_facts(self, spec: Any, shape: DecodeShape, splits: int) -> dict[str, Any]:
         """Split count, spec flags, fp32 scratch bytes and the extra-memory bound of a launch."""
-        from kernelgen.launch import scratch_floats
+        from kernelgen.runtime.launch import scratch_floats
         from kernelgen.tuning.candidates import launch_problem
 
         problem = launch_problem(problem_desc(shape), splits if spec.split_kv else 1)
@@ -552,7 +552,7 @@ def run_meta(env: Any, today: dt.date) -> dict[str, Any]:
     template_hash = None
     if kg is not None:
         with contextlib.suppress(Exception):
-            template_hash = env.kg_module("render").template_hash()
+            template_hash = env.kg_module("kernels.render").template_hash()
     return {
         "date": today.isoformat(),
         "benchmark": "decode",

@@ -98,7 +98,7 @@ def open_gpu() -> Env:
     kernelgen, error = None, None
     try:
         import kernelgen
-        import kernelgen.launch
+        import kernelgen.runtime.launch
     except Exception as exc:
         kernelgen, error = None, f"kernelgen import failed: {first_line(exc)}"
     env = Env(torch, cupy, kernelgen, error)
@@ -301,7 +301,7 @@ def kernelgen_impl(env: Env, peer: str, spec: Any, causal: bool) -> Impl:
 def compile_spec(env: Env, spec: Any) -> float:
     """Compile (or fetch from the process cache) a spec's kernel; seconds taken."""
     start = time.perf_counter()
-    env.kg_module("launch").runtime_kernel(spec)
+    env.kg_module("runtime.launch").runtime_kernel(spec)
     return time.perf_counter() - start
 
 

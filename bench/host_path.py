@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     fake_cupy.install(lambda *launch: None)
     sys.modules["torch"] = fake_torch.module()
     import kernelgen
-    from kernelgen import api
+    from kernelgen.calls import attention as api
 
     print("| call | arrays | repeated (plan) us | checked path us |")
     print("| --- | --- | ---: | ---: |")

@@ -2,9 +2,9 @@
 
 Every timed spec of the calibration (:mod:`bench.calibration`: the committed prefill result files
 and the stored per-unit predictions in ``bench/results/calibration.json``) is priced for its row's
-shape by :func:`kernelgen.perfmodel_shape.estimate`, with each term on or off: the per-unit model
-alone (units x clocks per unit over the SMs), with the grid fill, with the latency term, with the
-HBM/L2 times, and with all of them. For each set of terms the table gives Spearman's rank
+shape by :func:`kernelgen.model.perfmodel_shape.estimate`, with each term on or off: the per-unit
+model alone (units x clocks per unit over the SMs), with the grid fill, with the latency term, with
+the HBM/L2 times, and with all of them. For each set of terms the table gives Spearman's rank
 correlation of the predicted time with the measured median over the timed specs of each
 (arch, dtype, head dim) group, across its shapes, and the median within the rows (one shape and
 peer: the autotuner's question). Nothing is compiled: the stored predictions hold the per-unit
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from bench import calibration, metrics
 from kernelgen.errors import KernelgenError
-from kernelgen.perfmodel import Prediction
-from kernelgen.perfmodel_shape import ProblemShape, ShapeEstimate, analytic_estimate, estimate
-from kernelgen.spec import spec_from_dict
+from kernelgen.model.perfmodel import Prediction
+from kernelgen.model.perfmodel_shape import ProblemShape, ShapeEstimate, analytic_estimate, estimate
+from kernelgen.specs.forward import spec_from_dict
 
 DTYPE_TAG = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3": "fp8"}
 
@@ -36,7 +36,7 @@ def _with_latency(e: ShapeEstimate) -> float:
 
 
 def _default(e: ShapeEstimate) -> float:
-    """The terms priced by default: fill, latency and HBM (kernelgen.perfmodel_shape)."""
+    """The terms priced by default: fill, latency and HBM (kernelgen.model.perfmodel_shape)."""
     return max(e.steady_s * e.grid.fill * _with_latency(e), e.hbm_s)
 
 

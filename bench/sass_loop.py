@@ -19,16 +19,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.report import md_table
-from kernelgen.perfmodel import interior_loop
+from kernelgen.model.perfmodel import interior_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("HMMA", "LDSM", "FMUL", "FFMA", "FADD", "FMNMX", "MUFU", "SHFL", "BAR")
 
 
 def analyse(spec_path: Path, arch: str) -> dict[str, object]:
-    from kernelgen.compile import compile_offline
-    from kernelgen.render import render
-    from kernelgen.spec import load_spec
+    from kernelgen.kernels.compile import compile_offline
+    from kernelgen.kernels.render import render
+    from kernelgen.specs.forward import load_spec
 
     spec = load_spec(spec_path)
     body = interior_loop(spec, arch)

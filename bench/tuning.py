@@ -212,7 +212,7 @@ def cold_tune_here(shape: TuneShape) -> dict[str, Any]:
 def tune_row(shape: TuneShape, scratch: Path) -> dict[str, Any]:
     """Cold tuning time (a fresh process), the record, and the exhaustive re-timing of its
     candidates (here)."""
-    from kernelgen.spec import spec_from_dict
+    from kernelgen.specs.forward import spec_from_dict
     from kernelgen.tuning import ProblemDesc, TuningDB, make_key
     from kernelgen.tuning.candidates import TunedLaunch
     from kernelgen.tuning.gpu import CupyBench, detect_device
@@ -271,7 +271,7 @@ def overhead_row(shape: TuneShape, rounds: int = 5) -> dict[str, Any]:
     import cupy
 
     import kernelgen
-    from kernelgen.launch import runtime_kernel
+    from kernelgen.runtime.launch import runtime_kernel
     from kernelgen.tuning import ProblemDesc, select_launch
     from kernelgen.tuning.candidates import launch_problem
     from kernelgen.tuning.gpu import element_dtype
@@ -313,7 +313,7 @@ def overhead_row(shape: TuneShape, rounds: int = 5) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, shapes: Sequence[TuneShape]) -> int:
     from kernelgen.errors import KernelgenError
-    from kernelgen.render import template_hash
+    from kernelgen.kernels.render import template_hash
     from kernelgen.tuning.gpu import detect_device, detect_software
 
     try:

@@ -4,8 +4,11 @@ spec (YAML, Pydantic) -> render (Jinja2) -> compile (NVRTC) -> launch (CuPy) -> 
 specs) -> tune -> attention().
 """
 
-from kernelgen.backward_api import attention_backward
-from kernelgen.block_mask import BlockMask, block_mask
+from kernelgen.calls.backward import attention_backward
+from kernelgen.calls.block_mask import BlockMask, block_mask
+from kernelgen.calls.kvcache import attention_with_kvcache
+from kernelgen.calls.training import attention
+from kernelgen.calls.varlen import attention_varlen
 from kernelgen.errors import (
     CompileError,
     InputError,
@@ -15,15 +18,12 @@ from kernelgen.errors import (
     SpecError,
     ToolchainMissingError,
 )
-from kernelgen.expressions import Expression, ModInput, parse_mask_mod, parse_score_mod
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.kvcache import attention_with_kvcache
-from kernelgen.policy import default_spec
-from kernelgen.render import render
-from kernelgen.spec import KernelSpec, load_spec
-from kernelgen.training import attention
+from kernelgen.kernels.render import render
+from kernelgen.model.policy import default_spec
+from kernelgen.specs.backward import BackwardSpec
+from kernelgen.specs.expressions import Expression, ModInput, parse_mask_mod, parse_score_mod
+from kernelgen.specs.forward import KernelSpec, load_spec
 from kernelgen.tuning import TuningMissError, autotune, warmup
-from kernelgen.varlen import attention_varlen
 from kernelgen.version import __version__
 
 __all__ = [

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kernelgen.errors import KernelgenError
-from kernelgen.reference import naive_attention, relative_error
-from kernelgen.spec import KernelSpec
+from kernelgen.references.attention import naive_attention, relative_error
+from kernelgen.specs.forward import KernelSpec
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2}  # relative Frobenius error of out
 
@@ -80,7 +80,7 @@ ENGINE_CALL = CALLS[0][1]  # the prefill call: GQA, causal, lengths that fill no
 def engine_spec(engine: str, dtype: str) -> KernelSpec:
     """What an untuned :data:`ENGINE_CALL` runs on an H100 with ``engine`` (head dim 128,
     causal): the policy's default of that engine, for sm_90 (sm_90a for wgmma)."""
-    from kernelgen.policy import HOPPER_DEVICE_ARCH, default_spec, hopper_default_spec
+    from kernelgen.model.policy import HOPPER_DEVICE_ARCH, default_spec, hopper_default_spec
 
     head_dim, causal = ENGINE_CALL["shape"][-1], ENGINE_CALL["causal"]
     if engine == "wgmma":
@@ -141,16 +141,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _runs_wgmma() -> bool:
-    from kernelgen.api import device_arch
-    from kernelgen.policy import HOPPER_DEVICE_ARCH
+    from kernelgen.calls.attention import device_arch
+    from kernelgen.model.policy import HOPPER_DEVICE_ARCH
 
     return device_arch()[1] == HOPPER_DEVICE_ARCH
 
 
 def dry_run(dtypes: Sequence[str], engines: Sequence[str]) -> int:
     """Build each engine's spec and compile it offline (NVRTC): what a GPU run would launch."""
-    from kernelgen.compile import compile_offline
-    from kernelgen.render import render
+    from kernelgen.kernels.compile import compile_offline
+    from kernelgen.kernels.render import render
 
     failed = 0
     for dtype in dtypes:

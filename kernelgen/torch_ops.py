@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from kernelgen.api import attention as _attention
-from kernelgen.api import check_flags
-from kernelgen.backward_api import attention_backward as _attention_backward
+from kernelgen.calls.attention import attention as _attention
+from kernelgen.calls.attention import check_flags
+from kernelgen.calls.backward import attention_backward as _attention_backward
 from kernelgen.errors import InputError, InputTypeError
 
 __all__ = ["attention"]

@@ -10,9 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernelgen.emulated_launch import to_device_dtype
-from kernelgen.example_inputs import EXAMPLE_MOD_INPUTS, expression_arguments
-from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
+from kernelgen.references.attention import (
+    LSE_TOLERANCE,
+    OUT_TOLERANCE,
+    naive_attention,
+    relative_error,
+)
+from kernelgen.references.example_inputs import EXAMPLE_MOD_INPUTS, expression_arguments
+from kernelgen.runtime.emulated_launch import to_device_dtype
 
 
 @dataclass(frozen=True)

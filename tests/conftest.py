@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kernelgen.families import family_of, load_any_spec
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.specs.forward import KernelSpec, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a folder of the repository, not of the package
@@ -88,9 +88,9 @@ def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
     array with ``backed``), every runtime kernel calling ``launch(symbol, grid, block, args,
     shared_mem)`` instead of a GPU, the heuristic specs (no tuning), no remembered call
     plans or kernels. Fixtures that use it call ``clear_kernel_cache()`` when they end."""
-    from kernelgen import api
-    from kernelgen import launch as launch_module
-    from kernelgen.launch import RuntimeKernel, clear_kernel_cache
+    from kernelgen.calls import attention as api
+    from kernelgen.runtime import launch as launch_module
+    from kernelgen.runtime.launch import RuntimeKernel, clear_kernel_cache
     from kernelgen.testing import fake_cupy, fake_torch
     from kernelgen.tuning import gpu
 
@@ -113,7 +113,7 @@ def install_fake_libraries(monkeypatch, launch, backed: bool = False) -> None:
 def fake_runtime(monkeypatch):
     """:func:`install_fake_libraries` with launches that do nothing; the kernel cache is
     cleared afterwards."""
-    from kernelgen.launch import clear_kernel_cache
+    from kernelgen.runtime.launch import clear_kernel_cache
 
     install_fake_libraries(monkeypatch, lambda *args: None)
     yield
@@ -123,8 +123,8 @@ def fake_runtime(monkeypatch):
 def launched_kernel(symbol: str) -> tuple[KernelSpec, tuple]:
     """The spec of a compiled (faked) kernel symbol, main kernel or combine, and its parameter
     list, as the launch that used it saw them."""
-    from kernelgen.launch import _KERNELS
-    from kernelgen.render import combine_params, kernel_params
+    from kernelgen.kernels.render import combine_params, kernel_params
+    from kernelgen.runtime.launch import _KERNELS
 
     spec = next(s for s, _ in _KERNELS if symbol in (s.uri, s.combine_uri))
     return spec, kernel_params(spec) if symbol == spec.uri else combine_params(spec)
@@ -172,7 +172,7 @@ def _emulator_compiler(request):
 @pytest.fixture
 def cpu_backend_only(monkeypatch):
     """Nothing may reach the tuner or a GPU: the CPU backend takes the heuristic spec."""
-    from kernelgen import api
+    from kernelgen.calls import attention as api
 
     def refuse(*args, **kwargs):
         raise AssertionError("the CPU backend asked for a GPU or the tuner")
@@ -194,8 +194,8 @@ def templates_at(monkeypatch, folder: Path) -> Iterator[None]:
     """Render (and emulate) from the templates in ``folder`` ($KERNELGEN_TEMPLATE_DIR) for the
     block: the caches of the templates' folder, hash, Jinja environment and built emulated
     kernels start afresh on entry and again on exit."""
-    render = importlib.import_module("kernelgen.render")  # the package exports a render()
-    launches = importlib.import_module("kernelgen.emulated_launch")
+    render = importlib.import_module("kernelgen.kernels.render")  # the package exports a render()
+    launches = importlib.import_module("kernelgen.runtime.emulated_launch")
     caches = (render.environment, render.template_dir, render.template_hash, launches.spec_kernels)
     monkeypatch.setenv(render.TEMPLATE_DIR_ENV, str(folder))
     for cached in caches:

@@ -32,7 +32,7 @@ from kernelgen.distributed.calls import Options, block_kwargs
 from kernelgen.distributed.positions import globalize
 from kernelgen.distributed.ulysses import kv_repeats
 from kernelgen.errors import CPUBackendWarning
-from kernelgen.expressions import inputs_from_arrays, parse_expression
+from kernelgen.specs.expressions import inputs_from_arrays, parse_expression
 
 # Expressions over global positions and heads (the arrays cover the whole sequence, S <= 64)
 SCORE_MOD = "score + 0.5 * bias[h, q_idx - kv_idx + 64]"

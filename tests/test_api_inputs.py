@@ -9,9 +9,15 @@ import numpy as np
 import pytest
 
 import kernelgen
-from kernelgen.api import _seqlens_k_array, check_inputs, check_num_splits, default_spec, describe
+from kernelgen.calls.attention import (
+    _seqlens_k_array,
+    check_inputs,
+    check_num_splits,
+    default_spec,
+    describe,
+)
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.spec import KernelSpec
+from kernelgen.specs.forward import KernelSpec
 
 
 class FakeDeviceArray:
@@ -92,7 +98,7 @@ def test_non_contiguous_last_dim():
 
 
 def test_host_arrays_are_described_and_other_objects_rejected():
-    """NumPy arrays go to the CPU backend (kernelgen.host); lists are no arrays."""
+    """NumPy arrays go to the CPU backend (kernelgen.runtime.host); lists are no arrays."""
     info = describe(np.zeros((1, 2, 3, 8), dtype=np.float16)[:, :, 1:], "q")
     assert (info.shape, info.strides, info.dtype) == ((1, 2, 2, 8), (48, 24, 8, 1), "float16")
     with pytest.raises(InputTypeError, match="NumPy array or CPU torch tensor"):
@@ -206,7 +212,7 @@ def test_bfloat16_crosses_dlpack_as_int16_where_a_library_refuses_it(monkeypatch
     import sys
     import types
 
-    from kernelgen import frameworks
+    from kernelgen.runtime import frameworks as frameworks
 
     class Tensor:  # enough of torch.Tensor / cupy.ndarray for the exchange
         def __init__(self, dtype, origin):

@@ -1,6 +1,7 @@
-"""Emulation tier: ``kernelgen.attention`` differentiated by torch autograd (kernelgen.training,
-kernelgen.autograd) on CPU tensors, its gradients against the float64 backward reference
-(kernelgen.reference.attention_backward) on the same values; attention_varlen through it."""
+"""Emulation tier: ``kernelgen.attention`` differentiated by torch autograd
+(kernelgen.calls.training, kernelgen.calls.autograd) on CPU tensors, its gradients against the
+float64 backward reference (kernelgen.references.attention.attention_backward) on the same values;
+attention_varlen through it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kernelgen  # noqa: E402
-from kernelgen import reference  # noqa: E402
 from kernelgen.errors import InputTypeError  # noqa: E402
-from kernelgen.reference import OUT_TOLERANCE, relative_error  # noqa: E402
+from kernelgen.references import attention as reference  # noqa: E402
+from kernelgen.references.attention import OUT_TOLERANCE, relative_error  # noqa: E402
 
 pytestmark = [
     pytest.mark.emulate,
@@ -157,7 +158,7 @@ def test_half_precision_gradients(dtype):
 
 def test_deterministic_backward_is_bitwise_reproducible(monkeypatch):
     """deterministic=True reaches the backward (so does torch's deterministic mode)."""
-    import kernelgen.autograd
+    import kernelgen.calls.autograd
 
     seen = []
 
@@ -165,8 +166,8 @@ def test_deterministic_backward_is_bitwise_reproducible(monkeypatch):
         seen.append(deterministic)
         return backward(*args, deterministic=deterministic, **kwargs)
 
-    backward = kernelgen.autograd.attention_backward
-    monkeypatch.setattr(kernelgen.autograd, "attention_backward", spy)
+    backward = kernelgen.calls.autograd.attention_backward
+    monkeypatch.setattr(kernelgen.calls.autograd, "attention_backward", spy)
     runs = []
     for _ in range(2):
         q, k, v, dout = tensors((1, 2, 40, 16), (1, 1, 40, 16), seed=13)

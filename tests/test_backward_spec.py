@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import yaml
 
-from kernelgen import backward_api
+from kernelgen.calls import backward as backward_api
 from kernelgen.errors import InputError
 from kernelgen.families import backward, spec_of_family
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.launch import Problem
-from kernelgen.perfmodel import BACKWARD_INTERIOR, backward_interior_source, shared_bytes
-from kernelgen.policy import default_backward_spec
+from kernelgen.model.perfmodel import BACKWARD_INTERIOR, backward_interior_source, shared_bytes
+from kernelgen.model.policy import default_backward_spec
+from kernelgen.runtime.launch import Problem
+from kernelgen.specs.backward import BackwardSpec
 
 TC = {"family": "backward", "mma": "mma_sync", "dtype": "bfloat16", "head_dim": 128}
 DEFAULT_TC = {**TC, "block_m": 64, "block_n": 128, "num_warps": 8}

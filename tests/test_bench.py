@@ -351,7 +351,7 @@ SASS_SNIPPET = """
 
 
 def test_hmma_loop_counts_the_body_of_the_backward_branch_around_the_hmmas():
-    from kernelgen.perfmodel import hmma_loop
+    from kernelgen.model.perfmodel import hmma_loop
 
     body = hmma_loop(SASS_SNIPPET)
     # 0x10..0x50: two HMMA, one FMUL, the branch; the @!PT padding and the HMMA-free loop are out
@@ -365,7 +365,7 @@ def test_hmma_loop_counts_the_body_of_the_backward_branch_around_the_hmmas():
 
 
 def test_opcode_counts_read_every_address_width():
-    from kernelgen.compile import count_opcodes
+    from kernelgen.kernels.compile import count_opcodes
 
     far = "        /*1a2b0*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n"
     counts = count_opcodes(SASS_SNIPPET + far)  # kernels past 64 KiB have 5-digit addresses
@@ -373,7 +373,7 @@ def test_opcode_counts_read_every_address_width():
 
 
 def test_interior_source_replaces_each_tile_test_once():
-    from kernelgen.perfmodel import INTERIOR, interior_source
+    from kernelgen.model.perfmodel import INTERIOR, interior_source
 
     assert set(INTERIOR) == {"mma_sync", "wgmma"}
     for mma, tests in INTERIOR.items():  # each template's own tile tests
@@ -403,7 +403,7 @@ def test_schedule_model_runs_longest_blocks_first_to_a_shorter_finish():
 def test_wgmma_peer_and_its_candidates():
     """The Hopper peer times the autotuner's wgmma grid: valid specs for archs [sm_90a]."""
     from bench.candidates import PEERS_BY_NAME, candidate_label, wgmma_candidates
-    from kernelgen.spec import spec_from_dict
+    from kernelgen.specs.forward import spec_from_dict
 
     assert PEERS_BY_NAME["kg-wgmma"].family == "kernelgen"
     grid = wgmma_candidates()

@@ -86,7 +86,9 @@ def test_a_stage_past_its_budget_is_stopped_and_its_log_bundled(tmp_path, monkey
 
 
 def test_a_tree_that_differs_from_the_stamp_is_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(session, "check_stamp", lambda: ("c0ffee", ["kernelgen/api.py"]))
+    monkeypatch.setattr(
+        session, "check_stamp", lambda: ("c0ffee", ["kernelgen/calls/attention.py"])
+    )
     stage = session.Stage("quick", 5, "exits 0", (sys.executable, "-c", "pass"))
     assert session.run([stage], tmp_path, allow_dirty=False) == 2
     assert "not the stamped commit" in capsys.readouterr().out

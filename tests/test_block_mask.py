@@ -1,5 +1,5 @@
-"""Block masks (kernelgen/block_mask.py, docs/expressions.md): the NumPy builder against a brute
-force over every tile, the generated builder kernel (through the CPU emulator, and its device
+"""Block masks (kernelgen/calls/block_mask.py, docs/expressions.md): the NumPy builder against a
+brute force over every tile, the generated builder kernel (through the CPU emulator, and its device
 path's arguments through the CuPy fake) against the NumPy builder, the tile counts the masks
 must give, argument errors, and the builder's offline compile."""
 
@@ -14,7 +14,7 @@ import pytest
 from conftest import require_toolchain
 
 import kernelgen
-from kernelgen.block_mask import (
+from kernelgen.calls.block_mask import (
     BlockMask,
     block_mask,
     block_mask_reference,
@@ -23,11 +23,11 @@ from kernelgen.block_mask import (
     kernel_name,
 )
 from kernelgen.errors import InputError, InputTypeError, SpecError
-from kernelgen.expression_eval import evaluate_grid
-from kernelgen.expressions import ModInput, parse_mask_mod, parse_score_mod
+from kernelgen.references.expressions import evaluate_grid
+from kernelgen.specs.expressions import ModInput, parse_mask_mod, parse_score_mod
 
 block_mask_module = importlib.import_module(
-    "kernelgen.block_mask"
+    "kernelgen.calls.block_mask"
 )  # kernelgen.block_mask: the function
 LISTS = ("partial_counts", "partial_indices", "full_counts", "full_indices")
 
@@ -308,7 +308,7 @@ def test_the_package_exports_the_block_mask_api():
 
 @pytest.mark.compile
 def test_the_builder_compiles_offline_without_spills():
-    from kernelgen.compile import compile_offline, nvrtc_available
+    from kernelgen.kernels.compile import compile_offline, nvrtc_available
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings, nvidia-cuda-nvrtc, headers)")
     inputs = [
@@ -336,7 +336,7 @@ def test_a_templates_folder_without_the_builder_is_a_setting_error(tmp_path, mon
     from conftest import ROOT, templates_at
 
     from kernelgen.errors import SettingError
-    from kernelgen.render import ENTRY_TEMPLATE
+    from kernelgen.kernels.render import ENTRY_TEMPLATE
 
     for name in ENTRY_TEMPLATE.values():
         (tmp_path / name).write_text((ROOT / "templates" / name).read_text())

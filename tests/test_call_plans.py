@@ -11,8 +11,9 @@ import pytest
 from conftest import install_fake_libraries
 
 import kernelgen
-from kernelgen import api, launch
-from kernelgen.launch import clear_kernel_cache
+from kernelgen.calls import attention as api
+from kernelgen.runtime import launch as launch
+from kernelgen.runtime.launch import clear_kernel_cache
 from kernelgen.testing import fake_cupy
 from kernelgen.tuning import clear_memo
 
@@ -181,7 +182,7 @@ def test_a_spec_the_device_cannot_run_is_an_input_error(
     recorded, monkeypatch, limits, fields, message
 ):
     from kernelgen.errors import InputError
-    from kernelgen.spec import spec_from_dict
+    from kernelgen.specs.forward import spec_from_dict
 
     launches, _ = recorded
     spec = spec_from_dict({**TC_FIELDS, **fields})
@@ -218,7 +219,7 @@ def test_an_untuned_call_on_a_9_0_device_runs_the_hopper_kernel_with_its_tensor_
     """On an H100 (the fakes' default device) the untuned prefill spec is the wgmma kernel: its
     q, k and v travel as 128-byte tensor maps, encoded for each call's arrays; a repeated call
     takes the plan and encodes the new arrays' maps."""
-    from kernelgen.tensor_maps import TENSOR_MAP_DTYPE
+    from kernelgen.runtime.tensor_maps import TENSOR_MAP_DTYPE
 
     launches: list[tuple] = []
     install_fake_libraries(monkeypatch, lambda *launch: launches.append(launch))

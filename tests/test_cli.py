@@ -13,9 +13,9 @@ from conftest import ALL_SPEC_PATHS, ROOT, SPEC_PATHS, cuda_device_count, requir
 from typer.testing import CliRunner
 
 from kernelgen.cli import app
-from kernelgen.compile import cuobjdump_path, nvrtc_available
-from kernelgen.render import render
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.kernels.compile import cuobjdump_path, nvrtc_available
+from kernelgen.kernels.render import render
+from kernelgen.specs.forward import KernelSpec, load_spec
 
 runner = CliRunner()
 GOOD = "loop_order: v2\ndtype: float16\nhead_dim: 64\nblock_m: 64\nblock_n: 32\nnum_warps: 4\n"
@@ -127,8 +127,8 @@ def test_check_reports_resources(tmp_path):
 def test_static_problems_name_each_way_a_kernel_fails_the_bar():
     """What `kernelgen check` exits 1 on (and the tuner drops): spills/stack, shared memory
     over the arch's limit, local memory or, for a tensor-core spec, no HMMA/LDSM in the SASS."""
-    from kernelgen.build import static_problems
-    from kernelgen.compile import Resources
+    from kernelgen.kernels.build import static_problems
+    from kernelgen.kernels.compile import Resources
 
     spec = KernelSpec(loop_order="v2", mma="mma_sync", dtype="float16", head_dim=64,
                       block_m=64, block_n=64, num_warps=4)  # fmt: skip
@@ -233,12 +233,12 @@ def test_alias_bomb_and_duplicate_keys_exit_2_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("where", ["file", "below_file"])
 def test_build_into_an_existing_file_exits_2_before_compiling(tmp_path, monkeypatch, where):
-    import kernelgen.build
+    import kernelgen.kernels.build
 
     def no_compile(*_args, **_kwargs):
         raise AssertionError("compiled before checking the output folder")
 
-    monkeypatch.setattr(kernelgen.build, "build_kernels", no_compile)
+    monkeypatch.setattr(kernelgen.kernels.build, "build_kernels", no_compile)
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text(GOOD)
     taken = tmp_path / "taken"
@@ -260,9 +260,9 @@ LONG += "split_kv: true\narchs: [sm_80, sm_90]\n"
 
 def fake_build(monkeypatch, spill: int = 0) -> None:
     """`build_kernels` without NVRTC: every kernel gets 255 registers and ``spill`` bytes."""
-    import kernelgen.build
-    from kernelgen.build import BuiltKernel
-    from kernelgen.compile import Resources
+    import kernelgen.kernels.build
+    from kernelgen.kernels.build import BuiltKernel
+    from kernelgen.kernels.compile import Resources
 
     def build_kernels(specs, archs=None, on_compiled=None):
         sass = {"HMMA": 64, "LDSM": 40, "LDL": 0, "STL": 0}
@@ -275,7 +275,7 @@ def fake_build(monkeypatch, spill: int = 0) -> None:
             for spec in specs
         ]
 
-    monkeypatch.setattr(kernelgen.build, "build_kernels", build_kernels)
+    monkeypatch.setattr(kernelgen.kernels.build, "build_kernels", build_kernels)
 
 
 def test_piped_output_is_not_wrapped_at_80_columns(tmp_path, monkeypatch):
@@ -326,7 +326,7 @@ def test_build_warns_about_each_spilling_kernel_that_check_fails(tmp_path, monke
 def test_build_reports_each_compile_for_the_progress_bar_and_logs_stay_clean(tmp_path):
     """build_kernels tells its listener of every (spec, arch) compile; off a terminal the CLI
     shows no progress bar, so piped output holds only the table and the summary."""
-    from kernelgen.build import build_kernels
+    from kernelgen.kernels.build import build_kernels
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     spec = load_spec(SPEC_PATHS[0])

@@ -7,10 +7,10 @@ import pytest
 from conftest import ROOT
 from typer.testing import CliRunner
 
-from kernelgen import emulated_launch as launches
 from kernelgen.cli import app
-from kernelgen.render import render
-from kernelgen.spec import load_spec
+from kernelgen.kernels.render import render
+from kernelgen.runtime import emulated_launch as launches
+from kernelgen.specs.forward import load_spec
 
 pytestmark = pytest.mark.emulate
 
@@ -176,7 +176,7 @@ def test_a_backward_spec_reports_each_gradient_error():
 
 
 def test_a_broken_backward_fails_the_error_check(monkeypatch):
-    from kernelgen import backward_api
+    from kernelgen.calls import backward as backward_api
     from kernelgen.families import backward
 
     render_backward = backward.render

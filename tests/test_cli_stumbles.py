@@ -13,7 +13,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kernelgen.cli import app
-from kernelgen.cli_console import plural
+from kernelgen.cli.console import plural
 
 runner = CliRunner()
 WGMMA_SPEC = ROOT / "specs" / "v2_wg_bf16_d128_m128_n64_s2_ovl.yaml"
@@ -112,9 +112,9 @@ def test_model_of_a_cuda_core_spec_says_it_covers_tensor_core_specs_only():
 # ---- build --check with a subset of the specs ------------------------------------------------
 def _generated(tmp_path):
     """Two specs in one folder and their generated/ (written without compiling)."""
-    from kernelgen.build import BuiltKernel, write_generated
-    from kernelgen.render import render
-    from kernelgen.spec import load_spec
+    from kernelgen.kernels.build import BuiltKernel, write_generated
+    from kernelgen.kernels.render import render
+    from kernelgen.specs.forward import load_spec
 
     specs = tmp_path / "specs"
     specs.mkdir()
@@ -199,7 +199,7 @@ def test_tune_dry_run_says_when_resources_were_not_checked(tuning_sandbox, monke
 
 
 def test_cache_list_title_does_not_wrap(tuning_sandbox, monkeypatch):
-    from kernelgen import cli_tune
+    from kernelgen.cli import tune as cli_tune
 
     narrow = Console(file=io.StringIO(), width=30, force_terminal=True, color_system=None)
     monkeypatch.setattr(cli_tune, "out_console", narrow)
@@ -222,7 +222,12 @@ def test_torch_op_schema_has_defaults():
 def test_torch_op_runs_with_only_causal(recwarn):
     torch = pytest.importorskip("torch")
     import kernelgen.torch_ops  # noqa: F401
-    from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
+    from kernelgen.references.attention import (
+        LSE_TOLERANCE,
+        OUT_TOLERANCE,
+        naive_attention,
+        relative_error,
+    )
 
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((1, 2, n, 32)).astype(np.float32) for n in (20, 30, 30))
@@ -235,10 +240,11 @@ def test_torch_op_runs_with_only_causal(recwarn):
 @pytest.mark.emulate
 def test_a_call_that_cannot_differentiate_warns_once(monkeypatch):
     """Inputs that require grad: kernelgen.attention differentiates, but calls with seqlens_k
-    (and kernelgen.api.attention, the forward alone) warn once and return detached outputs."""
+    (and kernelgen.calls.attention.attention, the forward alone) warn once and return detached
+    outputs."""
     torch = pytest.importorskip("torch")
     import kernelgen
-    from kernelgen import api
+    from kernelgen.calls import attention as api
 
     monkeypatch.setattr(api, "_warned_no_backward", False)
     rng = np.random.default_rng(5)
@@ -265,7 +271,7 @@ def test_a_call_that_cannot_differentiate_warns_once(monkeypatch):
 
 # ---- BlockMask and the schema -------------------------------------------------------------------
 def test_block_mask_repr_is_short():
-    from kernelgen.block_mask import block_mask_reference
+    from kernelgen.calls.block_mask import block_mask_reference
 
     doc = np.repeat(np.arange(4, dtype=np.int32), 250)[None].repeat(2, 0)
     text = "doc[b, q_idx] == doc[b, kv_idx]"
@@ -338,7 +344,7 @@ def _validator_verdicts(field: str, value) -> tuple[bool, bool]:
     from pydantic import ValidationError
 
     from kernelgen.errors import SpecError
-    from kernelgen.spec import KernelSpec, spec_expressions
+    from kernelgen.specs.forward import KernelSpec, spec_expressions
 
     if field == "mod_inputs":  # checked entry by entry, before the spec's expressions
         try:
@@ -360,7 +366,7 @@ def _validator_verdicts(field: str, value) -> tuple[bool, bool]:
 def test_schema_is_as_strict_as_each_field_check(field):
     """The schema refuses what a field's own check refuses, and nothing that some path takes
     (rules between fields, e.g. mma_sync's block_m, stay the validator's)."""
-    from kernelgen.spec import spec_json_schema
+    from kernelgen.specs.forward import spec_json_schema
 
     rule = spec_json_schema()["properties"][field]
     for value in FIELD_VALUES[field]:

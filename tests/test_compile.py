@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import HEAD_DIM_SWEEP, ROOT, SPEC_PATHS, require_toolchain
 
-from kernelgen.arch import ARCHS
-from kernelgen.compile import (
+from kernelgen.errors import CompileError
+from kernelgen.kernels.compile import (
     compile_offline,
     cuobjdump_path,
     disassemble,
@@ -23,9 +23,15 @@ from kernelgen.compile import (
     report_options,
     sass_instructions,
 )
-from kernelgen.errors import CompileError
-from kernelgen.render import MAX_SPLITS, PRODUCER_REGS, WGMMA_OPERAND, consumer_registers, render
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.kernels.render import (
+    MAX_SPLITS,
+    PRODUCER_REGS,
+    WGMMA_OPERAND,
+    consumer_registers,
+    render,
+)
+from kernelgen.specs.arch import ARCHS
+from kernelgen.specs.forward import KernelSpec, load_spec
 
 pytestmark = pytest.mark.compile
 
@@ -316,9 +322,10 @@ def test_wgmma_kernels_use_hopper_instructions_within_their_register_budgets(pat
 )
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_hopper_defaults_compile_without_spills(head_dim, variants):
-    """What an untuned prefill call runs on a 9.0 device (kernelgen.policy.hopper_default_spec),
-    with every built-in variant or none, causal: no spill, no stack."""
-    from kernelgen.policy import hopper_default_spec
+    """What an untuned prefill call runs on a 9.0 device
+    (kernelgen.model.policy.hopper_default_spec), with every built-in variant or none, causal: no
+    spill, no stack."""
+    from kernelgen.model.policy import hopper_default_spec
 
     spec = hopper_default_spec("bfloat16", head_dim, True, variants)
     assert spec is not None and spec.mma == "wgmma"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from conftest import BACKWARD_SPEC_PATHS, require_toolchain
 
-from kernelgen.arch import ARCHS
-from kernelgen.compile import (
+from kernelgen.families import backward, load_any_spec
+from kernelgen.kernels.compile import (
     compile_offline,
     disassemble,
     function_sass,
@@ -18,14 +18,14 @@ from kernelgen.compile import (
     parse_ptxas_report,
     sass_instructions,
 )
-from kernelgen.families import backward, load_any_spec
-from kernelgen.perfmodel import (
+from kernelgen.model.perfmodel import (
     BACKWARD_ROLES,
     FA2_BWD_D128,
     backward_interior_loop,
     model_backward_spec,
 )
-from kernelgen.policy import default_backward_spec
+from kernelgen.model.policy import default_backward_spec
+from kernelgen.specs.arch import ARCHS
 
 pytestmark = pytest.mark.compile
 
@@ -130,7 +130,7 @@ def test_block_sparse_backward_compiles_cleanly(engine, deterministic):
     dim 128 on the tensor cores): their list walks fit without spills on either arch."""
     import numpy as np
 
-    from kernelgen.expression_inputs import check_expressions
+    from kernelgen.calls.expression_inputs import check_expressions
 
     expressions = check_expressions(
         score_mod=None, mask_mod="doc[b, q_idx] == doc[b, kv_idx]",

@@ -1,5 +1,5 @@
-"""The offline compile cache (kernelgen.compile_cache): a hit gives back the compile's cubin and
-ptxas report without NVRTC; an entry without the report does not serve a call that needs it;
+"""The offline compile cache (kernelgen.kernels.compile_cache): a hit gives back the compile's cubin
+and ptxas report without NVRTC; an entry without the report does not serve a call that needs it;
 a damaged entry is rebuilt with a warning; the cache can be turned off."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import stat
 import pytest
 from conftest import require_toolchain
 
-from kernelgen import compile as compile_module
-from kernelgen import compile_cache
-from kernelgen.compile import compile_offline, nvrtc_available
+from kernelgen.kernels import compile as compile_module
+from kernelgen.kernels import compile_cache as compile_cache
+from kernelgen.kernels.compile import compile_offline, nvrtc_available
 
 pytestmark = pytest.mark.compile
 
@@ -81,14 +81,14 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(nvrtc_calls, tmp_path, caplog
     data[-1] ^= 0xFF  # the cubin's last byte: the checksum no longer matches
     entry.write_bytes(bytes(data))
     compile_cache._WARNED.clear()
-    with caplog.at_level(logging.WARNING, logger="kernelgen.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="kernelgen.kernels.compile_cache"):
         rebuilt = compile_offline(SOURCE, "twice", "sm_80", sass=False)
     assert rebuilt.cubin == good.cubin and len(nvrtc_calls) == 2
     assert "does not match its checksum" in caplog.text
     assert entry.read_bytes()[-1] == good.cubin[-1]  # rewritten whole
     entry.write_bytes(b"garbage")
     compile_cache._WARNED.clear()
-    with caplog.at_level(logging.WARNING, logger="kernelgen.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="kernelgen.kernels.compile_cache"):
         assert compile_offline(SOURCE, "twice", "sm_80", sass=False).cubin == good.cubin
     assert "not a kernelgen compile-cache file" in caplog.text and len(nvrtc_calls) == 3
 
@@ -105,7 +105,7 @@ def test_an_unsafe_cache_folder_is_skipped_with_a_warning(nvrtc_calls, tmp_path,
     folder = tmp_path / "kg" / "nvrtc"
     folder.mkdir(parents=True)
     folder.chmod(0o777)  # others may write: never read from it
-    with caplog.at_level(logging.WARNING, logger="kernelgen.compile"):
+    with caplog.at_level(logging.WARNING, logger="kernelgen.kernels.compile"):
         compiled = compile_offline(SOURCE, "twice", "sm_80", sass=False)
     assert compiled.resources is not None and "compile cache off" in caplog.text
     assert not list(folder.iterdir())

@@ -1,6 +1,6 @@
 """Emulation tier, the CPU backend: ``kernelgen.attention()`` on NumPy arrays and CPU torch
 tensors runs the GPU path (checks, heuristic spec, call plan, split-KV, decode packing) with
-host arrays and the emulator as the kernel runner, against float64 (kernelgen.host)."""
+host arrays and the emulator as the kernel runner, against float64 (kernelgen.runtime.host)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from attention_cases import Case, assert_matches, make_case
 from conftest import CPU_BACKEND_MARKS
 
 import kernelgen
-from kernelgen import api, host
+from kernelgen.calls import attention as api
 from kernelgen.errors import CPUBackendWarning, InputTypeError
-from kernelgen.reference import naive_attention
-from kernelgen.spec import spec_from_dict
+from kernelgen.references.attention import naive_attention
+from kernelgen.runtime import host as host
+from kernelgen.specs.forward import spec_from_dict
 
 pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
@@ -153,7 +154,7 @@ def test_a_kernel_that_reads_no_mask_refuses_one(monkeypatch):
     """The launch's guard, with the API's flag step removed (what a caller of the launch layer
     that forgot it would do): an InputError, not a silently unmasked result."""
     from kernelgen.errors import InputError
-    from kernelgen.spec import KernelSpec
+    from kernelgen.specs.forward import KernelSpec
 
     monkeypatch.setattr(KernelSpec, "with_additive_mask", lambda self: self)
     data = make_case(Case(1, 2, 1, 12, 24, mask="full"), "float16", HEAD_DIM, False, seed=10)

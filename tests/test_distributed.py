@@ -34,7 +34,7 @@ from kernelgen.distributed.cost import (
     schedule_costs,
 )
 from kernelgen.errors import InputError
-from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, relative_error
+from kernelgen.references.attention import LSE_TOLERANCE, OUT_TOLERANCE, relative_error
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -187,7 +187,7 @@ def test_contiguous_causal_ring_rank_0_works_at_step_0_only():
 
 def test_expressions_are_shifted_to_global_positions():
     from kernelgen.distributed.positions import globalize, with_alibi
-    from kernelgen.expressions import ModInput, parse_mask_mod, parse_score_mod
+    from kernelgen.specs.expressions import ModInput, parse_mask_mod, parse_score_mod
 
     text = globalize("doc[b, q_idx] == doc[b, kv_idx] and h < 2")
     assert text == "doc[b, q_idx + cp_pos[0]] == doc[b, kv_idx + cp_pos[1]] and h + cp_pos[2] < 2"
@@ -300,8 +300,8 @@ def _group(rank: int, world: int):
 
 
 def _setup(q, k, v, group, **kw):
+    from kernelgen.calls.variant_inputs import VariantArgs
     from kernelgen.distributed.attention import _setup
-    from kernelgen.variant_inputs import VariantArgs
 
     options = dict(sharding=None, schedule="ring", causal=True, scale=None)
     variants = {name: kw.pop(name) for name in list(kw) if name not in options}
@@ -549,9 +549,9 @@ def _cases(world: int) -> list:
 def _reference_options(kw: dict) -> tuple[dict, dict]:
     """The float64 reference's keyword arguments for attention()'s ``kw`` (expressions as
     NumPy callables over global indices), and the backward's extra ones."""
-    from kernelgen.expression_eval import evaluate
-    from kernelgen.expression_grad import score_mod_grad_callable
-    from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
+    from kernelgen.references.expressions import evaluate
+    from kernelgen.specs.expression_grad import score_mod_grad_callable
+    from kernelgen.specs.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
 
     plain = {n: x for n, x in kw.items() if n not in ("score_mod", "mask_mod", "mod_inputs")}
     ref = {n: x.numpy() if isinstance(x, torch.Tensor) else x for n, x in plain.items()}
@@ -575,7 +575,7 @@ def _errors(case, results) -> dict[str, float]:
     """The case's errors: out and gradients (relative Frobenius) and lse (absolute) against the
     float64 reference, and out against single-process kernelgen.attention."""
     import kernelgen
-    from kernelgen import reference
+    from kernelgen.references import attention as reference
 
     sharding, inputs = case.make_sharding(), case.inputs()
     kw = case.options(inputs)

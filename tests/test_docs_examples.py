@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from kernelgen.reference import LSE_TOLERANCE, OUT_TOLERANCE, naive_attention, relative_error
+from kernelgen.references.attention import (
+    LSE_TOLERANCE,
+    OUT_TOLERANCE,
+    naive_attention,
+    relative_error,
+)
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)

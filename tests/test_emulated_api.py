@@ -21,9 +21,9 @@ from attention_cases import (
 from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
-from kernelgen.emulated_launch import spec_kernel
-from kernelgen.launch import clear_kernel_cache
-from kernelgen.reference import naive_attention
+from kernelgen.references.attention import naive_attention
+from kernelgen.runtime.emulated_launch import spec_kernel
+from kernelgen.runtime.launch import clear_kernel_cache
 from kernelgen.testing import fake_cupy, fake_torch
 from kernelgen.testing.poison import poisoned_outputs
 

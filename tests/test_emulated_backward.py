@@ -1,6 +1,6 @@
 """Emulation tier: the backward family (dq, dk, dv, dsinks) run by the emulator through
 ``kernelgen.attention_backward``, against the float64 analytic gradients of
-``kernelgen.reference.attention_backward`` (itself checked against finite differences in
+``kernelgen.references.attention.attention_backward`` (itself checked against finite differences in
 test_reference_backward.py): every backward spec in specs/, every variant and expression, GQA,
 odd lengths, Sq != Sk, rows that see no key, layouts and strides, on both engines (CUDA cores,
 and the tensor cores, the default for fp16/bf16); determinism across emulated block orders;
@@ -17,14 +17,14 @@ import pytest
 from conftest import BACKWARD_SPEC_PATHS
 
 import kernelgen
-from kernelgen import backward_api
+from kernelgen.calls import backward as backward_api
 from kernelgen.errors import EmulatorLaunchError, InputError, InputTypeError
-from kernelgen.expression_eval import evaluate
-from kernelgen.expression_grad import score_mod_grad_callable
-from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
 from kernelgen.families import backward, load_any_spec
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.reference import OUT_TOLERANCE, attention_backward, relative_error
+from kernelgen.references.attention import OUT_TOLERANCE, attention_backward, relative_error
+from kernelgen.references.expressions import evaluate
+from kernelgen.specs.backward import BackwardSpec
+from kernelgen.specs.expression_grad import score_mod_grad_callable
+from kernelgen.specs.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
 
 pytestmark = pytest.mark.emulate
 
@@ -583,7 +583,7 @@ TIMING_DEPENDENT_MUTATIONS = {"dropped-mid-barrier": 8, "split-read-before-barri
 
 def _launch_stats(monkeypatch) -> dict:
     """Collects the emulator's LaunchStats of every backward kernel launched, by symbol."""
-    from kernelgen import emulated_launch as launches
+    from kernelgen.runtime import emulated_launch as launches
 
     stats: dict = {}
     build = launches.spec_kernels

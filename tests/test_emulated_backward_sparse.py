@@ -2,12 +2,12 @@
 
 A backward call with a ``mask_mod`` (or the forward's ``block_mask``) visits only the tiles the
 mask leaves partly or fully visible: the main kernel per key tile its query tiles, the
-deterministic dQ kernel per query tile its key tiles (kernelgen.backward_mask). Checked here on
-both engines, atomic and deterministic dQ, against the float64 gradients of
-``kernelgen.reference.attention_backward``: documents not aligned to tiles, per-head masks with
-GQA, a query row that sees no key, a forward block mask; the transposed builder against the
-NumPy lists; the tiles the kernels copy counted in the emulator (sparse against dense, causal and
-window bounds on top); mutations of the lists (a partly visible tile dropped, or called full)
+deterministic dQ kernel per query tile its key tiles (kernelgen.calls.backward_mask). Checked here
+on both engines, atomic and deterministic dQ, against the float64 gradients of
+``kernelgen.references.attention.attention_backward``: documents not aligned to tiles, per-head
+masks with GQA, a query row that sees no key, a forward block mask; the transposed builder against
+the NumPy lists; the tiles the kernels copy counted in the emulator (sparse against dense, causal
+and window bounds on top); mutations of the lists (a partly visible tile dropped, or called full)
 that the gradients must catch."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 
 import kernelgen
-from kernelgen import backward_api
-from kernelgen.backward_mask import TileLists, tile_lists, tile_lists_reference
-from kernelgen.block_mask import block_mask_reference
+from kernelgen.calls import backward as backward_api
+from kernelgen.calls.backward_mask import TileLists, tile_lists, tile_lists_reference
+from kernelgen.calls.block_mask import block_mask_reference
 from kernelgen.errors import SpecError
-from kernelgen.expression_eval import evaluate
-from kernelgen.expressions import inputs_from_arrays, parse_mask_mod
 from kernelgen.families import backward
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.reference import OUT_TOLERANCE, attention_backward, relative_error
+from kernelgen.references.attention import OUT_TOLERANCE, attention_backward, relative_error
+from kernelgen.references.expressions import evaluate
+from kernelgen.specs.backward import BackwardSpec
+from kernelgen.specs.expressions import inputs_from_arrays, parse_mask_mod
 
 pytestmark = pytest.mark.emulate
 

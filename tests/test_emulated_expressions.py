@@ -15,12 +15,12 @@ from attention_cases import Case, assert_matches, example_variants, make_case
 from test_emulated_kernels import run_emulated
 
 import kernelgen
-from kernelgen.block_mask import block_mask_reference
+from kernelgen.calls.block_mask import block_mask_reference
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.expression_eval import evaluate
-from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
-from kernelgen.reference import naive_attention, relative_error
-from kernelgen.spec import KernelSpec
+from kernelgen.references.attention import naive_attention, relative_error
+from kernelgen.references.expressions import evaluate
+from kernelgen.specs.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
+from kernelgen.specs.forward import KernelSpec
 
 pytestmark = pytest.mark.emulate
 

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from conftest import WGMMA_SPEC_PATHS
 
-from kernelgen.emulated_api import emulate_attention, emulate_fp8_attention
+from kernelgen.calls.emulated import emulate_attention, emulate_fp8_attention
 from kernelgen.errors import HazardError, InputError, InputTypeError, SpecError
-from kernelgen.fp8 import E4M3_VALUES, KEY_ORDER, check_descales, decode_e4m3, v_operand
-from kernelgen.render import render
-from kernelgen.spec import load_spec, spec_from_dict
+from kernelgen.kernels.render import render
+from kernelgen.runtime.fp8 import E4M3_VALUES, KEY_ORDER, check_descales, decode_e4m3, v_operand
+from kernelgen.specs.forward import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.emulate
 
@@ -235,7 +235,7 @@ def test_descale_errors_are_typed():
 
 def test_fp8_specs_refuse_float_inputs_and_the_fp8_entry_refuses_other_specs():
     zeros = np.zeros((1, 1, 16, 128), np.float32)
-    with pytest.raises(InputTypeError, match=r"use kernelgen\.emulated_api\.emulate_fp8"):
+    with pytest.raises(InputTypeError, match=r"use kernelgen\.calls\.emulated\.emulate_fp8"):
         emulate_attention(fp8_spec(), zeros, zeros, zeros)
     bf16 = spec_from_dict({**FP8_SPEC, "dtype": "bfloat16"})
     bits = np.zeros((1, 1, 16, 128), np.uint8)

@@ -11,7 +11,7 @@ from conftest import CPU_BACKEND_MARKS
 from test_emulated_fp8 import P_RELATIVE, SHAPES, bound_ratio, problem, reference
 
 import kernelgen
-from kernelgen import fp8
+from kernelgen.runtime import fp8 as fp8
 
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -106,7 +106,7 @@ def test_fp8_attention_mutations_break_the_bound(mutation, monkeypatch):
         def replacement(*args, **kwargs):
             return {n: x for n, x in checked(*args, **kwargs).items() if n != "v_descale"}
 
-        monkeypatch.setattr("kernelgen.fp8_api.check_descales", replacement)
+        monkeypatch.setattr("kernelgen.calls.fp8.check_descales", replacement)
     else:
         monkeypatch.setattr(fp8, name, replacement)
     q, k, v, descales = problem(3, 1, 2, 1, 64, 140)

@@ -15,8 +15,8 @@ import pytest
 from attention_cases import Case, assert_matches, example_expressions, example_variants, make_case
 from conftest import HEAD_DIM_SWEEP, POINTER_SPEC_PATHS
 
-from kernelgen.emulated_api import emulate_attention
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.calls.emulated import emulate_attention
+from kernelgen.specs.forward import KernelSpec, load_spec
 
 pytestmark = pytest.mark.emulate
 
@@ -44,7 +44,7 @@ def run_emulated(
     variants: dict | None = None,
 ):
     """out and lse of the spec's launches on ``data`` through
-    :func:`kernelgen.emulated_api.emulate_attention` (and, into ``keep``, every array;
+    :func:`kernelgen.calls.emulated.emulate_attention` (and, into ``keep``, every array;
     into ``stats``, each kernel's LaunchStats by symbol); ``source`` replaces the rendered CUDA.
     Without ``want_lse`` the kernels get a null lse and lse is None. ``variants``: the variant
     arguments of attention() (window_size, softcap, alibi_slopes, sinks).

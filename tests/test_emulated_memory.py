@@ -21,8 +21,8 @@ from attention_cases import Case, make_case
 from conftest import SPEC_PATHS
 from test_emulated_kernels import run_emulated
 
-from kernelgen.render import render
-from kernelgen.spec import DTYPE_BYTES, load_spec
+from kernelgen.kernels.render import render
+from kernelgen.specs.forward import DTYPE_BYTES, load_spec
 
 pytestmark = pytest.mark.emulate
 

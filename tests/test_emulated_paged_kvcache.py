@@ -22,9 +22,9 @@ from attention_cases import (
 from conftest import CPU_BACKEND_MARKS, host_dtype
 
 import kernelgen
-from kernelgen import host
+from kernelgen.calls.kvcache_checks import PagedLayout, validate_on_device
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.kvcache_checks import PagedLayout, validate_on_device
+from kernelgen.runtime import host as host
 
 pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32
@@ -137,7 +137,7 @@ def test_paged_decode_reads_each_key_once_and_no_padding(monkeypatch, page_size)
         return real_kernel(spec)
 
     monkeypatch.setattr(host._EmulatedFunction, "__call__", counting)
-    monkeypatch.setattr(kernelgen.api, "emulated_kernel", recording)
+    monkeypatch.setattr(kernelgen.calls.attention, "emulated_kernel", recording)
     lengths, new_len, kv_heads = [1, 0, 70, 33], 1, 2
     out, lse, reference, *_ = _paged_call(
         "float16", 16, kv_heads, 1, new_len, lengths, page_size, 5, num_splits=3
@@ -368,9 +368,9 @@ def test_mutated_small_page_lookup_fails(tmp_path, monkeypatch, name):
 
     from conftest import templates_at
 
-    from kernelgen import host
+    from kernelgen.runtime import host as host
 
-    render = importlib.import_module("kernelgen.render")  # the package exports a render()
+    render = importlib.import_module("kernelgen.kernels.render")  # the package exports a render()
     original, mutated = PAGE_LOOKUP_MUTATIONS[name]
     folder = tmp_path / "templates"
     shutil.copytree(render.template_dir(), folder)

@@ -1,5 +1,5 @@
 """Emulation tier: ``emulate_attention`` is kernelgen's own call on NumPy arrays (the CPU
-backend), recorded (kernelgen.emulated_launch): what the recording reports, that it changes
+backend), recorded (kernelgen.runtime.emulated_launch): what the recording reports, that it changes
 nothing of the call (same result as ``kernelgen.attention()``, the same checks), that a
 ``source`` stays with its call, and that the backend's allocations start as NaN."""
 
@@ -13,13 +13,13 @@ from attention_cases import Case, assert_matches, make_case
 from conftest import POINTER_SPEC_PATHS
 
 import kernelgen
-from kernelgen import host
-from kernelgen.emulated_api import emulate_attention
-from kernelgen.emulated_launch import active_recording, recording
+from kernelgen.calls.emulated import emulate_attention
 from kernelgen.errors import CPUBackendWarning, InputError
-from kernelgen.launch import scratch_floats
-from kernelgen.render import render
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.kernels.render import render
+from kernelgen.runtime import host as host
+from kernelgen.runtime.emulated_launch import active_recording, recording
+from kernelgen.runtime.launch import scratch_floats
+from kernelgen.specs.forward import KernelSpec, load_spec
 
 pytestmark = pytest.mark.emulate
 

@@ -27,8 +27,8 @@ from attention_cases import (
 from test_emulated_kernels import run_emulated
 
 import kernelgen
-from kernelgen.launch import launch_geometry
-from kernelgen.spec import KernelSpec
+from kernelgen.runtime.launch import launch_geometry
+from kernelgen.specs.forward import KernelSpec
 
 pytestmark = pytest.mark.emulate
 
@@ -179,7 +179,7 @@ def test_split_decode_visits_the_window_once_over_all_chunks():
 
 
 def _problem(case: Case):
-    from kernelgen.launch import Problem
+    from kernelgen.runtime.launch import Problem
 
     return Problem(
         case.batch, case.heads, case.kv_heads, case.seqlen_q, case.seqlen_k, 32,

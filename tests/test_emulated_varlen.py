@@ -1,5 +1,6 @@
 """Emulation tier: ``kernelgen.attention_varlen`` (packed sequences, cu_seqlens) on NumPy inputs
-through the CPU backend, against float64 per-sequence references (kernelgen.reference)."""
+through the CPU backend, against float64 per-sequence references
+(kernelgen.references.attention)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from attention_cases import check_varlen, packed_varlen, varlen_reference
 from conftest import CPU_BACKEND_MARKS, host_dtype
 
 import kernelgen
-from kernelgen import host
+from kernelgen.runtime import host as host
 
 pytestmark = CPU_BACKEND_MARKS
 HEAD_DIM = 32

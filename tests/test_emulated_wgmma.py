@@ -22,9 +22,9 @@ from conftest import WGMMA_SPEC_PATHS
 from test_emulated_kernels import CASES, run_emulated
 
 from kernelgen.errors import CPUBackendWarning, EmulatorError, HazardError
-from kernelgen.reference import naive_attention
-from kernelgen.render import render
-from kernelgen.spec import load_spec, spec_from_dict
+from kernelgen.kernels.render import render
+from kernelgen.references.attention import naive_attention
+from kernelgen.specs.forward import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.emulate
 
@@ -300,7 +300,7 @@ def test_the_untuned_hopper_default_matches_float64(head_dim, variants):
     every built-in variant at head dim 128 (its 128-key tiles), against float64."""
     from attention_cases import example_variants
 
-    from kernelgen.policy import hopper_default_spec
+    from kernelgen.model.policy import hopper_default_spec
 
     spec = hopper_default_spec("bfloat16", head_dim, True, variants)
     case = Case(1, 2, 1, 150, 300)

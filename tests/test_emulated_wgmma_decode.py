@@ -35,9 +35,9 @@ from test_emulated_wgmma import assert_mutant_fails
 
 import kernelgen
 from kernelgen.errors import CPUBackendWarning, InputError
-from kernelgen.reference import naive_attention
-from kernelgen.render import render
-from kernelgen.spec import load_spec, spec_from_dict
+from kernelgen.kernels.render import render
+from kernelgen.references.attention import naive_attention
+from kernelgen.specs.forward import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.emulate
 

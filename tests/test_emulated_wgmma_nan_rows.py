@@ -36,9 +36,9 @@ from test_emulator_hopper import mutated  # noqa: F401 (a fixture)
 
 import kernelgen
 from kernelgen.errors import CPUBackendWarning, EmulatorError, HazardError
-from kernelgen.reference import naive_attention
-from kernelgen.render import render
-from kernelgen.spec import KernelSpec, load_spec, spec_from_dict
+from kernelgen.kernels.render import render
+from kernelgen.references.attention import naive_attention
+from kernelgen.specs.forward import KernelSpec, load_spec, spec_from_dict
 
 pytestmark = pytest.mark.emulate
 
@@ -182,7 +182,7 @@ def test_mutation_mbarrier_passing_no_phases_on_is_caught(mutated):  # noqa: F81
     """An emulator whose mbarrier arrivals do not pass on the phases their threads saw
     complete: the consumers learn that the last V tile's copy landed (on v_staged) only through
     the producer's arrival on v_full, so the unmutated kernel raises a false hazard."""
-    from kernelgen import emulated_launch as launches
+    from kernelgen.runtime import emulated_launch as launches
 
     mutated(
         "kg_mbarrier.h",

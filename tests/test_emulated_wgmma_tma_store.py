@@ -21,14 +21,14 @@ import pytest
 from attention_cases import Case, CaseData, assert_matches, example_variants, make_case
 from test_emulated_kernels import run_emulated
 
-from kernelgen import emulated_launch as launches
-from kernelgen.emulated_api import emulate_attention
-from kernelgen.emulated_launch import from_device_dtype, run_launches, to_device_dtype
+from kernelgen.calls.emulated import emulate_attention
 from kernelgen.errors import CPUBackendWarning, HazardError
-from kernelgen.launch import Problem
-from kernelgen.render import render
-from kernelgen.spec import spec_from_dict
-from kernelgen.tensor_maps import tensor_map_layouts
+from kernelgen.kernels.render import render
+from kernelgen.runtime import emulated_launch as launches
+from kernelgen.runtime.emulated_launch import from_device_dtype, run_launches, to_device_dtype
+from kernelgen.runtime.launch import Problem
+from kernelgen.runtime.tensor_maps import tensor_map_layouts
+from kernelgen.specs.forward import spec_from_dict
 
 pytestmark = pytest.mark.emulate
 

@@ -1,5 +1,5 @@
 """Emulation tier for the widest tensor-core tilings: 8 warps of 32 query rows (block_m 256, the
-untuned default from head dim 104 to 128: kernelgen.policy.WIDE_TILES) and key tiles that are
+untuned default from head dim 104 to 128: kernelgen.model.policy.WIDE_TILES) and key tiles that are
 no power of two (48, 80, 112), against float64 NumPy.
 
 The cases put partial row and key tiles on both sides, two row tiles of 256, GQA and MQA, both
@@ -17,8 +17,8 @@ import pytest
 from attention_cases import Case, assert_matches, make_case
 from test_emulated_kernels import run_emulated
 
-from kernelgen.policy import default_spec
-from kernelgen.spec import KernelSpec
+from kernelgen.model.policy import default_spec
+from kernelgen.specs.forward import KernelSpec
 
 pytestmark = pytest.mark.emulate
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from test_emulator_hopper import COMMON, wgmma_ss
 
-from kernelgen.emulated_launch import to_device_dtype
 from kernelgen.emulator import (
     EmulatorTimeoutError,
     HazardError,
     build_kernel,
     encode_tensor_map_tiled,
 )
+from kernelgen.runtime.emulated_launch import to_device_dtype
 
 pytestmark = pytest.mark.emulate
 

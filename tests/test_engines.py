@@ -1,4 +1,4 @@
-"""CPU tier: the engine table (kernelgen/engines.py) is where engine facts live, and no other
+"""CPU tier: the engine table (kernelgen/specs/engines.py) is where engine facts live, and no other
 module decides by comparing a spec's engine name with a literal (docs/design.md, "Families and
 engines")."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from kernelgen.engines import ENGINES, engine_of
-from kernelgen.spec import KernelSpec
+from kernelgen.specs.engines import ENGINES, engine_of
+from kernelgen.specs.forward import KernelSpec
 
-TABLE = Path("kernelgen/engines.py")
+TABLE = Path("kernelgen/specs/engines.py")
 
 
 def engine_name_comparisons(source: str) -> list[int]:
@@ -56,7 +56,7 @@ def test_no_module_but_the_table_compares_engine_names():
         if path.relative_to(ROOT) != TABLE
         if (lines := engine_name_comparisons(path.read_text()))
     }
-    assert not found, f"engine decisions outside kernelgen/engines.py (ask the row): {found}"
+    assert not found, f"engine decisions outside kernelgen/specs/engines.py (ask the row): {found}"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""d(score_mod)/d(score) (kernelgen/expression_grad.py): the symbolic derivative against central
-finite differences of the float64 evaluator, its conventions at kinks, the constructs it refuses,
-and kg_score_mod_grad compiled by g++ through the CPU emulator."""
+"""d(score_mod)/d(score) (kernelgen/specs/expression_grad.py): the symbolic derivative against
+central finite differences of the float64 evaluator, its conventions at kinks, the constructs it
+refuses, and kg_score_mod_grad compiled by g++ through the CPU emulator."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 
 from kernelgen.errors import InputError, SpecError
-from kernelgen.expression_cuda import (
+from kernelgen.kernels.expression_cuda import (
     device_function,
     expression_source,
     input_params,
     input_struct_init,
     score_mod_grad_source,
 )
-from kernelgen.expression_eval import evaluate
-from kernelgen.expression_grad import score_mod_derivative, score_mod_grad_callable
-from kernelgen.expressions import (
+from kernelgen.references.expressions import evaluate
+from kernelgen.specs.expression_grad import score_mod_derivative, score_mod_grad_callable
+from kernelgen.specs.expressions import (
     ModInput,
     Node,
     derived_expression,
@@ -339,7 +339,7 @@ def grad_kernel_source(score_mods: list) -> str:
 def test_emitted_grad_compiles_with_nvrtc():
     from conftest import require_toolchain
 
-    from kernelgen.compile import compile_offline, nvrtc_available
+    from kernelgen.kernels.compile import compile_offline, nvrtc_available
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings, nvidia-cuda-nvrtc, headers)")
     source = grad_kernel_source([parse_score_mod(text, BIAS) for text in EMULATED])

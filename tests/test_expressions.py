@@ -1,4 +1,4 @@
-"""The score_mod / mask_mod language (kernelgen/expressions.py, docs/expressions.md): every
+"""The score_mod / mask_mod language (kernelgen/specs/expressions.py, docs/expressions.md): every
 refused construct, types, canonical text and hash, the float64 evaluator against Python's own
 arithmetic, the CUDA emitter's output (injection) and, through the CPU emulator, the emitted
 device functions against the evaluator."""
@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernelgen.errors import InputError, InputTypeError, SpecError
-from kernelgen.expression_cuda import (
+from kernelgen.kernels.expression_cuda import (
     HELPERS,
     expression_source,
     input_params,
     input_struct_init,
 )
-from kernelgen.expression_eval import evaluate, evaluate_grid
-from kernelgen.expressions import (
+from kernelgen.references.expressions import evaluate, evaluate_grid
+from kernelgen.specs.expressions import (
     MAX_EXPRESSION_CHARS,
     ModInput,
     inputs_from_arrays,
@@ -595,8 +595,8 @@ DOC_TABLE = [
 def test_the_docs_show_the_emitted_functions_and_valid_examples():
     from conftest import ROOT
 
-    from kernelgen.expression_cuda import device_function, input_struct
-    from kernelgen.expressions import parse_expression
+    from kernelgen.kernels.expression_cuda import device_function, input_struct
+    from kernelgen.specs.expressions import parse_expression
 
     text = (ROOT / "docs" / "expressions.md").read_text()
     for kind, expression, inputs in DOC_EXAMPLES:
@@ -712,7 +712,7 @@ extern "C" __global__ void many_expressions(float* score_out, int* mask_out, int
 def test_random_emitted_expressions_equal_the_evaluator():
     """24 random score_mod / mask_mod pairs in one source (one g++ build), exact."""
     from kernelgen.emulator import build_kernel
-    from kernelgen.expression_cuda import device_function
+    from kernelgen.kernels.expression_cuda import device_function
 
     generate = RandomExpressions(seed=12)
     pairs = [
@@ -763,7 +763,7 @@ TOKENS = [
 def test_any_text_is_an_expression_or_a_spec_error(tokens, kind):
     """Token soup: the checker either refuses it with a SpecError or accepts it, and then the
     emitted source holds only the emitter's words and the canonical text parses back."""
-    from kernelgen.expressions import parse_expression
+    from kernelgen.specs.expressions import parse_expression
 
     text = "".join(tokens)
     try:
@@ -778,7 +778,7 @@ def test_any_text_is_an_expression_or_a_spec_error(tokens, kind):
 def test_hand_built_trees_are_checked_again():
     """An Expression built around a forged tree keeps only what its canonical text checks to
     (tests/test_security_expressions.py: the trees are verified again at emission)."""
-    from kernelgen.expressions import Expression, Node
+    from kernelgen.specs.expressions import Expression, Node
 
     forged_read = Node("read", "int", op='doc); system("x', args=(Node("name", "int", op="b"),))
     forged_name = Node("name", "int", op="__global__")
@@ -794,7 +794,7 @@ def test_hand_built_trees_are_checked_again():
 
 
 def test_only_parentheses_around_a_whole_argument_are_dropped():
-    from kernelgen.expression_cuda import _bare
+    from kernelgen.kernels.expression_cuda import _bare
 
     assert _bare("(a + b)") == "a + b"
     assert _bare("((a) + (b))") == "(a) + (b)"

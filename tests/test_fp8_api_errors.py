@@ -12,8 +12,8 @@ import pytest
 
 import kernelgen
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.policy import default_spec, fp8_default_spec
-from kernelgen.spec import load_spec
+from kernelgen.model.policy import default_spec, fp8_default_spec
+from kernelgen.specs.forward import load_spec
 from kernelgen.tuning.key import ProblemDesc
 
 torch = pytest.importorskip("torch")

@@ -13,9 +13,9 @@ from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
 from kernelgen.errors import InputError
-from kernelgen.fp8 import v_operand
-from kernelgen.launch import clear_kernel_cache
-from kernelgen.policy import fp8_default_spec
+from kernelgen.model.policy import fp8_default_spec
+from kernelgen.runtime.fp8 import v_operand
+from kernelgen.runtime.launch import clear_kernel_cache
 from kernelgen.testing import fake_cupy, fake_torch
 
 B, H, HKV, SQ, SK, D = 2, 4, 2, 70, 150, 128

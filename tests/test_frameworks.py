@@ -12,9 +12,9 @@ import pytest
 from conftest import install_fake_libraries, launched_kernel
 
 import kernelgen
-from kernelgen import api
-from kernelgen.launch import clear_kernel_cache
-from kernelgen.render import kernel_params
+from kernelgen.calls import attention as api
+from kernelgen.kernels.render import kernel_params
+from kernelgen.runtime.launch import clear_kernel_cache
 from kernelgen.testing import fake_cupy, fake_torch
 
 

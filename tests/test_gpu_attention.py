@@ -19,9 +19,9 @@ from conftest import POINTER_SPEC_PATHS, WGMMA_SPEC_PATHS
 from test_emulated_wide_tiles import MATRIX as WIDE_MATRIX
 
 import kernelgen
-import kernelgen.api
-from kernelgen.reference import naive_attention
-from kernelgen.spec import load_spec
+import kernelgen.calls.attention
+from kernelgen.references.attention import naive_attention
+from kernelgen.specs.forward import load_spec
 
 pytestmark = pytest.mark.gpu
 
@@ -205,7 +205,8 @@ def test_wgmma_spec_on_another_gpu_is_a_typed_error():
     ],
 )
 def test_more_than_65535_heads_in_a_batch(stem):
-    """batch x heads past gridDim.y's limit of 65535: the heads are on gridDim.x (launch.py)."""
+    """batch x heads past gridDim.y's limit of 65535: the heads are on gridDim.x
+    (runtime/launch.py)."""
     spec = load_spec(next(p for p in SPEC_PATHS if p.stem == stem))
     case = Case(2048, 66, 33, 2, 17)
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=zlib.crc32(stem.encode()))
@@ -241,8 +242,8 @@ def test_expressions_with_the_default_spec_on_gpu(dtype, monkeypatch):
     and block-sparse from a block mask built on the GPU (docs/expressions.md)."""
     import cupy
 
-    from kernelgen.expression_eval import evaluate
-    from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
+    from kernelgen.references.expressions import evaluate
+    from kernelgen.specs.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
 
     monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
     case = Case(2, 8, 2, 700, 700)

@@ -1,10 +1,10 @@
 """GPU tier (`pytest -m gpu`): kernelgen.attention_backward on a CUDA device against the float64
-analytic gradients (kernelgen.reference.attention_backward, itself checked against finite
+analytic gradients (kernelgen.references.attention.attention_backward, itself checked against finite
 differences in test_reference_backward.py): every backward spec of specs/ and the policy's
 default spec, CuPy and torch inputs, GQA, causal with Sq != Sk, the variants and user
 expressions, and deterministic dQ bitwise the same across calls. Every output and scratch buffer
-starts as NaN. Tolerances are the forward's (kernelgen.reference.OUT_TOLERANCE). Skipped where
-there is no device."""
+starts as NaN. Tolerances are the forward's (kernelgen.references.attention.OUT_TOLERANCE). Skipped
+where there is no device."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from conftest import BACKWARD_SPEC_PATHS
 
 import kernelgen
 from kernelgen.families import load_any_spec
-from kernelgen.reference import OUT_TOLERANCE, attention_backward, relative_error
+from kernelgen.references.attention import OUT_TOLERANCE, attention_backward, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -199,9 +199,9 @@ def test_backward_variants_on_gpu(flags):
 def test_backward_expressions_on_gpu():
     """score_mod (a nonlinear one, its derivative compiled in) and mask_mod with mod inputs on
     the device (docs/expressions.md)."""
-    from kernelgen.expression_eval import evaluate
-    from kernelgen.expression_grad import score_mod_grad_callable
-    from kernelgen.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
+    from kernelgen.references.expressions import evaluate
+    from kernelgen.specs.expression_grad import score_mod_grad_callable
+    from kernelgen.specs.expressions import inputs_from_arrays, parse_mask_mod, parse_score_mod
 
     case = Case(2, 4, 2, 200, 200)
     rng = np.random.default_rng(3)

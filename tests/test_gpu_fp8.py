@@ -2,7 +2,7 @@
 float64 reference of the quantized inputs with the error bound that tests/test_emulated_fp8.py
 derives and asserts on the emulator (docs/hopper.md, "fp8"). The kernel is launched through
 its RuntimeKernel with the arguments the emulated run passes: e4m3 bit patterns, V as the V^T
-operand (kernelgen.fp8.v_operand), fp32 descales per (batch, kv head), bf16 out.
+operand (kernelgen.runtime.fp8.v_operand), fp32 descales per (batch, kv head), bf16 out.
 
 One figure differs from the emulator's: the H100 accumulates the fp8 products of Q K^T with
 fewer bits than fp32 (DeepSeek-V3's report measured about 14 kept bits on Hopper), so the
@@ -21,9 +21,9 @@ from test_emulated_fp8 import FP8_SPEC_PATHS, SHAPES, bound_ratio, problem, refe
 from test_gpu_attention import require_compute_capability_9_0
 
 import kernelgen
-from kernelgen.fp8 import decode_e4m3, launch_problem, v_operand
-from kernelgen.launch import runtime_kernel
-from kernelgen.spec import load_spec
+from kernelgen.runtime.fp8 import decode_e4m3, launch_problem, v_operand
+from kernelgen.runtime.launch import runtime_kernel
+from kernelgen.specs.forward import load_spec
 
 pytestmark = pytest.mark.gpu
 

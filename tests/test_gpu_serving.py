@@ -24,7 +24,7 @@ from conftest import POINTER_SPEC_PATHS, ROOT, WGMMA_SPEC_PATHS
 from test_gpu_attention import device_variants, require_compute_capability_9_0
 
 import kernelgen
-from kernelgen.spec import load_spec
+from kernelgen.specs.forward import load_spec
 
 pytestmark = pytest.mark.gpu
 

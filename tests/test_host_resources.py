@@ -17,10 +17,10 @@ from conftest import install_fake_libraries, launched_kernel
 from test_tuning_fakes import FakeBench, fake_compile
 
 import kernelgen
-from kernelgen import frameworks
 from kernelgen.errors import CaptureError
-from kernelgen.launch import clear_kernel_cache
-from kernelgen.render import kernel_params
+from kernelgen.kernels.render import kernel_params
+from kernelgen.runtime import frameworks as frameworks
+from kernelgen.runtime.launch import clear_kernel_cache
 from kernelgen.testing import fake_cupy, fake_torch
 
 

@@ -48,7 +48,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_the_graph_sees_lazy_and_from_imports():
     graph = import_graph()
     assert "kernelgen.tuning.gpu" in graph["kernelgen.tuning.autotune"]  # imported in a function
-    assert "kernelgen.policy" in graph["kernelgen.tuning.candidates"]  # from a package import
+    assert "kernelgen.model.policy" in graph["kernelgen.tuning.candidates"]  # from a package import
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -63,14 +63,15 @@ def test_no_import_cycles(package):
 def test_the_tuner_sits_below_the_api():
     graph = import_graph()
     tuning = [m for m in graph if m.startswith("kernelgen.tuning")]
-    assert not [m for m in tuning if "kernelgen.api" in graph[m]]
-    assert "kernelgen.policy" in graph["kernelgen.api"]
+    assert not [m for m in tuning if "kernelgen.calls.attention" in graph[m]]
+    assert "kernelgen.model.policy" in graph["kernelgen.calls.attention"]
 
 
 # ---- the stage order of docs/design.md ("From spec to launch") ---------------------------------
 STAGES = ("spec", "render", "compile", "launch", "policy", "tuning", "api", "cli")
 # The emulator runs CUDA on the CPU and needs nothing of kernelgen's flow: what runs kernelgen's
-# specs and calls on it sits in the launch and api stages (emulated_launch.py, emulated_api.py).
+# specs and calls on it sits in the launch and api stages (runtime/emulated_launch.py,
+# calls/emulated.py).
 EMULATOR_MAY_IMPORT = ("kernelgen.errors", "kernelgen.fileio")
 
 
@@ -107,7 +108,7 @@ def stage_of(module: str, stages: dict[str, int]) -> int | None:
 
 def test_design_table_is_read():
     stages = design_stages()
-    assert stages["kernelgen.spec"] == 0 and stages["kernelgen.cli"] == STAGES.index("cli")
+    assert stages["kernelgen.specs.forward"] == 0 and stages["kernelgen.cli"] == STAGES.index("cli")
     assert stage_of("kernelgen.tuning.autotune", stages) == STAGES.index("tuning")
     assert stages["kernelgen.families"] == STAGES.index("launch")
 
@@ -143,10 +144,12 @@ def test_the_emulator_check_catches_a_planted_violation(monkeypatch):
     """The emulator's kernel.py importing the launch stage (written into a copy of the graph)
     is reported."""
     graph = import_graph()
-    graph["kernelgen.emulator.kernel"] = graph["kernelgen.emulator.kernel"] | {"kernelgen.launch"}
+    graph["kernelgen.emulator.kernel"] = graph["kernelgen.emulator.kernel"] | {
+        "kernelgen.runtime.launch"
+    }
     monkeypatch.setattr(sys.modules[__name__], "import_graph", lambda: graph)
     with pytest.raises(
-        AssertionError, match=r"'kernelgen\.emulator\.kernel': \['kernelgen\.launch'\]"
+        AssertionError, match=r"'kernelgen\.emulator\.kernel': \['kernelgen\.runtime\.launch'\]"
     ):
         test_the_emulator_needs_nothing_of_the_flow()
 
@@ -173,9 +176,11 @@ def test_the_stage_check_catches_a_planted_violation(monkeypatch, tmp_path):
     """A spec-stage module importing the api (written into a copy of the graph) is reported."""
     stages = design_stages()
     graph = import_graph()
-    graph["kernelgen.spec"] = graph["kernelgen.spec"] | {"kernelgen.api"}
+    graph["kernelgen.specs.forward"] = graph["kernelgen.specs.forward"] | {
+        "kernelgen.calls.attention"
+    }
     monkeypatch.setattr(sys.modules[__name__], "import_graph", lambda: graph)
-    planted = re.escape("kernelgen.spec (spec) imports kernelgen.api")
+    planted = re.escape("kernelgen.specs.forward (spec) imports kernelgen.calls.attention")
     with pytest.raises(AssertionError, match=planted):
         test_modules_import_only_earlier_stages()
     assert stages  # the table was read
@@ -189,8 +194,8 @@ def test_context_parallelism_sits_above_the_api():
     package = {m for m in graph if m.startswith("kernelgen.distributed")}
     users = {m for m, deps in graph.items() if deps & package and m.startswith("kernelgen")}
     assert users <= package, sorted(users - package)
-    assert "kernelgen.api" in graph["kernelgen.distributed.calls"]
-    assert "kernelgen.backward_api" in graph["kernelgen.distributed.calls"]
+    assert "kernelgen.calls.attention" in graph["kernelgen.distributed.calls"]
+    assert "kernelgen.calls.backward" in graph["kernelgen.distributed.calls"]
     pure = ("kernelgen.distributed.sharding", "kernelgen.distributed.blocks",
             "kernelgen.distributed.cost")  # fmt: skip
     for name in pure:

@@ -8,9 +8,9 @@ import types
 import pytest
 from conftest import require_toolchain
 
-from kernelgen import launch
-from kernelgen.compile import nvrtc_available
-from kernelgen.spec import spec_from_dict
+from kernelgen.kernels.compile import nvrtc_available
+from kernelgen.runtime import launch as launch
+from kernelgen.specs.forward import spec_from_dict
 
 SPLIT = spec_from_dict(
     {

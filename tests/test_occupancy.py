@@ -1,19 +1,19 @@
-"""CPU tier: resident blocks per SM (kernelgen.occupancy) and the split-KV heuristic that uses
-them, against occupancies worked out by hand from the CUDA limits of each architecture."""
+"""CPU tier: resident blocks per SM (kernelgen.runtime.occupancy) and the split-KV heuristic that
+uses them, against occupancies worked out by hand from the CUDA limits of each architecture."""
 
 from __future__ import annotations
 
 import pytest
 
-from kernelgen.launch import (
+from kernelgen.runtime.launch import (
     Problem,
     RuntimeKernel,
     clear_kernel_cache,
     default_num_splits,
     runtime_kernel,
 )
-from kernelgen.occupancy import blocks_per_sm
-from kernelgen.spec import KernelSpec
+from kernelgen.runtime.occupancy import blocks_per_sm
+from kernelgen.specs.forward import KernelSpec
 from kernelgen.testing import fake_cupy
 
 

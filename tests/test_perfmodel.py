@@ -1,5 +1,5 @@
-"""The static performance model (kernelgen.perfmodel): its arithmetic on hand-made figures, and
-its SASS counts against what the tiling alone says every tensor-core spec must issue."""
+"""The static performance model (kernelgen.model.perfmodel): its arithmetic on hand-made figures,
+and its SASS counts against what the tiling alone says every tensor-core spec must issue."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import json
 import pytest
 from conftest import SPEC_PATHS, require_toolchain
 
-from kernelgen.compile import compile_offline, cuobjdump_path, nvrtc_available
 from kernelgen.errors import SettingError
-from kernelgen.perfmodel import (
+from kernelgen.kernels.compile import compile_offline, cuobjdump_path, nvrtc_available
+from kernelgen.kernels.render import WGMMA_OPERAND, render
+from kernelgen.model.perfmodel import (
     FA2_D128,
     WGMMA_RATE,
     UnitFigures,
@@ -23,9 +24,8 @@ from kernelgen.perfmodel import (
     predict,
     unit_figures,
 )
-from kernelgen.policy import hopper_default_spec
-from kernelgen.render import WGMMA_OPERAND, render
-from kernelgen.spec import VARIANT_FLAGS, load_spec, spec_from_dict
+from kernelgen.model.policy import hopper_default_spec
+from kernelgen.specs.forward import VARIANT_FLAGS, load_spec, spec_from_dict
 
 # The prefill kernels: the decode tiles (1-2 warps, split-KV) copy K/V in inner loops whose
 # repeats a loop-body count cannot see, so the model is for the prefill kernels.
@@ -133,7 +133,7 @@ def test_model_report_of_a_spec_is_complete_and_json_ready():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_default_tiling_is_the_model_best_of_the_tilings_it_may_use(arch):
-    from kernelgen.policy import default_spec
+    from kernelgen.model.policy import default_spec
 
     for head_dim in (64, 80, 96, 128, 256):
         chosen = default_spec("bfloat16", head_dim, False, arch)
@@ -177,8 +177,8 @@ def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(a
     not; the ends of the RICH_WIDE_TILES ranges with every built-in variant, and of the
     MASKED_WIDE_TILES ranges; the head dims above them (LARGE_HEAD_TILING) plain, with every
     variant and with a mask: the untuned default must never be a spilling kernel."""
-    from kernelgen.build import static_problems
-    from kernelgen.policy import MASKED_WIDE_TILES, RICH_WIDE_TILES, WIDE_TILES, default_spec
+    from kernelgen.kernels.build import static_problems
+    from kernelgen.model.policy import MASKED_WIDE_TILES, RICH_WIDE_TILES, WIDE_TILES, default_spec
 
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     limits = [limit for limit, _ in WIDE_TILES[arch]]

@@ -1,5 +1,5 @@
-"""The static model's shape terms (kernelgen.perfmodel_shape): grid fill, latency and traffic on
-shapes whose figures are worked out by hand, their errors, ``kernelgen model --shape``, and how
+"""The static model's shape terms (kernelgen.model.perfmodel_shape): grid fill, latency and traffic
+on shapes whose figures are worked out by hand, their errors, ``kernelgen model --shape``, and how
 they rank the committed H100 measurements (bench.model_terms)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 import pytest
 from conftest import ROOT, require_toolchain
 
-from kernelgen.compile import cuobjdump_path, nvrtc_available
 from kernelgen.errors import InputError, SettingError
-from kernelgen.perfmodel import Prediction
-from kernelgen.perfmodel_shape import (
+from kernelgen.kernels.compile import cuobjdump_path, nvrtc_available
+from kernelgen.model.perfmodel import Prediction
+from kernelgen.model.perfmodel_shape import (
     ProblemShape,
     analytic_estimate,
     block_key_tiles,
@@ -22,7 +22,7 @@ from kernelgen.perfmodel_shape import (
     latency_clocks,
     traffic,
 )
-from kernelgen.spec import spec_from_dict
+from kernelgen.specs.forward import spec_from_dict
 
 H100_SMS, H100_CLOCK = 132, 1.98e9
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kernelgen.reference import (
+from kernelgen.references.attention import (
     SoftmaxState,
     combine,
     combine_partials,

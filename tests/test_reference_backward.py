@@ -6,8 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernelgen import reference
-from kernelgen.reference import BackwardGrads, attention_backward, naive_attention, relative_error
+from kernelgen.references import attention as reference
+from kernelgen.references.attention import (
+    BackwardGrads,
+    attention_backward,
+    naive_attention,
+    relative_error,
+)
 
 STEP = 1e-6  # central-difference step: rounding in L / (2 * STEP) costs ~1e-9 relative error
 RTOL = 1e-7  # relative Frobenius error against the differences (measured: ~1e-9)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from kernelgen.reference import (
+from kernelgen.references.attention import (
     combine_partials,
     naive_attention,
     online_softmax_attention,

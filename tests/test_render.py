@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kernelgen.render import folder_hash, kernel_params, render, template_dir, template_hash
-from kernelgen.spec import load_spec, spec_from_dict
+from kernelgen.kernels.render import folder_hash, kernel_params, render, template_dir, template_hash
+from kernelgen.specs.forward import load_spec, spec_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = dict(loop_order="v2", dtype="float16", head_dim=64, block_m=64, block_n=64, num_warps=4)
@@ -132,7 +132,9 @@ def reread_templates():
     the returned function forgets it (and it is forgotten again afterwards)."""
     import importlib
 
-    render_module = importlib.import_module("kernelgen.render")  # the package exports render()
+    render_module = importlib.import_module(
+        "kernelgen.kernels.render"
+    )  # the package exports render()
 
     def forget() -> None:
         for cached in (template_dir, template_hash, render_module.environment):

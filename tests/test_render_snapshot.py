@@ -2,7 +2,7 @@
 byte-identical but for the template-hash line."""
 
 from bench import render_snapshot
-from kernelgen.families.backward_spec import BackwardSpec
+from kernelgen.specs.backward import BackwardSpec
 
 
 def test_grid_covers_every_switch_of_the_mma_sync_forward():

@@ -1,4 +1,4 @@
-"""The static schedule check of the wgmma loops (kernelgen.schedule), on synthetic SASS and
+"""The static schedule check of the wgmma loops (kernelgen.kernels.schedule), on synthetic SASS and
 logs and on the shipped kernels' real SASS (compile tier): the overlap holds after ptxas, and
 the check fails on the order of waits that ptxas undid."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT, WGMMA_SPEC_PATHS, require_toolchain
 
-from kernelgen.compile import (
+from kernelgen.kernels.compile import (
     SassInstruction,
     compile_offline,
     cuobjdump_path,
@@ -16,14 +16,14 @@ from kernelgen.compile import (
     nvrtc_available,
     sass_instructions,
 )
-from kernelgen.render import render
-from kernelgen.schedule import (
+from kernelgen.kernels.render import render
+from kernelgen.kernels.schedule import (
     overlap_problem,
     overlap_windows,
     schedule_problem,
     serialization_problem,
 )
-from kernelgen.spec import KernelSpec, load_spec
+from kernelgen.specs.forward import KernelSpec, load_spec
 
 
 def ins(address: int, opcode: str, operands: str = "") -> SassInstruction:

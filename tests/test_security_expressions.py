@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import kernelgen
-from kernelgen import expression_cuda
-from kernelgen.api import MAX_SCALE, _call_plan_key, check_inputs, describe
-from kernelgen.block_mask import block_mask_reference
+from kernelgen.calls.attention import MAX_SCALE, _call_plan_key, check_inputs, describe
+from kernelgen.calls.block_mask import block_mask_reference
 from kernelgen.errors import InputError, InputTypeError, SpecError
-from kernelgen.expression_cuda import expression_source, input_params, input_struct_init
-from kernelgen.expression_eval import evaluate
-from kernelgen.expressions import (
+from kernelgen.kernels import expression_cuda as expression_cuda
+from kernelgen.kernels.expression_cuda import expression_source, input_params, input_struct_init
+from kernelgen.references.expressions import evaluate
+from kernelgen.specs.expressions import (
     FLOAT32_MAX,
     MAX_TREE_NODES,
     Expression,
@@ -31,7 +31,7 @@ from kernelgen.expressions import (
     parse_score_mod,
     verify_tree,
 )
-from kernelgen.spec import spec_from_dict
+from kernelgen.specs.forward import spec_from_dict
 
 # ---- emitted source is linear in the expression ----
 
@@ -340,7 +340,7 @@ def test_inputs_named_like_kernel_identifiers_compile_and_run():
     """mod_inputs named inputs (the kernels' struct variable was mod_inputs), a and a_shape_0
     (a's shape parameter was a_shape_0's pointer): compiled and run in the CPU emulator against
     the float64 reference."""
-    from kernelgen.reference import naive_attention
+    from kernelgen.references.attention import naive_attention
 
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, 1, 5, 16)).astype(np.float32) for _ in range(3))

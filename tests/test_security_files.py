@@ -20,15 +20,15 @@ from test_cli import GOOD, fake_build
 from test_tuning_fakes import SOFTWARE, fake_tuner, problem
 from typer.testing import CliRunner
 
-from kernelgen import cli_tune
-from kernelgen.build import BuiltKernel, write_generated
 from kernelgen.cli import app
-from kernelgen.compile import save_failed_source
+from kernelgen.cli import tune as cli_tune
 from kernelgen.emulator import kernel as emulator_kernel
 from kernelgen.errors import SpecError, UnsafeFolderError
 from kernelgen.fileio import atomic_write_text, private_dir
-from kernelgen.render import render
-from kernelgen.spec import load_spec, spec_from_dict
+from kernelgen.kernels.build import BuiltKernel, write_generated
+from kernelgen.kernels.compile import save_failed_source
+from kernelgen.kernels.render import render
+from kernelgen.specs.forward import load_spec, spec_from_dict
 from kernelgen.tuning import (
     DeviceInfo,
     TuningDB,

@@ -16,9 +16,9 @@ from attention_cases import kvcache_data, kvcache_reference
 from conftest import CPU_BACKEND_MARKS
 
 import kernelgen
-from kernelgen.block_mask import BlockMask, block_mask_reference
+from kernelgen.calls.block_mask import BlockMask, block_mask_reference
+from kernelgen.calls.kvcache_checks import PagedLayout, validate_on_device
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.kvcache_checks import PagedLayout, validate_on_device
 
 CAUSAL = "q_idx >= kv_idx"
 _LISTS = ("partial_counts", "partial_indices", "full_counts", "full_indices")

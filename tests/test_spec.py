@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kernelgen.errors import SpecError
-from kernelgen.spec import KernelSpec, load_spec, spec_from_dict, spec_json_schema
+from kernelgen.specs.forward import KernelSpec, load_spec, spec_from_dict, spec_json_schema
 
 BASE = dict(loop_order="v2", dtype="float16", head_dim=64, block_m=64, block_n=64, num_warps=4)
 
@@ -337,7 +337,7 @@ def test_default_spec_takes_the_short_dtype_names():
     """default_spec reads dtype names through the one alias table (also the tuner's)."""
     import kernelgen
     from kernelgen.errors import InputError
-    from kernelgen.spec import DTYPE_ALIASES
+    from kernelgen.specs.forward import DTYPE_ALIASES
     from kernelgen.tuning.key import DTYPE_ALIASES as TUNER_ALIASES
 
     assert TUNER_ALIASES is DTYPE_ALIASES
@@ -451,7 +451,7 @@ BOOLEAN_FIELDS = [
 
 def test_every_boolean_field_is_in_the_list():
     """A new boolean field joins BOOLEAN_FIELDS (and so the strictness test below)."""
-    from kernelgen.spec import KernelSpec
+    from kernelgen.specs.forward import KernelSpec
 
     booleans = {n for n, f in KernelSpec.model_fields.items() if f.annotation is bool}
     assert booleans == set(BOOLEAN_FIELDS)
@@ -498,7 +498,7 @@ def test_expressions_are_stored_canonical_and_named_by_their_hash():
 
 
 def load_spec_text(text: str) -> KernelSpec:
-    from kernelgen.spec import parse_spec_yaml
+    from kernelgen.specs.forward import parse_spec_yaml
 
     return spec_from_dict(parse_spec_yaml(text))
 

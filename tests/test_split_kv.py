@@ -15,9 +15,9 @@ import pytest
 from attention_cases import LSE_TOLERANCE, OUT_TOLERANCE, Case, assert_matches, make_case
 from test_emulated_kernels import run_emulated
 
-from kernelgen.launch import MAX_SPLITS
-from kernelgen.reference import naive_attention, relative_error, split_kv_partials
-from kernelgen.spec import KernelSpec
+from kernelgen.references.attention import naive_attention, relative_error, split_kv_partials
+from kernelgen.runtime.launch import MAX_SPLITS
+from kernelgen.specs.forward import KernelSpec
 
 pytestmark = pytest.mark.emulate
 

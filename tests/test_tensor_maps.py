@@ -1,4 +1,4 @@
-"""CPU tier: the TMA tensor maps of the wgmma kernels (kernelgen.tensor_maps): their layouts
+"""CPU tier: the TMA tensor maps of the wgmma kernels (kernelgen.runtime.tensor_maps): their layouts
 from a call shape, the driver's stride rule as a typed error, one encode per tensor address,
 and the device checks of wgmma specs."""
 
@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from kernelgen.errors import InputError
-from kernelgen.launch import Problem
-from kernelgen.spec import spec_from_dict
-from kernelgen.tensor_maps import (
+from kernelgen.runtime.launch import Problem
+from kernelgen.runtime.tensor_maps import (
     TensorMapCache,
     check_address,
     device_pointer,
     tensor_map_layouts,
 )
+from kernelgen.specs.forward import spec_from_dict
 
 SPEC = spec_from_dict(
     {"loop_order": "v2", "mma": "wgmma", "dtype": "bfloat16", "head_dim": 96}
@@ -169,7 +169,7 @@ def test_device_encoding_passes_the_layout_to_the_driver_and_returns_a_by_value_
     strides, box, unit element strides, no interleave, 128B swizzle, zero OOB fill) and returns
     the 128 bytes as a one-element structured array (CuPy passes size-one arrays by value)."""
     driver = pytest.importorskip("cuda.bindings.driver")
-    from kernelgen.tensor_maps import TENSOR_MAP_DTYPE, encode_on_device
+    from kernelgen.runtime.tensor_maps import TENSOR_MAP_DTYPE, encode_on_device
 
     seen = {}
 
@@ -209,7 +209,7 @@ def test_the_real_binding_accepts_the_encoders_arguments():
     loads the driver: here (no driver) the call must get past it and fail only for want of a
     driver, never with the binding's TypeError."""
     pytest.importorskip("cuda.bindings.driver")
-    from kernelgen.tensor_maps import encode_on_device
+    from kernelgen.runtime.tensor_maps import encode_on_device
 
     layout = tensor_map_layouts(SPEC, problem())["q_map"]
     try:

@@ -9,7 +9,7 @@ import pytest
 from test_fp8_cuda_path import map_words, recorded  # noqa: F401 (recorded: a fixture)
 
 import kernelgen
-from kernelgen.spec import spec_from_dict
+from kernelgen.specs.forward import spec_from_dict
 from kernelgen.testing import fake_torch
 
 B, H, HKV, SQ, SK, D = 2, 4, 2, 70, 150, 128

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 integration = pytest.importorskip("kernelgen.integrations.transformers")  # registers "kernelgen"
 
-from kernelgen.reference import OUT_TOLERANCE  # noqa: E402
+from kernelgen.references.attention import OUT_TOLERANCE  # noqa: E402
 
 pytestmark = [
     pytest.mark.model,

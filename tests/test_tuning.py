@@ -18,7 +18,7 @@ from test_tuning_fakes import (
 )
 
 from kernelgen.errors import KernelgenError
-from kernelgen.policy import hopper_decode_spec, hopper_default_spec
+from kernelgen.model.policy import hopper_decode_spec, hopper_default_spec
 from kernelgen.tuning import (
     DeviceInfo,
     ProblemDesc,

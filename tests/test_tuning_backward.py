@@ -18,14 +18,15 @@ from test_tuning_fakes import DEVICE, SOFTWARE, fake_compile, fake_tuner, proble
 from typer.testing import CliRunner
 
 import kernelgen
-from kernelgen import backward_api, cli_tune
-from kernelgen.arch import ARCHS
+from kernelgen.calls import backward as backward_api
+from kernelgen.cli import tune as cli_tune
 from kernelgen.errors import InputError
 from kernelgen.families import backward
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.launch import clear_kernel_cache
-from kernelgen.policy import default_backward_spec
-from kernelgen.spec import MAX_ACCUMULATORS_PER_THREAD, MAX_HEAD_DIM
+from kernelgen.model.policy import default_backward_spec
+from kernelgen.runtime.launch import clear_kernel_cache
+from kernelgen.specs.arch import ARCHS
+from kernelgen.specs.backward import BackwardSpec
+from kernelgen.specs.forward import MAX_ACCUMULATORS_PER_THREAD, MAX_HEAD_DIM
 from kernelgen.testing import fake_cupy
 from kernelgen.tuning import (
     DeviceInfo,
@@ -446,12 +447,12 @@ def bench_problem(dtype: str) -> ProblemDesc:
 @pytest.fixture(params=["float32", "bfloat16"])
 def emulated_bench(request, monkeypatch):
     """A BackwardBench over NumPy whose kernels (the forward's too) the emulator runs."""
-    from kernelgen.host import emulated_kernel
+    from kernelgen.runtime.host import emulated_kernel
 
     p = bench_problem(request.param)
 
     def functions(cupy, spec, cubin):
-        from kernelgen.emulated_launch import spec_kernels
+        from kernelgen.runtime.emulated_launch import spec_kernels
 
         steps = backward.launch_steps(spec, gpu.backward_launch_problem(p, {}))
         kernels = tuple((s.symbol, tuple(s.params)) for s in steps)

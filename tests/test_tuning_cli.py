@@ -11,8 +11,8 @@ from conftest import require_toolchain
 from test_tuning_fakes import DEVICE, SOFTWARE, fake_compile, fake_tuner, problem
 from typer.testing import CliRunner
 
-from kernelgen import cli_tune
-from kernelgen.compile import nvrtc_available
+from kernelgen.cli import tune as cli_tune
+from kernelgen.kernels.compile import nvrtc_available
 from kernelgen.tuning import TuningDB, clear_memo, make_key, select_spec
 from kernelgen.tuning.db import wrap
 

@@ -11,9 +11,9 @@ import pytest
 from test_api_inputs import check
 from test_tuning_fakes import DEVICE, FAST, SOFTWARE, FakeBench, fake_compile, problem
 
-from kernelgen import api
+from kernelgen.calls import attention as api
 from kernelgen.errors import InputError
-from kernelgen.launch import MAX_SPLITS
+from kernelgen.runtime.launch import MAX_SPLITS
 from kernelgen.tuning import (
     DeviceInfo,
     TunedLaunch,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-from kernelgen.compile import Resources
 from kernelgen.errors import CompileError
-from kernelgen.spec import KernelSpec
+from kernelgen.kernels.compile import Resources
+from kernelgen.specs.forward import KernelSpec
 from kernelgen.tuning import (
     DeviceInfo,
     MeasureSettings,

@@ -12,14 +12,14 @@ import pytest
 from test_api_inputs import FakeDeviceArray, infos
 
 import kernelgen
-from kernelgen import api
-from kernelgen.api import check_inputs, describe
+from kernelgen.calls import attention as api
+from kernelgen.calls.attention import check_inputs, describe
+from kernelgen.calls.variant_inputs import VariantArgs, check_variants
 from kernelgen.errors import InputError, InputTypeError, SpecError
-from kernelgen.policy import default_spec
-from kernelgen.render import kernel_params, render
-from kernelgen.spec import KernelSpec, spec_from_dict, spec_json_schema
+from kernelgen.kernels.render import kernel_params, render
+from kernelgen.model.policy import default_spec
+from kernelgen.specs.forward import KernelSpec, spec_from_dict, spec_json_schema
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
-from kernelgen.variant_inputs import VariantArgs, check_variants
 
 BATCH, HEADS = 2, 8  # infos()' q is (2, 8, 17, 64)
 
@@ -209,7 +209,9 @@ def test_templates_without_variants_refuse_a_variant_spec(tmp_path, monkeypatch)
 
     from kernelgen.errors import SettingError
 
-    render_module = importlib.import_module("kernelgen.render")  # the package exports render()
+    render_module = importlib.import_module(
+        "kernelgen.kernels.render"
+    )  # the package exports render()
     old = tmp_path / "templates"
     shutil.copytree(render_module.template_dir(), old)
     (old / render_module.VARIANT_PIECE).unlink()
@@ -224,7 +226,7 @@ def test_split_counts_follow_the_windows_keys_not_the_cache():
     the window's 16 key tiles (more would only add empty chunks)."""
     import dataclasses
 
-    from kernelgen.launch import Problem, default_num_splits, window_keys
+    from kernelgen.runtime.launch import Problem, default_num_splits, window_keys
 
     spec = default_spec("float16", 128, True, "sm_90", decode_rows=4, variants=("window",))
     plain = Problem(4, 32, 8, 1, 32768, 128, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0))

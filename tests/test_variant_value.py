@@ -1,4 +1,4 @@
-"""CPU tier: the variants travel as one value (kernelgen.variant_inputs): every variant the
+"""CPU tier: the variants travel as one value (kernelgen.calls.variant_inputs): every variant the
 device piece (templates/variants.cuh.j2) compiles has its argument in VariantArgs, its checked
 value in CallVariants and its kernel arguments from it; a variant added on one side only fails
 here, and so do planted omissions."""
@@ -11,17 +11,17 @@ import re
 import numpy as np
 import pytest
 
-from kernelgen.api import CheckedCall, check_inputs, describe, plan
-from kernelgen.host import NumpyArrays
-from kernelgen.launch import kernel_arguments
-from kernelgen.render import VARIANT_OFF, VARIANT_PARAMS, kernel_params, template_dir
-from kernelgen.spec import EXPRESSION_FIELDS, VARIANT_FLAGS, KernelSpec
-from kernelgen.variant_inputs import (
+from kernelgen.calls.attention import CheckedCall, check_inputs, describe, plan
+from kernelgen.calls.variant_inputs import (
     EXPRESSION_ARGUMENTS,
     VARIANT_ARGUMENTS,
     CallVariants,
     VariantArgs,
 )
+from kernelgen.kernels.render import VARIANT_OFF, VARIANT_PARAMS, kernel_params, template_dir
+from kernelgen.runtime.host import NumpyArrays
+from kernelgen.runtime.launch import kernel_arguments
+from kernelgen.specs.forward import EXPRESSION_FIELDS, VARIANT_FLAGS, KernelSpec
 
 BATCH, HEADS, SEQ_Q, SEQ_K, DIM = 2, 4, 5, 9, 64
 # The expressions' arguments beside score_mod and mask_mod: no device flag of their own.

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import kernelgen
-from kernelgen import api
+from kernelgen.calls import attention as api
+from kernelgen.calls.varlen import sequence_runs
 from kernelgen.errors import InputError, InputTypeError
-from kernelgen.varlen import sequence_runs
 
 D = 32
 
@@ -21,7 +21,7 @@ def _no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("attention() was called on bad input")
 
-    monkeypatch.setattr("kernelgen.varlen.attention", refuse)
+    monkeypatch.setattr("kernelgen.calls.varlen.attention", refuse)
     monkeypatch.setattr(api, "device_arch", refuse)
 
 

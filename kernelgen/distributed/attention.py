@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 import torch
 
-from kernelgen.api import check_flags, check_inputs, describe
+from kernelgen.calls.attention import check_flags, check_inputs, describe
+from kernelgen.calls.variant_inputs import VariantArgs
 from kernelgen.distributed.allgather import AllGatherAttention
 from kernelgen.distributed.blocks import Visibility
 from kernelgen.distributed.calls import Options
@@ -19,8 +20,7 @@ from kernelgen.distributed.schedule import Setup
 from kernelgen.distributed.sharding import Sharding
 from kernelgen.distributed.ulysses import UlyssesAttention
 from kernelgen.errors import InputError
-from kernelgen.expressions import Expression
-from kernelgen.variant_inputs import VariantArgs
+from kernelgen.specs.expressions import Expression
 
 __all__ = ["SCHEDULES", "context_parallel_attention"]
 

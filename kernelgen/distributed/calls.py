@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kernelgen.api import attention
-from kernelgen.backward_api import attention_backward
+from kernelgen.calls.attention import attention
+from kernelgen.calls.backward import attention_backward
 from kernelgen.distributed.blocks import BlockCall
 from kernelgen.distributed.positions import ALIBI_INPUT, POSITIONS_INPUT, with_alibi
 

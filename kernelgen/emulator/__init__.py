@@ -20,8 +20,8 @@ cp.async wait or barrier, :class:`~kernelgen.errors.EmulatorTimeoutError` for a 
 What is modelled and what is not: docs/emulator.md. Needs only g++ (C++20) on Linux.
 
 The package imports nothing of kernelgen but its errors and file helpers: kernelgen's specs run
-on it through the CPU backend (:mod:`kernelgen.host`, :mod:`kernelgen.emulated_launch`,
-:mod:`kernelgen.emulated_api`).
+on it through the CPU backend (:mod:`kernelgen.runtime.host`,
+:mod:`kernelgen.runtime.emulated_launch`, :mod:`kernelgen.calls.emulated`).
 """
 
 from kernelgen.emulator.kernel import (

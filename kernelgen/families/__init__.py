@@ -1,9 +1,9 @@
 """Kernel families: what a kernel computes (docs/design.md, "Families and engines").
 
-The forward family (attention's output and lse) is :mod:`kernelgen.spec`, :mod:`kernelgen.render`
-and :mod:`kernelgen.launch`; the backward family (dQ, dK, dV) is :mod:`.backward_spec` and
-:mod:`.backward`. A spec file names its family with ``family:`` (absent: forward); this module
-loads and renders any of them.
+The forward family (attention's output and lse) is :mod:`kernelgen.specs.forward`,
+:mod:`kernelgen.render` and :mod:`kernelgen.runtime.launch`; the backward family (dQ, dK, dV) is
+:mod:`.backward_spec` and :mod:`.backward`. A spec file names its family with ``family:`` (absent:
+forward); this module loads and renders any of them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pydantic import ValidationError
 
 from kernelgen.errors import SpecError
 from kernelgen.families import backward
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.render import render as render_forward
-from kernelgen.spec import (
+from kernelgen.kernels.render import render as render_forward
+from kernelgen.specs.backward import BackwardSpec
+from kernelgen.specs.forward import (
     KernelSpec,
     format_validation_error,
     load_spec_data,

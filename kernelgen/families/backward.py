@@ -1,6 +1,6 @@
 """The backward family: its kernels' parameters, launch plan, scratch buffers and rendering.
 
-One backward spec (:class:`~kernelgen.families.backward_spec.BackwardSpec`) renders to one CUDA
+One backward spec (:class:`~kernelgen.specs.backward.BackwardSpec`) renders to one CUDA
 source holding three kernels, launched in order (docs/backward.md):
 
 1. ``{uri}_pre``: D = rowsum(dout * out) in fp32 (and the fp32 dq accumulator zeroed);
@@ -9,24 +9,21 @@ source holding three kernels, launched in order (docs/backward.md):
    the accumulator the main kernel added to with atomics).
 
 The parameter lists here are the contract between the template and every launcher (CuPy and the
-emulator take the same :class:`~kernelgen.launch.LaunchStep` list).
+emulator take the same :class:`~kernelgen.runtime.launch.LaunchStep` list).
 """
 
 from __future__ import annotations
 
 import math
 
-from kernelgen.engines import engine_of
 from kernelgen.errors import InputError
-from kernelgen.expression_cuda import (
+from kernelgen.kernels.expression_cuda import (
     expression_source,
     headers,
     input_params,
     score_mod_grad_source,
 )
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.launch import MAX_GRID, Grid, LaunchStep, Problem
-from kernelgen.render import (
+from kernelgen.kernels.render import (
     CXX_ELEMENT,
     VARIANT_PARAMS,
     Param,
@@ -35,10 +32,13 @@ from kernelgen.render import (
     template_hash,
     variant_args,
 )
+from kernelgen.runtime.launch import MAX_GRID, Grid, LaunchStep, Problem
+from kernelgen.specs.backward import BackwardSpec
+from kernelgen.specs.engines import engine_of
 from kernelgen.version import __version__
 
 ENTRY_TEMPLATE = {"simt": "fa_bwd_simt.cu.j2", "mma_sync": "fa_bwd_tc.cu.j2"}
-# Parameter prefixes of a block-sparse spec's tile lists (kernelgen.backward_mask): the main
+# Parameter prefixes of a block-sparse spec's tile lists (kernelgen.calls.backward_mask): the main
 # kernel's query tiles per key tile, the dQ kernel's key tiles per query tile (a block mask's,
 # named as the forward names them).
 QUERY_LISTS = "query"
@@ -76,7 +76,7 @@ def _recompute_params(spec: BackwardSpec) -> list[Param]:
 
 
 def _list_params(prefix: str) -> list[Param]:
-    """A block-sparse kernel's tile lists (kernelgen.backward_mask): counts and indices of the
+    """A block-sparse kernel's tile lists (kernelgen.calls.backward_mask): counts and indices of the
     partly and fully visible tiles, and the lists' (batch, head) strides in rows."""
     params = [
         Param(f"{prefix}_{name}", "const int*")

@@ -162,7 +162,7 @@ def asarray(host: Any) -> ndarray:
     return _pooled(ndarray(np.shape(host), np.asarray(host).dtype))
 
 
-ndarray.__module__ = "cupy"  # kernelgen.api.describe recognises CuPy arrays by module
+ndarray.__module__ = "cupy"  # kernelgen.calls.attention.describe recognises CuPy arrays by module
 
 
 def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
@@ -343,7 +343,7 @@ def encode_tensor_map(layout: Any, tensor: Any) -> np.ndarray:
     """The driver's ``cuTensorMapEncodeTiled`` as far as a launch sees it: the same checks of
     the address (16-byte aligned, InputError naming the tensor) and a 128-byte by-value map,
     here the address, dims, byte strides and box in its first 12 words (no GPU reads it)."""
-    from kernelgen.tensor_maps import TENSOR_MAP_DTYPE, check_address, device_pointer
+    from kernelgen.runtime.tensor_maps import TENSOR_MAP_DTYPE, check_address, device_pointer
 
     address = device_pointer(tensor)
     check_address(layout, address)
@@ -356,7 +356,7 @@ def encode_tensor_map(layout: Any, tensor: Any) -> np.ndarray:
 def install(launch: Callable[..., None]) -> types.ModuleType:
     """Put a fake ``cupy`` into ``sys.modules`` and make kernelgen's runtime kernels call
     ``launch`` instead of compiling (for a process of its own; tests patch with monkeypatch)."""
-    from kernelgen.launch import RuntimeKernel
+    from kernelgen.runtime.launch import RuntimeKernel
 
     fake = module()
     sys.modules["cupy"] = fake

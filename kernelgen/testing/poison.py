@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from kernelgen.frameworks import CupyArrays, TorchArrays
-from kernelgen.launch import import_cupy
+from kernelgen.runtime.frameworks import CupyArrays, TorchArrays
+from kernelgen.runtime.launch import import_cupy
 from kernelgen.tuning.gpu import nan_fill
 
 # Integer buffers (block-mask counts and indices) get all bits set: -1 is no count or index a

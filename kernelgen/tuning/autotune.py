@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from kernelgen.arch import ARCHS
 from kernelgen.errors import KernelgenError, SpecError
 from kernelgen.families import AnySpec, family_of, spec_of_family
-from kernelgen.policy import (
+from kernelgen.model.policy import (
     HOPPER_DEVICE_ARCH,
     default_backward_spec,
     default_spec,
     hopper_default_spec,
 )
+from kernelgen.specs.arch import ARCHS
 from kernelgen.tuning.candidates import CompileFn, TunedLaunch, decode_rows, prune
 from kernelgen.tuning.db import TuningDB, TuningRecord
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
@@ -69,9 +69,10 @@ def autotune_mode(mode: str | None = None) -> Mode:
 
 def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
     """The spec attention() uses without tuning: on a 9.0 device, the Hopper kernel for a
-    prefill problem it takes (kernelgen.policy.hopper_default_spec: no mask, no paged cache);
-    else kernelgen.policy.default_spec (the split-KV decode kernel for decode problems). For a
-    backward problem, what attention_backward() uses: kernelgen.policy.default_backward_spec."""
+    prefill problem it takes (kernelgen.model.policy.hopper_default_spec: no mask, no paged cache);
+    else kernelgen.model.policy.default_spec (the split-KV decode kernel for decode problems). For a
+    backward problem, what attention_backward() uses:
+    kernelgen.model.policy.default_backward_spec."""
     if problem.family == "backward":
         return default_backward_spec(
             problem.dtype,

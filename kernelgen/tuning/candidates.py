@@ -1,7 +1,7 @@
 """Candidate specs for a problem, and the static pruning that runs before any GPU time.
 
 A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. Decode
-problems (:func:`kernelgen.policy.decode_rows`: at most 16 queries, or at most 64 packed rows)
+problems (:func:`kernelgen.model.policy.decode_rows`: at most 16 queries, or at most 64 packed rows)
 get the split-KV decode grid instead of the prefill grid, each spec with a few split counts
 around the launch heuristic. Backward problems get the backward family's grids, one per engine
 (:data:`BACKWARD_GRIDS`).
@@ -15,7 +15,8 @@ Pruning, in order (each drop is logged with its reason):
    GPU, launches that leave SMs idle are not worth timing (a backward spec: its main kernel's
    grid, a block per key tile and K/V head);
 3. resources: the offline NVRTC compile fails, or fails the static bar of ``kernelgen check``
-   (:func:`kernelgen.build.static_problems`: spill or stack bytes, local memory in the SASS).
+   (:func:`kernelgen.kernels.build.static_problems`: spill or stack bytes, local memory in the
+   SASS).
 """
 
 from __future__ import annotations
@@ -32,18 +33,18 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from kernelgen import policy
-from kernelgen.arch import ARCHS
-from kernelgen.build import static_problems
-from kernelgen.compile import Resources, parse_ptxas_report
 from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
 from kernelgen.families import AnySpec, backward, spec_of_family
-from kernelgen.families.backward_spec import TC_DTYPES, BackwardSpec
-from kernelgen.families.backward_spec import TC_STAGES as BACKWARD_TC_STAGES
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
-from kernelgen.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
-from kernelgen.policy import HOPPER_DEVICE_ARCH
-from kernelgen.spec import (
+from kernelgen.kernels.build import static_problems
+from kernelgen.kernels.compile import Resources, parse_ptxas_report
+from kernelgen.model import policy as policy
+from kernelgen.model.policy import HOPPER_DEVICE_ARCH
+from kernelgen.runtime.launch import MAX_SPLITS, Problem, default_num_splits, launch_geometry
+from kernelgen.specs.arch import ARCHS
+from kernelgen.specs.backward import TC_DTYPES, BackwardSpec
+from kernelgen.specs.backward import TC_STAGES as BACKWARD_TC_STAGES
+from kernelgen.specs.forward import (
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
     KernelSpec,
@@ -110,7 +111,7 @@ BACKWARD_TC_WARPS = (4, 8)
 @dataclass(frozen=True)
 class TunedLaunch:
     """What attention() runs: a spec, and for a split-KV spec its key chunks (None: the launch
-    heuristic, :func:`kernelgen.launch.default_num_splits`); for a backward problem, what
+    heuristic, :func:`kernelgen.runtime.launch.default_num_splits`); for a backward problem, what
     attention_backward() runs (a backward spec, no split count)."""
 
     spec: AnySpec
@@ -162,7 +163,7 @@ def tc_fields(
 
 def decode_rows(problem: ProblemDesc) -> int | None:
     """Packed rows of a decode problem (``seqlen_q`` x GQA ratio), None for other problems
-    (:func:`kernelgen.policy.decode_rows`)."""
+    (:func:`kernelgen.model.policy.decode_rows`)."""
     return policy.decode_rows(problem.seqlen_q, problem.gqa_ratio)
 
 
@@ -379,8 +380,8 @@ def grid_blocks(spec: AnySpec, problem: ProblemDesc, num_splits: int | None = No
 
 
 def heuristic_splits(spec: KernelSpec, problem: ProblemDesc, device: DeviceInfo) -> int:
-    """:func:`kernelgen.launch.default_num_splits` for ``problem`` on ``device`` (its SMs and
-    per-SM limits; registers are not known before the offline compile)."""
+    """:func:`kernelgen.runtime.launch.default_num_splits` for ``problem`` on ``device`` (its SMs
+    and per-SM limits; registers are not known before the offline compile)."""
     return default_num_splits(spec, launch_problem(problem), device.sm_count, device.target_arch)
 
 
@@ -493,10 +494,10 @@ def prune_by_model(
     launches: list[Any], arch: str, top_k: int = MODEL_TOP_K
 ) -> tuple[list[Any], list[Dropped]]:
     """Order the prefill tensor-core launches (TunedLaunch or Candidate) by the static model's
-    predicted cost per unit (kernelgen.perfmodel.analytic_cost: shared-memory traffic, tensor and
-    MUFU bounds) and keep the best ``top_k``, as Triton's ``prune_configs_by={'perf_model',
+    predicted cost per unit (kernelgen.model.perfmodel.analytic_cost: shared-memory traffic, tensor
+    and MUFU bounds) and keep the best ``top_k``, as Triton's ``prune_configs_by={'perf_model',
     'top_k'}``; the others (CUDA-core fallbacks, split-KV decode launches) are kept in order."""
-    from kernelgen.perfmodel import analytic_cost
+    from kernelgen.model.perfmodel import analytic_cost
 
     ranked_ones = [x for x in launches if modelled(x.spec)]
     cost = {id(x): analytic_cost(x.spec, arch) for x in ranked_ones}
@@ -549,7 +550,7 @@ _RESOURCES: dict[tuple[str, str], Resources] = {}
 
 @cache
 def _nvrtc_version() -> str:
-    from kernelgen.compile import _nvrtc
+    from kernelgen.kernels.compile import _nvrtc
 
     _, major, minor = _nvrtc().nvrtcVersion()
     return f"{major}.{minor}"
@@ -558,7 +559,7 @@ def _nvrtc_version() -> str:
 def _memo_path(spec: AnySpec, arch: str) -> Path:
     """``<cache dir>/resources/<uri>-<arch>-<digest>.json``: the digest covers the spec, the
     arch, the template hash, kernelgen's version and NVRTC's. The cubin sits beside it."""
-    from kernelgen.render import template_hash
+    from kernelgen.kernels.render import template_hash
     from kernelgen.tuning.db import cache_dir
     from kernelgen.version import __version__
 
@@ -570,8 +571,8 @@ def offline_resources(spec: AnySpec, arch: str) -> Resources:
     """ptxas' resource report for ``spec`` on ``arch`` (a backward spec: of its kernel set,
     :func:`kernel_set_resources`), memoized in process and on disk, with the compiled cubin
     kept beside the report (:func:`offline_cubin`); an unreadable entry is recompiled."""
-    from kernelgen.compile import compile_offline
     from kernelgen.families import render_any
+    from kernelgen.kernels.compile import compile_offline
 
     memo_key = (spec.canonical_json(), arch)
     if memo_key in _RESOURCES:

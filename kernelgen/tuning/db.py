@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernelgen.arch import ARCHS
 from kernelgen.errors import InputError, SpecError
 from kernelgen.families import family_of, spec_of_family
-from kernelgen.families.backward_spec import BackwardSpec
 from kernelgen.fileio import atomic_write_text, kernelgen_cache_dir
+from kernelgen.specs.arch import ARCHS
+from kernelgen.specs.backward import BackwardSpec
 from kernelgen.tuning.key import TuningKey, canonical_digest, spec_fields
 
 log = logging.getLogger(__name__)

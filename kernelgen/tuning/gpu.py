@@ -18,10 +18,15 @@ import numpy as np
 
 from kernelgen.errors import ToolchainMissingError
 from kernelgen.families import AnySpec, backward
-from kernelgen.families.backward_spec import BackwardSpec
-from kernelgen.launch import DEFAULT_DYNAMIC_SMEM, Problem, compile_functions, kernel_arguments
-from kernelgen.policy import default_backward_spec, default_spec
-from kernelgen.spec import KernelSpec
+from kernelgen.model.policy import default_backward_spec, default_spec
+from kernelgen.runtime.launch import (
+    DEFAULT_DYNAMIC_SMEM,
+    Problem,
+    compile_functions,
+    kernel_arguments,
+)
+from kernelgen.specs.backward import BackwardSpec
+from kernelgen.specs.forward import KernelSpec
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, local_software
 
 log = logging.getLogger(__name__)
@@ -50,7 +55,7 @@ def require_device() -> Any:
 
     Without a driver (CuPy installed on a machine with no GPU) every runtime call raises
     ``CUDARuntimeError``, ``getDeviceCount`` included: that counts as no device."""
-    from kernelgen.launch import import_cupy
+    from kernelgen.runtime.launch import import_cupy
 
     cupy = import_cupy()
     try:
@@ -65,7 +70,7 @@ def require_device() -> Any:
 def free_memory_pool() -> None:
     """Give the free blocks of CuPy's default memory pool back to the device (blocks of live
     arrays stay; CuPy frees a block only once its array is gone, in stream order)."""
-    from kernelgen.launch import import_cupy
+    from kernelgen.runtime.launch import import_cupy
 
     import_cupy().get_default_memory_pool().free_all_blocks()
 
@@ -241,7 +246,7 @@ class CupyBench(EventBench):
         self.launch_problem = launch_problem(p)
 
     def _launch(self, spec: KernelSpec, index: int, num_splits: int | None = None) -> None:
-        from kernelgen.launch import runtime_kernel
+        from kernelgen.runtime.launch import runtime_kernel
 
         kernel = runtime_kernel(spec)
         kernel(self.sets[index % len(self.sets)], self.launch_problem, self.scale, num_splits)
@@ -249,7 +254,7 @@ class CupyBench(EventBench):
     def compile(self, spec: KernelSpec) -> None:
         """Load the spec's cubin from the offline compile of the pruning step where it was
         built for this device's arch, else compile it (outside the timed region)."""
-        from kernelgen.launch import runtime_kernel
+        from kernelgen.runtime.launch import runtime_kernel
         from kernelgen.tuning.candidates import offline_cubin
 
         runtime_kernel(spec, offline_cubin(spec, spec.compile_arch(self.device.arch)))
@@ -367,7 +372,7 @@ def backward_functions(cupy: Any, spec: BackwardSpec, cubin: Path | None) -> dic
 
 def forward_kernel(spec: KernelSpec) -> Any:
     """The forward kernel that makes the backward bench's out and lse (a RuntimeKernel)."""
-    from kernelgen.launch import runtime_kernel
+    from kernelgen.runtime.launch import runtime_kernel
 
     return runtime_kernel(spec)
 
@@ -484,11 +489,11 @@ class BackwardBench(EventBench):
         return np.asarray(cp.asnumpy(array), dtype=np.float64)
 
     def reference_slice(self) -> Any:
-        """float64 gradients (kernelgen.reference) of the check's slice of set 0: batch entry
-        0, the query heads of K/V head 0 and their last :attr:`check_rows` rows, every key; dq
+        """float64 gradients (kernelgen.references.attention) of the check's slice of set 0: batch
+        entry 0, the query heads of K/V head 0 and their last :attr:`check_rows` rows, every key; dq
         of those rows, and dk and dv of K/V head 0 where the slice holds every row."""
         if self._slice is None:
-            from kernelgen.reference import attention_backward as reference_backward
+            from kernelgen.references.attention import attention_backward as reference_backward
 
             p, s, rows = self.problem, self.sets[0], self.check_rows
             group, first = p.gqa_ratio, p.seqlen_q - rows
@@ -524,7 +529,7 @@ class BackwardBench(EventBench):
         """None when the spec's gradients on set 0 are finite and match: dq of the slice (and dk,
         dv of K/V head 0 where the slice holds every row) against float64, else dk and dv
         against the policy's default spec; the forward's tolerances."""
-        from kernelgen.reference import relative_error
+        from kernelgen.references.attention import relative_error
 
         cp, p, s = self.cupy, self.problem, self.sets[0]
         reference = self.reference_slice()

@@ -12,10 +12,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
 
-from kernelgen.arch import ARCHS, arch_for_capability, nearest_arch
 from kernelgen.errors import InputError
 from kernelgen.families import FAMILIES
-from kernelgen.spec import (  # noqa: F401 (DTYPE_ALIASES: the one table, spec's)
+from kernelgen.specs.arch import ARCHS, arch_for_capability, nearest_arch
+from kernelgen.specs.forward import (  # noqa: F401 (DTYPE_ALIASES: the one table, spec's)
     DTYPE_ALIASES,
     MAX_HEAD_DIM,
     VARIANT_FLAGS,
@@ -242,7 +242,7 @@ class SoftwareInfo:
 @cache
 def local_software(nvrtc: str | None, cuda_runtime: str | None, cupy: str | None) -> SoftwareInfo:
     """kernelgen's own version and template hash plus the given toolchain versions."""
-    from kernelgen.render import template_hash
+    from kernelgen.kernels.render import template_hash
     from kernelgen.version import __version__
 
     return SoftwareInfo(__version__, template_hash(), nvrtc, cuda_runtime, cupy)

@@ -1,0 +1,1 @@
+"""The public calls behind kernelgen.attention & co: checks, plans, launches."""

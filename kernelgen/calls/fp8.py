@@ -1,0 +1,204 @@
+"""fp8 (e4m3) attention through :func:`kernelgen.attention`: its checks, the V^T operand built
+where the data lives, and the launch of the fp8 wgmma forward (docs/hopper.md, fp8).
+
+What a call may pass: q, k and v all ``float8_e4m3fn`` (torch.float8_e4m3fn tensors: CUDA ones
+on a compute capability 9.0 device, CPU ones through the emulator; NumPy arrays of
+``ml_dtypes.float8_e4m3fn``: the emulator), head dim 128, causal or not, GQA/MQA, either layout,
+float32 descales (B, Hkv), ``scale``, ``return_lse`` and a float8_e4m3 ``spec``. CuPy has no fp8
+dtype: CuPy arrays of bytes are refused with the way to view them as torch fp8 tensors. The
+kernels read q and k in place, and a V^T copy of v (:func:`kernelgen.runtime.fp8.v_operand`) made by
+v's own library on v's device (one extra read and write of v). out is bfloat16, lse float32.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from kernelgen.calls import attention as api
+from kernelgen.calls.attention import (
+    CallPlan,
+    TensorInfo,
+    check_flags,
+    check_inputs,
+    common_device,
+    describe,
+    plan,
+)
+from kernelgen.errors import InputError, InputTypeError
+from kernelgen.model.policy import fp8_default_spec
+from kernelgen.runtime.fp8 import check_descales, v_operand, v_operand_layout
+from kernelgen.runtime.frameworks import Arrays, arrays_of, dtype_name, launch_arg
+from kernelgen.runtime.host import emulated_kernel
+from kernelgen.runtime.launch import check_fits_device
+from kernelgen.specs.forward import FP8_DTYPE, KernelSpec
+
+__all__ = ["FP8_LIBRARY_DTYPE", "fp8_attention"]
+
+FP8_LIBRARY_DTYPE = "float8_e4m3fn"  # torch's and ml_dtypes' name of OCP e4m3 (no infinities)
+FP8_CAPABILITY = 90  # the wgmma kernel's devices (sm_90a: H100, H200)
+# How to pass fp8 data (in the errors about a dtype).
+HOW_TO_PASS = (
+    "pass torch.float8_e4m3fn tensors or NumPy ml_dtypes.float8_e4m3fn arrays (CuPy has no fp8 "
+    "dtype: view its e4m3 bytes as torch.from_dlpack(x).view(torch.float8_e4m3fn))"
+)
+# The arguments of attention() the fp8 kernel has no use for yet -> what it lacks.
+NOT_BUILT = {
+    "mask": "additive mask",
+    "seqlens_k": "per-sequence key lengths",
+    "num_splits": "split-KV form (num_splits 1 or None)",
+    "window_size": "sliding window",
+    "softcap": "soft cap",
+    "alibi_slopes": "ALiBi",
+    "sinks": "attention sinks",
+    "score_mod": "user expressions",
+    "mask_mod": "user expressions",
+    "mod_inputs": "user expressions",
+    "block_mask": "block-sparse form",
+    "deterministic": "backward pass",
+}
+
+
+def wants_fp8(q: Any, k: Any, v: Any, q_descale: Any, k_descale: Any, v_descale: Any) -> bool:
+    """Whether a call is an fp8 one: a descale given, or 1-byte elements in q, k or v (fp8, or
+    bytes meant as fp8, which :func:`fp8_attention` refuses by name). On every call's path."""
+    return (
+        q_descale is not None
+        or k_descale is not None
+        or v_descale is not None
+        or _one_byte(q)
+        or _one_byte(k)
+        or _one_byte(v)
+    )
+
+
+def _one_byte(array: Any) -> bool:
+    """Whether ``array``'s elements are one byte (its dtype's itemsize; none: False)."""
+    return getattr(getattr(array, "dtype", None), "itemsize", 0) == 1
+
+
+def fp8_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool,
+    scale: float | None,
+    spec: KernelSpec | None,
+    return_lse: bool,
+    layout: str,
+    descales: dict[str, Any],
+    unsupported: dict[str, Any],
+) -> Any:
+    """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
+    arguments by name, each of which must be absent). The checks run before v is copied or
+    anything is launched (descales of another dtype or layout are converted first)."""
+    check_flags(causal=causal, return_lse=return_lse)
+    for name, value in unsupported.items():
+        if value is not None and not (name == "num_splits" and value == 1):
+            shown = repr(value) if len(repr(value)) <= 80 else type(value).__name__
+            raise InputError(
+                f"{name}={shown} is not allowed with fp8 inputs: the fp8 kernel has no "
+                f"{NOT_BUILT.get(name, name)} (not built yet; docs/hopper.md, fp8); leave it out"
+            )
+    named = {"q": q, "k": k, "v": v}
+    _check_dtypes(named, descales)
+    _refuse_grad({**named, **descales})
+    infos = [replace(describe(x, name), dtype=FP8_DTYPE) for name, x in named.items()]
+    call = check_inputs(
+        *infos, None, layout=layout, scale=scale, spec=spec, causal=bool(causal),
+        dtypes=(FP8_DTYPE,),
+    )  # fmt: skip
+    batch, heads, seqlen_q, head_dim = call.q.shape
+    if spec is None:
+        spec = fp8_default_spec(head_dim, causal)
+    checked = check_descales(descales, batch, call.k.shape[1], fp8=True)
+    arrays = arrays_of(q)
+    device = common_device({**named, **checked})
+    with arrays.scope(device):
+        if arrays.host:  # the CPU backend: the same launch, run by the emulator
+            kernel: Any = emulated_kernel(spec)
+        else:
+            capability, _ = api.device_arch()
+            if capability != FP8_CAPABILITY:
+                raise InputError(
+                    f"q is float8_e4m3fn on CUDA device {device} (sm_{capability}); fp8 "
+                    "attention runs on compute capability 9.0 only (H100, H200: the wgmma "
+                    "kernel), or on the CPU (CPU tensors: the emulator)"
+                )
+            check_fits_device(spec, device)
+            kernel = api.runtime_kernel(spec)
+        v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes
+        problem, out_shape = plan(
+            replace(call, v=TensorInfo("v", v_shape, v_strides, FP8_DTYPE, None)), layout
+        )
+        launch = kernel.prepare(problem, call.scale)  # the tensor maps' checks: nothing made yet
+        q_bytes, k_bytes, v_bytes = (_bytes(x) for x in (q, k, v))
+        if layout == "bshd":  # v_operand takes (B, Hkv, Sk, D): a view, no copy
+            v_bytes = v_bytes.swapaxes(1, 2)
+        v_t = v_operand(v_bytes)  # on v's device, in v's library
+        tensors = {
+            "q": launch_arg(arrays, q_bytes),
+            "k": launch_arg(arrays, k_bytes),
+            "v": launch_arg(arrays, v_t),
+            **{name: launch_arg(arrays, x) for name, x in checked.items()},
+        }
+        call_plan = CallPlan(
+            launch, out_shape, _bfloat16(arrays), (batch, heads, seqlen_q), call.k.shape[2],
+            arrays, device,
+        )  # fmt: skip
+        out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
+        del v_t, checked  # freed in stream order once the launch is queued
+    return (out, lse) if return_lse else out
+
+
+def _check_dtypes(named: dict[str, Any], descales: dict[str, Any]) -> None:
+    """q, k and v all float8_e4m3fn: descales with no fp8 input, another 1-byte dtype (uint8
+    bytes, e5m2) or a mix of fp8 and other inputs raise :class:`InputTypeError`."""
+    dtypes = {name: dtype_name(getattr(x, "dtype", type(x).__name__)) for name, x in named.items()}
+    fp8 = [name for name, dtype in dtypes.items() if dtype == FP8_LIBRARY_DTYPE]
+    for name, x in named.items():
+        if dtypes[name] == FP8_LIBRARY_DTYPE:
+            continue
+        if _one_byte(x):
+            raise InputTypeError(
+                f"{name} has dtype {dtypes[name]}; fp8 attention takes float8_e4m3fn only: "
+                f"{HOW_TO_PASS}"
+            )
+        if fp8:
+            raise InputTypeError(
+                f"{name} has dtype {dtypes[name]} but {fp8[0]} has {FP8_LIBRARY_DTYPE}; fp8 "
+                f"attention takes q, k and v all in {FP8_LIBRARY_DTYPE}"
+            )
+    if not fp8:  # descales with non-fp8 inputs: check_descales names the first one
+        check_descales(descales, 0, 0, fp8=False)
+
+
+def _refuse_grad(named: dict[str, Any]) -> None:
+    """An InputError for a torch input that requires grad while autograd records: the fp8
+    forward has no backward pass."""
+    for name, x in named.items():
+        if getattr(x, "requires_grad", False) and sys.modules["torch"].is_grad_enabled():
+            raise InputError(
+                f"{name} requires grad, but fp8 attention has no backward pass (not built yet); "
+                f"pass {name}.detach() or call it under torch.no_grad()"
+            )
+
+
+def _bytes(x: Any) -> Any:
+    """An fp8 array or tensor as a view of its e4m3 bytes (uint8), in its own library."""
+    if isinstance(x, np.ndarray):
+        return x.view(np.uint8)
+    return x.view(sys.modules["torch"].uint8)
+
+
+def _bfloat16(arrays: Arrays) -> Any:
+    """The bfloat16 dtype of a call's library (out's): torch's, or ml_dtypes' for NumPy."""
+    if arrays.name == "torch":
+        return sys.modules["torch"].bfloat16
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)

@@ -1,0 +1,5 @@
+"""``python -m kernelgen.cli``: the ``kernelgen`` command."""
+
+from kernelgen.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""A spec's CUDA: rendering, offline compiles and their cache, generated/."""

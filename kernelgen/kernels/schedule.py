@@ -1,0 +1,124 @@
+"""Static schedule check of the pipelined wgmma loop, read from SASS (not assumed from PTX).
+
+The overlapped loop (``overlap: true``) issues tile t's S = Q K^T and tile t - 1's O += P V as
+two asynchronous groups, waits for the older one only (``wgmma.wait_group 1``), computes tile
+t's softmax, then waits for the rest (``wait_group 0``). The point is that the softmax's
+exponentials run while the P V product is still on the tensor cores. ptxas may move the second
+wait up (it did: see docs/hopper.md), which leaves the PTX looking pipelined while nothing
+overlaps. In SASS the two waits are ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and ``..., 0x0`` after a
+``WARPGROUP.ARRIVE`` and the batch of ``HGMMA`` that ends two groups; the softmax's
+exponentials are ``MUFU.EX2``. The check counts the exponentials issued between the two waits
+of every such window. It also reports, for every wgmma spec, when ptxas serialized the products
+altogether (its log says so; the SASS then waits after every HGMMA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kernelgen.kernels.compile import SassInstruction, function_sass, sass_instructions
+from kernelgen.specs.forward import KernelSpec
+
+WAIT_OLDER, WAIT_ALL = "0x1", "0x0"  # wgmma.wait_group's count in DEPBAR.LE's operand
+MIN_SHARE_INSIDE = 0.5  # of a window's exponentials, for it to count as overlapped
+
+
+@dataclass(frozen=True)
+class OverlapWindow:
+    """One pipelined batch: its ARRIVE, its two waits, and the exponentials issued between the
+    waits (``inside``) and in the whole batch up to the next ARRIVE (``total``)."""
+
+    arrive: int
+    wait_older: int
+    wait_all: int
+    inside: int
+    total: int
+
+    @property
+    def overlapped(self) -> bool:
+        return self.total > 0 and self.inside >= MIN_SHARE_INSIDE * self.total
+
+
+def _is(instruction: SassInstruction, opcode: str) -> bool:
+    return instruction.opcode.startswith(opcode)
+
+
+def _wait_count(instruction: SassInstruction) -> str | None:
+    """``0x1`` / ``0x0`` of a ``WARPGROUP.DEPBAR.LE gsb0, N`` (None for anything else)."""
+    if not _is(instruction, "WARPGROUP.DEPBAR"):
+        return None
+    return instruction.operands.split(",")[-1].strip()
+
+
+def overlap_windows(instructions: Sequence[SassInstruction]) -> list[OverlapWindow]:
+    """Every batch whose products end two groups and that waits for the older one first."""
+    arrives = [i for i, ins in enumerate(instructions) if _is(ins, "WARPGROUP.ARRIVE")]
+    windows = []
+    for n, start in enumerate(arrives):
+        end = arrives[n + 1] if n + 1 < len(arrives) else len(instructions)
+        batch = instructions[start:end]
+        groups = sum(1 for ins in batch if _is(ins, "HGMMA") and "gsb0" in ins.operands)
+        older = next((i for i, ins in enumerate(batch) if _wait_count(ins) == WAIT_OLDER), None)
+        if groups < 2 or older is None:
+            continue
+        rest = batch[older + 1 :]
+        done = next((i for i, ins in enumerate(rest) if _wait_count(ins) == WAIT_ALL), None)
+        if done is None:
+            continue
+        windows.append(
+            OverlapWindow(
+                arrive=batch[0].address,
+                wait_older=batch[older].address,
+                wait_all=rest[done].address,
+                inside=sum(1 for ins in rest[:done] if _is(ins, "MUFU.EX2")),
+                total=sum(1 for ins in batch if _is(ins, "MUFU.EX2")),
+            )
+        )
+    return windows
+
+
+def overlap_problem(instructions: Sequence[SassInstruction]) -> str | None:
+    """None when every pipelined window issues most of its exponentials between its two waits;
+    otherwise what is wrong, in one line."""
+    windows = overlap_windows(instructions)
+    if not windows:
+        return "no pipelined wgmma window (two groups in flight, wait_group 1 then 0) in the SASS"
+    serial = [w for w in windows if not w.overlapped]
+    if not serial:
+        return None
+    w = serial[0]
+    return (
+        f"the softmax does not overlap the P V product in {len(serial)} of {len(windows)} "
+        f"pipelined windows: at {w.arrive:#x}, {w.inside} of {w.total} MUFU.EX2 lie between "
+        f"wait_group 1 ({w.wait_older:#x}) and wait_group 0 ({w.wait_all:#x})"
+    )
+
+
+# ptxas' note (C7510-C7515) when it gives up pipelining a function's products and waits for
+# each wgmma right after issuing it, e.g. "... serialized due to insufficient register
+# resources for the function 'f'".
+SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def serialization_problem(log: str) -> str | None:
+    """What ptxas said when it serialized the wgmma products (from its log), else None."""
+    for line in log.splitlines():
+        if SERIALIZED in line:
+            reason = line.split(SERIALIZED, 1)[1].split(" for the function")[0].strip()
+            return f"ptxas serialized every wgmma ({reason})"
+    return None
+
+
+def schedule_problem(spec: KernelSpec, sass: str, log: str = "") -> str | None:
+    """The schedule check of a wgmma spec on its SASS text (cuobjdump's, every function) and
+    ptxas' log: no serialized products, and with ``overlap: true`` the softmax between the
+    waits. None for other specs or when the schedule is as designed."""
+    if not spec.engine.warp_specialized:
+        return None
+    serialized = serialization_problem(log)
+    if serialized is not None:
+        return serialized
+    if not spec.overlap:
+        return None
+    return overlap_problem(sass_instructions(function_sass(sass, spec.uri)))

@@ -1,0 +1,1 @@
+"""The static performance model and the default specs it picks."""

@@ -1,0 +1,1 @@
+"""Float64 NumPy references and example inputs (for tests and checks)."""

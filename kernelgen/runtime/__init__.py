@@ -1,0 +1,1 @@
+"""Launching kernels: CuPy/torch/emulator backends, tensor maps, fp8 operands."""

@@ -1,0 +1,1 @@
+"""The specs: forward and backward families, architectures, engines, expressions."""
