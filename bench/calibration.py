@@ -160,10 +160,10 @@ def load_models(path: Path = CALIBRATION_FILE) -> dict[str, dict[str, Any]]:
 def save_models(models: dict[str, dict[str, Any]], path: Path = CALIBRATION_FILE) -> None:
     document = {
         "schema": CALIBRATION_SCHEMA,
-        "about": "Static performance model (kernelgen.model.perfmodel.model_spec, and analytic_cost, "
-        "the autotuner's ranking) of every spec timed in the prefill result files, computed "
-        "from the templates each run measured; written by python -m bench.calibration. Keys: "
-        "template hash (12 hex digits)/arch/spec uri.",
+        "about": "Static performance model (kernelgen.model.perfmodel.model_spec, and "
+        "analytic_cost, the autotuner's ranking) of every spec timed in the prefill result files, "
+        "computed from the templates each run measured; written by python -m bench.calibration. "
+        "Keys: template hash (12 hex digits)/arch/spec uri.",
         "models": dict(sorted(models.items())),
     }
     write_atomic(path, to_json(document))

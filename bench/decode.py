@@ -38,8 +38,8 @@ REFERENCE = (
 )
 SCRATCH = (
     "split-KV kernels allocate fp32 partials per call: num_splits * B * H * Sq * (D + 1) floats "
-    "(kernelgen.runtime.launch.scratch_floats); kernelgen rows' extra_mem_limit_bytes is that scratch "
-    "plus the fp32 LSE; extra_mem_ok is recorded, never a failure"
+    "(kernelgen.runtime.launch.scratch_floats); kernelgen rows' extra_mem_limit_bytes is that "
+    "scratch plus the fp32 LSE; extra_mem_ok is recorded, never a failure"
 )
 
 

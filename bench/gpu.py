@@ -61,7 +61,7 @@ class Env:
         return self.cupy.cuda.Stream.from_external(stream)  # ExternalStream warns since CuPy 14
 
     def kg_module(self, name: str) -> Any:
-        """A kernelgen submodule (``kernelgen.render`` the attribute is a function, so import)."""
+        """A kernelgen submodule (``kernelgen.kernels.render``, say)."""
         return importlib.import_module(f"kernelgen.{name}")
 
     def sync(self) -> None:

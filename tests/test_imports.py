@@ -159,10 +159,17 @@ def test_every_module_is_named_in_the_design():
     unnamed = [
         path.relative_to(ROOT / "kernelgen").as_posix()
         for path in (ROOT / "kernelgen").rglob("*.py")
-        if path.name != "__init__.py" or path.parent.name in ("families",)
+        if path.name != "__init__.py" or _holds_code(path)
+        if path != ROOT / "kernelgen" / "__init__.py"  # the public surface: README.md
         if not _named(path, text)
     ]
     assert not unnamed, f"modules docs/design.md does not name: {unnamed}"
+
+
+def _holds_code(path: Path) -> bool:
+    """A package's __init__.py that is more than its docstring (families/, cli/)."""
+    body = ast.parse(path.read_text()).body
+    return len(body) > 1 or (bool(body) and not isinstance(body[0], ast.Expr))
 
 
 def _named(path: Path, text: str) -> bool:

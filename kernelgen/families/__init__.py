@@ -1,9 +1,9 @@
 """Kernel families: what a kernel computes (docs/design.md, "Families and engines").
 
 The forward family (attention's output and lse) is :mod:`kernelgen.specs.forward`,
-:mod:`kernelgen.render` and :mod:`kernelgen.runtime.launch`; the backward family (dQ, dK, dV) is
-:mod:`.backward_spec` and :mod:`.backward`. A spec file names its family with ``family:`` (absent:
-forward); this module loads and renders any of them.
+:mod:`kernelgen.kernels.render` and :mod:`kernelgen.runtime.launch`; the backward family (dQ, dK,
+dV) is :mod:`kernelgen.specs.backward` and :mod:`.backward`. A spec file names its family with
+``family:`` (absent: forward); this module loads and renders any of them.
 """
 
 from __future__ import annotations
