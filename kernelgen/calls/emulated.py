@@ -14,7 +14,7 @@ pool of pages built here, q in either layout) is that of
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
@@ -127,15 +127,25 @@ def emulate_attention(
         mask = np.asarray(mask, dtype=np.float32)
     if seqlens_k is not None:
         seqlens_k = np.asarray(seqlens_k, dtype=np.int32)
-    variants: dict[str, Any] = {"window_size": window_size, "softcap": softcap}
-    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        variants[name] = None if x is None else np.ascontiguousarray(x, dtype=np.float32)
-    expressions = {"score_mod": score_mod, "mask_mod": mask_mod, "mod_inputs": mod_inputs}
+
+    def floats(x: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None else np.ascontiguousarray(x, dtype=np.float32)
+
+    variants = VariantArgs(
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=floats(alibi_slopes),
+        sinks=floats(sinks),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        mod_inputs=mod_inputs,
+        block_mask=block_mask,
+    )
     with recording(source, on_step) as recorded:
         if spec.paged_kv:
             out, lse = _paged_attention(
                 spec, inputs, mask, layout, scale, num_splits, seqlens_k, want_lse,
-                page_size, variants, {**expressions, "block_mask": block_mask},
+                page_size, variants,
             )  # fmt: skip
         else:
             result = attention(
@@ -148,9 +158,7 @@ def emulate_attention(
                 layout=layout,
                 seqlens_k=seqlens_k,
                 num_splits=num_splits,
-                block_mask=block_mask,
-                **variants,
-                **expressions,
+                **variants.keywords(),
             )
             out, lse = result if want_lse else (result, None)
     return _result(out, lse, recorded, layout)
@@ -166,8 +174,7 @@ def _paged_attention(
     seqlens_k: np.ndarray | None,
     want_lse: bool,
     page_size: int | None,
-    variants: dict[str, Any],
-    expressions: dict[str, Any],
+    variants: VariantArgs,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The paged call of :func:`emulate_attention` (q, k, v in the device dtype, stored in
     ``layout``): k and v paged here, then kernelgen's checks and plan with that paging."""
@@ -189,15 +196,7 @@ def _paged_attention(
         # the kernels see the pages' keys: zeros past Sk (never read)
         width = infos[1].shape[2 if layout == "bhsd" else 1] - keys
         mask_info = _info("mask", np.pad(full, ((0, 0), (0, 0), (0, 0), (0, width))))
-    variant_args = VariantArgs(
-        window_size=variants["window_size"],
-        softcap=variants["softcap"],
-        alibi_slopes=None
-        if variants["alibi_slopes"] is None
-        else _info("alibi_slopes", variants["alibi_slopes"]),
-        sinks=None if variants["sinks"] is None else _info("sinks", variants["sinks"]),
-        **expressions,
-    )
+    arrays = {name: _info(name, x) for name, x in variants.arrays().items() if x is not None}
     call = check_inputs(
         *infos,
         mask_info,
@@ -205,7 +204,7 @@ def _paged_attention(
         scale=scale,
         spec=spec,
         causal=spec.causal,
-        variants=variant_args,
+        variants=replace(variants, **arrays),
     )
     num_splits = check_num_splits(num_splits, spec)
     paging = Paging(page_size, table, table.shape[1], pool.shape[0])

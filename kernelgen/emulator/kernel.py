@@ -272,20 +272,37 @@ RUNTIME_DEFINE = "-DKG_EMU_EXTERN_RUNTIME"
 RUNTIME_STEM = "libkg_emu_runtime"
 
 
-def _runtime_library(cxx: str, cache: Path) -> Path | None:
-    """The shim's runtime library for this compiler, flags and shim, built once (atomically);
-    None when it cannot be built (then every kernel's library holds the runtime)."""
-    key = hashlib.sha256(
-        "\0".join([_compiler_version(cxx), " ".join(CXX_FLAGS), _shim_text()]).encode()
+def _shared_key(cxx: str, flags: Sequence[str], shim: str) -> str:
+    """What identifies a build every kernel shares: compiler, flags and the shim's text."""
+    return hashlib.sha256(
+        "\0".join([_compiler_version(cxx), " ".join(flags), shim]).encode()
     ).hexdigest()[:24]
-    name = f"{RUNTIME_STEM}-{key}.so"
+
+
+def _build_once(command: list[str], tmp: Path, dest: Path, what: str) -> bool:
+    """Runs the compiler ``command`` (writing ``tmp``) and moves the result to ``dest``
+    atomically; False (with a warning naming ``what``) when it fails."""
+    res = subprocess.run(command, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        log.warning("cannot build %s; kernels compile it each time", what)
+        return False
+    os.replace(tmp, dest)
+    return True
+
+
+def _runtime_library(cxx: str, cache: Path, shim: str) -> Path | None:
+    """The shim's runtime library for this compiler, flags and ``shim`` text, built once
+    (atomically); None when it cannot be built (then every kernel's library holds the
+    runtime)."""
+    name = f"{RUNTIME_STEM}-{_shared_key(cxx, CXX_FLAGS, shim)}.so"
     path = cache / name
     if path.exists():
         return path
     stem = f".{name}.{os.getpid()}.{threading.get_ident()}"
     source, tmp = cache / f"{stem}.cpp", cache / f"{stem}.tmp"
     source.write_text(f'#define KG_EMU_RUNTIME_BUILD 1\n#include "{SHIM_NAME}"\n')
-    res = subprocess.run(
+    built = _build_once(
         [
             cxx,
             *CXX_FLAGS,
@@ -300,45 +317,27 @@ def _runtime_library(cxx: str, cache: Path) -> Path | None:
             str(tmp),
             str(source),
         ],
-        capture_output=True,
-        text=True,
-        check=False,
+        tmp,
+        path,
+        "the emulator's runtime library",
     )
     source.unlink(missing_ok=True)
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        log.warning("cannot build the emulator's runtime library; kernels compile it each time")
-        return None
-    os.replace(tmp, path)
-    return path
+    return path if built else None
 
 
-def _precompiled_shim(cxx: str, cache: Path, extern_runtime: bool) -> Path | None:
-    """The folder holding ``kg_emulator.h.gch`` for this compiler, flags and shim (declaring
-    the runtime, or holding it), built once (atomically); None when it cannot be built (then
-    kernels compile the shim's text)."""
+def _precompiled_shim(cxx: str, cache: Path, extern_runtime: bool, shim: str) -> Path | None:
+    """The folder holding ``kg_emulator.h.gch`` for this compiler, flags and ``shim`` text
+    (declaring the runtime, or holding it), built once (atomically); None when it cannot be
+    built (then kernels compile the shim's text)."""
     flags = (*PCH_FLAGS, RUNTIME_DEFINE) if extern_runtime else PCH_FLAGS
-    key = hashlib.sha256(
-        "\0".join([_compiler_version(cxx), " ".join(flags), _shim_text()]).encode()
-    ).hexdigest()[:24]
-    folder = cache / f"pch-{key}"
+    folder = cache / f"pch-{_shared_key(cxx, flags, shim)}"
     gch = folder / f"{SHIM_NAME}.gch"
     if gch.exists():
         return folder
     folder.mkdir(exist_ok=True)
     tmp = gch.with_name(f".{gch.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    res = subprocess.run(
-        [cxx, *flags, "-x", "c++-header", str(INCLUDE_DIR / SHIM_NAME), "-o", str(tmp)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        log.warning("cannot precompile the emulator's shim; kernels compile it each time")
-        return None
-    os.replace(tmp, gch)
-    return folder
+    command = [cxx, *flags, "-x", "c++-header", str(INCLUDE_DIR / SHIM_NAME), "-o", str(tmp)]
+    return folder if _build_once(command, tmp, gch, "the emulator's precompiled shim") else None
 
 
 def _without_shim_text(text: str, kernel_name: str) -> str | None:
@@ -727,6 +726,7 @@ def build_kernels(
         if not re.fullmatch(r"[A-Za-z_]\w*=[^\n]*", d):
             raise EmulatorSourceError(f"bad define {d!r}: expected NAME=value")
     cxx = _compiler()
+    shim = _shim_text()  # read once: the kernel's key, the runtime's and the header's
     # With only the emulator's and the system's headers the inputs identify the build; headers
     # of include_dirs may change under the same paths, so then the preprocessed text does.
     text = _preprocess(cxx, source, stem, dirs, defs) if dirs else None
@@ -737,7 +737,7 @@ def build_kernels(
                 _CODEGEN_VERSION,
                 _compiler_version(cxx),
                 " ".join(CXX_FLAGS),
-                _shim_text(),
+                shim,
                 repr(signature),
                 "\n".join(defs),
                 text if text is not None else source,
@@ -750,7 +750,7 @@ def build_kernels(
     # With the caller's defines the shim is compiled as the kernel's text (they may change
     # it), so neither the precompiled header nor the runtime library fits. A cached kernel's
     # library may link the runtime library: it is made again if it was deleted.
-    runtime = None if defs else _runtime_library(cxx, cache)
+    runtime = None if defs else _runtime_library(cxx, cache, shim)
     if not so_path.exists():
         t0 = time.perf_counter()
         if text is None:
@@ -758,7 +758,7 @@ def build_kernels(
         cpp = transform_preprocessed(text, (str(INCLUDE_DIR),)) + "".join(
             '\n# 1 "kg_emulator_wrapper.cpp"\n' + _wrapper(n, parsed[n]) for n in names
         )
-        pch = None if defs else _precompiled_shim(cxx, cache, runtime is not None)
+        pch = None if defs else _precompiled_shim(cxx, cache, runtime is not None, shim)
         short = _without_shim_text(cpp, stem) if pch is not None else None
         search = ["-I", str(pch), "-I", str(INCLUDE_DIR)] if short is not None else []
         link: list[str] = []

@@ -27,7 +27,6 @@
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <time.h>
-#include <sched.h>
 #include <unistd.h>
 
 // Fibers switch by a few instructions of assembly on x86-64, elsewhere (or with
@@ -918,6 +917,7 @@ inline void fiber_entry(Fiber* fp) {
 
 inline void describe_waits(const Launch& L, char* msg, size_t size, int used);
 inline uint64_t splitmix64(uint64_t& state);
+inline void shuffle(std::vector<uint32_t>& v, uint64_t& state);
 
 // $KG_EMULATOR_SCHEDULE_SEED, else a fresh seed per launch.
 inline uint64_t schedule_seed() {
@@ -954,15 +954,11 @@ inline void run_fibers(Launch& L) {
   while (alive != 0) {
     L.progress = false;
     bool runnable = false;
-    // Each round resumes the threads in a fresh pseudo-random order (Fisher-Yates) and holds
+    // Each round resumes the threads in a fresh pseudo-random order (shuffle) and holds
     // back a random half of the warps, so that which thread runs ahead varies as it does on
     // the GPU and warps drift apart by whole steps: a missing wait or barrier shows as a hazard
     // or a wrong result in some runs, not never (KG_EMULATOR_SCHEDULE_SEED fixes the orders).
-    for (uint32_t k = total; k > 1; --k) {
-      const uint32_t j = static_cast<uint32_t>(
-          (static_cast<unsigned __int128>(splitmix64(L.schedule_state)) * k) >> 64);
-      std::swap(order[k - 1], order[j]);
-    }
+    shuffle(order, L.schedule_state);
     for (size_t w = 0; w < held.size(); w += 64) {
       const uint64_t bits = splitmix64(L.schedule_state);
       for (size_t b = 0; b < 64 && w + b < held.size(); ++b) held[w + b] = (bits >> b) & 1u;
@@ -1093,15 +1089,22 @@ inline uint64_t splitmix64(uint64_t& state) {
 }
 
 // Linear indices 0..n-1 in the order of `seed` (> 0).
+// Fisher-Yates over `v` drawing from splitmix64 at `state` (for i from the size down to 2,
+// entry i - 1 swaps with entry j = the high 64 bits of draw * i): the block order's shuffle and
+// the runner's resumption orders.
+inline void shuffle(std::vector<uint32_t>& v, uint64_t& state) {
+  for (uint64_t i = v.size(); i > 1; --i) {
+    const uint64_t j = static_cast<uint64_t>(
+        (static_cast<unsigned __int128>(splitmix64(state)) * i) >> 64);  // in [0, i)
+    std::swap(v[i - 1], v[j]);
+  }
+}
+
 inline std::vector<uint32_t> shuffled_blocks(uint64_t nblocks, uint64_t seed) {
   std::vector<uint32_t> order(nblocks);
   for (uint64_t i = 0; i < nblocks; ++i) order[i] = static_cast<uint32_t>(i);
   uint64_t state = seed;
-  for (uint64_t i = nblocks; i > 1; --i) {
-    const uint64_t j = static_cast<uint64_t>(
-        (static_cast<unsigned __int128>(splitmix64(state)) * i) >> 64);  // in [0, i)
-    std::swap(order[i - 1], order[j]);
-  }
+  shuffle(order, state);
   return order;
 }
 
