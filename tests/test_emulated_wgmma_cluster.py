@@ -193,8 +193,8 @@ MUTATIONS = {
     "release in one block only": (
         [
             (
-                "for (int r = 0; r < CLUSTER_M; ++r) mbarrier_arrive_cluster(kv_empty + 8 * slot, r);",
-                "mbarrier_arrive(kv_empty + 8 * slot);",
+                "if (lane < CLUSTER_M) mbarrier_arrive_cluster(kv_empty + 8 * slot, lane);",
+                "if (lane == 0) mbarrier_arrive(kv_empty + 8 * slot);",
             ),
             ("4 * CONSUMERS * CLUSTER_M", "4 * CONSUMERS"),
         ],
