@@ -83,9 +83,10 @@ def candidate_label(fields: dict[str, Any]) -> str:
         turns = "-pp" if fields.get("pingpong") else ""
         q_regs = "-qr" if fields.get("q_in_registers") else ""
         store = "-tma" if fields.get("epilogue") == "tma" else ""
+        cluster = f"-c{fields['cluster_m']}" if fields.get("cluster_m", 1) > 1 else ""
         return (
             f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
-            f"{overlap}{turns}{q_regs}{store}"
+            f"{overlap}{turns}{q_regs}{store}{cluster}"
         )
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
     return (

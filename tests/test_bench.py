@@ -407,18 +407,19 @@ def test_wgmma_peer_and_its_candidates():
 
     assert PEERS_BY_NAME["kg-wgmma"].family == "kernelgen"
     grid = wgmma_candidates()
-    # 2 x 2 tilings x overlap on or off; without overlap also the TMA-store epilogue and Q in
-    # registers, and ping-pong for the two 128-row ones; one stage count (one more for the
-    # overlap, which releases a slot a tile later)
-    assert len(grid) == 18 and len(wgmma_candidates(quick=True)) == 18
+    # 2 x 2 tilings x overlap on or off, and 2-CTA clusters of the 128-row ones; without overlap
+    # also the TMA-store epilogue and Q in registers, and ping-pong for the two 128-row ones;
+    # one stage count (one more for the overlap, which releases a slot a tile later)
+    assert len(grid) == 22 and len(wgmma_candidates(quick=True)) == 22
     assert {g["stages"] for g in grid} == {2, 3}
     assert all(g["stages"] == 3 for g in grid if g["overlap"])
     identity = {"dtype": "bfloat16", "head_dim": 128, "causal": False, "archs": ["sm_80"]}
     specs = [spec_from_dict({**identity, **fields}) for fields in grid if not fields["overlap"]]
     assert all(s.mma == "wgmma" and s.archs == ("sm_90a",) for s in specs)
     assert [candidate_label(g) for g in grid[:5]] == [
-        "wg-m128n128s2", "wg-m128n128s2-tma", "wg-m128n128s2-qr", "wg-m128n128s2-pp",
-        "wg-m128n128s3-ovl",
+        "wg-m128n128s2", "wg-m128n128s2-c2", "wg-m128n128s2-tma", "wg-m128n128s2-qr",
+        "wg-m128n128s2-pp",
     ]  # fmt: skip
     assert sum(s.epilogue == "tma" for s in specs) == 4  # one per tiling, the plain loop
+    assert sum(s.cluster_m == 2 for s in specs) == 2  # the 128-row plain loops (and overlaps)
     assert all(s.block_m == 128 for s in specs if s.pingpong)

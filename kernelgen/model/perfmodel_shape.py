@@ -119,12 +119,15 @@ def block_key_tiles(spec: KernelSpec, shape: ProblemShape) -> list[int]:
     """Key tiles each block of one (batch, head) walks, in launch order: every tile without
     causal; with it (aligned bottom right) up to the last row's last visible key, and the
     template launches the longest row tile first. With ``pack_gqa`` a block's rows are (query,
-    head) pairs of one key/value head's group."""
+    head) pairs of one key/value head's group; with ``cluster_m`` the row tiles round up to
+    whole clusters."""
     _check_spec(spec)
     group = shape.heads // shape.kv_heads if spec.pack_gqa else 1
     rows = shape.seqlen_q * group
     tiles = []
-    for r in range(math.ceil(rows / spec.block_m)):
+    # with clusters, whole clusters: a block past the rows still copies its share of the keys
+    row_tiles = math.ceil(rows / (spec.block_m * spec.cluster_m)) * spec.cluster_m
+    for r in range(row_tiles):
         if not spec.causal:
             tiles.append(math.ceil(shape.seqlen_k / spec.block_n))
             continue
@@ -194,7 +197,8 @@ def latency_clocks(prediction: Prediction, spec: KernelSpec, resident: int) -> f
 @dataclass(frozen=True)
 class Traffic:
     """Bytes one call moves: through HBM (Q and K/V read once, O and the LSE written once) and
-    out of L2 (every block reads its rows of Q and the K/V tiles it walks)."""
+    out of L2 (every block reads its rows of Q and the K/V tiles it walks; in a cluster of
+    ``cluster_m`` blocks, its share of them)."""
 
     hbm_bytes: float
     l2_bytes: float
@@ -209,7 +213,9 @@ def traffic(spec: KernelSpec, shape: ProblemShape) -> Traffic:
     kv_bytes = 2 * shape.batch * shape.kv_heads * shape.seqlen_k * spec.head_dim * spec.elem_bytes
     heads = shape.batch * (shape.kv_heads if spec.pack_gqa else shape.heads)
     tile_bytes = 2 * spec.block_n * spec.head_dim * spec.elem_bytes  # a K and a V tile
-    kv_reads = sum(block_key_tiles(spec, shape)) * heads * tile_bytes
+    # With 2-CTA clusters (cluster_m) each block reads 1/cluster_m of a tile from L2 and
+    # multicasts it to the others.
+    kv_reads = sum(block_key_tiles(spec, shape)) * heads * tile_bytes / spec.cluster_m
     return Traffic(q_bytes + kv_bytes + out_bytes + lse_bytes, q_bytes + kv_reads)
 
 

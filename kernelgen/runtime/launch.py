@@ -127,12 +127,17 @@ MAX_GRID = (2**31 - 1, 65535, 65535)
 def launch_geometry(spec: KernelSpec, problem: Problem) -> tuple[Grid, Grid]:
     """(grid, block) of the main kernel. v2: gridDim.x runs over the row tiles of a head (a
     key/value head with ``pack_gqa``), then the (batch, head) pairs; gridDim.y over the key
-    chunks (``split_kv``). v1: one block per (batch, head) on gridDim.x. The heads share x,
+    chunks (``split_kv``); with ``cluster_m`` > 1 the row tiles of a head are rounded up to whole
+    clusters. v1: one block per (batch, head) on gridDim.x. The heads share x,
     whose limit is 2^31 - 1, so a large batch never meets y's 65535."""
     heads = problem.batch * (problem.num_kv_heads if spec.pack_gqa else problem.num_heads)
     if spec.loop_order == "v2":
         splits = problem.num_splits if spec.split_kv else 1
-        grid = (math.ceil(tile_rows(spec, problem) / spec.block_m) * heads, splits, 1)
+        # With clusters (cluster_m), a head's row tiles round up to whole clusters: a block past
+        # the rows copies its slice of the key tiles for the others and writes nothing.
+        cluster = spec.cluster_m
+        row_tiles = math.ceil(tile_rows(spec, problem) / (spec.block_m * cluster)) * cluster
+        grid = (row_tiles * heads, splits, 1)
     else:
         grid = (heads, 1, 1)
     if any(size > limit for size, limit in zip(grid, MAX_GRID, strict=True)):

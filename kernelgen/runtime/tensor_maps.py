@@ -127,6 +127,8 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         seq, heads, batch, (stride_b, stride_h, stride_s) = shapes[tensor]
         strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
+        if tensor in ("k", "v"):  # with clusters, each block copies a slice of the tile
+            rows //= spec.cluster_m
         box: tuple[int, ...] = (spec.row_elems, rows, 1, 1)
         if tensor == "q" and spec.pack_gqa:
             group = problem.group

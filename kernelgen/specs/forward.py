@@ -42,6 +42,9 @@ SmemLayout = Literal["padded", "swizzled"]
 # accumulators, or through a swizzled shared-memory tile (stmatrix) and one TMA store per block.
 Epilogue = Literal["direct", "tma"]
 EPILOGUE_TAGS = {"direct": "", "tma": "tma"}
+# Thread blocks per cluster of the wgmma forward (docs/hopper.md, "2-CTA clusters"): 1, or 2
+# blocks of adjacent query tiles sharing each K/V tile by TMA multicast.
+CLUSTER_SIZES = (1, 2)
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1}
 DTYPE_SHORT: dict[str, str] = {
@@ -354,6 +357,14 @@ class KernelSpec(BaseModel):
         "into its rows of the Q tile with stmatrix (128-byte swizzled) and one thread copies "
         "them out with a TMA store (float16/bfloat16, not split_kv or pack_gqa).",
     )
+    cluster_m: int = Field(
+        1,
+        description="wgmma only: thread blocks per cluster along the query tiles (1 or 2). "
+        "With 2, two blocks of adjacent query tiles of one head share every K and V tile: each "
+        "block's producer copies half of it by TMA multicast into both blocks, halving the "
+        "K/V traffic from L2 (FlashAttention 3's 2-CTA clusters; not causal, window, "
+        "split_kv, paged_kv or fp8, whose blocks visit different key tiles).",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -399,6 +410,8 @@ class KernelSpec(BaseModel):
             data.pop("mod_inputs", None)
         if data.get("epilogue") == "direct":  # the default keeps the identities it had
             del data["epilogue"]
+        if data.get("cluster_m") == 1:
+            del data["cluster_m"]
         return data
 
     @model_validator(mode="before")
@@ -408,7 +421,8 @@ class KernelSpec(BaseModel):
 
     # ---- field checks -------------------------------------------------------------------
     @field_validator(
-        "head_dim", "block_m", "block_n", "num_warps", "stages", "smem_pad", mode="before"
+        "head_dim", "block_m", "block_n", "num_warps", "stages", "smem_pad", "cluster_m",
+        mode="before",
     )
     @classmethod
     def _strict_integer(cls, value: Any, info: Any) -> Any:
@@ -522,6 +536,8 @@ class KernelSpec(BaseModel):
             )
         if self.epilogue != "direct":
             problems += self._epilogue_problems()
+        if self.cluster_m != 1:
+            problems += self._cluster_problems()
         if not wgmma and self.num_warps == 12:
             problems.append(
                 f"num_warps=12 is not allowed with mma={self.mma!r}; use 1, 2, 4 or 8 (12 is "
@@ -537,6 +553,30 @@ class KernelSpec(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _cluster_problems(self) -> list[str]:
+        """What ``cluster_m: 2`` needs: the wgmma engine, and the two blocks of a cluster
+        visiting the same key tiles (each copies half of every tile for both)."""
+        if self.cluster_m not in CLUSTER_SIZES:
+            allowed = " or ".join(map(str, CLUSTER_SIZES))
+            return [f"cluster_m={self.cluster_m} is not allowed; use {allowed}"]
+        why = {
+            "mma": (
+                not self.engine.warp_specialized,
+                "the multicast copies are the wgmma kernel's producer's",
+            ),
+            "causal": (self.causal, "the two blocks would visit different key tiles"),
+            "window": (self.window, "the two blocks would visit different key tiles"),
+            "split_kv": (self.split_kv, "a decode kernel has one query tile per head"),
+            "paged_kv": (self.paged_kv, "a decode kernel has one query tile per head"),
+            "dtype": (self.fp8, "fp8's V^T tile is not split for multicast (not built yet)"),
+        }
+        return [
+            f"cluster_m={self.cluster_m} is not allowed with {field}={_echo(getattr(self, field))}"
+            f": {reason}; use cluster_m: 1"
+            for field, (refused, reason) in why.items()
+            if refused
+        ]
 
     def _epilogue_problems(self) -> list[str]:
         """What ``epilogue: tma`` needs: the wgmma engine, 16-bit out rows of whole queries."""
@@ -862,6 +902,7 @@ class KernelSpec(BaseModel):
                 + ("_pp" if self.pingpong else "")
                 + ("_qr" if self.q_in_registers else "")
                 + (f"_{EPILOGUE_TAGS[self.epilogue]}" if EPILOGUE_TAGS[self.epilogue] else "")
+                + (f"_c{self.cluster_m}" if self.cluster_m > 1 else "")
             )
         elif engine.tensor_cores:
             parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]

@@ -314,6 +314,11 @@ def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any
             "archs": list(WGMMA_ARCHS),
         }
         yield fields
+        # 2-CTA clusters sharing each K/V tile by multicast, for the 128-row tiles (FlashAttention
+        # 3's choice); non-causal problems only: the spec refuses causal, so causal grids drop
+        # these twins.
+        if block_m == 128:
+            yield fields | {"cluster_m": 2}
         if overlap:
             continue
         # The TMA-store epilogue (docs/hopper.md): the same loop, so one twin of the plain loop

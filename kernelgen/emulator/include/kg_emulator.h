@@ -951,9 +951,21 @@ inline void run_fibers(Launch& L) {
   }
   uint32_t alive = total;
   uint64_t stalled = 0;
+  // With clusters, one block at a time lags for stretches of rounds (held back in 3 rounds of
+  // 4, the lagging block drawn anew about every 32 rounds; ncta: none), so the blocks of a
+  // cluster drift apart by whole loop iterations, as they may on the GPU: a block that leaves
+  // while another still reaches its shared memory, or a slot refilled before every block read
+  // it, or a block reaching another's barriers before it initialised them, then shows in some
+  // runs.
+  uint32_t lagging =
+      L.ncta > 1 ? static_cast<uint32_t>(splitmix64(L.schedule_state) % (L.ncta + 1)) : 0;
   while (alive != 0) {
     L.progress = false;
     bool runnable = false;
+    if (L.ncta > 1 && (splitmix64(L.schedule_state) & 31u) == 0)
+      lagging = static_cast<uint32_t>(splitmix64(L.schedule_state) % (L.ncta + 1));
+    const uint32_t held_block =
+        lagging < L.ncta && (splitmix64(L.schedule_state) & 3u) != 0 ? lagging : L.ncta;
     // Each round resumes the threads in a fresh pseudo-random order (shuffle) and holds
     // back a random half of the warps, so that which thread runs ahead varies as it does on
     // the GPU and warps drift apart by whole steps: a missing wait or barrier shows as a hazard
@@ -971,7 +983,9 @@ inline void run_fibers(Launch& L) {
         continue;  // still blocked
       }
       runnable = true;
-      if (held[i / 32] != 0 && L.trapped.load(std::memory_order_relaxed) == 0) continue;
+      if ((held[i / 32] != 0 || i / L.nthreads == held_block) &&
+          L.trapped.load(std::memory_order_relaxed) == 0)
+        continue;
       current_fiber = &f;  // this library's (fiber_entry's); L.enter sets the kernel's
       L.enter(&f);
       fiber_resume(f);
