@@ -421,7 +421,13 @@ class KernelSpec(BaseModel):
 
     # ---- field checks -------------------------------------------------------------------
     @field_validator(
-        "head_dim", "block_m", "block_n", "num_warps", "stages", "smem_pad", "cluster_m",
+        "head_dim",
+        "block_m",
+        "block_n",
+        "num_warps",
+        "stages",
+        "smem_pad",
+        "cluster_m",
         mode="before",
     )
     @classmethod
