@@ -33,8 +33,8 @@ fp8: with q, k and v ``torch.float8_e4m3fn`` (and optional float32 (B, Hkv) desc
 three arguments) the operator runs the fp8 wgmma forward (:mod:`kernelgen.calls.fp8`,
 docs/hopper.md "fp8"): out is bfloat16 in q's layout, the lse float32. Its fake implementation
 runs the fp8 call's metadata checks, so a bad fp8 call fails when traced. fp8 has no backward:
-an fp8 input that requires grad while autograd records raises InputError (the wrapper, or the
-operator's autograd context for a direct call).
+an fp8 input that requires grad while autograd records raises InputError from the operator's
+autograd context (which torch runs after the forward, or when it traces the call).
 """
 
 from __future__ import annotations
