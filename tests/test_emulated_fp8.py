@@ -258,3 +258,16 @@ def test_fp8_kernel_runs_under_the_race_check():
     q, k, v, descales = problem(5, 1, 1, 1, 16, 130)
     with pytest.raises(HazardError):
         emulate_fp8_attention(spec, q, k, v, source=source.replace(wait, ""), **descales)
+
+
+def test_fp8_fragments_take_half_the_registers():
+    """Q's A fragments and the overlap's P buffer hold 8-bit values (head_dim / 8 and
+    block_n / 8 registers per thread), so fp8 takes Q in registers with the overlap at d128 and
+    128-key tiles (160 of 160), which 16-bit operands exceed (192: docs/hopper.md)."""
+    assert fp8_spec().accumulators_per_thread == 128
+    assert fp8_spec(q_in_registers=True).accumulators_per_thread == 144
+    both = fp8_spec(overlap=True, q_in_registers=True, stages=3)
+    assert both.accumulators_per_thread == 160
+    with pytest.raises(SpecError, match="need 192 fp32 accumulators per thread; at most 160"):
+        spec_from_dict({**FP8_SPEC, "dtype": "bfloat16", "overlap": True, "q_in_registers": True,
+                        "stages": 3})  # fmt: skip
