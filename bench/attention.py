@@ -12,15 +12,17 @@ import contextlib
 import datetime as dt
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench import metrics, report
 from bench.candidates import (
+    FP8_PEER,
     PEER_NAMES,
     PEERS_BY_NAME,
     candidate_label,
+    fp8_candidates,
     identity,
     spec_fields,
     tensor_core_candidates,
@@ -231,6 +233,32 @@ class Runner(Harness):
         listed = [(candidate_label(o), spec_fields(base, o)) for o in self.hopper_candidates]
         return self.tensor_core_row(shape, sets, ref, "kg-wgmma", listed)
 
+    def fp8_row(self, shape: Shape, sets: list) -> dict[str, Any]:
+        """The fp8 (e4m3) wgmma kernel's loops (bench.candidates.fp8_candidates), best of them,
+        on the bf16 sets rounded to e4m3 (outside the timed region) and checked against the
+        reference of those rounded inputs within the fp8 tolerance (bench.metrics)."""
+        from kernelgen.specs.forward import FP8_HEAD_DIMS
+
+        reason = None
+        if self.env.arch != "sm_90":
+            reason = (
+                f"fp8 wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is "
+                f"{self.env.arch}"
+            )
+        elif shape.dtype != "bfloat16" or shape.head_dim not in FP8_HEAD_DIMS:
+            reason = f"fp8 rows quantize bf16 shapes at head dim {FP8_HEAD_DIMS}"
+        if reason is not None:
+            return report.make_row(shape, FP8_PEER, report.UNAVAILABLE, reason=reason)
+        quantized = self.gpu.quantize_sets(self.env, sets)
+        ref = self.gpu.reference(self.env, *quantized[id(sets[0][0])], shape.causal)
+        base = identity(self.base_fields(shape))
+        listed = [(candidate_label(o), spec_fields(base, o)) for o in fp8_candidates()]
+
+        def make_impl(spec: Any) -> Any:
+            return self.gpu.kernelgen_fp8_impl(self.env, FP8_PEER, spec, shape.causal, quantized)
+
+        return self.tensor_core_row(shape, sets, ref, FP8_PEER, listed, make_impl)
+
     def tensor_core_row(
         self,
         shape: Shape,
@@ -238,8 +266,10 @@ class Runner(Harness):
         ref: Any,
         peer: str = "kg-tc-v2",
         listed: list[tuple[str, dict]] | None = None,
+        make_impl: Callable[[Any], Any] | None = None,
     ) -> dict[str, Any]:
-        """The best of the tensor-core candidates (``listed``, default :meth:`candidate_list`)."""
+        """The best of the tensor-core candidates (``listed``, default :meth:`candidate_list`);
+        ``make_impl``: a spec's implementation (default: kernelgen.attention with the spec)."""
         from kernelgen.errors import SpecError
 
         gpu = self.gpu
@@ -262,7 +292,10 @@ class Runner(Harness):
             try:
                 self.compiled(spec)
                 entry["compile_s"] = round(self.compile_s[spec.uri], 3)
-                impl = gpu.kernelgen_impl(self.env, peer, spec, shape.causal)
+                if make_impl is not None:
+                    impl = make_impl(spec)
+                else:
+                    impl = gpu.kernelgen_impl(self.env, peer, spec, shape.causal)
                 status, figures = self.measure(shape, impl, sets, ref, CANDIDATE_BUDGET_MS)
             except gpu.FatalGPUError:
                 raise
@@ -333,6 +366,8 @@ class Runner(Harness):
                     row = self.tensor_core_row(shape, sets, ref)
                 elif peer == "kg-wgmma":
                     row = self.wgmma_row(shape, sets, ref)
+                elif peer == FP8_PEER:
+                    row = self.fp8_row(shape, sets)
                 else:
                     row = self.simt_row(shape, peer, sets, ref)
             except gpu.FatalGPUError:
@@ -454,6 +489,9 @@ def list_plan(shapes: list[Shape], args: argparse.Namespace) -> None:
         )
     print("tensor-core candidates:")
     for c in tensor_core_candidates(args.quick):
+        print(f"  {candidate_label(c)}")
+    print("fp8 candidates (kg-wgmma-fp8, bf16 shapes at head dim 128):")
+    for c in fp8_candidates():
         print(f"  {candidate_label(c)}")
     print(f"peers: {', '.join(selected_peers(args.peers))}")
 

@@ -37,12 +37,20 @@ PEERS: tuple[Peer, ...] = (
         "kernelgen Hopper wgmma + TMA (sm_90a, 9.0 devices only), best of N specs per shape",
         "kernelgen",
     ),
+    Peer(
+        "kg-wgmma-fp8",
+        "kg-fp8",
+        "kernelgen Hopper fp8: the bf16 inputs quantized to e4m3 outside the timed region, bf16 "
+        "out (sm_90a, head dim 128), best of its loops",
+        "kernelgen",
+    ),
 )
 PEER_NAMES: tuple[str, ...] = tuple(p.name for p in PEERS)
 PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in PEERS}
 TORCH_PEERS: tuple[str, ...] = tuple(p.name for p in PEERS if p.family == "torch")
 TENSOR_CORE_PEER = "kg-tc-v2"
 WGMMA_PEER = "kg-wgmma"
+FP8_PEER = "kg-wgmma-fp8"
 FLASH_PEER = "torch-flash"
 
 
@@ -76,16 +84,35 @@ def wgmma_candidates(quick: bool = False) -> list[dict[str, Any]]:
     return list(wgmma_grid(WGMMA_STAGES[:1] if quick else WGMMA_STAGES))
 
 
+def fp8_candidates() -> list[dict[str, Any]]:
+    """Spec-field overrides for the fp8 (e4m3) wgmma forward: each of its loops at 128 x 128
+    tiles (docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with
+    and without Q in registers (3 stages). The autotuner has no fp8 candidates; these rows are
+    where a GPU times the loops against each other."""
+    base = {"loop_order": "v2", "mma": "wgmma", "dtype": "float8_e4m3", "block_m": 128,
+            "block_n": 128, "archs": ["sm_90a"]}  # fmt: skip
+    loops = (
+        {"stages": 2},
+        {"stages": 2, "q_in_registers": True},
+        {"stages": 2, "pingpong": True},
+        {"stages": 3, "overlap": True},
+        {"stages": 3, "overlap": True, "q_in_registers": True},
+    )
+    return [{**base, **loop} for loop in loops]
+
+
 def candidate_label(fields: dict[str, Any]) -> str:
-    """Short tag of a candidate, e.g. ``m64n128w4s2-swz`` (wgmma: ``wg-m128n64s2-ovl``)."""
+    """Short tag of a candidate, e.g. ``m64n128w4s2-swz`` (wgmma: ``wg-m128n64s2-ovl``; fp8:
+    ``fp8-m128n128s2-qr``)."""
     if fields.get("mma") == "wgmma":
+        engine = "fp8" if fields.get("dtype") == "float8_e4m3" else "wg"
         overlap = "-ovl" if fields.get("overlap") else ""
         turns = "-pp" if fields.get("pingpong") else ""
         q_regs = "-qr" if fields.get("q_in_registers") else ""
         store = "-tma" if fields.get("epilogue") == "tma" else ""
         cluster = f"-c{fields['cluster_m']}" if fields.get("cluster_m", 1) > 1 else ""
         return (
-            f"wg-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
+            f"{engine}-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
             f"{overlap}{turns}{q_regs}{store}{cluster}"
         )
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")

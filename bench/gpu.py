@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.metrics import percentile, repetitions, summarize
+from bench.metrics import percentile, repetitions, summarize, tolerance
 
 # Quiet-NaN bit patterns used to poison outputs before the correctness check.
 TIMING_METHOD = (
@@ -236,6 +236,7 @@ class Impl:
     call: Callable[[Any, Any, Any], Any]
     spec_uri: str | None = None
     poison: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+    tolerance: float | None = None  # of its correctness check (None: the shape dtype's)
 
 
 def torch_sdpa(env: Env, backend: str, causal: bool, gqa: bool = False) -> Impl:
@@ -296,6 +297,35 @@ def kernelgen_impl(env: Env, peer: str, spec: Any, causal: bool) -> Impl:
             return kg.attention(q, k, v, causal=causal, spec=spec)
 
     return Impl(peer, call, spec_uri=spec.uri, poison=lambda: poisoned_kernelgen_outputs(env))
+
+
+def quantize_sets(env: Env, sets: list[tuple[Any, Any, Any]]) -> dict[int, tuple[Any, ...]]:
+    """Each (q, k, v) set rounded to torch.float8_e4m3fn (no descales: randn values fit e4m3's
+    range), keyed by the id of the set's q: the fp8 rows' inputs, made before any timing."""
+    fp8 = env.torch.float8_e4m3fn
+    return {id(q): (q.to(fp8), k.to(fp8), v.to(fp8)) for q, k, v in sets}
+
+
+def kernelgen_fp8_impl(
+    env: Env, peer: str, spec: Any, causal: bool, quantized: dict[int, tuple[Any, ...]]
+) -> Impl:
+    """kernelgen.attention with an fp8 spec on the quantized copy of the set it is called with
+    (:func:`quantize_sets`), checked within the fp8 tolerance against the reference of the
+    quantized inputs (the caller's)."""
+    kg = env.kernelgen
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        q8, k8, v8 = quantized[id(q)]
+        with env.stream():
+            return kg.attention(q8, k8, v8, causal=causal, spec=spec)
+
+    return Impl(
+        peer,
+        call,
+        spec_uri=spec.uri,
+        poison=lambda: poisoned_kernelgen_outputs(env),
+        tolerance=tolerance(spec.dtype),
+    )
 
 
 def compile_spec(env: Env, spec: Any) -> float:

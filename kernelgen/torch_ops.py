@@ -21,14 +21,20 @@ Calls with ``seqlens_k`` have no backward (it raises). ``deterministic`` (or
 The operators' schemas: ``kernelgen::attention(Tensor q, Tensor k, Tensor v, Tensor?
 mask=None, bool causal=False, float? scale=None, str layout="bhsd", Tensor? seqlens_k=None,
 SymInt? num_splits=None, SymInt[]? window=None, float? softcap=None, Tensor? alibi_slopes=None,
-Tensor? sinks=None, bool deterministic=False) -> (Tensor, Tensor)``: out and the fp32
-log-sum-exp; ``kernelgen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor
-out, Tensor lse, Tensor? mask, bool causal, float? scale, str layout, SymInt[]? window, float?
-softcap, Tensor? alibi_slopes, Tensor? sinks, bool deterministic) -> (Tensor, Tensor, Tensor,
-Tensor)``: dq, dk, dv and dsinks (fp32; empty, shape (0,), without sinks).
+Tensor? sinks=None, bool deterministic=False, Tensor? q_descale=None, Tensor? k_descale=None,
+Tensor? v_descale=None) -> (Tensor, Tensor)``: out and the fp32 log-sum-exp (the descales,
+added last, leave positional callers of the older schema as they were);
+``kernelgen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor
+lse, Tensor? mask, bool causal, float? scale, str layout, SymInt[]? window, float? softcap,
+Tensor? alibi_slopes, Tensor? sinks, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)``:
+dq, dk, dv and dsinks (fp32; empty, shape (0,), without sinks).
 
-fp8 (float8_e4m3fn) inputs are not taken (the schema has no descales): the operator and its
-fake raise InputTypeError pointing to :func:`kernelgen.attention`, which runs them eagerly.
+fp8: with q, k and v ``torch.float8_e4m3fn`` (and optional float32 (B, Hkv) descales, the last
+three arguments) the operator runs the fp8 wgmma forward (:mod:`kernelgen.calls.fp8`,
+docs/hopper.md "fp8"): out is bfloat16 in q's layout, the lse float32. Its fake implementation
+runs the fp8 call's metadata checks, so a bad fp8 call fails when traced. fp8 has no backward:
+an fp8 input that requires grad while autograd records raises InputError from the operator's
+autograd context (which torch runs after the forward, or when it traces the call).
 """
 
 from __future__ import annotations
@@ -40,21 +46,42 @@ import torch
 from kernelgen.calls.attention import attention as _attention
 from kernelgen.calls.attention import check_flags
 from kernelgen.calls.backward import attention_backward as _attention_backward
-from kernelgen.errors import InputError, InputTypeError
+from kernelgen.calls.fp8 import check_fp8_call, fp8_attention, wants_fp8
+from kernelgen.errors import InputError
 
 __all__ = ["attention"]
 
 
-def _refuse_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The operator takes no fp8 (no descales in its schema): an InputTypeError naming the
-    input, also at trace time (the fake implementation calls it)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype.itemsize == 1:
-            raise InputTypeError(
-                f"{name} has dtype {x.dtype}; torch.ops.kernelgen.attention takes no fp8 inputs "
-                "(not built yet): call kernelgen.attention(q, k, v, q_descale=..., ...) outside "
-                "torch.compile"
-            )
+def _fp8_arguments(
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    seqlens_k: torch.Tensor | None,
+    num_splits: int | None,
+    window: list[int] | None,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    deterministic: bool,
+    descales: tuple[torch.Tensor | None, ...],
+) -> dict[str, Any]:
+    """The operator's arguments as those of :func:`kernelgen.calls.fp8.check_fp8_call` and
+    :func:`~kernelgen.calls.fp8.fp8_attention` (always with the lse)."""
+    unsupported = {
+        "mask": mask, "seqlens_k": seqlens_k, "num_splits": num_splits,
+        "window_size": None if window is None else tuple(window), "softcap": softcap,
+        "alibi_slopes": alibi_slopes, "sinks": sinks, "deterministic": deterministic or None,
+    }  # fmt: skip
+    return {
+        "causal": causal,
+        "scale": scale,
+        "spec": None,
+        "return_lse": True,
+        "layout": layout,
+        "descales": dict(zip(("q_descale", "k_descale", "v_descale"), descales, strict=True)),
+        "unsupported": unsupported,
+    }
 
 
 def _lse_shape(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
@@ -78,12 +105,20 @@ def _attention_op(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     deterministic: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out in q's layout and dtype, and the fp32 log-sum-exp (B, H, Sq): :func:`kernelgen.attention`
     with ``return_lse=True`` (an operator's outputs are fixed). Every argument after q, k, v has
     kernelgen.attention's default: ``torch.ops.kernelgen.attention(q, k, v, causal=True)``.
-    ``deterministic``: the backward's (the forward ignores it). No fp8 inputs."""
-    _refuse_fp8(q, k, v)
+    ``deterministic``: the backward's (the forward ignores it). fp8 q, k, v (or a descale given):
+    the fp8 forward, out in bfloat16 (:mod:`kernelgen.calls.fp8`)."""
+    descales = (q_descale, k_descale, v_descale)
+    if wants_fp8(q, k, v, *descales):
+        fp8 = _fp8_arguments(mask, causal, scale, layout, seqlens_k, num_splits, window,
+                             softcap, alibi_slopes, sinks, deterministic, descales)  # fmt: skip
+        return fp8_attention(q, k, v, **fp8)
     return _attention(
         q,
         k,
@@ -118,9 +153,18 @@ def _attention_fake(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     deterministic: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _refuse_fp8(q, k, v)
-    out = q.new_empty(q.shape)
+    descales = (q_descale, k_descale, v_descale)
+    out_dtype = q.dtype
+    if wants_fp8(q, k, v, *descales):  # the eager call's checks, on metadata; out in bfloat16
+        fp8 = _fp8_arguments(mask, causal, scale, layout, seqlens_k, num_splits, window,
+                             softcap, alibi_slopes, sinks, deterministic, descales)  # fmt: skip
+        check_fp8_call(q, k, v, **fp8)
+        out_dtype = torch.bfloat16
+    out = q.new_empty(q.shape, dtype=out_dtype)
     lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32)
     return out, lse
 
@@ -194,12 +238,15 @@ def _attention_backward_fake(
 
 
 _INPUTS = ("q", "k", "v", "mask", "causal", "scale", "layout", "seqlens_k", "num_splits",
-           "window", "softcap", "alibi_slopes", "sinks", "deterministic")  # fmt: skip
+           "window", "softcap", "alibi_slopes", "sinks", "deterministic", "q_descale",
+           "k_descale", "v_descale")  # fmt: skip
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    """Save what the backward reads; the lse carries no gradient."""
+    """Save what the backward reads; the lse carries no gradient. Runs only when autograd
+    records the call, so an fp8 call raises here: fp8 has no backward."""
     args = dict(zip(_INPUTS, inputs, strict=True))
+    _refuse_fp8_grad(args)
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(
@@ -211,6 +258,20 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
         for name in ("causal", "scale", "layout", "window", "softcap", "deterministic")
     }
     ctx.with_seqlens_k = args["seqlens_k"] is not None
+
+
+def _refuse_fp8_grad(args: dict[str, Any]) -> None:
+    """InputError for an fp8 call whose input requires grad (called from the autograd context,
+    which torch runs, with grad mode off, only when autograd records the call)."""
+    names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
+    if not wants_fp8(*(args[name] for name in names)):
+        return
+    for name in names:
+        if getattr(args[name], "requires_grad", False):
+            raise InputError(
+                f"{name} requires grad, but fp8 attention has no backward pass (not built yet); "
+                f"pass {name}.detach() or call it under torch.no_grad()"
+            )
 
 
 def _backward(
@@ -262,15 +323,20 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     deterministic: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`kernelgen.attention` on torch tensors through ``torch.ops.kernelgen.attention``
     (same arguments, but no ``spec``, and ``seqlens_k`` a tensor); traceable by torch.compile,
     and differentiable (a compiled backward included). The variants (docs/variants.md) as in
-    ``kernelgen.attention``."""
+    ``kernelgen.attention``. fp8: ``torch.float8_e4m3fn`` q, k, v with optional float32 (B, Hkv)
+    descales, forward only (out bfloat16; docs/hopper.md, fp8)."""
     check_flags(deterministic=deterministic)
     window = None if window_size is None else [int(side) for side in window_size]
     out, lse = torch.ops.kernelgen.attention(
         q, k, v, mask, bool(causal), scale, layout, seqlens_k, num_splits,
-        window, softcap, alibi_slopes, sinks, bool(deterministic),
+        window, softcap, alibi_slopes, sinks, bool(deterministic), q_descale, k_descale,
+        v_descale,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -145,6 +145,7 @@ def test_repetitions():
 def test_tolerances():
     assert metrics.tolerance("bfloat16") == 2e-2
     assert metrics.tolerance("float16") == 5e-3
+    assert metrics.tolerance("float8_e4m3") == 2.0**-4  # the fp8 tests' relative-error bound
 
 
 # ---- candidates ----
@@ -423,3 +424,39 @@ def test_wgmma_peer_and_its_candidates():
     assert sum(s.epilogue == "tma" for s in specs) == 4  # one per tiling, the plain loop
     assert sum(s.cluster_m == 2 for s in specs) == 2  # the 128-row plain loops (and overlaps)
     assert all(s.block_m == 128 for s in specs if s.pingpong)
+
+
+def test_fp8_peer_and_its_candidates():
+    """The fp8 peer times each loop of the fp8 kernel on a bf16 d128 shape: valid fp8 specs for
+    archs [sm_90a], one per loop, labelled apart from the bf16 ones; its implementation checks
+    with the fp8 tolerance and calls kernelgen.attention on the quantized copy of the set it
+    is given."""
+    import contextlib
+    import types
+
+    from bench import gpu
+    from bench.candidates import FP8_PEER, PEERS_BY_NAME, candidate_label, fp8_candidates
+    from kernelgen.specs.forward import spec_from_dict
+
+    assert PEERS_BY_NAME[FP8_PEER].family == "kernelgen"
+    identity = {"dtype": "bfloat16", "head_dim": 128, "causal": True, "archs": ["sm_80"]}
+    specs = [spec_from_dict({**identity, **fields}) for fields in fp8_candidates()]
+    assert all(s.fp8 and s.causal and s.archs == ("sm_90a",) for s in specs)
+    loops = {(s.q_in_registers, s.overlap, s.pingpong, s.stages) for s in specs}
+    assert loops == {(False, False, False, 2), (True, False, False, 2), (False, False, True, 2),
+                     (False, True, False, 3), (True, True, False, 3)}  # fmt: skip
+    assert [candidate_label(f) for f in fp8_candidates()[:2]] == [
+        "fp8-m128n128s2", "fp8-m128n128s2-qr"
+    ]  # fmt: skip
+    calls = []
+    env = types.SimpleNamespace(
+        kernelgen=types.SimpleNamespace(attention=lambda *a, **kw: calls.append((a, kw)) or "out"),
+        stream=contextlib.nullcontext,
+        kg_module=None,
+    )
+    q, k, v = object(), object(), object()
+    quantized = {id(q): ("q8", "k8", "v8")}
+    impl = gpu.kernelgen_fp8_impl(env, FP8_PEER, specs[0], True, quantized)
+    assert impl.tolerance == 2.0**-4 and impl.spec_uri == specs[0].uri
+    assert impl.call(q, k, v) == "out"
+    assert calls == [(("q8", "k8", "v8"), {"causal": True, "spec": specs[0]})]

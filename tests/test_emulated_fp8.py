@@ -112,8 +112,11 @@ FP8_SPEC_PATHS = [p for p in WGMMA_SPEC_PATHS if load_spec(p).fp8]
 SHAPES = [(2, 4, 2, 70, 150), (1, 3, 1, 131, 200)]
 
 
-def test_fp8_spec_files_are_plain_and_causal():
-    assert sorted(load_spec(p).causal for p in FP8_SPEC_PATHS) == [False, True]
+def test_fp8_spec_files_cover_the_loops():
+    """The plain loop causal and not, Q in registers, the overlap with and without it."""
+    loops = {(s.causal, s.overlap, s.q_in_registers) for s in map(load_spec, FP8_SPEC_PATHS)}
+    assert loops == {(False, False, False), (True, False, False), (False, False, True),
+                     (False, True, False), (False, True, True)}  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
@@ -208,8 +211,8 @@ def test_decode_e4m3_matches_ml_dtypes():
         ),
         ({"block_n": 64}, "block_n=64 is not allowed with dtype='float8_e4m3'; use 128"),
         ({"head_dim": 64}, "head_dim=64 is not allowed with dtype='float8_e4m3'; use 128"),
-        ({"overlap": True, "stages": 3}, "overlap=True is not allowed with dtype='float8_e4m3'"),
-        ({"q_in_registers": True}, "q_in_registers=True is not allowed with dtype='float8_e4m3'"),
+        ({"split_kv": True}, "split_kv=True is not allowed with dtype='float8_e4m3'"),
+        ({"paged_kv": True}, "paged_kv=True is not allowed with dtype='float8_e4m3'"),
     ],
 )
 def test_fp8_spec_errors_name_field_value_and_allowed(fields, message):
@@ -255,3 +258,16 @@ def test_fp8_kernel_runs_under_the_race_check():
     q, k, v, descales = problem(5, 1, 1, 1, 16, 130)
     with pytest.raises(HazardError):
         emulate_fp8_attention(spec, q, k, v, source=source.replace(wait, ""), **descales)
+
+
+def test_fp8_fragments_take_half_the_registers():
+    """Q's A fragments and the overlap's P buffer hold 8-bit values (head_dim / 8 and
+    block_n / 8 registers per thread), so fp8 takes Q in registers with the overlap at d128 and
+    128-key tiles (160 of 160), which 16-bit operands exceed (192: docs/hopper.md)."""
+    assert fp8_spec().accumulators_per_thread == 128
+    assert fp8_spec(q_in_registers=True).accumulators_per_thread == 144
+    both = fp8_spec(overlap=True, q_in_registers=True, stages=3)
+    assert both.accumulators_per_thread == 160
+    with pytest.raises(SpecError, match="need 192 fp32 accumulators per thread; at most 160"):
+        spec_from_dict({**FP8_SPEC, "dtype": "bfloat16", "overlap": True, "q_in_registers": True,
+                        "stages": 3})  # fmt: skip

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_emulated_fp8 import FP8_SPEC_PATHS, SHAPES, bound_ratio, problem, reference
+from test_emulated_fp8 import FP8_SPEC_PATHS, SHAPES, bound_ratio, fp8_spec, problem, reference
+from test_emulated_fp8_loops import LOOPS
 from test_gpu_attention import require_compute_capability_9_0
 
 import kernelgen
@@ -28,15 +29,13 @@ from kernelgen.specs.forward import load_spec
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
-@pytest.mark.parametrize("path", FP8_SPEC_PATHS, ids=lambda p: p.stem)
-def test_fp8_wgmma_spec_on_gpu(path, shape):
-    require_compute_capability_9_0()
+def run_on_gpu(spec, shape, seed):
+    """The spec's kernel through its RuntimeKernel on an fp8 problem with descales (out and lse
+    start as NaN), checked against the bound and the lse's."""
     import cupy
 
-    spec = load_spec(path)
-    batch, heads, _, seqlen_q, seqlen_k = shape
-    q, k, v, descales = problem(len(path.stem) + seqlen_k, *shape)
+    batch, heads, _, seqlen_q, _ = shape
+    q, k, v, descales = problem(seed, *shape)
     scale = 128**-0.5
     v_t = v_operand(v)
     tensors = {
@@ -56,6 +55,21 @@ def test_fp8_wgmma_spec_on_gpu(path, shape):
     assert bound_ratio(out, ref, a, b) <= 1.0
     lse_error = np.abs(tensors["lse"].get() - lse_ref)  # NaN (never written) fails the test
     assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
+@pytest.mark.parametrize("path", FP8_SPEC_PATHS, ids=lambda p: p.stem)
+def test_fp8_wgmma_spec_on_gpu(path, shape):
+    require_compute_capability_9_0()
+    run_on_gpu(load_spec(path), shape, seed=len(path.stem) + shape[4])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_fp8_loops_causal_on_gpu(loop):
+    """Each loop of tests/test_emulated_fp8_loops.py (Q in registers, the overlap with and
+    without it, ping-pong), causal with GQA, as the emulated test runs it."""
+    require_compute_capability_9_0()
+    run_on_gpu(fp8_spec(causal=True, **LOOPS[loop]), SHAPES[0], seed=7 + SHAPES[0][4])
 
 
 SCORE_ACCUMULATION = 2.0**-9  # relative to a score's products' absolute sum (see the top)
@@ -107,6 +121,35 @@ def test_fp8_through_kernelgen_attention_on_gpu(shape, with_descales, causal, la
     if layout == "bshd":
         got = got.transpose(0, 2, 1, 3)
     ref, lse_ref, a, b = reference(q, k, v, descales, causal, scale)
+    assert np.isfinite(got).all()
+    assert bound_ratio(got, ref, a, b) <= 1.0
+    lse_error = np.abs(lse.cpu().numpy() - lse_ref)
+    assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
+
+
+def test_fp8_through_the_compiled_torch_op_on_gpu():
+    """torch.ops.kernelgen.attention on CUDA float8_e4m3fn tensors inside
+    torch.compile(fullgraph=True): the bound, as through kernelgen.attention."""
+    require_compute_capability_9_0()
+    torch = pytest.importorskip("torch")
+    kt = pytest.importorskip("kernelgen.torch_ops")
+    shape = SHAPES[0]
+    q, k, v, descales = problem(17, *shape)
+    scale = 128**-0.5
+    inputs = [torch.from_numpy(x).cuda().view(torch.float8_e4m3fn) for x in (q, k, v)]
+    scales = {name: torch.from_numpy(x).cuda() for name, x in descales.items()}
+
+    def fn(q, k, v, q_descale, k_descale, v_descale):
+        out, lse = kt.attention(
+            q, k, v, causal=True, return_lse=True, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale,
+        )  # fmt: skip
+        return out.float(), lse
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out, lse = compiled(*inputs, **scales)
+    got = out.cpu().numpy().astype(np.float64)
+    ref, lse_ref, a, b = reference(q, k, v, descales, True, scale)
     assert np.isfinite(got).all()
     assert bound_ratio(got, ref, a, b) <= 1.0
     lse_error = np.abs(lse.cpu().numpy() - lse_ref)

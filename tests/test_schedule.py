@@ -23,6 +23,7 @@ from kernelgen.kernels.schedule import (
     schedule_problem,
     serialization_problem,
 )
+from kernelgen.specs.engines import SASS_BY_DTYPE
 from kernelgen.specs.forward import KernelSpec, load_spec
 
 
@@ -55,6 +56,18 @@ def test_exponentials_after_the_second_wait_fail_the_check():
     problem = overlap_problem(sass)
     assert problem is not None and "1 of 2 pipelined windows" in problem
     assert "0 of 34 MUFU.EX2" in problem and "0x2000" in problem
+
+
+def test_fp8_products_are_qgmma():
+    """fp8 operands' products are QGMMA in SASS: the windows of an fp8 loop are found when the
+    check is told so (as schedule_problem does for an fp8 spec), and not under HGMMA's name."""
+    sass = [
+        ins(i.address, i.opcode.replace("HGMMA", "QGMMA").replace("BF16", "E4M3"), i.operands)
+        for i in batch(0x1000, 66, 0)
+    ]
+    assert [(w.inside, w.total) for w in overlap_windows(sass, "QGMMA")] == [(66, 66)]
+    assert overlap_problem(sass, "QGMMA") is None
+    assert overlap_windows(sass) == []
 
 
 def test_a_loop_with_one_group_in_flight_has_no_window():
@@ -103,21 +116,27 @@ def test_the_overlap_kernels_run_the_softmax_under_the_p_v_product(path):
     between wait_group 1 and wait_group 0 (the wait for P V opens the next step)."""
     spec = load_spec(path)
     sass, log = sass_of(spec, render(spec))
-    windows = overlap_windows(sass_instructions(function_sass(sass, spec.uri)))
+    windows = overlap_windows(sass_instructions(function_sass(sass, spec.uri)), product_of(spec))
     assert windows, "the overlapped loop has pipelined windows in SASS"
     assert all(w.inside == w.total > 0 for w in windows), windows
     assert schedule_problem(spec, sass, log) is None
 
 
+def product_of(spec: KernelSpec) -> str:
+    """The SASS opcode of a wgmma spec's products: HGMMA, or QGMMA for fp8 operands."""
+    return SASS_BY_DTYPE.get(spec.dtype, {}).get("HGMMA", "HGMMA")
+
+
 @pytest.mark.compile
-def test_the_check_fails_on_the_old_order_of_the_waits():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
+def test_the_check_fails_on_the_old_order_of_the_waits(dtype):
     """The same kernel with the wait for P V closing the step (the loop as it shipped before):
-    ptxas moves that wait above the softmax and the check says so."""
-    spec = next(s for s in map(load_spec, OVERLAP_SPECS) if s.head_dim == 128)
+    ptxas moves that wait above the softmax and the check says so (16-bit and fp8 products)."""
+    spec = next(s for s in map(load_spec, OVERLAP_SPECS) if s.head_dim == 128 and s.dtype == dtype)
     source = render(spec)
     assert source.count(WAIT_AT_THE_END[0]) == 1
     sass, log = sass_of(spec, source.replace(*WAIT_AT_THE_END))
-    windows = overlap_windows(sass_instructions(function_sass(sass, spec.uri)))
+    windows = overlap_windows(sass_instructions(function_sass(sass, spec.uri)), product_of(spec))
     assert windows and all(w.inside == 0 and w.total > 0 for w in windows), windows
     problem = schedule_problem(spec, sass, log)
     assert problem is not None and "does not overlap the P V product" in problem

@@ -148,22 +148,3 @@ def test_the_operator_has_no_backward_with_seqlens_k():
     out = kt.attention(q, k, v, seqlens_k=torch.tensor([15], dtype=torch.int32))
     with pytest.raises(kernelgen.InputError, match="seqlens_k has no backward"):
         out.sum().backward()
-
-
-def test_the_operator_refuses_fp8_eagerly_and_when_traced():
-    """No fp8 through the operator (no descales in its schema): the eager call, the wrapper and
-    the fake implementation (FakeTensorMode: what torch.compile runs) name the input and point to
-    kernelgen.attention (docs/hopper.md, fp8)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from kernelgen.errors import InputTypeError
-
-    q, k, v = (torch.zeros(1, 2, 8, 128).to(torch.float8_e4m3fn) for _ in range(3))
-    message = "q has dtype torch.float8_e4m3fn; torch.ops.kernelgen.attention takes no fp8"
-    with pytest.raises(InputTypeError, match=message):
-        kt.attention(q, k, v)
-    with pytest.raises(InputTypeError, match=message):
-        torch.ops.kernelgen.attention(q, k, v)
-    with FakeTensorMode() as mode, pytest.raises(InputTypeError, match=message):
-        fakes = [mode.from_tensor(x) for x in (q, k, v)]
-        torch.ops.kernelgen.attention(*fakes)

@@ -13,7 +13,7 @@ v's own library on v's device (one extra read and write of v). out is bfloat16, 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from kernelgen.calls import attention as api
 from kernelgen.calls.attention import (
     CallPlan,
+    CheckedCall,
     TensorInfo,
     check_flags,
     check_inputs,
@@ -36,7 +37,7 @@ from kernelgen.runtime.host import emulated_kernel
 from kernelgen.runtime.launch import check_fits_device
 from kernelgen.specs.forward import FP8_DTYPE, KernelSpec
 
-__all__ = ["FP8_LIBRARY_DTYPE", "fp8_attention"]
+__all__ = ["FP8_LIBRARY_DTYPE", "Fp8Call", "check_fp8_call", "fp8_attention"]
 
 FP8_LIBRARY_DTYPE = "float8_e4m3fn"  # torch's and ml_dtypes' name of OCP e4m3 (no infinities)
 FP8_CAPABILITY = 90  # the wgmma kernel's devices (sm_90a: H100, H200)
@@ -80,7 +81,17 @@ def _one_byte(array: Any) -> bool:
     return getattr(getattr(array, "dtype", None), "itemsize", 0) == 1
 
 
-def fp8_attention(
+@dataclass(frozen=True)
+class Fp8Call:
+    """An fp8 call's checked metadata: the arguments as TensorInfo, its spec, its descales as
+    float32 (B, Hkv) arrays of q's library."""
+
+    call: CheckedCall
+    spec: KernelSpec
+    descales: dict[str, Any]
+
+
+def check_fp8_call(
     q: Any,
     k: Any,
     v: Any,
@@ -92,10 +103,10 @@ def fp8_attention(
     layout: str,
     descales: dict[str, Any],
     unsupported: dict[str, Any],
-) -> Any:
-    """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
-    arguments by name, each of which must be absent). The checks run before v is copied or
-    anything is launched (descales of another dtype or layout are converted first)."""
+) -> Fp8Call:
+    """Every check of an fp8 call, on metadata only (nothing is copied or launched; the torch
+    operator's fake implementation runs them at trace time). ``unsupported``: the call's other
+    arguments by name, each of which must be absent."""
     check_flags(causal=causal, return_lse=return_lse)
     for name, value in unsupported.items():
         if value is not None and not (name == "num_splits" and value == 1):
@@ -112,10 +123,36 @@ def fp8_attention(
         *infos, None, layout=layout, scale=scale, spec=spec, causal=bool(causal),
         dtypes=(FP8_DTYPE,),
     )  # fmt: skip
-    batch, heads, seqlen_q, head_dim = call.q.shape
+    batch, _, _, head_dim = call.q.shape
     if spec is None:
         spec = fp8_default_spec(head_dim, causal)
-    checked = check_descales(descales, batch, call.k.shape[1], fp8=True)
+    return Fp8Call(call, spec, check_descales(descales, batch, call.k.shape[1], fp8=True))
+
+
+def fp8_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool,
+    scale: float | None,
+    spec: KernelSpec | None,
+    return_lse: bool,
+    layout: str,
+    descales: dict[str, Any],
+    unsupported: dict[str, Any],
+) -> Any:
+    """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
+    arguments by name, each of which must be absent). The checks (:func:`check_fp8_call`) run
+    before v is copied or anything is launched (descales of another dtype or layout are
+    converted first)."""
+    checked_call = check_fp8_call(
+        q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse, layout=layout,
+        descales=descales, unsupported=unsupported,
+    )  # fmt: skip
+    call, spec, checked = checked_call.call, checked_call.spec, checked_call.descales
+    batch, heads, seqlen_q, _ = call.q.shape
+    named = {"q": q, "k": k, "v": v}
     arrays = arrays_of(q)
     device = common_device({**named, **checked})
     with arrays.scope(device):

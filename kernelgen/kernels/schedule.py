@@ -6,10 +6,10 @@ t's softmax, then waits for the rest (``wait_group 0``). The point is that the s
 exponentials run while the P V product is still on the tensor cores. ptxas may move the second
 wait up (it did: see docs/hopper.md), which leaves the PTX looking pipelined while nothing
 overlaps. In SASS the two waits are ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and ``..., 0x0`` after a
-``WARPGROUP.ARRIVE`` and the batch of ``HGMMA`` that ends two groups; the softmax's
-exponentials are ``MUFU.EX2``. The check counts the exponentials issued between the two waits
-of every such window. It also reports, for every wgmma spec, when ptxas serialized the products
-altogether (its log says so; the SASS then waits after every HGMMA).
+``WARPGROUP.ARRIVE`` and the batch of ``HGMMA`` (``QGMMA`` for fp8 operands) that ends two
+groups; the softmax's exponentials are ``MUFU.EX2``. The check counts the exponentials issued
+between the two waits of every such window. It also reports, for every wgmma spec, when ptxas
+serialized the products altogether (its log says so; the SASS then waits after every HGMMA).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kernelgen.kernels.compile import SassInstruction, function_sass, sass_instructions
+from kernelgen.specs.engines import SASS_BY_DTYPE
 from kernelgen.specs.forward import KernelSpec
 
 WAIT_OLDER, WAIT_ALL = "0x1", "0x0"  # wgmma.wait_group's count in DEPBAR.LE's operand
@@ -51,14 +52,17 @@ def _wait_count(instruction: SassInstruction) -> str | None:
     return instruction.operands.split(",")[-1].strip()
 
 
-def overlap_windows(instructions: Sequence[SassInstruction]) -> list[OverlapWindow]:
-    """Every batch whose products end two groups and that waits for the older one first."""
+def overlap_windows(
+    instructions: Sequence[SassInstruction], product: str = "HGMMA"
+) -> list[OverlapWindow]:
+    """Every batch whose products (``product``: their SASS opcode) end two groups and that
+    waits for the older one first."""
     arrives = [i for i, ins in enumerate(instructions) if _is(ins, "WARPGROUP.ARRIVE")]
     windows = []
     for n, start in enumerate(arrives):
         end = arrives[n + 1] if n + 1 < len(arrives) else len(instructions)
         batch = instructions[start:end]
-        groups = sum(1 for ins in batch if _is(ins, "HGMMA") and "gsb0" in ins.operands)
+        groups = sum(1 for ins in batch if _is(ins, product) and "gsb0" in ins.operands)
         older = next((i for i, ins in enumerate(batch) if _wait_count(ins) == WAIT_OLDER), None)
         if groups < 2 or older is None:
             continue
@@ -78,10 +82,10 @@ def overlap_windows(instructions: Sequence[SassInstruction]) -> list[OverlapWind
     return windows
 
 
-def overlap_problem(instructions: Sequence[SassInstruction]) -> str | None:
+def overlap_problem(instructions: Sequence[SassInstruction], product: str = "HGMMA") -> str | None:
     """None when every pipelined window issues most of its exponentials between its two waits;
-    otherwise what is wrong, in one line."""
-    windows = overlap_windows(instructions)
+    otherwise what is wrong, in one line. ``product``: the wgmma products' SASS opcode."""
+    windows = overlap_windows(instructions, product)
     if not windows:
         return "no pipelined wgmma window (two groups in flight, wait_group 1 then 0) in the SASS"
     serial = [w for w in windows if not w.overlapped]
@@ -121,4 +125,5 @@ def schedule_problem(spec: KernelSpec, sass: str, log: str = "") -> str | None:
         return serialized
     if not spec.overlap:
         return None
-    return overlap_problem(sass_instructions(function_sass(sass, spec.uri)))
+    product = SASS_BY_DTYPE.get(spec.dtype, {}).get("HGMMA", "HGMMA")  # QGMMA for fp8
+    return overlap_problem(sass_instructions(function_sass(sass, spec.uri)), product)

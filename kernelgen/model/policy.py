@@ -139,8 +139,8 @@ def default_spec(
     ``additive_mask``: the call has a mask (a kernel that reads one; its tiles from
     :data:`MASKED_WIDE_TILES`). ``expressions``: the caller adds user expressions to the spec
     (their kernels take :data:`RICH_WIDE_TILES`, as do those with ``variants``).
-    ``dtype="float8_e4m3"``: :func:`fp8_default_spec`, the one fp8 kernel (it has none of the
-    options above; asking for one raises InputError).
+    ``dtype="float8_e4m3"``: :func:`fp8_default_spec`, the plain-loop fp8 kernel (it has none of
+    the options above; asking for one raises InputError).
     """
     if dtype == FP8_DTYPE:
         options = {"decode_rows": decode_rows, "split_kv": split_kv, "paged_kv": paged_kv,
@@ -249,9 +249,10 @@ def hopper_default_spec(
 
 
 def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
-    """The spec of every fp8 (e4m3) call without one: the wgmma forward of
-    specs/v2_wg_e4m3_d128_m128_n128_s2.yaml (and its causal twin), the only fp8 kernel built, so
-    fp8 calls are never tuned (docs/hopper.md, fp8). Raises InputError for a head dim other than
+    """The spec of every fp8 (e4m3) call without one: the plain-loop wgmma forward of
+    specs/v2_wg_e4m3_d128_m128_n128_s2.yaml (and its causal twin). fp8 calls are never tuned;
+    the other loops (Q in registers, overlap, ping-pong) are taken by naming their spec until a
+    GPU has timed them (docs/hopper.md, fp8). Raises InputError for a head dim other than
     :data:`~kernelgen.specs.forward.FP8_HEAD_DIMS`."""
     if head_dim not in FP8_HEAD_DIMS:
         raise InputError(

@@ -758,7 +758,7 @@ class KernelSpec(BaseModel):
                     f"{' or '.join(map(str, allowed))}"
                 )
         flags = (
-            "overlap", "pingpong", "q_in_registers", "pack_gqa", "split_kv", "paged_kv",
+            "pack_gqa", "split_kv", "paged_kv",
             *VARIANT_FLAGS,
         )  # fmt: skip
         for field in (*flags, *EXPRESSION_FIELDS):
@@ -766,7 +766,7 @@ class KernelSpec(BaseModel):
             if value not in (False, None):
                 problems.append(
                     f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} (not built "
-                    "yet: fp8 runs the plain prefill loop, Q from shared memory, causal or not)"
+                    "yet: fp8 runs the prefill loops, causal or not; no decode forms or variants)"
                 )
         return problems
 
@@ -863,10 +863,11 @@ class KernelSpec(BaseModel):
     @property
     def accumulators_per_thread(self) -> int:
         if self.engine.tensor_cores:  # a warp's rows of scores and output, 32 lanes
-            # the overlap keeps a tile's fp32 weights beside the 16-bit ones P V reads
-            overlapped = self.block_n // 4 if self.overlap else 0
-            # Q's A fragments: 16 rows x head dim, 16-bit, over 32 lanes (32-bit registers)
-            q_fragments = self.head_dim_padded // 4 if self.q_in_registers else 0
+            # A fragments of 16 rows x n input-type elements (P, Q) over 32 lanes' 4-byte
+            # registers: n * elem_bytes / 8 per lane (n / 4 at 16 bits, n / 8 for fp8).
+            # The overlap keeps a tile's fp32 weights beside the rounded ones P V reads.
+            overlapped = self.block_n * self.elem_bytes // 8 if self.overlap else 0
+            q_fragments = self.head_dim_padded * self.elem_bytes // 8 if self.q_in_registers else 0
             return (
                 self.rows_per_warp * (self.block_n + self.head_dim_padded) // 32
                 + overlapped
