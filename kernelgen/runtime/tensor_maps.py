@@ -8,7 +8,8 @@ driver's rules hold (16-byte aligned base, strides multiples of 16 bytes). The b
 64-column (128-byte) block of block_m query rows or block_n key rows, 128-byte swizzled; rows
 past the sequence and columns past the head dim read as zeros. Packed GQA (q) and a paged
 cache (k, v) change the maps' shapes, not the kernels' copies: :func:`tensor_map_layouts`.
-With ``epilogue: tma`` the kernel also writes out through a map (``out_map``, 64-row boxes).
+With ``epilogue: tma`` the kernel also writes out through a map (``out_map``, 64-row boxes;
+5-d like q's with packed GQA).
 
 Everything but the data pointer follows from the spec and the call shape, so a call plan
 computes its :class:`TensorMapLayout` once; encoding is per pointer (on a GPU the driver's
@@ -104,8 +105,9 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
     :class:`InputError` naming the tensor when a stride breaks TMA's 16-byte rule, or the value
     when the call does not fit the spec's boxes (:func:`check_wgmma_decode`).
 
-    Packed GQA: q is 5-d, (head dim, head in the group, query, K/V head, batch), and its box
-    (64, group, block_m / group, 1, 1) lands rows in the packed order query * group + head.
+    Packed GQA: q (and out) are 5-d, (head dim, head in the group, query, K/V head, batch), and
+    the box (64, group, rows / group, 1, 1) lands rows in the packed order query * group + head;
+    out's 64-row box takes (64, 64, 1, 1, 1) when the group is 128 (half of one query's heads).
     Paged KV: k and v span the pool, (head dim, row in page, K/V head, page)."""
     check_wgmma_decode(spec, problem)
     elem = DTYPE_BYTES[spec.dtype]
@@ -128,11 +130,11 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
         box: tuple[int, ...] = (spec.row_elems, rows, 1, 1)
-        if tensor == "q" and spec.pack_gqa:
+        if tensor in ("q", "out") and spec.pack_gqa:
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
-            box = (spec.row_elems, group, rows // group, 1, 1)
+            box = (spec.row_elems, min(group, rows), max(rows // group, 1), 1, 1)
         if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
             dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
             box = (spec.block_n, spec.head_dim, 1, 1)

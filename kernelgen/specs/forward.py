@@ -352,7 +352,7 @@ class KernelSpec(BaseModel):
         description="wgmma only: how out is written. direct: 4-byte stores from the "
         "accumulators; tma: each consumer warpgroup converts its 64 rows to 16 bits, writes them "
         "into its rows of the Q tile with stmatrix (128-byte swizzled) and one thread copies "
-        "them out with a TMA store (float16/bfloat16, not split_kv or pack_gqa).",
+        "them out with a TMA store (float16/bfloat16, not split_kv; pack_gqa: a 5-d out map).",
     )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
@@ -547,10 +547,6 @@ class KernelSpec(BaseModel):
             ),
             "dtype": (self.fp8, "fp8 keeps the direct epilogue (not built yet)"),
             "split_kv": (self.split_kv, "split-KV writes fp32 partials, not out"),
-            "pack_gqa": (
-                self.pack_gqa,
-                "a packed tile's rows span several heads of out (not built yet)",
-            ),
         }
         return [
             f"epilogue={self.epilogue!r} is not allowed with {field}={_echo(getattr(self, field))}"
