@@ -26,7 +26,12 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import InputError, ToolchainMissingError
-from kernelgen.specs.forward import DTYPE_BYTES, WGMMA_ROWS_PER_WARPGROUP, KernelSpec
+from kernelgen.specs.forward import (
+    DTYPE_BYTES,
+    WGMMA_ROW_BYTES,
+    WGMMA_ROWS_PER_WARPGROUP,
+    KernelSpec,
+)
 
 TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
 SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
@@ -110,7 +115,6 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
     out's 64-row box takes (64, 64, 1, 1, 1) when the group is 128 (half of one query's heads).
     Paged KV: k and v span the pool, (head dim, row in page, K/V head, page)."""
     check_wgmma_decode(spec, problem)
-    elem = DTYPE_BYTES[spec.dtype]
     seqlen_k, kv_batch = problem.seqlen_k, problem.batch
     if spec.paged_kv:  # the (b, h, s) strides are (page, head, row)
         seqlen_k, kv_batch = problem.page_size, problem.num_pages
@@ -126,21 +130,23 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         shapes[tensor] = (problem.seqlen_q, problem.num_heads, problem.batch, problem.out_strides)
     layouts = {}
     for param, (tensor, rows) in maps.items():
+        data_type = spec.out_dtype if tensor == "out" else spec.dtype  # fp8: out is bf16
+        elem = DTYPE_BYTES[data_type]
         seq, heads, batch, (stride_b, stride_h, stride_s) = shapes[tensor]
         strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
-        box: tuple[int, ...] = (spec.row_elems, rows, 1, 1)
+        box: tuple[int, ...] = (WGMMA_ROW_BYTES // elem, rows, 1, 1)  # one 128-byte column block
         if tensor in ("q", "out") and spec.pack_gqa:
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
-            box = (spec.row_elems, min(group, rows), max(rows // group, 1), 1, 1)
+            box = (box[0], min(group, rows), max(rows // group, 1), 1, 1)
         if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
             dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
             box = (spec.block_n, spec.head_dim, 1, 1)
         layouts[param] = TensorMapLayout(
             tensor=tensor,
-            data_type=TMA_DATA_TYPE[spec.out_dtype if tensor == "out" else spec.dtype],
+            data_type=TMA_DATA_TYPE[data_type],
             dims=dims,
             strides_bytes=strides,
             box=box,
