@@ -572,9 +572,9 @@ def test_dumps_without_defaults_leave_out_what_is_off():
 
 
 def test_the_tma_epilogue_is_named_and_refused_where_not_built():
-    """epilogue: tma (wgmma, not split_kv) adds the tag _tma after the loop's; the default
-    (direct) is left out of dumps, so existing identities stay. Packed GQA and fp8 take it (the
-    name keeps the tags' order: ..._tma_gqa)."""
+    """epilogue: tma (wgmma) adds the tag _tma after the loop's; the default (direct) is left
+    out of dumps, so existing identities stay. Packed GQA, fp8 and split-KV take it (the name
+    keeps the tags' order: ..._tma_gqa, ..._tma_split)."""
     spec = spec_from_dict({**WG, "epilogue": "tma", "q_in_registers": True, "block_n": 64})
     assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_qr_tma"
     assert '"epilogue":"tma"' in spec.canonical_json()
@@ -586,9 +586,13 @@ def test_the_tma_epilogue_is_named_and_refused_where_not_built():
     assert packed.uri == "fa_fwd_v2_wg_bf16_d128_m64_n128_w8_s2_tma_gqa"
     fp8 = spec_from_dict({**WG, "dtype": "float8_e4m3", "epilogue": "tma"})
     assert fp8.uri == "fa_fwd_v2_wg_e4m3_d128_m128_n128_w12_s2_tma"
+    split = spec_from_dict({**WG, "split_kv": True, "epilogue": "tma"})
+    assert split.uri == "fa_fwd_v2_wg_bf16_d128_m128_n128_w12_s2_tma_split"
+    # fp32 partials at head dim 256: 8 column blocks of staging, 4 past the Q tile's (64 KiB)
+    with pytest.raises(SpecError, match="shared memory 263232 bytes exceeds"):
+        spec_from_dict({**WG, "head_dim": 256, "block_n": 64, "split_kv": True, "epilogue": "tma"})
     refused = {
         "mma='mma_sync'": {**TC, "head_dim": 64, "block_m": 64, "block_n": 64},
-        "split_kv=True": {**WG, "split_kv": True},
     }
     for field, fields in refused.items():
         with pytest.raises(SpecError) as info:

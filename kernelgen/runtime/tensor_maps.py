@@ -37,7 +37,12 @@ TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
 SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
 L2_PROMOTION = "256B"  # K and V rows are read by every row tile of a head: promote whole lines
 # A spec's dtype -> the tensor map's data type (fp8 travels as bytes: TMA does not convert).
-TMA_DATA_TYPE = {"float16": "float16", "bfloat16": "bfloat16", "float8_e4m3": "uint8"}
+TMA_DATA_TYPE = {
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float8_e4m3": "uint8",
+    "float32": "float32",  # split-KV's partials (the TMA-store epilogue)
+}
 # fp8's V operand is V^T (batch, kv head, head dim, keys rounded up to FP8_KEY_GROUP), its keys
 # permuted within each group (kernelgen.runtime.fp8.v_operand); its box is head-dim rows of block_n
 # keys.
@@ -48,6 +53,9 @@ MAP_TENSORS = {"q_map": ("q", "block_m"), "k_map": ("k", "block_n"), "v_map": ("
 # column block (each consumer stores its own rows). Its sequence extent is the call's seqlen_q,
 # so a TMA store clips the rows of a last tile past the queries.
 OUT_MAP = ("out_map", "out", WGMMA_ROWS_PER_WARPGROUP)
+# With split-KV, out_map maps the fp32 partial outputs (the launch's scratch buffer of this name)
+# as (head dim, query, head, split * batch + b): a chunk's partials start batch entries on.
+PARTIAL_TENSOR = "o_partial"
 
 
 @dataclass(frozen=True)
@@ -126,17 +134,26 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
     maps = {param: (tensor, getattr(spec, field)) for param, (tensor, field) in MAP_TENSORS.items()}
     if spec.epilogue == "tma":
         param, tensor, rows = OUT_MAP
+        if spec.split_kv:  # the fp32 partials (split, B, H, Sq, D): (split, B) is one dimension
+            tensor = PARTIAL_TENSOR
+            sq, d = problem.seqlen_q, spec.head_dim
+            strides_elems = (problem.num_heads * sq * d, sq * d, d)
+            outer = problem.num_splits * problem.batch
+            shapes[tensor] = (sq, problem.num_heads, outer, strides_elems)
+        else:
+            shapes[tensor] = (
+                problem.seqlen_q, problem.num_heads, problem.batch, problem.out_strides
+            )  # fmt: skip
         maps[param] = (tensor, rows)
-        shapes[tensor] = (problem.seqlen_q, problem.num_heads, problem.batch, problem.out_strides)
     layouts = {}
     for param, (tensor, rows) in maps.items():
-        data_type = spec.out_dtype if tensor == "out" else spec.dtype  # fp8: out is bf16
+        data_type = {"out": spec.out_dtype, PARTIAL_TENSOR: "float32"}.get(tensor, spec.dtype)
         elem = DTYPE_BYTES[data_type]
         seq, heads, batch, (stride_b, stride_h, stride_s) = shapes[tensor]
         strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
         box: tuple[int, ...] = (WGMMA_ROW_BYTES // elem, rows, 1, 1)  # one 128-byte column block
-        if tensor in ("q", "out") and spec.pack_gqa:
+        if tensor not in ("k", "v") and spec.pack_gqa:  # q, out or o_partial
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
@@ -184,6 +201,7 @@ def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.ndarray:
         "float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         "uint8": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        "float32": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
     }[layout.data_type]
     # The list arguments take cuda-bindings' own integer types: plain ints raise TypeError
     # ("Cannot convert int to cuuint32_t", cuda-bindings 13).

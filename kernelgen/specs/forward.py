@@ -112,6 +112,7 @@ WGMMA_BLOCK_N = (32, 64, 128)
 WGMMA_ROWS_PER_WARPGROUP = 64
 WGMMA_COLUMN_BLOCK = 64  # elements of one 128-byte swizzled row (16-bit types)
 WGMMA_ROW_BYTES = 128  # one swizzled row: 64 16-bit or 128 fp8 elements
+PARTIAL_BYTES = 4  # split-KV's partial outputs are fp32
 WGMMA_SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the repeat of the 128-byte swizzle
 WGMMA_BARRIER_BYTES = 8
 
@@ -352,8 +353,9 @@ class KernelSpec(BaseModel):
         description="wgmma only: how out is written. direct: 4-byte stores from the "
         "accumulators; tma: each consumer warpgroup converts its 64 rows to 16 bits, writes them "
         "into its rows of the Q tile with stmatrix (128-byte swizzled) and one thread copies "
-        "them out with a TMA store (not split_kv; pack_gqa: a 5-d out map; fp8: the bf16 rows "
-        "take one more column block of shared memory).",
+        "them out with a TMA store (pack_gqa: a 5-d out map; fp8: the bf16 rows take one more "
+        "column block of shared memory; split_kv: the fp32 partials, through st.shared, with "
+        "as many more blocks as their rows need).",
     )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
@@ -546,7 +548,6 @@ class KernelSpec(BaseModel):
                 not self.engine.warp_specialized,
                 "the TMA store is an epilogue of the wgmma kernel's consumer warpgroups",
             ),
-            "split_kv": (self.split_kv, "split-KV writes fp32 partials, not out"),
         }
         return [
             f"epilogue={self.epilogue!r} is not allowed with {field}={_echo(getattr(self, field))}"
@@ -759,9 +760,11 @@ class KernelSpec(BaseModel):
 
     @property
     def out_column_blocks(self) -> int:
-        """wgmma, ``epilogue: tma``: 128-byte column blocks of one staged out row (64 columns
-        of 16-bit out each; fp8's bf16 rows are twice as wide as its 1-byte Q rows)."""
-        return -(-self.head_dim * DTYPE_BYTES[self.out_dtype] // WGMMA_ROW_BYTES)
+        """wgmma, ``epilogue: tma``: 128-byte column blocks of one staged output row: 64
+        columns of 16-bit out each (fp8's bf16 rows are twice as wide as its 1-byte Q rows), or
+        with split-KV 32 columns of the fp32 partial."""
+        elem = PARTIAL_BYTES if self.split_kv else DTYPE_BYTES[self.out_dtype]
+        return -(-self.head_dim * elem // WGMMA_ROW_BYTES)
 
     @property
     def q_region_blocks(self) -> int:

@@ -298,8 +298,9 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
             "archs": list(WGMMA_ARCHS),
         }
         yield fields
-        if not split:  # the TMA-store epilogue's twin, as in the prefill grid (docs/hopper.md)
-            yield fields | {"epilogue": "tma"}
+        # The TMA-store epilogue's twin, as in the prefill grid (docs/hopper.md): the same loop;
+        # which epilogue is faster is for a GPU to time.
+        yield fields | {"epilogue": "tma"}
 
 
 def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any]]:
