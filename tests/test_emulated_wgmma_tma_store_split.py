@@ -8,7 +8,8 @@ which maps o_partial (split, B, H, Sq, D) as (head dim, query, head, split * bat
 Against float64 (through the shared combine kernel), and bit for bit against the direct split
 epilogue: split counts that do not divide the key tiles and more chunks than tiles (empty
 chunks write the identity), packed groups 2, 4 and 8 and unpacked GQA, causal and not, Sq no
-multiple of the tile nor of its queries, head dims 64, 96 (three fp32 column blocks) and 128.
+multiple of the tile nor of its queries, head dims 64, 96 (three fp32 column blocks) and 128,
+a paged cache.
 Mutations that must fail: the chunk left out of the store's coordinate, the staging unswizzled,
 an out_map whose query extent overshoots seqlen_q (rows land past a head's partials: in a
 padding after the buffer, which must stay NaN), and the epilogue's fence, named barrier and
@@ -91,6 +92,16 @@ def test_split_tma_store_matches_float64_and_the_direct_epilogue(fields, case, s
     np.testing.assert_array_equal(out, direct[0])
     np.testing.assert_array_equal(lse, direct[1])
     np.testing.assert_array_equal(kept["o_partial"], direct_kept["o_partial"])  # NaN == NaN
+
+
+def test_split_tma_store_on_a_paged_cache():
+    """The shipped paged decode tiling (64-key tiles, pages of 128 keys, causal, group 4)."""
+    fields = dict(dtype="float16", head_dim=128, block_m=64, block_n=64, pack_gqa=True,
+                  paged_kv=True, causal=True)  # fmt: skip
+    spec, case = split_spec(**fields), Case(2, 8, 2, 5, 300)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed=31)
+    out, lse = run_emulated(spec, case, data, num_splits=3, page_size=128)
+    assert_matches(out, lse, data, spec.dtype)
 
 
 def test_split_tma_store_shared_memory():
