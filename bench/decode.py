@@ -407,6 +407,8 @@ class DecodeRunner(Harness):
                 raise ValueError(
                     f"no wgmma decode spec for dtype {shape.dtype}, D {shape.head_dim}"
                 )
+            if peer == dr.WGMMA_TMA_PEER:
+                spec = type(spec).model_validate({**spec.model_dump(), "epilogue": "tma"})
             self.compiled(spec)
             splits = self.heuristic_splits(spec, shape)
             facts = {**self.launch_facts(spec, shape, splits)}

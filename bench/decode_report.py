@@ -30,6 +30,9 @@ PAGE_SIZES: tuple[int, ...] = (16, 256)  # a lookup per key row / one per key ti
 WGMMA_DECODE_PEER = "kg-decode-wg"
 WGMMA_PAGE_SIZE = 256
 WGMMA_PAGED_PEER = f"kg-wg-paged-{WGMMA_PAGE_SIZE}"
+# kg-decode-wg's spec with the TMA-store epilogue (docs/hopper.md): the split partials staged in
+# shared memory and stored by TMA instead of 8-byte stores from the accumulators.
+WGMMA_TMA_PEER = "kg-decode-wg-tma"
 
 DECODE_PEERS: tuple[Peer, ...] = (
     Peer(
@@ -74,12 +77,18 @@ DECODE_PEERS: tuple[Peer, ...] = (
         f"(pages of {WGMMA_PAGE_SIZE} keys in shuffled order: one TMA copy per key tile)",
         "kernelgen",
     ),
+    Peer(
+        WGMMA_TMA_PEER,
+        "kg-wg-tma",
+        "kg-decode-wg's spec with epilogue: tma (its partials stored through shared memory by TMA)",
+        "kernelgen",
+    ),
     *(p for p in PEERS if p.family == "torch"),
 )
 DECODE_PEER_NAMES: tuple[str, ...] = tuple(p.name for p in DECODE_PEERS)
 DECODE_PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in DECODE_PEERS}
 KERNELGEN_DECODE_PEERS = (DECODE_PEER, TUNED_PEER)
-WGMMA_DECODE_PEERS = (WGMMA_DECODE_PEER, WGMMA_PAGED_PEER)
+WGMMA_DECODE_PEERS = (WGMMA_DECODE_PEER, WGMMA_PAGED_PEER, WGMMA_TMA_PEER)
 PAGED_PEERS: tuple[str, ...] = tuple(f"{PAGED_PREFIX}{size}" for size in PAGE_SIZES)
 
 LEGEND = (
@@ -89,7 +98,8 @@ LEGEND = (
     "error e, not timed; ERR: raised an error (reasons below and in the JSON). dec/nosplit and "
     "dec/torch: kg-decode's speedup over kg-nosplit and over the fastest torch backend; "
     "tuned/torch: the same for kg-decode-tuned; pN/dec: kg-paged-N's bandwidth over kg-decode's; "
-    "wg/dec: kg-decode-wg's (Hopper wgmma) over kg-decode's (mma.sync)."
+    "wg/dec: kg-decode-wg's (Hopper wgmma) over kg-decode's (mma.sync); tma/wg: kg-decode-wg-tma's "
+    "(the TMA-store epilogue) over kg-decode-wg's."
 )
 
 
@@ -139,7 +149,8 @@ def group_by_shape(rows: Iterable[dict[str, Any]]) -> list[tuple[str, dict[str, 
 def add_comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Set ``speedup_vs_nosplit`` and ``speedup_vs_best_torch`` (with ``best_torch_peer``) on
     every timed row whose comparison peer was timed on the same shape, and on the paged rows
-    ``paged_vs_contiguous`` (their bandwidth over kg-decode's); returns the rows.
+    ``paged_vs_contiguous`` (their bandwidth over kg-decode's), on kg-decode-wg-tma's
+    ``tma_vs_direct`` (over kg-decode-wg's); returns the rows.
     (bench.report.ratio divides TFLOP/s: one shape's peers do the same FLOPs, so it is the
     inverse ratio of their median times.)"""
     rows = list(rows)
@@ -158,6 +169,8 @@ def add_comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["wgmma_vs_decode"] = report.ratio(row, peers.get(DECODE_PEER))
             if row["peer"] == WGMMA_PAGED_PEER:
                 row["paged_vs_contiguous"] = report.ratio(row, peers.get(WGMMA_DECODE_PEER))
+            if row["peer"] == WGMMA_TMA_PEER:
+                row["tma_vs_direct"] = report.ratio(row, peers.get(WGMMA_DECODE_PEER))
     return rows
 
 
@@ -195,7 +208,7 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
     speedups. A shape-wide row (peer ``all``) fills every peer's cell."""
     rows = add_comparisons(rows)
     ratios_header = ["dec/nosplit", "dec/torch", "tuned/torch"]
-    ratios_header += [f"p{size}/dec" for size in PAGE_SIZES] + ["wg/dec"]
+    ratios_header += [f"p{size}/dec" for size in PAGE_SIZES] + ["wg/dec", "tma/wg"]
     header = [*SHAPE_HEADER, *(p.short for p in DECODE_PEERS), *ratios_header]
     lines = []
     for _, peers in group_by_shape(rows):
@@ -209,6 +222,7 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
             _ratio_cell(tuned, "speedup_vs_best_torch"),
             *(_ratio_cell(peers.get(name), "paged_vs_contiguous") for name in PAGED_PEERS),
             _ratio_cell(peers.get(WGMMA_DECODE_PEER), "wgmma_vs_decode"),
+            _ratio_cell(peers.get(WGMMA_TMA_PEER), "tma_vs_direct"),
         ]
         lines.append([*_shape_cells(first), *cells, *ratios])
     align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(DECODE_PEERS) + len(ratios_header))

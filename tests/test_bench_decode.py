@@ -201,21 +201,22 @@ def test_markdown_table_cells():
     assert len(lines) == 2 + 3
     assert _cells(lines[0]) == [
         "dtype", "B", "H/Hkv", "Sq", "Sk", "kg-decode", "kg-tuned", "kg-nosplit", "kg-p16",
-        "kg-p256", "kg-wg", "kg-wg-p256", "flash", "cudnn", "effic", "dec/nosplit", "dec/torch",
-        "tuned/torch", "p16/dec", "p256/dec", "wg/dec",
+        "kg-p256", "kg-wg", "kg-wg-p256", "kg-wg-tma", "flash", "cudnn", "effic", "dec/nosplit",
+        "dec/torch", "tuned/torch", "p16/dec", "p256/dec", "wg/dec", "tma/wg",
     ]  # fmt: skip
     first = _cells(lines[2])
     assert first == [
         "bf16", "1", "32/8", "1", "32768", "0.05 (89%)", "0.06 (75%)", "0.4 (11%)", "-", "-",
-        "-", "-", "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-", "-",
+        "-", "-", "-", "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-",
+        "-", "-",
     ]  # fmt: skip
     second = _cells(lines[3])
     assert second[4:] == [
-        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "-", "-", "0.2 (22%)", "-", "-",
-        "-", "2.00x", "-", "-", "-", "-",
+        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "-", "-", "-", "0.2 (22%)", "-",
+        "-", "-", "2.00x", "-", "-", "-", "-", "-",
     ]  # fmt: skip
     assert _cells(lines[4])[:5] == ["fp16", "64", "32/32", "1", "131072"]
-    assert _cells(lines[4])[5:15] == ["skip"] * 10
+    assert _cells(lines[4])[5:16] == ["skip"] * 11
 
 
 def test_sweep_table_and_peer_order():
@@ -392,7 +393,7 @@ def test_the_wgmma_decode_peers_need_a_9_0_device(monkeypatch):
     built = {}
 
     def compiled(spec):
-        built[spec.paged_kv] = spec
+        built[spec.paged_kv, spec.epilogue] = spec
         r.compile_s[spec.uri] = 0.0
 
     monkeypatch.setattr(r, "compiled", compiled)
@@ -407,8 +408,9 @@ def test_the_wgmma_decode_peers_need_a_9_0_device(monkeypatch):
     monkeypatch.setattr(r, "kernelgen_row", kernelgen_row)
     for peer in dr.WGMMA_DECODE_PEERS:
         r.peer_row(s, peer, [], None)
-    contiguous, paged = built[False], built[True]
+    contiguous, paged, tma = built[False, "direct"], built[True, "direct"], built[False, "tma"]
     assert contiguous.mma == paged.mma == "wgmma"
+    assert tma == contiguous.model_copy(update={"epilogue": "tma"})  # its TMA-store twin
     assert contiguous.pack_gqa and contiguous.split_kv and contiguous.block_n == 128
     assert paged.paged_kv and dr.WGMMA_PAGE_SIZE % paged.block_n == 0
 
@@ -582,19 +584,21 @@ def test_one_chunk_target_reads_the_sweeps_first_count():
 
 
 def test_the_wgmma_decode_peers_are_compared_with_kg_decode():
-    """wg/dec: kg-decode-wg's bandwidth over kg-decode's (mma.sync); its paged peer is compared
-    with kg-decode-wg, its contiguous twin."""
+    """wg/dec: kg-decode-wg's bandwidth over kg-decode's (mma.sync); its paged peer and its
+    TMA-store twin (tma/wg) are compared with kg-decode-wg."""
     a = shape(seqlen_k=32768)
     rows = [
         ok(a, "kg-decode", 0.050),
         ok(a, dr.WGMMA_DECODE_PEER, 0.040),
         ok(a, dr.WGMMA_PAGED_PEER, 0.044),
+        ok(a, dr.WGMMA_TMA_PEER, 0.032),
     ]
     by = {r["peer"]: r for r in dr.add_comparisons(rows)}
     assert by[dr.WGMMA_DECODE_PEER]["wgmma_vs_decode"] == pytest.approx(1.25)
     assert by[dr.WGMMA_PAGED_PEER]["paged_vs_contiguous"] == pytest.approx(0.04 / 0.044)
+    assert by[dr.WGMMA_TMA_PEER]["tma_vs_direct"] == pytest.approx(1.25)
     line = _cells(dr.markdown_table(rows).splitlines()[2])
-    assert line[-1] == "1.25x"
+    assert line[-2:] == ["1.25x", "1.25x"]
     assert dr.WGMMA_PAGE_SIZE % 128 == 0  # a multiple of every wgmma key tile: one TMA copy
 
 
@@ -615,7 +619,7 @@ def test_paged_peers_are_compared_with_kg_decode():
     assert by[(b.key, "kg-paged-16")]["paged_vs_contiguous"] == pytest.approx(0.8)
     assert "paged_vs_contiguous" not in by[(a.key, "kg-decode")]
     line = _cells(dr.markdown_table(rows).splitlines()[2])
-    assert line[-3:] == ["0.96x", "1.00x", "-"]
+    assert line[-4:] == ["0.96x", "1.00x", "-", "-"]
     results = _targets(rows)
     assert results[("paged", "kg-paged-16")].status == dr.MISS  # 0.80x on the B=8 shape
     assert "worst 0.80x" in results[("paged", "kg-paged-16")].detail

@@ -172,7 +172,7 @@ def test_an_out_map_overshooting_seqlen_q_writes_the_padding():
 
 EPILOGUE_MUTATIONS = {
     "no fence.proxy.async after stmatrix": (
-        "fence_proxy_async();  // this thread's stmatrix writes",
+        "fence_proxy_async();  // this thread's staging writes",
         "//",
         r"no fence\.proxy\.async after the write",
     ),

@@ -21,7 +21,7 @@ from test_emulated_wide_tiles import MATRIX as WIDE_MATRIX
 import kernelgen
 import kernelgen.calls.attention
 from kernelgen.references.attention import naive_attention
-from kernelgen.specs.forward import load_spec
+from kernelgen.specs.forward import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.gpu
 
@@ -182,6 +182,33 @@ def test_wgmma_spec_on_gpu(path, case):
     out, lse = run(spec, case, data, want_lse=False, **options)
     assert lse is None
     assert_matches(out, None, data, spec.dtype)
+
+
+# The TMA-store epilogue's decode forms (docs/hopper.md; emulated in
+# tests/test_emulated_wgmma_tma_store_gqa.py and ..._split.py): packed rows through a 5-d
+# out_map, split-KV's fp32 partials through a map of o_partial.
+TMA_DECODE_FIELDS = [
+    dict(dtype="bfloat16", head_dim=128, block_m=64, block_n=128, pack_gqa=True),
+    dict(dtype="bfloat16", head_dim=128, block_m=64, block_n=128, pack_gqa=True, split_kv=True),
+    dict(dtype="float16", head_dim=64, block_m=128, block_n=64, split_kv=True, causal=True),
+]
+TMA_DECODE_CASES = [
+    Case(2, 8, 2, 3, 300),
+    Case(1, 16, 2, 21, 2000),  # group 8: the last row tile holds 5 of its 8 queries
+    Case(1, 8, 1, 16, 1000, layout="bshd"),
+]
+
+
+@pytest.mark.parametrize("case", TMA_DECODE_CASES, ids=str)
+@pytest.mark.parametrize("fields", TMA_DECODE_FIELDS, ids=lambda f: "-".join(sorted(f))[:40])
+def test_tma_store_decode_forms_on_gpu(fields, case):
+    require_compute_capability_9_0()
+    spec = spec_from_dict({"loop_order": "v2", "mma": "wgmma", "epilogue": "tma", **fields})
+    seed = zlib.crc32(f"{spec.uri} {case}".encode())
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, seed)
+    for num_splits in (3, 64) if spec.split_kv else (None,):
+        out, lse = run(spec, case, data, num_splits=num_splits)
+        assert_matches(out, lse, data, spec.dtype)
 
 
 def test_wgmma_spec_on_another_gpu_is_a_typed_error():

@@ -24,7 +24,7 @@ from test_gpu_attention import require_compute_capability_9_0
 import kernelgen
 from kernelgen.runtime.fp8 import decode_e4m3, launch_problem, v_operand
 from kernelgen.runtime.launch import runtime_kernel
-from kernelgen.specs.forward import load_spec
+from kernelgen.specs.forward import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.gpu
 
@@ -57,11 +57,14 @@ def run_on_gpu(spec, shape, seed):
     assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
 
 
+@pytest.mark.parametrize("epilogue", ["direct", "tma"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
 @pytest.mark.parametrize("path", FP8_SPEC_PATHS, ids=lambda p: p.stem)
-def test_fp8_wgmma_spec_on_gpu(path, shape):
+def test_fp8_wgmma_spec_on_gpu(path, shape, epilogue):
+    """The shipped fp8 specs, and their TMA-store epilogue twins (docs/hopper.md)."""
     require_compute_capability_9_0()
-    run_on_gpu(load_spec(path), shape, seed=len(path.stem) + shape[4])
+    spec = spec_from_dict({**load_spec(path).model_dump(), "epilogue": epilogue})
+    run_on_gpu(spec, shape, seed=len(path.stem) + shape[4])
 
 
 @pytest.mark.parametrize("loop", LOOPS)

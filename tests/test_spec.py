@@ -572,8 +572,9 @@ def test_dumps_without_defaults_leave_out_what_is_off():
 
 
 def test_the_tma_epilogue_is_named_and_refused_where_not_built():
-    """epilogue: tma (wgmma, 16-bit out, not split_kv or pack_gqa) adds the tag _tma after the
-    loop's; the default (direct) is left out of dumps, so existing identities stay."""
+    """epilogue: tma (wgmma) adds the tag _tma after the loop's; the default (direct) is left
+    out of dumps, so existing identities stay. Packed GQA, fp8 and split-KV take it (the name
+    keeps the tags' order: ..._tma_gqa, ..._tma_split)."""
     spec = spec_from_dict({**WG, "epilogue": "tma", "q_in_registers": True, "block_n": 64})
     assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_qr_tma"
     assert '"epilogue":"tma"' in spec.canonical_json()
@@ -581,11 +582,17 @@ def test_the_tma_epilogue_is_named_and_refused_where_not_built():
     assert direct == spec_from_dict(WG) and "epilogue" not in direct.canonical_json()
     assert direct.uri == spec_from_dict(WG).uri
     assert spec_from_dict(spec.model_dump()) == spec
+    packed = spec_from_dict({**WG, "block_m": 64, "pack_gqa": True, "epilogue": "tma"})
+    assert packed.uri == "fa_fwd_v2_wg_bf16_d128_m64_n128_w8_s2_tma_gqa"
+    fp8 = spec_from_dict({**WG, "dtype": "float8_e4m3", "epilogue": "tma"})
+    assert fp8.uri == "fa_fwd_v2_wg_e4m3_d128_m128_n128_w12_s2_tma"
+    split = spec_from_dict({**WG, "split_kv": True, "epilogue": "tma"})
+    assert split.uri == "fa_fwd_v2_wg_bf16_d128_m128_n128_w12_s2_tma_split"
+    # fp32 partials at head dim 256: 8 column blocks of staging, 4 past the Q tile's (64 KiB)
+    with pytest.raises(SpecError, match="shared memory 263232 bytes exceeds"):
+        spec_from_dict({**WG, "head_dim": 256, "block_n": 64, "split_kv": True, "epilogue": "tma"})
     refused = {
         "mma='mma_sync'": {**TC, "head_dim": 64, "block_m": 64, "block_n": 64},
-        "split_kv=True": {**WG, "split_kv": True},
-        "pack_gqa=True": {**WG, "block_m": 64, "pack_gqa": True},
-        "dtype='float8_e4m3'": {**WG, "dtype": "float8_e4m3"},
     }
     for field, fields in refused.items():
         with pytest.raises(SpecError) as info:

@@ -84,6 +84,40 @@ def test_packed_gqa_maps_q_as_5d_boxes_of_whole_queries():
     assert q.box == (64, 2, 64, 1, 1) and q.element_strides == (1,) * 5
 
 
+def test_the_tma_epilogue_of_the_decode_and_fp8_forms():
+    """Packed GQA: out_map is 5-d like q's, its 64-row box (64, group, 64 / group); a group of
+    128 stores half of one query's heads. Split-KV: out_map maps the fp32 o_partial (split,
+    B, H, Sq, D) with split and batch as one dimension, 32-column boxes. fp8: out is bf16,
+    so its box is 64 columns (fp8 Q's is 128) and its strides are in bf16 elements."""
+    tma = {"epilogue": "tma"}
+    packed = tensor_map_layouts(SPEC.model_copy(update={"pack_gqa": True, **tma}), problem())
+    out, head, seq, batch = packed["out_map"], 100 * 192, 192, 4 * 100 * 192
+    assert (out.tensor, out.dims, out.box) == ("out", (96, 2, 100, 2, 3), (64, 2, 32, 1, 1))
+    assert out.strides_bytes == (head, seq, 2 * head, batch)
+    mqa = Problem(**{**problem().__dict__, "num_heads": 128, "num_kv_heads": 1})
+    wide = tensor_map_layouts(SPEC.model_copy(update={"pack_gqa": True, **tma}), mqa)
+    assert wide["out_map"].box == (64, 64, 1, 1, 1) and wide["q_map"].box == (64, 128, 1, 1, 1)
+    split_spec = SPEC.model_copy(update={"split_kv": True, **tma})
+    split = tensor_map_layouts(split_spec, Problem(**{**problem().__dict__, "num_splits": 5}))
+    part = split["out_map"]
+    assert (part.tensor, part.data_type) == ("o_partial", "float32")
+    assert part.dims == (96, 100, 4, 5 * 3) and part.box == (32, 64, 1, 1)
+    assert part.strides_bytes == (4 * 96, 4 * 100 * 96, 4 * 4 * 100 * 96)
+    fp8 = spec_from_dict(
+        {"loop_order": "v2", "mma": "wgmma", "dtype": "float8_e4m3", "head_dim": 128}
+        | {"block_m": 128, "block_n": 128, **tma}
+    )
+    d128 = Problem(**{**problem().__dict__, "head_dim": 128, "q_strides": (51200, 12800, 128),
+                      "out_strides": (51200, 12800, 128)})  # fmt: skip
+    layouts = tensor_map_layouts(fp8, d128)
+    out, q = layouts["out_map"], layouts["q_map"]
+    assert (out.data_type, out.box, q.data_type, q.box) == (
+        "bfloat16", (64, 64, 1, 1), "uint8", (128, 128, 1, 1)
+    )  # fmt: skip
+    assert out.strides_bytes == (256, 100 * 256, 4 * 100 * 256)
+    assert q.strides_bytes == (128, 100 * 128, 4 * 100 * 128)
+
+
 def test_a_paged_cache_is_mapped_as_its_pool():
     """Paged KV: k and v span the pool (head dim, row in page, K/V head, page)."""
     spec = SPEC.model_copy(update={"paged_kv": True})

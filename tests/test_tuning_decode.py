@@ -93,7 +93,10 @@ def test_decode_candidates_are_packed_split_specs_plus_baselines():
     assert {(s.block_n, s.split_kv) for s in hopper} == {(64, True), (64, False), (128, True),
                                                          (128, False)}  # fmt: skip
     assert all(s.pack_gqa and s.block_m == 64 and s.archs == ("sm_90a",) for s in hopper)
-    assert len(specs) + len(hopper) <= 24
+    # and the TMA-store epilogue's twin of each (split-KV: it stores the fp32 partials)
+    twins = {(s.block_n, s.split_kv) for s in hopper if s.epilogue == "tma"}
+    assert twins == {(64, True), (64, False), (128, True), (128, False)}
+    assert len(hopper) == 8 and len(specs) + len(hopper) <= 28
     prefill, _ = valid_candidates(problem(), "sm_90")
     assert not any(s.split_kv or s.pack_gqa for s in prefill)
 

@@ -8,7 +8,8 @@ driver's rules hold (16-byte aligned base, strides multiples of 16 bytes). The b
 64-column (128-byte) block of block_m query rows or block_n key rows, 128-byte swizzled; rows
 past the sequence and columns past the head dim read as zeros. Packed GQA (q) and a paged
 cache (k, v) change the maps' shapes, not the kernels' copies: :func:`tensor_map_layouts`.
-With ``epilogue: tma`` the kernel also writes out through a map (``out_map``, 64-row boxes).
+With ``epilogue: tma`` the kernel also writes out through a map (``out_map``, 64-row boxes;
+5-d like q's with packed GQA).
 
 Everything but the data pointer follows from the spec and the call shape, so a call plan
 computes its :class:`TensorMapLayout` once; encoding is per pointer (on a GPU the driver's
@@ -25,13 +26,23 @@ from typing import Any
 import numpy as np
 
 from kernelgen.errors import InputError, ToolchainMissingError
-from kernelgen.specs.forward import DTYPE_BYTES, WGMMA_ROWS_PER_WARPGROUP, KernelSpec
+from kernelgen.specs.forward import (
+    DTYPE_BYTES,
+    WGMMA_ROW_BYTES,
+    WGMMA_ROWS_PER_WARPGROUP,
+    KernelSpec,
+)
 
 TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
 SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
 L2_PROMOTION = "256B"  # K and V rows are read by every row tile of a head: promote whole lines
 # A spec's dtype -> the tensor map's data type (fp8 travels as bytes: TMA does not convert).
-TMA_DATA_TYPE = {"float16": "float16", "bfloat16": "bfloat16", "float8_e4m3": "uint8"}
+TMA_DATA_TYPE = {
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float8_e4m3": "uint8",
+    "float32": "float32",  # split-KV's partials (the TMA-store epilogue)
+}
 # fp8's V operand is V^T (batch, kv head, head dim, keys rounded up to FP8_KEY_GROUP), its keys
 # permuted within each group (kernelgen.runtime.fp8.v_operand); its box is head-dim rows of block_n
 # keys.
@@ -42,6 +53,9 @@ MAP_TENSORS = {"q_map": ("q", "block_m"), "k_map": ("k", "block_n"), "v_map": ("
 # column block (each consumer stores its own rows). Its sequence extent is the call's seqlen_q,
 # so a TMA store clips the rows of a last tile past the queries.
 OUT_MAP = ("out_map", "out", WGMMA_ROWS_PER_WARPGROUP)
+# With split-KV, out_map maps the fp32 partial outputs (the launch's scratch buffer of this name)
+# as (head dim, query, head, split * batch + b): a chunk's partials start batch entries on.
+PARTIAL_TENSOR = "o_partial"
 
 
 @dataclass(frozen=True)
@@ -104,11 +118,11 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
     :class:`InputError` naming the tensor when a stride breaks TMA's 16-byte rule, or the value
     when the call does not fit the spec's boxes (:func:`check_wgmma_decode`).
 
-    Packed GQA: q is 5-d, (head dim, head in the group, query, K/V head, batch), and its box
-    (64, group, block_m / group, 1, 1) lands rows in the packed order query * group + head.
+    Packed GQA: q (and out) are 5-d, (head dim, head in the group, query, K/V head, batch), and
+    the box (64, group, rows / group, 1, 1) lands rows in the packed order query * group + head;
+    out's 64-row box takes (64, 64, 1, 1, 1) when the group is 128 (half of one query's heads).
     Paged KV: k and v span the pool, (head dim, row in page, K/V head, page)."""
     check_wgmma_decode(spec, problem)
-    elem = DTYPE_BYTES[spec.dtype]
     seqlen_k, kv_batch = problem.seqlen_k, problem.batch
     if spec.paged_kv:  # the (b, h, s) strides are (page, head, row)
         seqlen_k, kv_batch = problem.page_size, problem.num_pages
@@ -120,27 +134,38 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
     maps = {param: (tensor, getattr(spec, field)) for param, (tensor, field) in MAP_TENSORS.items()}
     if spec.epilogue == "tma":
         param, tensor, rows = OUT_MAP
+        if spec.split_kv:  # the fp32 partials (split, B, H, Sq, D): (split, B) is one dimension
+            tensor = PARTIAL_TENSOR
+            sq, d = problem.seqlen_q, spec.head_dim
+            strides_elems = (problem.num_heads * sq * d, sq * d, d)
+            outer = problem.num_splits * problem.batch
+            shapes[tensor] = (sq, problem.num_heads, outer, strides_elems)
+        else:
+            shapes[tensor] = (
+                problem.seqlen_q, problem.num_heads, problem.batch, problem.out_strides
+            )  # fmt: skip
         maps[param] = (tensor, rows)
-        shapes[tensor] = (problem.seqlen_q, problem.num_heads, problem.batch, problem.out_strides)
     layouts = {}
     for param, (tensor, rows) in maps.items():
+        data_type = {"out": spec.out_dtype, PARTIAL_TENSOR: "float32"}.get(tensor, spec.dtype)
+        elem = DTYPE_BYTES[data_type]
         seq, heads, batch, (stride_b, stride_h, stride_s) = shapes[tensor]
         strides = _checked_strides(tensor, (stride_s, stride_h, stride_b), elem)
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
         if tensor in ("k", "v"):  # with clusters, each block copies a slice of the tile
             rows //= spec.cluster_m
-        box: tuple[int, ...] = (spec.row_elems, rows, 1, 1)
-        if tensor == "q" and spec.pack_gqa:
+        box: tuple[int, ...] = (WGMMA_ROW_BYTES // elem, rows, 1, 1)  # one 128-byte column block
+        if tensor not in ("k", "v") and spec.pack_gqa:  # q, out or o_partial
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
-            box = (spec.row_elems, group, rows // group, 1, 1)
+            box = (box[0], min(group, rows), max(rows // group, 1), 1, 1)
         if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
             dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
             box = (spec.block_n, spec.head_dim, 1, 1)
         layouts[param] = TensorMapLayout(
             tensor=tensor,
-            data_type=TMA_DATA_TYPE[spec.out_dtype if tensor == "out" else spec.dtype],
+            data_type=TMA_DATA_TYPE[data_type],
             dims=dims,
             strides_bytes=strides,
             box=box,
@@ -178,6 +203,7 @@ def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.ndarray:
         "float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         "uint8": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        "float32": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
     }[layout.data_type]
     # The list arguments take cuda-bindings' own integer types: plain ints raise TypeError
     # ("Cannot convert int to cuuint32_t", cuda-bindings 13).

@@ -115,6 +115,7 @@ WGMMA_BLOCK_N = (32, 64, 128)
 WGMMA_ROWS_PER_WARPGROUP = 64
 WGMMA_COLUMN_BLOCK = 64  # elements of one 128-byte swizzled row (16-bit types)
 WGMMA_ROW_BYTES = 128  # one swizzled row: 64 16-bit or 128 fp8 elements
+PARTIAL_BYTES = 4  # split-KV's partial outputs are fp32
 WGMMA_SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the repeat of the 128-byte swizzle
 WGMMA_BARRIER_BYTES = 8
 
@@ -355,7 +356,9 @@ class KernelSpec(BaseModel):
         description="wgmma only: how out is written. direct: 4-byte stores from the "
         "accumulators; tma: each consumer warpgroup converts its 64 rows to 16 bits, writes them "
         "into its rows of the Q tile with stmatrix (128-byte swizzled) and one thread copies "
-        "them out with a TMA store (float16/bfloat16, not split_kv or pack_gqa).",
+        "them out with a TMA store (pack_gqa: a 5-d out map; fp8: the bf16 rows take one more "
+        "column block of shared memory; split_kv: the fp32 partials, through st.shared, with "
+        "as many more blocks as their rows need).",
     )
     cluster_m: int = Field(
         1,
@@ -591,12 +594,6 @@ class KernelSpec(BaseModel):
                 not self.engine.warp_specialized,
                 "the TMA store is an epilogue of the wgmma kernel's consumer warpgroups",
             ),
-            "dtype": (self.fp8, "fp8 keeps the direct epilogue (not built yet)"),
-            "split_kv": (self.split_kv, "split-KV writes fp32 partials, not out"),
-            "pack_gqa": (
-                self.pack_gqa,
-                "a packed tile's rows span several heads of out (not built yet)",
-            ),
         }
         return [
             f"epilogue={self.epilogue!r} is not allowed with {field}={_echo(getattr(self, field))}"
@@ -808,6 +805,23 @@ class KernelSpec(BaseModel):
         return -(-self.head_dim // self.row_elems)
 
     @property
+    def out_column_blocks(self) -> int:
+        """wgmma, ``epilogue: tma``: 128-byte column blocks of one staged output row: 64
+        columns of 16-bit out each (fp8's bf16 rows are twice as wide as its 1-byte Q rows), or
+        with split-KV 32 columns of the fp32 partial."""
+        elem = PARTIAL_BYTES if self.split_kv else DTYPE_BYTES[self.out_dtype]
+        return -(-self.head_dim * elem // WGMMA_ROW_BYTES)
+
+    @property
+    def q_region_blocks(self) -> int:
+        """wgmma: column blocks of block_m rows before the K/V ring: the Q tile's, or with the
+        TMA-store epilogue as many as out needs (the epilogue stages out in the Q tile's rows
+        and, past its column blocks, in the extra ones: docs/hopper.md)."""
+        if self.epilogue == "tma":
+            return max(self.column_blocks, self.out_column_blocks)
+        return self.column_blocks
+
+    @property
     def threads(self) -> int:
         return self.num_warps * 32
 
@@ -879,10 +893,11 @@ class KernelSpec(BaseModel):
     def smem_bytes(self) -> int:
         row_bytes = self.smem_row_elems * self.elem_bytes
         if self.engine.warp_specialized:  # Q, K and V rings, their barriers, 1024-byte alignment
-            tile_rows = self.block_m + 2 * self.stages * self.block_n
+            q_bytes = self.block_m * self.q_region_blocks * row_bytes
+            kv_bytes = 2 * self.stages * self.block_n * self.column_blocks * row_bytes
             # Q landed; per slot K landed, V landed, slot free; the last V tile staged
             barriers = (2 + 3 * self.stages) * WGMMA_BARRIER_BYTES
-            return tile_rows * self.column_blocks * row_bytes + barriers + WGMMA_SWIZZLE_ATOM
+            return q_bytes + kv_bytes + barriers + WGMMA_SWIZZLE_ATOM
         if self.engine.tensor_cores:  # Q tile (reused to stage the output), then K and V rings
             return (self.block_m + 2 * self.stages * self.block_n) * row_bytes
         return (

@@ -287,7 +287,7 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
     for block_n, split in itertools.product(WGMMA_DECODE_BLOCK_N, (True, False)):
         if problem.page_size % block_n:
             continue
-        yield {
+        fields = {
             "loop_order": "v2",
             "mma": "wgmma",
             "block_m": block_m,
@@ -297,6 +297,10 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
             "split_kv": split,
             "archs": list(WGMMA_ARCHS),
         }
+        yield fields
+        # The TMA-store epilogue's twin, as in the prefill grid (docs/hopper.md): the same loop;
+        # which epilogue is faster is for a GPU to time.
+        yield fields | {"epilogue": "tma"}
 
 
 def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any]]:
