@@ -69,6 +69,10 @@ CLUSTER_CASES = [
         dict(dtype="bfloat16", head_dim=128, block_m=64, block_n=128, pack_gqa=True),
         Case(1, 8, 2, 40, 190),
     ),
+    (
+        dict(dtype="bfloat16", head_dim=64, block_m=128, block_n=64, pack_gqa=True, epilogue="tma"),
+        Case(2, 4, 2, 33, 100, layout="bshd"),
+    ),
 ]
 
 

@@ -56,6 +56,25 @@ def test_fp8_tma_store_within_the_bound_and_equal_to_direct(causal, shape):
     np.testing.assert_array_equal(result.lse, direct.lse)
 
 
+@pytest.mark.parametrize(
+    "loop",
+    [dict(q_in_registers=True), dict(stages=3, overlap=True, q_in_registers=True)],
+    ids=["qr", "ovl-qr"],
+)
+def test_fp8_tma_store_after_the_other_loops(loop):
+    """The epilogue after the Q-in-registers and overlapped loops (their last products retire
+    before the staging overwrites Q's rows): equal to the direct epilogue of the same loop."""
+    shape = (1, 4, 2, 100, 150)
+    q, k, v, descales = problem(sum(shape), *shape)
+    result = emulate_fp8_attention(
+        fp8_spec(epilogue="tma", causal=True, **loop), q, k, v, **descales
+    )
+    ref, lse, a, b = reference(q, k, v, descales, True, SCALE)
+    assert bound_ratio(result.out, ref, a, b) <= 1.0
+    direct = emulate_fp8_attention(fp8_spec(causal=True, **loop), q, k, v, **descales)
+    np.testing.assert_array_equal(result.out, direct.out)
+
+
 def test_fp8_tma_store_shared_memory_is_one_extra_column_block():
     direct = fp8_spec()
     assert (TMA.out_column_blocks, TMA.q_region_blocks) == (2, 2)
