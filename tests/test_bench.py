@@ -410,8 +410,10 @@ def test_wgmma_peer_and_its_candidates():
     grid = wgmma_candidates()
     # 2 x 2 tilings x overlap on or off, and 2-CTA clusters of the 128-row ones; without overlap
     # also the TMA-store epilogue and Q in registers, and ping-pong for the two 128-row ones;
-    # one stage count (one more for the overlap, which releases a slot a tile later)
-    assert len(grid) == 22 and len(wgmma_candidates(quick=True)) == 22
+    # one stage count (one more for the overlap, which releases a slot a tile later); the wide
+    # 128 x 176 tiling without overlap, with its twins but Q in registers
+    assert len(grid) == 26 and len(wgmma_candidates(quick=True)) == 26
+    assert sum(g["block_n"] == 176 for g in grid) == 4
     assert {g["stages"] for g in grid} == {2, 3}
     assert all(g["stages"] == 3 for g in grid if g["overlap"])
     identity = {"dtype": "bfloat16", "head_dim": 128, "causal": False, "archs": ["sm_80"]}
@@ -421,8 +423,8 @@ def test_wgmma_peer_and_its_candidates():
         "wg-m128n128s2", "wg-m128n128s2-c2", "wg-m128n128s2-tma", "wg-m128n128s2-qr",
         "wg-m128n128s2-pp",
     ]  # fmt: skip
-    assert sum(s.epilogue == "tma" for s in specs) == 4  # one per tiling, the plain loop
-    assert sum(s.cluster_m == 2 for s in specs) == 2  # the 128-row plain loops (and overlaps)
+    assert sum(s.epilogue == "tma" for s in specs) == 5  # one per tiling, the plain loop
+    assert sum(s.cluster_m == 2 for s in specs) == 3  # the 128-row plain loops (and overlaps)
     assert all(s.block_m == 128 for s in specs if s.pingpong)
 
 

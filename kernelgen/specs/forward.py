@@ -92,7 +92,8 @@ TILE_SIZES = (16, 32, 64, 128)  # the CUDA-core (simt) kernels' tiles
 # 128, e.g. 48: at head dim 128 a 32-row warp holds 32 x (48 + 128) / 32 = 176 accumulators);
 # query tiles are num_warps x 16 or 32 rows, up to 8 warps of 32 rows.
 TILE_STEP = 16  # every tile is whole m16 / k16 steps
-MAX_BLOCK_N = 128
+MAX_BLOCK_N = 128  # simt and mma_sync (and the block masks, which are mma_sync's)
+WGMMA_MAX_BLOCK_N = 256  # wgmma: its largest n, and TMA's largest box
 MAX_BLOCK_M = 256
 WARP_COUNTS = (1, 2, 4, 8, 12)  # 12: wgmma's producer warpgroup and two consumer warpgroups
 MAX_HEAD_DIM = 256
@@ -111,7 +112,14 @@ MMA_PAD_WORDS = {"padded": 4, "swizzled": 0}
 WGMMA_ARCHS = (ENGINES["wgmma"].arch_target,)
 WGMMA_HEAD_DIMS = (64, 96, 128, 256)
 WGMMA_BLOCK_M = (64, 128)  # one or two consumer warpgroups
-WGMMA_BLOCK_N = (32, 64, 128)
+# Keys per tile: any multiple of 16 (one k-step of P V; whole 8-row swizzle atoms, also for a
+# 2-CTA cluster's halves) up to 256 (wgmma's largest n and TMA's largest box), as the
+# accumulator budget allows: e.g. 176 at head dim 128 (FlashAttention 3's non-causal tile).
+WGMMA_BLOCK_N = tuple(range(32, WGMMA_MAX_BLOCK_N + 1, TILE_STEP))
+# A consumer thread's accumulators plus P's A fragments (block_n x element bytes / 8 registers)
+# that ptxas compiles without spilling, sm_90a, 240 registers per consumer: 212 (d64 n240,
+# d128 n192: 208, d128 n176: 196) compiled without; d64 n256 (224) spilled 96 bytes.
+WGMMA_MAX_LIVE = 212
 WGMMA_ROWS_PER_WARPGROUP = 64
 WGMMA_COLUMN_BLOCK = 64  # elements of one 128-byte swizzled row (16-bit types)
 WGMMA_ROW_BYTES = 128  # one swizzled row: 64 16-bit or 128 fp8 elements
@@ -148,11 +156,12 @@ EXPRESSION_FIELDS = ("score_mod", "mask_mod")
 EXPRESSION_TAGS = {"score_mod": "smod", "mask_mod": "mmod"}
 
 
-def tile_size_problem(name: str, value: object) -> str | None:
+def tile_size_problem(name: str, value: object, block_n_limit: int = MAX_BLOCK_N) -> str | None:
     """What is wrong with ``value`` as ``block_m`` or ``block_n`` on any path (None: nothing):
-    a multiple of 16 up to :data:`MAX_BLOCK_M` / :data:`MAX_BLOCK_N`. Each path narrows it
-    (simt: :data:`TILE_SIZES`; mma_sync: block_m = rows per warp x num_warps; wgmma: its own)."""
-    limit = MAX_BLOCK_M if name == "block_m" else MAX_BLOCK_N
+    a multiple of 16 up to :data:`MAX_BLOCK_M` / ``block_n_limit``. Each path narrows it
+    (simt: :data:`TILE_SIZES`; mma_sync: block_m = rows per warp x num_warps, block_n up to
+    :data:`MAX_BLOCK_N`; wgmma: its own)."""
+    limit = MAX_BLOCK_M if name == "block_m" else block_n_limit
     if type(value) is int and 0 < value <= limit and value % TILE_STEP == 0:
         return None
     rule = (
@@ -160,9 +169,10 @@ def tile_size_problem(name: str, value: object) -> str | None:
         if name == "block_m"
         else f"any multiple of {TILE_STEP} up to {limit}"
     )
+    wgmma = f"; wgmma: up to {WGMMA_MAX_BLOCK_N}" if name == "block_n" else ""
     return (
         f"{name}={value!r} is not allowed; use one of {', '.join(map(str, TILE_SIZES))} "
-        f"(mma_sync: {rule})"
+        f"(mma_sync: {rule}{wgmma})"
     )
 
 
@@ -231,7 +241,8 @@ class KernelSpec(BaseModel):
         "times num_warps, up to 256)."
     )
     block_n: int = Field(
-        description="Key rows per tile: 16, 32, 64 or 128 (mma_sync: any multiple of 16 up to 128)."
+        description="Key rows per tile: 16, 32, 64 or 128 (mma_sync: any multiple of 16 up to 128; "
+        "wgmma: any multiple of 16 from 32 to 256 the accumulators allow, e.g. 176 at d128)."
     )
     num_warps: int = Field(
         4,
@@ -470,7 +481,8 @@ class KernelSpec(BaseModel):
     @field_validator("block_m", "block_n")
     @classmethod
     def _check_tile(cls, value: int, info: Any) -> int:
-        problem = tile_size_problem(info.field_name, value)
+        # the widest path's limit here; each path checks its own (_mma_problems, ...)
+        problem = tile_size_problem(info.field_name, value, WGMMA_MAX_BLOCK_N)
         if problem:
             raise ValueError(problem)
         return value
@@ -524,6 +536,13 @@ class KernelSpec(BaseModel):
                     if self.engine.warp_specialized
                     else "(raise num_warps or lower the tiles)"
                 )
+            )
+        elif self.engine.warp_specialized and self.live_registers_per_thread > WGMMA_MAX_LIVE:
+            problems.append(
+                f"block_n={self.block_n}, head_dim={self.head_dim} need "
+                f"{self.accumulators_per_thread} fp32 accumulators and "
+                f"{self.live_registers_per_thread - self.accumulators_per_thread} registers of P "
+                f"per thread; more than {WGMMA_MAX_LIVE} together spill (lower block_n)"
             )
         problems += self._expression_problems()
         wgmma = self.engine.warp_specialized
@@ -672,6 +691,11 @@ class KernelSpec(BaseModel):
                 "mma='mma_sync'; each warp owns "
                 f"{' or '.join(map(str, MMA_ROWS_PER_WARP))} query rows, so use block_m={allowed}"
             )
+        if self.block_n > MAX_BLOCK_N:
+            problems.append(
+                f"block_n={self.block_n} is not allowed with mma='mma_sync'; use a multiple of "
+                f"{TILE_STEP} up to {MAX_BLOCK_N} (mma: wgmma takes up to {WGMMA_MAX_BLOCK_N})"
+            )
         if self.stages not in MMA_STAGES:
             problems.append(
                 f"stages={self.stages} is not allowed with mma='mma_sync'; use one of "
@@ -725,8 +749,8 @@ class KernelSpec(BaseModel):
             )
         if self.block_n not in WGMMA_BLOCK_N:
             problems.append(
-                f"block_n={self.block_n} is not allowed with mma='wgmma'; use one of "
-                f"{', '.join(map(str, WGMMA_BLOCK_N))}"
+                f"block_n={self.block_n} is not allowed with mma='wgmma'; use a multiple of 16 "
+                f"from {WGMMA_BLOCK_N[0]} to {WGMMA_BLOCK_N[-1]}"
             )
         if self.stages not in MMA_STAGES:
             problems.append(
@@ -888,6 +912,12 @@ class KernelSpec(BaseModel):
                 + q_fragments
             )
         return self.keys_per_thread + self.cols_per_thread
+
+    @property
+    def live_registers_per_thread(self) -> int:
+        """:attr:`accumulators_per_thread` plus the registers of P, the weights rounded to the
+        input type as the A operand of P V (tensor-core kernels)."""
+        return self.accumulators_per_thread + self.block_n * self.elem_bytes // 8
 
     @property
     def smem_bytes(self) -> int:
@@ -1212,7 +1242,7 @@ def _field_rules() -> dict[str, dict[str, Any]]:
     return {
         "head_dim": {"minimum": 8, "maximum": MAX_HEAD_DIM, "multipleOf": 8},
         "block_m": {"minimum": TILE_STEP, "maximum": MAX_BLOCK_M, "multipleOf": TILE_STEP},
-        "block_n": {"minimum": TILE_STEP, "maximum": MAX_BLOCK_N, "multipleOf": TILE_STEP},
+        "block_n": {"minimum": TILE_STEP, "maximum": WGMMA_MAX_BLOCK_N, "multipleOf": TILE_STEP},
         "num_warps": {"enum": list(WARP_COUNTS)},
         "stages": {"enum": sorted({1, *MMA_STAGES})},
         "smem_pad": {"minimum": 0, "maximum": 8},

@@ -76,6 +76,11 @@ WGMMA_BLOCK_M = (128, 64)
 WGMMA_BLOCK_N = (128, 64)
 WGMMA_STAGES = (2,)
 WGMMA_OVERLAP = (False, True)
+# One wider tiling, without the overlap (whose registers it lacks at head dim 128): 128 x 176,
+# FlashAttention 3's non-causal d128 tile (763 instructions per unit against 805 at 128 x 128;
+# docs/hopper.md). Its twins are added as for the others but Q in registers (184 accumulators
+# at d128); head dim 256 refuses it.
+WGMMA_WIDE_TILINGS = ((128, 176),)
 # CUDA-core grid (fp32; the first entries double as fp16/bf16 fallbacks).
 SIMT_BLOCK_M = (32, 64, 128)
 SIMT_BLOCK_N = (16, 32, 64)
@@ -305,9 +310,11 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
 
 def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any]]:
     """The Hopper grid's field sets (the autotuner's and the benchmark's)."""
-    for block_m, block_n, stage_count, overlap in itertools.product(
-        WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages, WGMMA_OVERLAP
-    ):
+    tilings = itertools.chain(
+        itertools.product(WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages, WGMMA_OVERLAP),
+        ((m, n, stage_count, False) for m, n in WGMMA_WIDE_TILINGS for stage_count in stages),
+    )
+    for block_m, block_n, stage_count, overlap in tilings:
         fields = {
             "loop_order": "v2",
             "mma": "wgmma",
@@ -328,7 +335,8 @@ def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any
         # The TMA-store epilogue (docs/hopper.md): the same loop, so one twin of the plain loop
         # per tiling; which epilogue is faster is for a GPU to time.
         yield fields | {"epilogue": "tma"}
-        yield fields | {"q_in_registers": True}  # (where the registers allow)
+        if (block_m, block_n) not in WGMMA_WIDE_TILINGS:  # (at d128 they lack the registers)
+            yield fields | {"q_in_registers": True}  # (where the registers allow)
         if block_m == 128:  # two consumers that may take turns
             yield fields | {"pingpong": True}
 
