@@ -201,17 +201,19 @@ def test_markdown_table_cells():
     assert len(lines) == 2 + 3
     assert _cells(lines[0]) == [
         "dtype", "B", "H/Hkv", "Sq", "Sk", "kg-decode", "kg-tuned", "kg-nosplit", "kg-p16",
-        "kg-p256", "kg-wg", "kg-wg-p256", "flash", "cudnn", "effic", "dec/nosplit", "dec/torch",
+        "kg-p256", "kg-wg", "kg-wg-p256", "kg-wg-p16", "flash", "cudnn", "effic", "dec/nosplit",
+        "dec/torch",
         "tuned/torch", "p16/dec", "p256/dec", "wg/dec",
     ]  # fmt: skip
     first = _cells(lines[2])
     assert first == [
         "bf16", "1", "32/8", "1", "32768", "0.05 (89%)", "0.06 (75%)", "0.4 (11%)", "-", "-",
-        "-", "-", "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-", "-",
+        "-", "-", "-", "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-", "-",
     ]  # fmt: skip
     second = _cells(lines[3])
     assert second[4:] == [
-        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "-", "-", "0.2 (22%)", "-", "-",
+        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "-", "-", "-", "0.2 (22%)", "-",
+        "-",
         "-", "2.00x", "-", "-", "-", "-",
     ]  # fmt: skip
     assert _cells(lines[4])[:5] == ["fp16", "64", "32/32", "1", "131072"]
@@ -410,7 +412,10 @@ def test_the_wgmma_decode_peers_need_a_9_0_device(monkeypatch):
     contiguous, paged = built[False], built[True]
     assert contiguous.mma == paged.mma == "wgmma"
     assert contiguous.pack_gqa and contiguous.split_kv and contiguous.block_n == 128
+    # 256-key pages hold whole tiles (TMA), 16-key pages do not (rows copied by cp.async)
     assert paged.paged_kv and dr.WGMMA_PAGE_SIZE % paged.block_n == 0
+    assert dr.WGMMA_SMALL_PAGE_SIZE % paged.block_n != 0
+    assert [dr.wgmma_page_size_of(p) for p in dr.WGMMA_DECODE_PEERS] == [0, 256, 16]
 
 
 def test_kernelgen_row_records_facts_and_memory_rule(monkeypatch):
@@ -589,10 +594,12 @@ def test_the_wgmma_decode_peers_are_compared_with_kg_decode():
         ok(a, "kg-decode", 0.050),
         ok(a, dr.WGMMA_DECODE_PEER, 0.040),
         ok(a, dr.WGMMA_PAGED_PEER, 0.044),
+        ok(a, dr.WGMMA_SMALL_PAGED_PEER, 0.050),
     ]
     by = {r["peer"]: r for r in dr.add_comparisons(rows)}
     assert by[dr.WGMMA_DECODE_PEER]["wgmma_vs_decode"] == pytest.approx(1.25)
     assert by[dr.WGMMA_PAGED_PEER]["paged_vs_contiguous"] == pytest.approx(0.04 / 0.044)
+    assert by[dr.WGMMA_SMALL_PAGED_PEER]["paged_vs_contiguous"] == pytest.approx(0.04 / 0.05)
     line = _cells(dr.markdown_table(rows).splitlines()[2])
     assert line[-1] == "1.25x"
     assert dr.WGMMA_PAGE_SIZE % 128 == 0  # a multiple of every wgmma key tile: one TMA copy
