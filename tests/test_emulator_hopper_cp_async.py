@@ -33,7 +33,7 @@ pytestmark = pytest.mark.emulate
 # 1: the relay does not fence; 2: without .noinc, staged init 1, completed by thread 0's own
 # arrive; 3: .noinc with init 96 (too few: the phase completes at the 96th); 4: the consumer
 # reads after a named barrier with the producers instead of the relay's barrier; 5: the
-# consumer fences after its wait, not the relay.
+# consumer fences after its wait, not the relay; 6: as 0, with A's copies in a committed group.
 SRC = (
     COMMON
     + wgmma_ss(64)
@@ -71,6 +71,8 @@ extern "C" __global__ void cpa_tile(const unsigned short* a, const unsigned shor
         const int bytes = m == 1 && k == rounds - 1 && r >= valid_rows ? 0 : 16;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                      :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+        if (mode == 6 && i < 512 && i + 128 >= 512)  // A's copies committed, B's not
+          asm volatile("cp.async.commit_group;" ::: "memory");
       }
       if (mode == 2) {
         asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];" :: "r"(staged) : "memory");
@@ -80,6 +82,7 @@ extern "C" __global__ void cpa_tile(const unsigned short* a, const unsigned shor
       } else
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(staged)
                      : "memory");
+      if (mode == 6) asm volatile("cp.async.wait_group 1;" ::: "memory");  // one group left
       if (mode == 4) {
         asm volatile("bar.sync 1, 256;" ::: "memory");
         continue;
@@ -214,6 +217,15 @@ def test_the_readers_own_fence_after_its_wait_suffices(cpa_kernel):
     np.testing.assert_array_equal(d, expected(a, b))
 
 
+def test_the_arrive_on_tracks_committed_copies_too(cpa_kernel):
+    """A's copies committed as a group before the arrive-on, B's not: both are tracked (every
+    prior cp.async of the thread), and a later wait_group still counts the group."""
+    a, b = operands(8, 2)
+    d, flags = run(cpa_kernel, a, b, mode=6)
+    np.testing.assert_array_equal(d, expected(a, b))
+    np.testing.assert_array_equal(flags, [1, 1] * 2)
+
+
 def test_read_before_the_copies_phase_completed_is_a_hazard(cpa_kernel):
     """The consumer meets the producers on a named barrier after their arrive-ons: the bytes
     are there in the emulator, but no thread it learnt from saw the phase complete."""
@@ -273,6 +285,17 @@ def test_mutation_fence_not_required_is_caught(mutated):  # noqa: F811
     a, b = operands(5, 1)
     d, _ = run(kernel, a, b, mode=1)  # no hazard any more: the test above would fail
     np.testing.assert_array_equal(d, expected(a, b))
+
+
+def test_mutation_committed_copies_left_out_is_caught(mutated):  # noqa: F811
+    """An arrive-on that tracks only the uncommitted copies: A's stay in flight, so wgmma's read
+    of them is a hazard (or, were they never performed, D would be wrong)."""
+    mutated("kg_ptx.h", "    copies.insert(copies.end(), g.begin(), g.end());\n", "")
+    kernel = build_kernel(SRC, "cpa_tile", PARAMS)
+    a, b = operands(8, 1)
+    with pytest.raises((HazardError, AssertionError)):
+        d, _ = run(kernel, a, b, mode=6)
+        np.testing.assert_array_equal(d, expected(a, b))
 
 
 def test_mutation_copies_unstamped_is_caught(mutated):  # noqa: F811
