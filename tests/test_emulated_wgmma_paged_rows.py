@@ -7,11 +7,11 @@ fence.proxy.async (docs/hopper.md, "Decode and serving"). Page size 64 with 64-k
 the TMA path, as a control.
 
 Against float64 NumPy: block_n 64 and 128, one and two consumer warpgroups, causal, GQA packed
-and not, split and not, head dims 64, 96 and 128, lengths no multiple of anything, the
-emulator's pools (pages in reverse order, a NaN spare page, NaN page tails) and, through
-attention_with_kvcache, shuffled pages with spare ones. Kernel mutations the tests catch: the
-swizzle's chunk, a missing arrive-on, the logical page for a row, no zero-fill, no fence in
-the relay, a relay that does not wait for the copies.
+and not, split and not, head dims 64, 96 and 128, the overlapped and ping-pong loops, lengths
+no multiple of anything, the emulator's pools (pages in reverse order, a NaN spare page, NaN
+page tails) and, through attention_with_kvcache, shuffled pages with spare ones. Kernel
+mutations the tests catch: the swizzle's chunk, a missing arrive-on, the logical page for a
+row, no zero-fill, no fence in the relay, a relay that does not wait for the copies.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ N128 = wg()  # one consumer, 128-key tiles, unpacked, unsplit
 N128_PACKED = wg(block_m=128, pack_gqa=True, split_kv=True, causal=True, dtype="bfloat16")
 D64 = wg(head_dim=64, block_n=64, split_kv=True)
 D96 = wg(head_dim=96, block_m=128, block_n=64, causal=True)
+OVERLAP = wg(block_m=128, block_n=64, overlap=True, stages=3)  # slots released a step later
+PINGPONG = wg(block_m=128, block_n=64, pingpong=True, causal=True, dtype="bfloat16")
 
 # spec, case (B, H, Hkv, Sq, Sk), split count, page size, per-entry lengths (None: Sk)
 CASES = [
@@ -68,6 +70,8 @@ CASES = [
     pytest.param(N128_PACKED, Case(2, 8, 2, 20, 300), 3, 48, [300, 41], id="m128-page48"),
     pytest.param(D64, Case(2, 4, 4, 6, 140), 2, 32, [140, 1], id="d64-page32-split"),
     pytest.param(D96, Case(1, 6, 2, 70, 130), None, 16, None, id="d96-page16-causal"),
+    pytest.param(OVERLAP, Case(1, 4, 2, 90, 275), None, 48, [275], id="overlap-s3-page48"),
+    pytest.param(PINGPONG, Case(2, 2, 1, 130, 180), None, 16, [180, 99], id="pingpong-page16"),
 ]
 
 
