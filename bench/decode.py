@@ -326,8 +326,7 @@ class DecodeRunner(Harness):
                 arch = self.env.arch
                 reason = f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {arch}"
                 return report.make_row(shape, peer, report.UNAVAILABLE, reason=reason)
-            paged = dr.WGMMA_PAGE_SIZE if peer == dr.WGMMA_PAGED_PEER else 0
-            build: Build = self.wgmma_builder(peer, paged)
+            build: Build = self.wgmma_builder(peer, dr.wgmma_page_size_of(peer))
         elif peer == dr.TUNED_PEER:
             build = self.build_tuned
         elif peer == dr.NOSPLIT_PEER:

@@ -26,10 +26,15 @@ SPLIT_SWEEP: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 PAGED_PREFIX = "kg-paged-"
 PAGE_SIZES: tuple[int, ...] = (16, 256)  # a lookup per key row / one per key tile
 # The Hopper (wgmma) decode kernel, 9.0 devices only (policy.hopper_decode_spec): contiguous,
-# and paged with pages of WGMMA_PAGE_SIZE keys (a multiple of its key tile: one TMA copy each).
+# and paged with pages of WGMMA_PAGE_SIZE keys (a multiple of its key tile: one TMA copy each)
+# and of WGMMA_SMALL_PAGE_SIZE keys (a tile spans several pages: rows copied by cp.async).
 WGMMA_DECODE_PEER = "kg-decode-wg"
 WGMMA_PAGE_SIZE = 256
-WGMMA_PAGED_PEER = f"kg-wg-paged-{WGMMA_PAGE_SIZE}"
+WGMMA_SMALL_PAGE_SIZE = 16
+WGMMA_PAGED_PREFIX = "kg-wg-paged-"
+WGMMA_PAGED_PEER = f"{WGMMA_PAGED_PREFIX}{WGMMA_PAGE_SIZE}"
+WGMMA_SMALL_PAGED_PEER = f"{WGMMA_PAGED_PREFIX}{WGMMA_SMALL_PAGE_SIZE}"
+WGMMA_PAGED_PEERS = (WGMMA_PAGED_PEER, WGMMA_SMALL_PAGED_PEER)
 # kg-decode-wg's spec with the TMA-store epilogue (docs/hopper.md): the split partials staged in
 # shared memory and stored by TMA instead of 8-byte stores from the accumulators.
 WGMMA_TMA_PEER = "kg-decode-wg-tma"
@@ -78,6 +83,14 @@ DECODE_PEERS: tuple[Peer, ...] = (
         "kernelgen",
     ),
     Peer(
+        WGMMA_SMALL_PAGED_PEER,
+        f"kg-wg-p{WGMMA_SMALL_PAGE_SIZE}",
+        f"kernelgen attention_with_kvcache, Hopper wgmma decode on a paged copy of the cache "
+        f"(pages of {WGMMA_SMALL_PAGE_SIZE} keys in shuffled order: key tiles copied row by "
+        "row with cp.async)",
+        "kernelgen",
+    ),
+    Peer(
         WGMMA_TMA_PEER,
         "kg-wg-tma",
         "kg-decode-wg's spec with epilogue: tma (its partials stored through shared memory by TMA)",
@@ -88,7 +101,7 @@ DECODE_PEERS: tuple[Peer, ...] = (
 DECODE_PEER_NAMES: tuple[str, ...] = tuple(p.name for p in DECODE_PEERS)
 DECODE_PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in DECODE_PEERS}
 KERNELGEN_DECODE_PEERS = (DECODE_PEER, TUNED_PEER)
-WGMMA_DECODE_PEERS = (WGMMA_DECODE_PEER, WGMMA_PAGED_PEER, WGMMA_TMA_PEER)
+WGMMA_DECODE_PEERS = (WGMMA_DECODE_PEER, *WGMMA_PAGED_PEERS, WGMMA_TMA_PEER)
 PAGED_PEERS: tuple[str, ...] = tuple(f"{PAGED_PREFIX}{size}" for size in PAGE_SIZES)
 
 LEGEND = (
@@ -118,6 +131,12 @@ def page_size_of(peer: str) -> int | None:
     """The page size of a paged peer (``kg-paged-16``: 16), else None."""
     digits = peer.removeprefix(PAGED_PREFIX)
     return int(digits) if peer.startswith(PAGED_PREFIX) and digits.isdigit() else None
+
+
+def wgmma_page_size_of(peer: str) -> int:
+    """The page size of a wgmma paged peer (``kg-wg-paged-16``: 16), else 0 (contiguous)."""
+    digits = peer.removeprefix(WGMMA_PAGED_PREFIX)
+    return int(digits) if peer.startswith(WGMMA_PAGED_PREFIX) and digits.isdigit() else 0
 
 
 def _peer_index(peer: str) -> tuple[int, int]:
@@ -167,7 +186,7 @@ def add_comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["paged_vs_contiguous"] = report.ratio(row, peers.get(DECODE_PEER))
             if row["peer"] == WGMMA_DECODE_PEER:
                 row["wgmma_vs_decode"] = report.ratio(row, peers.get(DECODE_PEER))
-            if row["peer"] == WGMMA_PAGED_PEER:
+            if row["peer"] in WGMMA_PAGED_PEERS:
                 row["paged_vs_contiguous"] = report.ratio(row, peers.get(WGMMA_DECODE_PEER))
             if row["peer"] == WGMMA_TMA_PEER:
                 row["tma_vs_direct"] = report.ratio(row, peers.get(WGMMA_DECODE_PEER))

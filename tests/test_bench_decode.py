@@ -201,19 +201,19 @@ def test_markdown_table_cells():
     assert len(lines) == 2 + 3
     assert _cells(lines[0]) == [
         "dtype", "B", "H/Hkv", "Sq", "Sk", "kg-decode", "kg-tuned", "kg-nosplit", "kg-p16",
-        "kg-p256", "kg-wg", "kg-wg-p256", "kg-wg-tma", "flash", "cudnn", "effic", "dec/nosplit",
-        "dec/torch", "tuned/torch", "p16/dec", "p256/dec", "wg/dec", "tma/wg",
+        "kg-p256", "kg-wg", "kg-wg-p256", "kg-wg-p16", "kg-wg-tma", "flash", "cudnn", "effic",
+        "dec/nosplit", "dec/torch", "tuned/torch", "p16/dec", "p256/dec", "wg/dec", "tma/wg",
     ]  # fmt: skip
     first = _cells(lines[2])
     assert first == [
         "bf16", "1", "32/8", "1", "32768", "0.05 (89%)", "0.06 (75%)", "0.4 (11%)", "-", "-",
-        "-", "-", "-", "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-", "-",
-        "-", "-",
+        "-", "-", "-", "-", "0.1 (45%)", "0.08 (56%)", "n/a", "8.00x", "1.60x", "1.33x", "-",
+        "-", "-", "-",
     ]  # fmt: skip
     second = _cells(lines[3])
     assert second[4:] == [
-        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "-", "-", "-", "0.2 (22%)", "-",
-        "-", "-", "2.00x", "-", "-", "-", "-", "-",
+        "4096", "0.1 (45%)", "ERR", "WRONG 5.0e-01", "-", "-", "-", "-", "-", "-", "0.2 (22%)",
+        "-", "-", "-", "2.00x", "-", "-", "-", "-", "-",
     ]  # fmt: skip
     assert _cells(lines[4])[:5] == ["fp16", "64", "32/32", "1", "131072"]
     assert _cells(lines[4])[5:16] == ["skip"] * 11
@@ -412,7 +412,10 @@ def test_the_wgmma_decode_peers_need_a_9_0_device(monkeypatch):
     assert contiguous.mma == paged.mma == "wgmma"
     assert tma == contiguous.model_copy(update={"epilogue": "tma"})  # its TMA-store twin
     assert contiguous.pack_gqa and contiguous.split_kv and contiguous.block_n == 128
+    # 256-key pages hold whole tiles (TMA), 16-key pages do not (rows copied by cp.async)
     assert paged.paged_kv and dr.WGMMA_PAGE_SIZE % paged.block_n == 0
+    assert dr.WGMMA_SMALL_PAGE_SIZE % paged.block_n != 0
+    assert [dr.wgmma_page_size_of(p) for p in dr.WGMMA_DECODE_PEERS] == [0, 256, 16, 0]
 
 
 def test_kernelgen_row_records_facts_and_memory_rule(monkeypatch):
@@ -591,11 +594,13 @@ def test_the_wgmma_decode_peers_are_compared_with_kg_decode():
         ok(a, "kg-decode", 0.050),
         ok(a, dr.WGMMA_DECODE_PEER, 0.040),
         ok(a, dr.WGMMA_PAGED_PEER, 0.044),
+        ok(a, dr.WGMMA_SMALL_PAGED_PEER, 0.050),
         ok(a, dr.WGMMA_TMA_PEER, 0.032),
     ]
     by = {r["peer"]: r for r in dr.add_comparisons(rows)}
     assert by[dr.WGMMA_DECODE_PEER]["wgmma_vs_decode"] == pytest.approx(1.25)
     assert by[dr.WGMMA_PAGED_PEER]["paged_vs_contiguous"] == pytest.approx(0.04 / 0.044)
+    assert by[dr.WGMMA_SMALL_PAGED_PEER]["paged_vs_contiguous"] == pytest.approx(0.04 / 0.05)
     assert by[dr.WGMMA_TMA_PEER]["tma_vs_direct"] == pytest.approx(1.25)
     line = _cells(dr.markdown_table(rows).splitlines()[2])
     assert line[-2:] == ["1.25x", "1.25x"]

@@ -152,31 +152,30 @@ def test_attention_with_kvcache_on_shuffled_pages(page_size):
 
 
 def test_wgmma_decode_calls_that_do_not_fit_raise():
-    """A page size that is no multiple of block_n, or a GQA group that does not divide
-    block_m, is an InputError naming the value and what is allowed."""
+    """A GQA group that does not divide block_m, or a page size that is no multiple of 16, is
+    an InputError naming the value and what is allowed (pages of any multiple of 16 run:
+    tests/test_emulated_wgmma_paged_rows.py)."""
     case = Case(1, 6, 2, 1, 100)  # group 3: no divisor of 64
     data = make_case(case, SPLIT.dtype, SPLIT.head_dim, False, seed=1)
     with pytest.raises(InputError, match=r"= 3 is not allowed .*must divide block_m"):
         run_emulated(SPLIT, case, data, num_splits=2)
     case = Case(1, 4, 2, 1, 100)
     data = make_case(case, PAGED.dtype, PAGED.head_dim, True, seed=1)
-    with pytest.raises(InputError, match=r"page_size=48 is not allowed .*multiple of 64"):
-        run_emulated(PAGED, case, data, num_splits=2, page_size=48)
+    with pytest.raises(InputError, match=r"page_size=40 is not allowed .*multiple of 16"):
+        run_emulated(PAGED, case, data, num_splits=2, page_size=40)
     # through attention_with_kvcache: refused before the new tokens are written
-    q, k_cache, v_cache, k_new, v_new = kvcache_data(2, 1, 1, 96, 4, 2, "float16", 3, 128)
-    k_pool, table, _ = paged_cache(k_cache, 48, 3)
-    v_pool, _, _ = paged_cache(v_cache, 48, 3)
-    k_pool, v_pool = k_pool.astype(np.float16), v_pool.astype(np.float16)
-    before = k_pool.copy(), v_pool.copy()
+    q, k_cache, v_cache, k_new, v_new = kvcache_data(2, 1, 1, 96, 6, 2, "float16", 3, 128)
+    k_cache, v_cache = k_cache.astype(np.float16), v_cache.astype(np.float16)
+    before = k_cache.copy(), v_cache.copy()
+    split = spec_from_dict({**SPLIT.model_dump(), "dtype": "float16"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CPUBackendWarning)
-        with pytest.raises(InputError, match=r"page_size=48 is not allowed"):
+        with pytest.raises(InputError, match=r"= 3 is not allowed .*must divide block_m"):
             kernelgen.attention_with_kvcache(
-                q.astype(np.float16), k_pool, v_pool, [5, 40], block_table=table,
-                k_new=k_new.astype(np.float16), v_new=v_new.astype(np.float16), spec=PAGED,
-                causal=True,
+                q.astype(np.float16), k_cache, v_cache, [5, 40],
+                k_new=k_new.astype(np.float16), v_new=v_new.astype(np.float16), spec=split,
             )  # fmt: skip
-    assert np.array_equal(k_pool, before[0]) and np.array_equal(v_pool, before[1])
+    assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
 
 
 # ---- mutations: each must make a run fail (a hazard, a deadlock or a wrong result) ---------

@@ -24,7 +24,7 @@ from conftest import POINTER_SPEC_PATHS, ROOT, WGMMA_SPEC_PATHS
 from test_gpu_attention import device_variants, require_compute_capability_9_0
 
 import kernelgen
-from kernelgen.specs.forward import load_spec
+from kernelgen.specs.forward import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.gpu
 
@@ -181,8 +181,8 @@ PAGED_SPEC_PATHS = [p for p in POINTER_SPEC_PATHS + WGMMA_SPEC_PATHS if load_spe
 def test_paged_specs_on_gpu(path, page_size):
     """Each paged-KV spec of specs/, named explicitly, at pages smaller than its key tile and
     not dividing it, equal to it and a multiple of it: append 3 tokens, then attend (its
-    variants with example values). A wgmma spec (9.0 devices) copies a key tile from one page:
-    other page sizes raise InputError naming page_size."""
+    variants with example values). A wgmma spec (9.0 devices) copies a key tile from one page
+    by TMA where the page holds whole tiles, else row by row with cp.async."""
     spec = load_spec(path)
     wgmma = spec.engine.warp_specialized
     if wgmma:
@@ -198,12 +198,6 @@ def test_paged_specs_on_gpu(path, page_size):
     variants = example_variants(spec.variants, len(lengths), heads, page_size, window=(100, 7))
     q, k_new, v_new = (to_device(x, spec.dtype, "cupy") for x in (data[0], data[3], data[4]))
     k_device, v_device = (to_device(x, spec.dtype, "cupy") for x in (k_pool, v_pool))
-    if wgmma and page_size % spec.block_n:
-        with pytest.raises(kernelgen.InputError, match=f"page_size={page_size} is not allowed"):
-            kernelgen.attention_with_kvcache(
-                q, k_device, v_device, lengths, block_table=table, causal=spec.causal, spec=spec
-            )
-        return
     out, lse = kernelgen.attention_with_kvcache(
         q, k_device, v_device, lengths, block_table=table, k_new=k_new, v_new=v_new,
         causal=spec.causal, spec=spec, return_lse=True, **device_variants(variants),
@@ -211,6 +205,47 @@ def test_paged_specs_on_gpu(path, page_size):
     want = kvcache_reference(
         data[0], k_logical, v_logical, data[3], data[4], lengths, spec.causal, **variants
     )
+    check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, spec.dtype)
+
+
+# The wgmma kernel's cp.async copies of pages that are no multiple of block_n (issue 33 "What
+# to build"; tests/test_emulated_wgmma_paged_rows.py runs the same cases on the emulator): 64-
+# and 128-key tiles, one and two consumer warpgroups.
+PAGED_ROW_SPECS = {
+    "n64-packed-split-causal": "v2_wg_f16_d128_m64_n64_s2_gqa_split_paged_causal.yaml",
+    "n128": dict(block_m=64, block_n=128),
+    "m128-n128-packed-split": dict(block_m=128, block_n=128, pack_gqa=True, split_kv=True),
+}
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 80])
+@pytest.mark.parametrize("name", PAGED_ROW_SPECS)
+def test_wgmma_paged_rows_with_nan_tails_on_gpu(name, page_size):
+    """Shuffled pages of 16, 48 and 80 keys, NaN in every row past each entry's keys after the
+    append (the pages past them too), spare pages: out and lse finite and equal to float64."""
+    require_compute_capability_9_0()
+    fields = PAGED_ROW_SPECS[name]
+    if isinstance(fields, str):
+        spec = load_spec(ROOT / "specs" / fields)
+    else:
+        base = dict(loop_order="v2", mma="wgmma", dtype="float16", head_dim=128, paged_kv=True)
+        spec = spec_from_dict({**base, **fields})
+    lengths, new_len, heads, kv_heads = [37, 300, 1000, 1], 2, 8, 2
+    max_keys = -(-1024 // page_size) * page_size  # past every length, a multiple of the pages
+    data = kvcache_data(
+        len(lengths), new_len, new_len, max_keys, heads, kv_heads, spec.dtype, 35, spec.head_dim
+    )
+    q, k_new, v_new = (to_device(x, spec.dtype, "cupy") for x in (data[0], data[3], data[4]))
+    k_cache, v_cache = (nan_past_lengths(c, lengths, new_len) for c in data[1:3])
+    k_pool, table, _ = paged_cache(k_cache, page_size, seed=35)
+    v_pool, _, _ = paged_cache(v_cache, page_size, seed=35)  # same seed: same table
+    k_device, v_device = (to_device(x, spec.dtype, "cupy") for x in (k_pool, v_pool))
+    out, lse = kernelgen.attention_with_kvcache(
+        q, k_device, v_device, np.asarray(lengths, np.int32), block_table=table, k_new=k_new,
+        v_new=v_new, causal=spec.causal, spec=spec, return_lse=True,
+        num_splits=3 if spec.split_kv else None,
+    )  # fmt: skip
+    want = kvcache_reference(data[0], k_cache, v_cache, data[3], data[4], lengths, spec.causal)
     check_kvcache(to_host(out), to_host(lse).astype(np.float32), *want, spec.dtype)
 
 

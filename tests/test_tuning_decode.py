@@ -312,16 +312,18 @@ def test_paged_decode_has_its_own_key_and_paged_candidates():
     specs, _ = valid_candidates(paged64, "sm_90")
     plain, _ = valid_candidates(contiguous, "sm_90")
     assert specs and all(s.paged_kv for s in specs)
-    # the Hopper decode grid keeps only key tiles that divide the pages (one TMA copy per tile)
-    assert {s.block_n for s in specs if s.mma == "wgmma"} == {64}
+    # the Hopper decode grid keeps every key tile for any page size (a tile within one page is
+    # one TMA copy, others are copied row by row with cp.async)
+    assert {s.block_n for s in specs if s.mma == "wgmma"} == {64, 128}
     assert {s.block_n for s in plain if s.mma == "wgmma"} == {64, 128}
     assert [s.model_copy(update={"paged_kv": False}) for s in specs] == [
-        s for s in plain if s.loop_order == "v2" and not (s.mma == "wgmma" and s.block_n == 128)
+        s for s in plain if s.loop_order == "v2"
     ]
     # 16-key pages: also 16-key tiles, which lie in one page (one block-table load per tile)
     small, _ = valid_candidates(paged16, "sm_90")
     extra = {s.model_copy(update={"paged_kv": False}) for s in small} - set(plain)
     assert extra and {s.block_n for s in extra} == {16}
+    assert {s.block_n for s in small if s.mma == "wgmma"} == {64, 128}
     assert autotune_module.heuristic_spec(paged16, DEVICE).paged_kv
 
 

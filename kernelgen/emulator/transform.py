@@ -971,6 +971,14 @@ def _ptx_mbarrier_arrive(
     return call if state is None else f"{_PTX_NS}set_b64({state}, {call})"
 
 
+def _ptx_cp_async_mbarrier_arrive(
+    stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
+) -> str:
+    _expect(stmt, instr, args, "addr")
+    addr = stmt.shared_addr(args[0], "mbarrier address")
+    return f"{_PTX_NS}cp_async_mbarrier_arrive({addr}, {str(m.group(1) is not None).lower()})"
+
+
 def _ptx_mbarrier_expect_tx(
     stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
 ) -> str:
@@ -1257,6 +1265,7 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
         r"\.b64",
         _ptx_mbarrier_arrive,
     ),
+    (rf"cp\.async\.mbarrier\.arrive(\.noinc)?{_SHARED}\.b64", _ptx_cp_async_mbarrier_arrive),
     (rf"mbarrier\.expect_tx(?:\.relaxed)?{_MBAR_SCOPE}{_SHARED}\.b64", _ptx_mbarrier_expect_tx),
     (
         rf"mbarrier\.(try_wait|test_wait)(\.parity)?(?:\.acquire)?{_MBAR_SCOPE}{_SHARED}\.b64",

@@ -38,6 +38,10 @@ TENSOR_MAP_CTYPE = "const __grid_constant__ CUtensorMap"
 # the producer keeps what issuing copies needs, the consumers share the rest of the 64K register
 # file (512 per thread of one warpgroup), at most 240 each.
 PRODUCER_REGS = 24
+# Paged K/V: pages that are no multiple of block_n are copied row by row with cp.async by all
+# producer threads (each row's page from the block table, 64-bit addresses): ptxas spills below
+# 56 there (docs/hopper.md, "Decode and serving").
+PAGED_PRODUCER_REGS = 56
 MAX_CONSUMER_REGS = 240
 
 
@@ -156,12 +160,16 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     A split-KV kernel writes fp32 partials (o_partial, lse_partial) instead of out and lse;
     ``seqlens_k`` (per-sequence key lengths, or null) clamps ``seqlen_k`` for each batch entry.
     A paged-KV kernel also takes ``block_table`` (B, pages per sequence), its row stride and
-    ``page_size``; its k/v batch stride is then the stride between pages."""
+    ``page_size``; its k/v batch stride is then the stride between pages. A paged wgmma kernel
+    takes k and v with their strides beside the maps (pages that are no multiple of block_n
+    are copied row by row with cp.async: docs/hopper.md)."""
     elem = CXX_ELEMENT[spec.out_dtype].name
     if spec.engine.warp_specialized:  # q, k and v reach the kernel as TMA tensor maps
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
         if spec.epilogue == "tma":  # out written by TMA stores (out and its strides stay)
             params.append(Param("out_map", TENSOR_MAP_CTYPE))
+        if spec.paged_kv:  # pages of any size: rows copied by cp.async from the pools
+            params += [Param("k", f"const {elem}*"), Param("v", f"const {elem}*")]
     else:
         params = [
             Param("q", f"const {elem}*"),
@@ -183,6 +191,8 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     params += [Param(name, "int") for name in names]
     if not spec.engine.warp_specialized:  # the tensor maps hold the strides of q, k and v
         params += _strides("q", "bhs") + _strides("k", "bhs") + _strides("v", "bhs")
+    elif spec.paged_kv:  # (page, head, row) strides of the pools, for the cp.async copies
+        params += _strides("k", "bhs") + _strides("v", "bhs")
     if spec.paged_kv:
         params += _strides("block_table", "b")
     if not spec.split_kv:
@@ -239,8 +249,14 @@ def consumer_registers(spec: KernelSpec) -> int:
     """setmaxnreg budget of a wgmma consumer thread: the register file (64K, i.e. 512 per thread
     of one warpgroup) less the producer's, shared by the consumers, in multiples of 8, at most
     :data:`MAX_CONSUMER_REGS`."""
-    share = (512 - PRODUCER_REGS) // max(1, spec.consumer_warpgroups)
+    share = (512 - producer_registers(spec)) // max(1, spec.consumer_warpgroups)
     return min(MAX_CONSUMER_REGS, share // 8 * 8)
+
+
+def producer_registers(spec: KernelSpec) -> int:
+    """setmaxnreg budget of a wgmma producer thread: :data:`PRODUCER_REGS`, or with paged K/V
+    :data:`PAGED_PRODUCER_REGS` (its cp.async row copies)."""
+    return PAGED_PRODUCER_REGS if spec.paged_kv else PRODUCER_REGS
 
 
 def workspace_floats(spec: KernelSpec, batch: int, num_heads: int, seqlen_q: int) -> int:
@@ -320,7 +336,7 @@ def render(spec: KernelSpec) -> str:
         spec=spec,
         uri=spec.uri,
         engine=spec.engine.description,
-        producer_regs=PRODUCER_REGS,
+        producer_regs=producer_registers(spec),
         consumer_regs=consumer_registers(spec) if spec.engine.warp_specialized else 0,
         elem=CXX_ELEMENT[spec.out_dtype],
         operand=WGMMA_OPERAND.get(spec.dtype),

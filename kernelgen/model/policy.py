@@ -288,8 +288,8 @@ def hopper_decode_spec(
 
     Packed GQA where the group divides block_m (a TMA box holds whole queries), split-KV, one
     consumer warpgroup up to 64 packed rows (two past them), 128-key tiles at head dims 64
-    and 128 (64 at 96 and 256, or with a paged cache: pages are then multiples of 64), 2
-    stages."""
+    and 128 (64 at 96 and 256, or with a paged cache: pages of a multiple of 64 keys are then
+    one TMA copy per tile, smaller ones are copied row by row with cp.async), 2 stages."""
     dtype = normalize_dtype(dtype)
     if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
         return None

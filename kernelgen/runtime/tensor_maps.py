@@ -86,10 +86,16 @@ def _checked_strides(tensor: str, strides_elems: tuple[int, ...], elem: int) -> 
     return strides
 
 
+# The wgmma kernel's cp.async copies of pages that are no multiple of block_n step 16 rows at a
+# time through a page (templates/wgmma_paged_kv.cuh.j2: ROW_STEP), as the public API's pages are.
+PAGE_ROWS = 16
+
+
 def check_wgmma_decode(spec: KernelSpec, problem: Any) -> None:
     """What a wgmma spec's TMA boxes need of the call (InputError naming the value and what is
     allowed): packed GQA, a group (H/Hkv) that divides block_m (a box holds whole queries);
-    a paged cache, a page size that is a multiple of block_n (a key tile from one page)."""
+    a paged cache, a positive page size and page count (pages of any size: the kernel copies
+    a key tile by TMA when it lies in one page, else row by row with cp.async)."""
     if spec.pack_gqa and spec.block_m % problem.group:
         allowed = ", ".join(str(g) for g in range(1, spec.block_m + 1) if spec.block_m % g == 0)
         raise InputError(
@@ -98,12 +104,12 @@ def check_wgmma_decode(spec: KernelSpec, problem: Any) -> None:
             f"block_m={spec.block_m}): one TMA box packs whole queries, so the group must divide "
             f"block_m (one of {allowed}); use an mma_sync spec"
         )
-    if spec.paged_kv and (problem.page_size <= 0 or problem.page_size % spec.block_n):
+    if spec.paged_kv and (problem.page_size <= 0 or problem.page_size % PAGE_ROWS):
         raise InputError(
             f"page_size={problem.page_size} is not allowed with spec {spec.uri} (mma='wgmma', "
-            f"paged_kv, block_n={spec.block_n}): TMA copies a whole key tile from one page, so "
-            f"page_size must be a positive multiple of {spec.block_n} ({spec.block_n}, "
-            f"{2 * spec.block_n}, {4 * spec.block_n}, ...); use an mma_sync spec for other sizes"
+            f"paged_kv): a positive multiple of {PAGE_ROWS} (a multiple of block_n="
+            f"{spec.block_n} is copied by TMA, others row by row with cp.async, {PAGE_ROWS} "
+            "rows per step)"
         )
     if spec.paged_kv and problem.num_pages <= 0:
         raise InputError(

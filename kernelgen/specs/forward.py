@@ -292,7 +292,8 @@ class KernelSpec(BaseModel):
         description="K and V live in a paged cache (num_pages, page_size, Hkv, D): key j of "
         "batch entry b is row j % page_size of page block_table[b, j / page_size]; page_size and "
         "the block table are launch arguments (loop_order v2 only; wgmma copies a key tile from "
-        "one page with TMA, so there page_size must be a multiple of block_n).",
+        "one page with TMA when page_size is a multiple of block_n, else row by row with "
+        "cp.async).",
     )
     additive_mask: bool = Field(
         False,
@@ -925,8 +926,10 @@ class KernelSpec(BaseModel):
         if self.engine.warp_specialized:  # Q, K and V rings, their barriers, 1024-byte alignment
             q_bytes = self.block_m * self.q_region_blocks * row_bytes
             kv_bytes = 2 * self.stages * self.block_n * self.column_blocks * row_bytes
-            # Q landed; per slot K landed, V landed, slot free; the last V tile staged
-            barriers = (2 + 3 * self.stages) * WGMMA_BARRIER_BYTES
+            # Q landed; per slot K landed, V landed, slot free; the last V tile staged; paged:
+            # per slot K and V copied by cp.async (pages that are no multiple of block_n)
+            slot_barriers = (5 if self.paged_kv else 3) * self.stages
+            barriers = (2 + slot_barriers) * WGMMA_BARRIER_BYTES
             return q_bytes + kv_bytes + barriers + WGMMA_SWIZZLE_ATOM
         if self.engine.tensor_cores:  # Q tile (reused to stage the output), then K and V rings
             return (self.block_m + 2 * self.stages * self.block_n) * row_bytes

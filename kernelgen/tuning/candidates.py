@@ -94,8 +94,9 @@ DECODE_STAGES = (2, 3)
 # Hopper decode grid (wgmma, offered only on compute capability 9.0 devices, beside the mma.sync
 # grid: the untuned decode default stays mma.sync until a GPU has timed these): packed GQA in
 # one consumer warpgroup (two past 64 packed rows) x key tiles x split or not, 2 stages. Packing
-# where the group divides block_m (a TMA box holds whole queries); a paged problem only takes the
-# key tiles that divide its pages (one TMA copy per tile from one page).
+# where the group divides block_m (a TMA box holds whole queries); a paged problem takes them all
+# (a tile that lies in one page is one TMA copy, others are copied row by row with cp.async:
+# which is faster is for a GPU to time).
 WGMMA_DECODE_BLOCK_N = (64, 128)
 # A paged cache whose page size is no multiple of 32 (16, 48, ...) also tries 16-key tiles: a
 # tile that lies in one page costs one block-table load (docs/design-decisions.md).
@@ -290,8 +291,6 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
         return
     block_m = 64 if rows <= 64 else 128
     for block_n, split in itertools.product(WGMMA_DECODE_BLOCK_N, (True, False)):
-        if problem.page_size % block_n:
-            continue
         fields = {
             "loop_order": "v2",
             "mma": "wgmma",

@@ -280,6 +280,10 @@ struct MbarrierState {
   // Likewise the mbarrier phases the arriving threads had seen complete (kg_mbarrier.h:
   // check_tma_read), which a thread that sees the phase complete then knows too.
   std::vector<SeenPhase> seen, seen_at[4];
+  // fence.proxy.async of threads that had seen phases complete: (phases completed, the fencing
+  // thread's point, kg_ptx.h: my_point); cp.async bytes this barrier tracked reach the async
+  // proxy through them (kg_mbarrier.h: check_cp_async_fenced).
+  std::vector<std::pair<uint32_t, uint64_t>> fences;
   void reset() {
     phase.store(0, std::memory_order_relaxed);
     initialized = expected = 0;
@@ -291,6 +295,7 @@ struct MbarrierState {
     }
     known.clear();
     seen.clear();
+    fences.clear();
   }
 };
 

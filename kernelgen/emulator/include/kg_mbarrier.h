@@ -199,18 +199,22 @@ inline bool mbarrier_wait(uint32_t addr, bool by_parity, uint64_t operand, bool 
   }
 }
 
-// ---- reads of TMA destinations ----------------------------------------------------------------
+// ---- reads of TMA and cp.async destinations ---------------------------------------------------
 // Each 16-byte chunk a TMA or bulk copy writes records (mbarrier slot + 1) << 32 | the number of
-// the phase its bytes complete on. A read of the chunk (ldmatrix, wgmma) is ordered after the
-// write when the reader saw that phase complete, or learnt of it from a thread that did: through
-// a named barrier, an mbarrier phase that thread arrived on, or a __syncthreads since. The copy itself happens at issue, so without this check a kernel
-// that forgets its wait would read the right bytes by luck.
+// the phase its bytes complete on; cp.async copies an mbarrier tracks (cp.async.mbarrier.arrive,
+// kg_ptx.h) record the same with kCpAsyncStamp set. A read of the chunk (ldmatrix, wgmma) is
+// ordered after the write when the reader saw that phase complete, or learnt of it from a thread
+// that did: through a named barrier, an mbarrier phase that thread arrived on, or a
+// __syncthreads since. The copy itself happens at issue (TMA) or at the arrive (cp.async), so
+// without this check a kernel that forgets its wait would read the right bytes by luck.
+constexpr uint32_t kCpAsyncStamp = 1u << 31;
+
 inline void check_tma_read(size_t chunk) {
   const Cta& C = *tctx().cta;
   const uint64_t stamp = C.shadow[chunk].tma.load();
   if (stamp == 0) return;
   const uint32_t slot = static_cast<uint32_t>(stamp >> 32) - 1u;
-  const uint32_t phase = static_cast<uint32_t>(stamp);
+  const uint32_t phase = static_cast<uint32_t>(stamp) & ~kCpAsyncStamp;
   for (const SeenPhase& s : mbarrier_seen()) {
     if (s.slot == slot && s.completed > phase) return;
   }
@@ -222,9 +226,51 @@ inline void check_tma_read(size_t chunk) {
     }
   }
   const uint32_t addr = kSharedBase + static_cast<uint32_t>(chunk * 16);
-  report_hazard("shared 0x%x is read before its TMA write completed for this thread: wait on the "
+  report_hazard("shared 0x%x is read before its %s write completed for this thread: wait on the "
                 "mbarrier at shared 0x%x for phase %u (parity %u) first",
-                addr, mbarrier_address(slot), phase, phase & 1u);
+                addr, (static_cast<uint32_t>(stamp) & kCpAsyncStamp) ? "cp.async" : "TMA",
+                mbarrier_address(slot), phase, phase & 1u);
+}
+
+// ---- cp.async bytes read by the async proxy ---------------------------------------------------
+// cp.async (not .bulk) writes shared memory in the generic proxy (PTX ISA, "Proxies": only the
+// .async.bulk operations use the async proxy), and wgmma and TMA stores read it in the async
+// proxy, so a fence.proxy.async must come between: executed by a thread that saw the copies'
+// phase complete (it then holds their bytes) and ordered before the read (the reader itself, or
+// a thread whose later arrival on a barrier the reader acquired).
+
+// fence.proxy.async{.shared::cta} by this thread: the cp.async bytes of the phases it saw
+// complete reach the async proxy.
+inline void mbarrier_note_proxy_fence() {
+  const std::vector<SeenPhase>& seen = mbarrier_seen();
+  if (seen.empty()) return;
+  const uint64_t point = my_point();
+  const uint32_t me = tctx().linear;
+  MbarrierLock lock;
+  for (const SeenPhase& s : seen) {
+    std::vector<std::pair<uint32_t, uint64_t>>& f = tctx().cta->mbarriers[s.slot].fences;
+    bool known = false;  // this thread's fence of that phase is recorded already
+    for (const auto& e : f) known = known || (e.first == s.completed && PointStamp::of(e.second).thread == me);
+    if (!known) f.emplace_back(s.completed, point);
+  }
+}
+
+// An async-proxy read (wgmma, TMA store) of chunk `chunk`: cp.async bytes need a fence first.
+inline void check_cp_async_fenced(size_t chunk, const char* what) {
+  const uint64_t stamp = tctx().cta->shadow[chunk].tma.load();
+  if ((static_cast<uint32_t>(stamp) & kCpAsyncStamp) == 0) return;
+  const uint32_t slot = static_cast<uint32_t>(stamp >> 32) - 1u;
+  const uint32_t phase = static_cast<uint32_t>(stamp) & ~kCpAsyncStamp;
+  {
+    MbarrierLock lock;
+    for (const auto& [completed, point] : tctx().cta->mbarriers[slot].fences) {
+      if (completed > phase && PointStamp::of(point).before_me()) return;
+    }
+  }
+  report_hazard("%s reads shared 0x%x, which cp.async wrote (mbarrier at shared 0x%x, phase %u): "
+                "cp.async writes in the generic proxy, so a thread that saw that phase complete "
+                "must execute fence.proxy.async, ordered before the read",
+                what, chunk_address(chunk), mbarrier_address(slot), phase);
 }
 
 }  // namespace kg_emu

@@ -317,7 +317,9 @@ inline void note_shared_read(const unsigned char* host, bool generic = true) {
   const uint32_t warp = tctx().linear / 32, epoch = tctx().epoch;
   const uint64_t mine = static_cast<uint64_t>(epoch + 1) << 32 | warp;
   uint64_t old = sh.reads.load();
-  for (;;) {
+  // The epoch model of reads against later cp.async issues is ldmatrix's (__syncthreads orders
+  // them); a wgmma's reads are ordered against the next copy by mbarriers, as TMA's are.
+  while (generic) {
     uint64_t want = mine;
     if ((old >> 32) == epoch + 1u && static_cast<uint32_t>(old) != warp) want = mine | kManyWarps;
     if (old == want || sh.reads.compare_exchange_weak(old, want)) break;
@@ -741,6 +743,60 @@ inline void cp_async_wait_all() {
   cp_async_wait_group(0);
 }
 
+// cp.async.mbarrier.arrive{.noinc}.shared{::cta}.b64 [addr] (PTX ISA, "cp.async.mbarrier.arrive"):
+// an arrive-on of the barrier, triggered once every cp.async the thread issued before it has
+// completed (committed or not; they leave the thread's groups, which keep their number, so a
+// later wait_group counts as before). Without .noinc the pending count is first raised by one,
+// in the current phase, so the arrive-on changes nothing on balance; with .noinc the arrive-on
+// must have been counted in mbarrier.init's count. The emulator performs the copies here and
+// then the arrive-on (the copies land no later than the phase they complete); each chunk they
+// write records the phase (kg_mbarrier.h: check_tma_read, check_cp_async_fenced), so a read
+// before the phase completed is still caught. The arrive-on releases the copies only, not the
+// thread's other writes (it is the system's, not the thread's).
+inline void cp_async_mbarrier_arrive(uint32_t addr, bool noinc) {
+  const char* what = noinc ? "cp.async.mbarrier.arrive.noinc" : "cp.async.mbarrier.arrive";
+  const uint32_t slot = mbarrier_slot(addr, what);
+  AsyncCopies& q = async_copies();
+  std::vector<PendingCopy> copies;  // in issue order
+  for (std::vector<PendingCopy>& g : q.committed) {
+    copies.insert(copies.end(), g.begin(), g.end());
+    g.clear();
+  }
+  copies.insert(copies.end(), q.current.begin(), q.current.end());
+  q.current.clear();
+  Cta& C = *tctx().cta;
+  MbarrierLock lock;
+  MbarrierState& b = mbarrier_initialized(addr, what);
+  if (!noinc) {
+    if (b.pending + 1 > kMbarrierMaxCount) {
+      trap_with("%s: the pending count of the mbarrier at shared 0x%x would exceed 2^20-1", what,
+                addr);
+    }
+    b.pending += 1;
+  }
+  const uint64_t stamp = (static_cast<uint64_t>(slot) + 1) << 32 | b.phase.load() | kCpAsyncStamp;
+  for (const PendingCopy& c : copies) {
+    if (c.src_size > 0) std::memcpy(c.dst, c.src, c.src_size);
+    std::memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);  // zero-fill the rest
+    ChunkShadow& sh = C.shadow[chunk_of(c.dst)];
+    uint64_t w = sh.writes.load();  // the in-flight mark of this thread's copy: ordered by b now
+    if (WriteStamp::of(w).in_flight() && WriteStamp::of(w).thread == tctx().linear) {
+      sh.writes.compare_exchange_strong(w, 0);
+    }
+    const uint64_t old = sh.tma.exchange(stamp);
+    const uint32_t old_slot = static_cast<uint32_t>(old >> 32) - 1u;
+    const uint32_t old_phase = static_cast<uint32_t>(old) & ~kCpAsyncStamp;
+    if (old != 0 && (old & ~uint64_t{kCpAsyncStamp}) != (stamp & ~uint64_t{kCpAsyncStamp}) &&
+        C.mbarriers[old_slot].phase.load() <= old_phase) {
+      report_hazard("%s: a copy writes shared 0x%x while an earlier TMA or cp.async write there "
+                    "(mbarrier at shared 0x%x, phase %u) has not completed",
+                    what, chunk_address(chunk_of(c.dst)), mbarrier_address(old_slot), old_phase);
+    }
+  }
+  b.pending -= 1;  // (>= 1 before: a phase that completes starts over at the init count)
+  mbarrier_maybe_complete(b);
+}
+
 // ---- conversions (cvt) to and from fp8, and f32 pairs to f16x2 / bf16x2 --------------------
 // A "=h" (16-bit) or "=r" destination (the value zero-extended).
 template <class D>
@@ -805,6 +861,7 @@ inline void compiler_barrier() { std::atomic_signal_fence(std::memory_order_seq_
 inline void fence_proxy_async() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void fence_proxy_async_shared() {
   fence_generic_writes();
+  mbarrier_note_proxy_fence();
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 

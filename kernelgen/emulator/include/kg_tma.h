@@ -138,10 +138,10 @@ inline void stamp_tma_chunks(Cta& C, const unsigned char* dst, uint32_t bytes, u
     const uint64_t old = C.shadow[c].tma.exchange((static_cast<uint64_t>(slot) + 1) << 32 | phase);
     if (old == 0) continue;
     const uint32_t old_slot = static_cast<uint32_t>(old >> 32) - 1u;
-    const uint32_t old_phase = static_cast<uint32_t>(old);
+    const uint32_t old_phase = static_cast<uint32_t>(old) & ~kCpAsyncStamp;
     if (C.mbarriers[old_slot].phase.load() <= old_phase) {
-      report_hazard("a TMA writes shared 0x%x while an earlier TMA write there (mbarrier at "
-                    "shared 0x%x, phase %u) has not completed",
+      report_hazard("a TMA writes shared 0x%x while an earlier TMA or cp.async write there "
+                    "(mbarrier at shared 0x%x, phase %u) has not completed",
                     chunk_address(c), mbarrier_address(old_slot), old_phase);
     }
   }
@@ -270,6 +270,7 @@ inline void bulk_issue(BulkOp& op, const char* what) {
       last_chunk = off / 16;
       check_tma_read(last_chunk);
       check_async_read(last_chunk, what);
+      check_cp_async_fenced(last_chunk, what);
     }
   });
   const size_t first = (op.src - kSharedBase) / 16, last = (op.src - kSharedBase + op.bytes - 1) / 16;

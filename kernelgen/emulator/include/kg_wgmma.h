@@ -132,6 +132,7 @@ inline uint64_t wgmma_compute(const WgmmaOp& op, uint32_t* out, bool check_reads
     if (check_reads && chunk_of(p) != last_chunk) {
       last_chunk = chunk_of(p);
       check_tma_read(last_chunk);
+      check_cp_async_fenced(last_chunk, "wgmma");
       note_shared_read(p, false);
     }
     uint16_t bits = 0;
