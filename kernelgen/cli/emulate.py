@@ -9,7 +9,7 @@ and exits 2. A spec with variants (docs/variants.md) runs with ``--window``/``--
 example values; one with user expressions (docs/expressions.md) with ``--mod-input NAME=FILE.npy``
 arrays or, for the shipped specs' input names, example arrays
 (:mod:`kernelgen.references.example_inputs`), and a block-sparse one with the block mask of its
-mask_mod.
+mask_mod. An fp8 spec runs on e4m3 inputs with descales (:mod:`kernelgen.cli.emulate_fp8`).
 """
 
 from __future__ import annotations
@@ -360,6 +360,11 @@ def emulate(
         raise fail(str(exc).splitlines()[:1]) from None
     if not isinstance(loaded, KernelSpec):  # the backward family
         _emulate_backward(loaded, dims, seed, variants, expressions, hooks)
+        return
+    if loaded.fp8:  # e4m3 inputs with descales, against the stated fp8 bound
+        from kernelgen.cli.emulate_fp8 import emulate_fp8
+
+        emulate_fp8(loaded, dims, seed)
         return
     q, k, v = _random_inputs(loaded, dims, seed)
     rows: list[Row] = []
