@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernelgen.cli.console import fail, out_console
-from kernelgen.cli.emulate import Row, _memory_rows, _table
+from kernelgen.cli.emulate_table import Row, memory_rows, table
 from kernelgen.errors import (
     EmulatorCompileError,
     EmulatorLaunchError,
@@ -58,7 +58,7 @@ def emulate_fp8(spec: KernelSpec, dims: tuple[int, ...], seed: int) -> None:
     try:
         run = emulate_fp8_attention(spec, bits["q"], bits["k"], bits["v"], scale=scale, **descales)
     except HazardError as exc:
-        out_console.print(_table(spec, dims, [Row("hazards (race check)", "1", "0", False)]))
+        out_console.print(table(spec, dims, [Row("hazards (race check)", "1", "0", False)]))
         raise fail([f"hazard: {exc.message}"], 1) from None
     except (EmulatorCompileError, EmulatorLaunchError) as exc:
         raise fail([str(exc)], 1) from None
@@ -88,9 +88,9 @@ def emulate_fp8(spec: KernelSpec, dims: tuple[int, ...], seed: int) -> None:
         ),
         Row("NaN in out or lse", "yes" if nan else "no", "no", not nan),
         Row("hazards (race check)", "0", "0", True),
-        *_memory_rows(spec, run, dims),
+        *memory_rows(spec, run, dims),
     ]
-    out_console.print(_table(spec, dims, rows))
+    out_console.print(table(spec, dims, rows))
     failed = [r.what for r in rows if r.ok is False]
     if failed:
         raise fail([f"{spec.uri}: failed: {', '.join(failed)}"], 1)
