@@ -208,6 +208,43 @@ def test_an_fp8_record_with_a_bf16_winner_is_a_miss(caplog):
     assert launch.spec.uri == loop_uris(False)[4] and len(calls) == 2
 
 
+# ---- kernelgen tune --dtype e4m3 ------------------------------------------------------------
+def test_the_dry_run_of_an_fp8_shape_lists_the_fp8_loops(monkeypatch):
+    """On the assumed H100 the five loops, one of them spilling (a fake ptxas) dropped by name."""
+    from test_tuning_cli import run
+
+    from kernelgen.tuning import candidates
+
+    spilling = loop_uris(True)[4]  # ping-pong
+    monkeypatch.setattr(candidates, "offline_resources", fake_compile(frozenset({spilling})))
+    monkeypatch.setenv("COLUMNS", "200")
+    result = run("tune", "--shape", "2,16,8,4096,4096,128", "--dtype", "e4m3", "--causal",
+                 "--dry-run")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "problem bucket e4m3_d128_causal_nomask_g2_q4096_k4096_bh32" in result.stdout
+    assert all(uri in result.stdout for uri in loop_uris(True)[:4])
+    assert f"drop [resources] {spilling}: ptxas" in result.stdout
+    assert "4 to time, 1 dropped (dry run: nothing timed)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--arch", "sm_80"), "problems are tuned on compute capability 9.0 devices only"),
+        (("--shape", "2,16,8,4096,4096,64"), "head_dim=64 is not allowed with dtype="),
+        (("--mask",), "mask=True is not allowed with dtype='float8_e4m3'; use False"),
+        (("--backward",), "family='backward' is not allowed with dtype='float8_e4m3'"),
+    ],
+)
+def test_an_fp8_tune_the_kernels_cannot_run_is_one_line_and_exit_2(args, message):
+    from test_tuning_cli import run
+
+    shape = () if "--shape" in args else ("--shape", "2,16,8,4096,4096,128")
+    result = run("tune", *shape, "--dtype", "e4m3", "--dry-run", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
 # ---- the fp8 call on the fakes of torch and CuPy -------------------------------------------
 B, H, HKV, SQ, SK, D = 2, 4, 2, 100, 200, 128
 
