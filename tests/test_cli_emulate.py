@@ -3,6 +3,7 @@ fragment layout fails the error check, a missing cp.async wait is a hazard)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import ROOT
 from typer.testing import CliRunner
@@ -189,3 +190,63 @@ def test_a_broken_backward_fails_the_error_check(monkeypatch):
     result = run(str(ROOT / "specs" / "bwd_simt_f32_d64_causal.yaml"), "--shape", "1,2,1,20,30")
     assert result.exit_code == 1, result.output
     assert "failed: dq rel. error, dk rel. error" in result.output
+
+
+# ---- fp8 (e4m3) specs: e4m3 inputs with descales, against the stated fp8 bound --------------
+FP8_SPEC = ROOT / "specs" / "v2_wg_e4m3_d128_m128_n128_s2.yaml"
+FP8_SHAPE = "1,3,1,70,150"  # MQA, Sq and Sk off the 128-row and 128-key tiles (Sk off 16)
+
+
+def test_an_fp8_spec_runs_within_its_bound_against_float64():
+    """The kernel's output against the float64 attention of the quantized inputs and descales
+    (kernelgen.references.fp8), compared here with the test suite's own reference of
+    tests/test_emulated_fp8.py on the same inputs; causal: 70 queries at the bottom right of
+    150 keys see both key tiles."""
+    from test_emulated_fp8 import reference
+
+    from kernelgen.cli.emulate_fp8 import random_fp8_inputs
+    from kernelgen.references.fp8 import fp8_reference
+
+    result = run(FP8_SPEC, "--shape", FP8_SHAPE, "--causal", "--seed", 5)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "fa_fwd_v2_wg_e4m3_d128_m128_n128_w12_s2_causal  B=1 H=3 HKV=1 SQ=70 SK=150" in out
+    assert "FAIL" not in out
+    assert 0.05 < float(_value(out, "out: max error / fp8 bound")) <= 1.0
+    assert 1e-3 < float(_value(out, "out: relative Frobenius error")) <= 2.0**-4
+    assert float(_value(out, "lse: max absolute error")) <= 1e-3
+    assert "6 expected of 6" in out  # 3 heads x 2 key tiles, none skipped
+    bits, descales = random_fp8_inputs((1, 3, 1, 70, 150), 128, 5)
+    mine = fp8_reference(bits["q"], bits["k"], bits["v"], descales, causal=True,
+                         scale=128**-0.5)  # fmt: skip
+    theirs, lse, a, b = reference(bits["q"], bits["k"], bits["v"], descales, True, 128**-0.5)
+    np.testing.assert_allclose(mine.out, theirs, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mine.lse, lse, rtol=1e-12)
+    np.testing.assert_allclose(mine.weighted, a, rtol=1e-12)
+    np.testing.assert_allclose(mine.total, np.broadcast_to(b, mine.total.shape), rtol=1e-12)
+
+
+def test_an_fp8_kernel_without_its_v_descale_fails_the_bound(monkeypatch, fresh_kernels):
+    """Mutation: the epilogue's v descale dropped (out off by the descale's factor)."""
+    factor = "const float out_factor = v_descale ? v_descale[descale_index] : 1.f;"
+    assert factor in render(load_spec(FP8_SPEC))
+    _with_source(monkeypatch, lambda s: s.replace(factor, "const float out_factor = 1.f;"))
+    result = run(FP8_SPEC, "--shape", FP8_SHAPE)
+    assert result.exit_code == 1, result.output
+    assert "failed: out: max error / fp8 bound, out: relative Frobenius error" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--window", "4,0"), "--window needs a spec with window: true"),
+        (("--softcap", "2"), "--softcap needs a spec with softcap: true"),
+        (("--shape", "1,2,1,33"), "expected B,H,HKV,SQ,SK, five positive integers"),
+        (("--seed", "-1"), "--seed -1: use an integer from 0"),
+    ],
+)
+def test_bad_input_to_an_fp8_spec_is_one_line_and_exit_2(args, message):
+    result = run(FP8_SPEC, *args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -164,12 +164,13 @@ def test_fp8_inputs_that_require_grad():
         kernelgen.attention(q, k, v)
 
 
-def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_no_fp8_problem():
+def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_only_what_fp8_runs():
     for causal, path in ((False, "specs/v2_wg_e4m3_d128_m128_n128_s2.yaml"),
                          (True, "specs/v2_wg_e4m3_d128_m128_n128_s2_causal.yaml")):  # fmt: skip
         assert fp8_default_spec(D, causal) == load_spec(path)
         assert default_spec("float8_e4m3", D, causal) == load_spec(path)
     with raises(InputError, "split_kv=True is not allowed with dtype='float8_e4m3'"):
         default_spec("float8_e4m3", D, False, split_kv=True)
-    with raises(InputError, "dtype='float8_e4m3' is not allowed"):
-        ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, D)
+    assert ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, D).fp8  # tests/test_tuning_fp8.py
+    with raises(InputError, "head_dim=64 is not allowed with dtype='float8_e4m3'; use 128"):
+        ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, 64)

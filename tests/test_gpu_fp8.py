@@ -2,7 +2,9 @@
 float64 reference of the quantized inputs with the error bound that tests/test_emulated_fp8.py
 derives and asserts on the emulator (docs/hopper.md, "fp8"). The kernel is launched through
 its RuntimeKernel with the arguments the emulated run passes: e4m3 bit patterns, V as the V^T
-operand (kernelgen.runtime.fp8.v_operand), fp32 descales per (batch, kv head), bf16 out.
+operand (kernelgen.runtime.fp8.v_operand), fp32 descales per (batch, kv head), bf16 out; and
+the autotuner timing the fp8 loops (kernelgen.tuning.fp8_bench) for a call that reads its
+record.
 
 One figure differs from the emulator's: the H100 accumulates the fp8 products of Q K^T with
 fewer bits than fp32 (DeepSeek-V3's report measured about 14 kept bits on Hopper), so the
@@ -170,3 +172,42 @@ def test_v_operand_built_on_the_device_matches_the_host_copy():
     on_device = v_operand(torch.from_numpy(v).cuda().swapaxes(1, 2))
     assert on_device.is_cuda and on_device.is_contiguous()
     np.testing.assert_array_equal(on_device.cpu().numpy(), v_operand(v.transpose(0, 2, 1, 3)))
+
+
+def test_fp8_tuning_on_gpu(tmp_path, monkeypatch):
+    """The fp8 loops timed by the real Fp8Bench (torch e4m3 inputs, descales, V^T): every
+    candidate runs and passes its check, the record holds the winner, and an fp8 call of the
+    same bucket finds it (KERNELGEN_AUTOTUNE=offline: only a record can answer) and stays within
+    the bound."""
+    require_compute_capability_9_0()
+    torch = pytest.importorskip("torch")
+    from kernelgen.tuning import ProblemDesc, TuningDB, clear_memo, make_key, select_launch
+    from kernelgen.tuning.candidates import valid_candidates
+    from kernelgen.tuning.gpu import detect_device, detect_software
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    clear_memo()
+    try:
+        p = ProblemDesc("float8_e4m3", 2, 8, 4, 1024, 1024, 128, causal=True)
+        device = detect_device()
+        launch = select_launch(p, device, mode="on")
+        record = TuningDB().load(make_key(p, device, detect_software()))
+        assert record is not None and record.winner == launch.spec.model_dump(mode="json")
+        uris = {s.uri for s in valid_candidates(p, "sm_90")[0]}
+        statuses = {c["uri"]: c["status"] for c in record.candidates}
+        assert set(statuses) == uris and launch.spec.uri in uris
+        assert set(statuses.values()) <= {"winner", "timed"}, record.candidates
+        assert record.winner_ms is not None and record.winner_ms > 0
+        # a call of the same bucket (GQA 2, 1000 queries and keys) runs the recorded winner
+        q, k, v, descales = problem(23, 2, 8, 4, 1000, 1000)
+        monkeypatch.setenv("KERNELGEN_AUTOTUNE", "offline")
+        out = kernelgen.attention(
+            *(torch.from_numpy(x).cuda().view(torch.float8_e4m3fn) for x in (q, k, v)),
+            causal=True,
+            **{name: torch.from_numpy(x).cuda() for name, x in descales.items()},
+        )
+        got = out.float().cpu().numpy().astype(np.float64)
+        ref, _, a, b = reference(q, k, v, descales, True, 128**-0.5)
+        assert np.isfinite(got).all() and bound_ratio(got, ref, a, b) <= 1.0
+    finally:
+        clear_memo()

@@ -83,12 +83,15 @@ def _one_byte(array: Any) -> bool:
 
 @dataclass(frozen=True)
 class Fp8Call:
-    """An fp8 call's checked metadata: the arguments as TensorInfo, its spec, its descales as
-    float32 (B, Hkv) arrays of q's library."""
+    """An fp8 call's checked metadata: the arguments as TensorInfo, its spec (the call's, or
+    :func:`~kernelgen.model.policy.fp8_default_spec` where it named none: ``named`` False, and
+    a GPU call asks the tuner instead), its descales as float32 (B, Hkv) arrays of q's
+    library."""
 
     call: CheckedCall
     spec: KernelSpec
     descales: dict[str, Any]
+    named: bool = True
 
 
 def check_fp8_call(
@@ -124,9 +127,11 @@ def check_fp8_call(
         dtypes=(FP8_DTYPE,),
     )  # fmt: skip
     batch, _, _, head_dim = call.q.shape
+    named = spec is not None
     if spec is None:
         spec = fp8_default_spec(head_dim, causal)
-    return Fp8Call(call, spec, check_descales(descales, batch, call.k.shape[1], fp8=True))
+    checked = check_descales(descales, batch, call.k.shape[1], fp8=True)
+    return Fp8Call(call, spec, checked, named)
 
 
 def fp8_attention(
@@ -145,7 +150,9 @@ def fp8_attention(
     """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
     arguments by name, each of which must be absent). The checks (:func:`check_fp8_call`) run
     before v is copied or anything is launched (descales of another dtype or layout are
-    converted first)."""
+    converted first). Without a spec, a GPU call runs the autotuner's choice among the fp8
+    loops (:func:`kernelgen.tuning.select_launch`, under ``KERNELGEN_AUTOTUNE`` as every call;
+    off: :func:`~kernelgen.model.policy.fp8_default_spec`), a CPU call the default."""
     checked_call = check_fp8_call(
         q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse, layout=layout,
         descales=descales, unsupported=unsupported,
@@ -166,6 +173,8 @@ def fp8_attention(
                     "attention runs on compute capability 9.0 only (H100, H200: the wgmma "
                     "kernel), or on the CPU (CPU tensors: the emulator)"
                 )
+            if not checked_call.named:  # the tuner's loop (KERNELGEN_AUTOTUNE=0: the default)
+                spec = api.tuned_launch(call, bool(causal), arrays.name).spec
             check_fits_device(spec, device)
             kernel = api.runtime_kernel(spec)
         v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes

@@ -9,24 +9,22 @@ and exits 2. A spec with variants (docs/variants.md) runs with ``--window``/``--
 example values; one with user expressions (docs/expressions.md) with ``--mod-input NAME=FILE.npy``
 arrays or, for the shipped specs' input names, example arrays
 (:mod:`kernelgen.references.example_inputs`), and a block-sparse one with the block mask of its
-mask_mod.
+mask_mod. An fp8 spec runs on e4m3 inputs with descales (:mod:`kernelgen.cli.emulate_fp8`).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import numpy as np
 import typer
-from rich import box
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kernelgen.cli.console import err_console, fail, out_console
+from kernelgen.cli.emulate_table import Row, memory_rows, table
 from kernelgen.errors import (
     CPUBackendWarning,
     EmulatorCompileError,
@@ -36,7 +34,7 @@ from kernelgen.errors import (
     KernelgenError,
     SpecError,
 )
-from kernelgen.specs.forward import DTYPE_BYTES, KernelSpec
+from kernelgen.specs.forward import KernelSpec
 
 DEFAULT_SHAPE = "1,2,1,100,160"  # partial query and key tiles, GQA
 
@@ -54,14 +52,6 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     if h % hkv:
         raise ValueError(f"--shape {text!r}: H={h} must be a multiple of HKV={hkv}")
     return b, h, hkv, sq, sk
-
-
-@dataclass
-class Row:
-    what: str
-    value: str
-    reference: str
-    ok: bool | None  # None: information only
 
 
 def _random_inputs(spec: KernelSpec, shape: tuple[int, ...], seed: int):
@@ -211,108 +201,6 @@ def _error_rows(spec: KernelSpec, run, q, k, v, variants: dict) -> list[Row]:
     ]
 
 
-def _memory_rows(spec: KernelSpec, run, shape: tuple[int, ...]) -> list[Row]:
-    from kernelgen.runtime.launch import launch_geometry
-
-    b, h, hkv, sq, sk = shape
-    main = run.stats[spec.uri]
-    rows = []
-    if main.ldmatrix:
-        rows.append(
-            Row(
-                "ldmatrix shared-memory wavefronts",
-                f"{main.ldmatrix_wavefronts}",
-                f"ideal {main.ldmatrix_ideal}",
-                None,
-            )
-        )
-    else:
-        rows.append(Row("ldmatrix shared-memory wavefronts", "n/a", "no ldmatrix", None))
-    row_bytes = spec.head_dim * DTYPE_BYTES[spec.dtype]
-    minimum = (b * h * sq + 2 * b * hkv * sk) * row_bytes  # q, k and v read once
-    if main.cp_async_global_bytes:
-        ratio = main.cp_async_global_bytes / minimum
-        rows.append(
-            Row(
-                "global bytes read (cp.async)",
-                f"{main.cp_async_global_bytes} ({ratio:.2f}x)",
-                f"minimum {minimum}",
-                None,
-            )
-        )
-        # Every key tile a block visits is copied whole (rows past Sk zero-filled).
-        per_tile = spec.block_n * spec.head_dim_padded * DTYPE_BYTES[spec.dtype] // 16
-        visited = main.cp_async_copies_by_arg.get("k", 0) / per_tile
-        row_blocks = launch_geometry(spec, run.problem)[0][0]  # (row tile, head) blocks
-        every = row_blocks * math.ceil(sk / spec.block_n)
-        rows.append(Row("key tiles visited", f"{visited:g}", f"of {every} (no skipping)", None))
-    elif main.tma_bytes:
-        rows += _tma_rows(spec, main.tma_bytes, minimum, shape, run.problem.num_splits)
-    else:
-        rows.append(Row("global bytes read (cp.async)", "n/a", "plain loads, not counted", None))
-        rows.append(Row("key tiles visited", "n/a", "counted from cp.async", None))
-    return rows
-
-
-def _tma_rows(
-    spec: KernelSpec, tma_bytes: int, minimum: int, shape: tuple[int, ...], num_splits: int = 1
-) -> list:
-    """wgmma specs: the bytes their TMA boxes brought in (whole boxes: 128-byte column blocks,
-    rows past the sequence zero-filled) and the key tiles they visited, from those bytes less
-    the Q tiles of the blocks that load one (a block whose rows see no key, or whose split-KV
-    chunk holds none of them, loads nothing). Packed GQA: a block's rows are (query, head)
-    pairs of one K/V head."""
-    b, h, hkv, sq, sk = shape
-    row_bytes = spec.column_blocks * 128
-    rows_per_query, heads = (h // hkv, b * hkv) if spec.pack_gqa else (1, b * h)
-    all_tiles = math.ceil(sk / spec.block_n)
-    splits = num_splits if spec.split_kv else 1
-    per_chunk = math.ceil(all_tiles / splits)
-    key_tiles = []  # per (row tile, chunk) block of one head
-    for first in range(0, sq * rows_per_query, spec.block_m):
-        last = (min(first + spec.block_m, sq * rows_per_query) - 1) // rows_per_query
-        kv_end = min(sk, last + 1 + sk - sq) if spec.causal else sk
-        end = math.ceil(kv_end / spec.block_n) if kv_end > 0 else 0
-        for chunk in range(splits):
-            begin = chunk * per_chunk
-            key_tiles.append(max(0, min(end, begin + per_chunk) - begin))
-    q_bytes = heads * sum(1 for n in key_tiles if n) * spec.block_m * row_bytes
-    visited = (tma_bytes - q_bytes) / (2 * spec.block_n * row_bytes)
-    row_tiles = len(key_tiles) // splits
-    every = heads * row_tiles * all_tiles
-    return [
-        Row(
-            "global bytes read (TMA boxes)",
-            f"{tma_bytes} ({tma_bytes / minimum:.2f}x)",
-            f"minimum {minimum}",
-            None,
-        ),
-        Row(
-            "key tiles visited",
-            f"{visited:g}",
-            f"{heads * sum(key_tiles)} expected of {every}",
-            visited == heads * sum(key_tiles),
-        ),
-    ]
-
-
-def _table(spec: KernelSpec, shape: tuple[int, ...], rows: list[Row]) -> Table:
-    b, h, hkv, sq, sk = shape
-    table = Table(
-        title=f"{spec.uri}  B={b} H={h} HKV={hkv} SQ={sq} SK={sk}",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    table.add_column("check")
-    table.add_column("emulated", justify="right")
-    table.add_column("reference", justify="right")
-    table.add_column("", no_wrap=True)
-    for row in rows:
-        verdict = "" if row.ok is None else ("ok" if row.ok else "FAIL")
-        table.add_row(row.what, row.value, row.reference, verdict)
-    return table
-
-
 def emulate(
     spec: Annotated[Path, typer.Argument(help="A spec YAML file.", show_default=False)],
     shape: Annotated[
@@ -361,6 +249,11 @@ def emulate(
     if not isinstance(loaded, KernelSpec):  # the backward family
         _emulate_backward(loaded, dims, seed, variants, expressions, hooks)
         return
+    if loaded.fp8:  # e4m3 inputs with descales, against the stated fp8 bound
+        from kernelgen.cli.emulate_fp8 import emulate_fp8
+
+        emulate_fp8(loaded, dims, seed)
+        return
     q, k, v = _random_inputs(loaded, dims, seed)
     rows: list[Row] = []
     with Progress(
@@ -394,14 +287,14 @@ def emulate(
         except KernelgenError as exc:  # the shape does not fit the spec, e.g. a grid limit
             raise fail([str(exc)]) from None
     if run is None:
-        out_console.print(_table(loaded, dims, rows))
+        out_console.print(table(loaded, dims, rows))
         raise fail([f"hazard: {hazard}"], 1)
     rows = [
         *_error_rows(loaded, run, q, k, v, {**variants, **hooks}),
         Row("hazards (race check)", "0", "0", True),
-        *_memory_rows(loaded, run, dims),
+        *memory_rows(loaded, run, dims),
     ]
-    out_console.print(_table(loaded, dims, rows))
+    out_console.print(table(loaded, dims, rows))
     failed = [r.what for r in rows if r.ok is False]
     if failed:
         raise fail([f"{loaded.uri}: failed: {', '.join(failed)}"], 1)
@@ -450,7 +343,7 @@ def _emulate_backward(spec, dims, seed: int, variants: dict, expressions: dict, 
         ok = bool(np.isfinite(got).all()) and error <= tol
         rows.append(Row(f"{name} rel. error", f"{error:.2e}", f"<= {tol:.0e}", ok))
     rows.append(Row("hazards (race check)", "0", "0", True))
-    out_console.print(_table(spec, dims, rows))
+    out_console.print(table(spec, dims, rows))
     failed = [r.what for r in rows if r.ok is False]
     if failed:
         raise fail([f"{spec.uri}: failed: {', '.join(failed)}"], 1)

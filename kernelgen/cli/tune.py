@@ -112,7 +112,7 @@ def _dry_run(problem: ProblemDesc, device: DeviceInfo) -> None:
 
 def tune(
     shape: Annotated[str, typer.Option("--shape", help="B,H,HKV,SQ,SK,D")],
-    dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32")] = "bf16",
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16, fp32 or e4m3 (fp8)")] = "bf16",
     causal: Annotated[bool, typer.Option("--causal", help="Causal (bottom-right).")] = False,
     mask: Annotated[bool, typer.Option("--mask", help="With an additive mask.")] = False,
     backward: Annotated[

@@ -249,10 +249,10 @@ def hopper_default_spec(
 
 
 def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
-    """The spec of every fp8 (e4m3) call without one: the plain-loop wgmma forward of
-    specs/v2_wg_e4m3_d128_m128_n128_s2.yaml (and its causal twin). fp8 calls are never tuned;
-    the other loops (Q in registers, overlap, ping-pong) are taken by naming their spec until a
-    GPU has timed them (docs/hopper.md, fp8). Raises InputError for a head dim other than
+    """The untuned spec of an fp8 (e4m3) call without one: the plain-loop wgmma forward of
+    specs/v2_wg_e4m3_d128_m128_n128_s2.yaml (and its causal twin), for calls on the CPU
+    backend and with ``KERNELGEN_AUTOTUNE=0``; a GPU call otherwise runs the tuner's choice
+    among the fp8 loops (docs/autotuning.md). Raises InputError for a head dim other than
     :data:`~kernelgen.specs.forward.FP8_HEAD_DIMS`."""
     if head_dim not in FP8_HEAD_DIMS:
         raise InputError(

@@ -22,6 +22,7 @@ from kernelgen.model.policy import (
     HOPPER_DEVICE_ARCH,
     default_backward_spec,
     default_spec,
+    fp8_default_spec,
     hopper_default_spec,
 )
 from kernelgen.specs.arch import ARCHS
@@ -72,7 +73,8 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
     prefill problem it takes (kernelgen.model.policy.hopper_default_spec: no mask, no paged cache);
     else kernelgen.model.policy.default_spec (the split-KV decode kernel for decode problems). For a
     backward problem, what attention_backward() uses:
-    kernelgen.model.policy.default_backward_spec."""
+    kernelgen.model.policy.default_backward_spec; for an fp8 problem, the plain fp8 loop
+    (kernelgen.model.policy.fp8_default_spec) on any device."""
     if problem.family == "backward":
         return default_backward_spec(
             problem.dtype,
@@ -84,6 +86,8 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
             tensor_cores=ARCHS[device.target_arch].compute_capability >= 80,
             arch=device.target_arch,
         )
+    if problem.fp8:
+        return fp8_default_spec(problem.head_dim, problem.causal)
     prefill = decode_rows(problem) is None and not problem.mask and problem.page_size == 0
     if prefill and device.target_arch == HOPPER_DEVICE_ARCH:
         hopper = hopper_default_spec(
@@ -147,19 +151,35 @@ def tune_problem(
     )
 
 
+def bench_for(problem: ProblemDesc, device: DeviceInfo) -> Bench:
+    """The bench that times ``problem``'s candidates on the current GPU: the backward's
+    (:class:`kernelgen.tuning.gpu.BackwardBench`), the fp8 forward's (torch e4m3 inputs:
+    :class:`kernelgen.tuning.fp8_bench.Fp8Bench`) or the forward's
+    (:class:`kernelgen.tuning.gpu.CupyBench`)."""
+    from kernelgen.tuning import gpu
+
+    if problem.family == "backward":
+        return gpu.BackwardBench(problem, device)
+    if problem.fp8:
+        from kernelgen.tuning.fp8_bench import Fp8Bench
+
+        return Fp8Bench(problem, device)
+    return gpu.CupyBench(problem, device)
+
+
 def gpu_tuner(
     compile_fn: CompileFn | None = None,
     settings: MeasureSettings | None = None,
     *,
     free_pool: bool = False,
 ) -> Tuner:
-    """A tuner that times on the current GPU through CuPy (:func:`kernelgen.tuning.gpu.bench_for`:
-    the forward or the backward bench). ``free_pool``: afterwards, give the blocks its input
+    """A tuner that times on the current GPU through CuPy (:func:`bench_for`: the forward, the
+    backward or the fp8 bench). ``free_pool``: afterwards, give the blocks its input
     sets leave in CuPy's memory pool back to the device (for callers of another library, torch,
     which cannot use them)."""
 
     def tuner(problem: ProblemDesc, key: TuningKey) -> TuningRecord:
-        from kernelgen.tuning.gpu import bench_for, free_memory_pool
+        from kernelgen.tuning.gpu import free_memory_pool
 
         bench = bench_for(problem, key.device)
         try:

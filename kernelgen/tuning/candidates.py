@@ -1,6 +1,7 @@
 """Candidate specs for a problem, and the static pruning that runs before any GPU time.
 
-A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. Decode
+A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. fp8
+problems get the fp8 loops (:data:`FP8_LOOPS`) on a 9.0 device only. Decode
 problems (:func:`kernelgen.model.policy.decode_rows`: at most 16 queries, or at most 64 packed rows)
 get the split-KV decode grid instead of the prefill grid, each spec with a few split counts
 around the launch heuristic. Backward problems get the backward family's grids, one per engine
@@ -33,7 +34,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from kernelgen.errors import KernelgenError, SettingError, SpecError, ToolchainMissingError
+from kernelgen.errors import (
+    InputError,
+    KernelgenError,
+    SettingError,
+    SpecError,
+    ToolchainMissingError,
+)
 from kernelgen.families import AnySpec, backward, spec_of_family
 from kernelgen.fileio import atomic_write_bytes, atomic_write_text
 from kernelgen.kernels.build import static_problems
@@ -45,6 +52,7 @@ from kernelgen.specs.arch import ARCHS
 from kernelgen.specs.backward import TC_DTYPES, BackwardSpec
 from kernelgen.specs.backward import TC_STAGES as BACKWARD_TC_STAGES
 from kernelgen.specs.forward import (
+    FP8_BLOCK_N,
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
     KernelSpec,
@@ -98,6 +106,17 @@ DECODE_STAGES = (2, 3)
 # (a tile that lies in one page is one TMA copy, others are copied row by row with cp.async:
 # which is faster is for a GPU to time).
 WGMMA_DECODE_BLOCK_N = (64, 128)
+# fp8 (e4m3) grid (wgmma, compute capability 9.0 only; docs/hopper.md, fp8): the loops of the
+# one fp8 tiling (d128, 128 x 128 tiles): (stages, switches). The overlapped loops take a third
+# stage, as in the 16-bit grid; which loop pays is for a GPU to time (the static model puts
+# them all at the exponentials' bound).
+FP8_LOOPS: tuple[tuple[int, dict[str, bool]], ...] = (
+    (2, {}),
+    (2, {"q_in_registers": True}),
+    (3, {"overlap": True}),
+    (3, {"overlap": True, "q_in_registers": True}),
+    (2, {"pingpong": True}),
+)
 # A paged cache whose page size is no multiple of 32 (16, 48, ...) also tries 16-key tiles: a
 # tile that lies in one page costs one block-table load (docs/design-decisions.md).
 PAGED_SMALL_BLOCK_N = 16
@@ -278,6 +297,26 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     yield from wgmma_grid()
 
 
+def fp8_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
+    """The fp8 grid (:data:`FP8_LOOPS` at the fp8 tiling), for an fp8 problem on a 9.0 device
+    (``arch`` sm_90); any other arch raises InputError (no kernel runs fp8 there)."""
+    if arch != HOPPER_DEVICE_ARCH:
+        raise InputError(
+            f"dtype={problem.dtype!r} problems are tuned on compute capability 9.0 devices only "
+            f"(arch {HOPPER_DEVICE_ARCH}: the fp8 kernels are sm_90a); this device is {arch}"
+        )
+    for stages, switches in FP8_LOOPS:
+        yield {
+            "loop_order": "v2",
+            "mma": "wgmma",
+            "block_m": 128,
+            "block_n": FP8_BLOCK_N[0],
+            "stages": stages,
+            **switches,
+            "archs": list(WGMMA_ARCHS),
+        }
+
+
 def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     """The Hopper decode grid (:data:`WGMMA_DECODE_BLOCK_N`), for fp16/bf16 decode problems on
     a 9.0 device (``arch`` sm_90) and head dims the wgmma kernels take; nothing elsewhere."""
@@ -422,6 +461,8 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[AnySpec], li
     common = {**spec_fields(problem), "archs": [arch]}
     if problem.family == "backward":
         grid = backward_candidate_fields(problem, arch)
+    elif problem.fp8:  # the fp8 loops only: no other engine or tiling takes e4m3
+        grid = fp8_fields(problem, arch)
     else:
         grid = itertools.chain(
             wgmma_fields(problem, arch),

@@ -2,7 +2,8 @@
 
 Nothing else in kernelgen.tuning imports CuPy, so candidates, pruning, the database and the
 CLI's dry run work on a machine without a GPU. Two benches: :class:`CupyBench` times forward
-specs, :class:`BackwardBench` backward specs (:func:`bench_for` picks).
+specs, :class:`BackwardBench` backward specs (:func:`kernelgen.tuning.autotune.bench_for` picks
+them, or :class:`kernelgen.tuning.fp8_bench.Fp8Bench` for fp8 problems).
 """
 
 from __future__ import annotations
@@ -558,10 +559,3 @@ class BackwardBench(EventBench):
                 uri = self.heuristic.uri
                 return f"{name}: relative error {err:.2e} > {limit:.0e} against {uri}"
         return None
-
-
-def bench_for(problem: ProblemDesc, device: DeviceInfo) -> CupyBench | BackwardBench:
-    """The bench that times ``problem``'s candidates: backward or forward."""
-    if problem.family == "backward":
-        return BackwardBench(problem, device)
-    return CupyBench(problem, device)

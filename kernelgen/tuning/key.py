@@ -15,14 +15,51 @@ from functools import cache
 from kernelgen.errors import InputError
 from kernelgen.families import FAMILIES
 from kernelgen.specs.arch import ARCHS, arch_for_capability, nearest_arch
-from kernelgen.specs.forward import (  # noqa: F401 (DTYPE_ALIASES: the one table, spec's)
+from kernelgen.specs.forward import (
     DTYPE_ALIASES,
+    FP8_DTYPE,
+    FP8_HEAD_DIMS,
     MAX_HEAD_DIM,
     VARIANT_FLAGS,
     normalize_dtype,
 )
 
-_DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", FP8_DTYPE: "e4m3"}
+# The names of fp8 (e4m3) a problem takes besides DTYPE_ALIASES' (which only name the dtypes
+# every kernel path takes): the spec's, its short tag, torch's and ml_dtypes'.
+FP8_ALIASES = (FP8_DTYPE, "e4m3", "float8_e4m3fn")
+
+
+def problem_dtype(name: str) -> str:
+    """A problem's dtype by its full name: :func:`normalize_dtype`'s, or ``float8_e4m3`` for
+    :data:`FP8_ALIASES`; InputError naming every allowed name otherwise."""
+    if str(name).lower() in FP8_ALIASES:
+        return FP8_DTYPE
+    try:
+        return normalize_dtype(name)
+    except InputError:
+        allowed = ", ".join([*DTYPE_ALIASES, *FP8_ALIASES])
+        raise InputError(f"dtype={name!r} is not allowed; use one of {allowed}") from None
+
+
+def fp8_problems(
+    head_dim: int, mask: bool, page_size: int, variants: tuple[str, ...] | list, family: str
+) -> list[str]:
+    """What an fp8 (float8_e4m3) problem may not have: the fp8 kernels' limits (docs/hopper.md,
+    fp8: head dim 128, no mask, paged cache, variants or backward); empty when it fits."""
+    limits = (
+        ("head_dim", head_dim, head_dim not in FP8_HEAD_DIMS, " or ".join(map(str, FP8_HEAD_DIMS))),
+        ("mask", mask, bool(mask), "False"),
+        ("page_size", page_size, bool(page_size), "0"),
+        ("variants", tuple(variants), bool(variants), "()"),
+        ("family", family, family != "forward", "'forward'"),
+    )
+    return [
+        f"{name}={value!r} is not allowed with dtype={FP8_DTYPE!r}; use {allowed} (the fp8 "
+        "kernels: docs/hopper.md, fp8)"
+        for name, value, refused, allowed in limits
+        if refused
+    ]
 
 
 def pow2_bucket(n: int) -> int:
@@ -81,7 +118,7 @@ class ProblemDesc:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "dtype", problem_dtype(self.dtype))
         if self.family not in FAMILIES:
             raise InputError(f"family={self.family!r} is not allowed; use one of {FAMILIES}")
         if self.deterministic and self.family != "backward":
@@ -106,6 +143,17 @@ class ProblemDesc:
                 f"head_dim={self.head_dim} is not allowed; use a multiple of 8 from 8 to "
                 f"{MAX_HEAD_DIM}"
             )
+        if self.dtype == FP8_DTYPE:
+            refused = fp8_problems(
+                self.head_dim, self.mask, self.page_size, self.variants, self.family
+            )
+            if refused:
+                raise InputError(refused[0])
+
+    @property
+    def fp8(self) -> bool:
+        """An fp8 (e4m3) problem: tuned over the fp8 loops only (:func:`candidates.fp8_fields`)."""
+        return self.dtype == FP8_DTYPE
 
     @classmethod
     def from_shape(
@@ -397,6 +445,9 @@ def _problem_value_problems(problem: dict) -> list[str]:
         problems.append("problem.deterministic=True is not a forward problem's field")
     elif family == "backward" and page_size:
         problems.append(f"problem.page_size={page_size} for a backward problem (no paged cache)")
+    if problem["dtype"] == FP8_DTYPE:
+        refused = fp8_problems(head_dim, problem["mask"], page_size, variants, family)
+        problems += [f"problem.{text}" for text in refused]
     return problems
 
 

@@ -1,0 +1,103 @@
+"""The float64 model of fp8 (e4m3) attention and its stated error bound (docs/hopper.md, "fp8").
+
+The reference decodes e4m3 bit patterns exactly (through ml_dtypes, not the kernels' table),
+applies the per (batch, kv head) descales and computes softmax attention in float64. The fp8
+kernel rounds the weights P to e4m3 (relative error 2^-4 while a weight is a normal e4m3
+number, absolute 2^-18 of the maximum's weight below) and out to bf16, so every output element
+obeys
+
+    |out - ref| <= vd (2^-4 sum_j p_j |v_j| + 2^-18 sum_j |v_j|) / l + 2^-8 |ref| + fp32 slack
+
+(p the float64 weights, l their sum, vd the v descale). :func:`fp8_reference` returns the two
+sums' terms beside out and lse; :func:`bound_ratio` is the largest error over its bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+P_RELATIVE = 2.0**-4  # e4m3 rounding of a normal weight: 3 mantissa bits
+P_ABSOLUTE = 2.0**-18  # half the e4m3 subnormal spacing (2^-10), over the maximum's weight 256
+OUT_RELATIVE = 2.0**-8  # bf16 output rounding (2^-9), with room for the fp32 epilogue
+FP32_SLACK = 1e-5  # fp32 scores, exponentials and sums, relative to sum_j p_j |v_j| / l
+FP8_TOLERANCE = 2.0**-4  # relative Frobenius error of out (measured about 1%)
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+@dataclass(frozen=True)
+class Fp8Reference:
+    """float64 out (B, H, Sq, D) and lse (B, H, Sq) of fp8 inputs, and the bound's terms
+    ``weighted`` = vd sum_j p_j |v_j| / l and ``total`` = vd sum_j |v_j| / l."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    weighted: np.ndarray
+    total: np.ndarray
+
+    def bound(self) -> np.ndarray:
+        """Each output element's allowed absolute error (the module's formula)."""
+        return (
+            (P_RELATIVE + FP32_SLACK) * self.weighted
+            + P_ABSOLUTE * self.total
+            + OUT_RELATIVE * np.abs(self.out)
+        )
+
+    def bound_ratio(self, out: np.ndarray) -> float:
+        """max |out - ref| / bound over the elements (<= 1: within the bound; a NaN, or an
+        error where the bound is 0 (a row that sees no key): inf)."""
+        error = np.abs(np.asarray(out, np.float64) - self.out)
+        error = np.where(np.isnan(error), np.inf, error)
+        bound = self.bound()
+        ratio = np.divide(error, bound, out=np.where(error > 0, np.inf, 0.0), where=bound > 0)
+        return float(np.max(ratio, initial=0.0))
+
+
+def decode(bits: np.ndarray) -> np.ndarray:
+    """e4m3 bit patterns (uint8) as float64 values (OCP E4M3: bias 7, no infinities)."""
+    return np.asarray(bits, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def fp8_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    descales: dict[str, np.ndarray | None],
+    *,
+    causal: bool,
+    scale: float,
+) -> Fp8Reference:
+    """Attention of e4m3 bit patterns q (B, H, Sq, D), k and v (B, Hkv, Sk, D) (uint8) with
+    ``descales`` (name -> (B, Hkv) or None: 1), in float64; causal aligned bottom right."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    ones = np.ones(k.shape[:2])
+
+    def per_head(name: str) -> np.ndarray:
+        value = descales.get(name)
+        factor = ones if value is None else np.asarray(value, np.float64)
+        return np.repeat(factor, group, axis=1)[:, :, None, None]
+
+    qf = decode(q) * per_head("q_descale")
+    kf = np.repeat(decode(k), group, axis=1) * per_head("k_descale")
+    vf = np.repeat(decode(v), group, axis=1) * per_head("v_descale")
+    s = qf @ kf.transpose(0, 1, 3, 2) * scale
+    sq, sk = s.shape[2:]
+    if causal:
+        visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
+        s = np.where(visible, s, -np.inf)
+    peak = s.max(-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)  # a row that sees no key: out 0, lse -inf
+    p = np.exp(s - peak)
+    total = p.sum(-1, keepdims=True)
+    l = np.where(total > 0, total, 1.0)  # noqa: E741
+    with np.errstate(divide="ignore"):
+        lse = (peak + np.log(total))[..., 0]
+    return Fp8Reference(
+        out=p @ vf / l,
+        lse=lse,
+        weighted=p @ np.abs(vf) / l,
+        total=np.where(total > 0, np.abs(vf).sum(-2, keepdims=True) / l, 0.0),
+    )
