@@ -42,7 +42,7 @@ from kernelgen.tuning.measure import MeasureSettings
 
 AUTOTUNE = importlib.import_module("kernelgen.tuning.autotune")
 ROOT_SPECS = "specs/v2_wg_e4m3_d128_m128_n128_{}.yaml"
-LOOPS = ("s2", "s2_qr", "s3_ovl", "s3_ovl_qr", "s2_pp")  # the fp8 grid, in its order
+LOOPS = ("s2", "s2_qr", "s3_ovl", "s3_ovl_qr", "s2_pp", "s2_tma")  # the fp8 grid, in its order
 FAST = MeasureSettings(budget_ms=1.0, retime_top=3, retime_budget_ms=1.0, screen_budget_ms=0.5)
 
 
@@ -210,7 +210,8 @@ def test_an_fp8_record_with_a_bf16_winner_is_a_miss(caplog):
 
 # ---- kernelgen tune --dtype e4m3 ------------------------------------------------------------
 def test_the_dry_run_of_an_fp8_shape_lists_the_fp8_loops(monkeypatch):
-    """On the assumed H100 the five loops, one of them spilling (a fake ptxas) dropped by name."""
+    """On the assumed H100 the six candidates (five loops and the TMA-store twin), one of them
+    spilling (a fake ptxas) dropped by name."""
     from test_tuning_cli import run
 
     from kernelgen.tuning import candidates
@@ -222,9 +223,9 @@ def test_the_dry_run_of_an_fp8_shape_lists_the_fp8_loops(monkeypatch):
                  "--dry-run")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "problem bucket e4m3_d128_causal_nomask_g2_q4096_k4096_bh32" in result.stdout
-    assert all(uri in result.stdout for uri in loop_uris(True)[:4])
+    assert all(uri in result.stdout for uri in loop_uris(True)[:4] + loop_uris(True)[5:])
     assert f"drop [resources] {spilling}: ptxas" in result.stdout
-    assert "4 to time, 1 dropped (dry run: nothing timed)" in result.stdout
+    assert "5 to time, 1 dropped (dry run: nothing timed)" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -110,12 +110,13 @@ WGMMA_DECODE_BLOCK_N = (64, 128)
 # one fp8 tiling (d128, 128 x 128 tiles): (stages, switches). The overlapped loops take a third
 # stage, as in the 16-bit grid; which loop pays is for a GPU to time (the static model puts
 # them all at the exponentials' bound).
-FP8_LOOPS: tuple[tuple[int, dict[str, bool]], ...] = (
+FP8_LOOPS: tuple[tuple[int, dict[str, Any]], ...] = (
     (2, {}),
     (2, {"q_in_registers": True}),
     (3, {"overlap": True}),
     (3, {"overlap": True, "q_in_registers": True}),
     (2, {"pingpong": True}),
+    (2, {"epilogue": "tma"}),  # the plain loop's TMA-store twin, as in the 16-bit grid
 )
 # A paged cache whose page size is no multiple of 32 (16, 48, ...) also tries 16-key tiles: a
 # tile that lies in one page costs one block-table load (docs/design-decisions.md).
