@@ -93,7 +93,7 @@ def plan(results: str = "{results}") -> list[Stage]:
     return [
         Stage(
             "correctness",
-            120,
+            150,  # run 7: 237 tests in 108 s; 284 selected since 2026-11-27
             "GPU test tier: wgmma, serving, tuned and default specs against float64",
             python(*pytest_gpu, "-k", CORRECTNESS_SELECTION, "--junitxml", f"{results}/gpu.xml"),
             python(*pytest_gpu, "--collect-only", "-k", CORRECTNESS_SELECTION),
@@ -101,7 +101,7 @@ def plan(results: str = "{results}") -> list[Stage]:
         *(
             Stage(
                 tool,
-                30,
+                {"memcheck": 20, "racecheck": 30}[tool],  # runs 6-7: 12-13 s and 26-28 s
                 f"compute-sanitizer {tool}: one call per engine",
                 (*SANITIZER, tool, *SANITIZER_FLAGS, *python(*sanitize)),
                 python(*sanitize, "--dry-run"),
@@ -110,14 +110,14 @@ def plan(results: str = "{results}") -> list[Stage]:
         ),
         Stage(
             "prefill",
-            120,
+            100,  # run 6: 44 s with 14 wgmma candidates; 26 since 2026-11-27
             "bf16 d128/d256 4k, causal or not: wgmma against flash and cuDNN",
             python(*prefill),
             python(*prefill, "--list"),
         ),
         Stage(
             "backward",
-            100,
+            75,  # runs 4-5: 48-51 s
             "backward and fwd+bwd bf16 d128 2k, variants: kernelgen against flash, cuDNN, flex",
             python(*backward),
             python(*backward, "--dry-run"),
@@ -131,7 +131,7 @@ def plan(results: str = "{results}") -> list[Stage]:
         ),
         Stage(
             "decode",
-            40,
+            55,  # runs 5-6: 30 s; two more wgmma peers since 2026-11-27
             "split-KV decode (B 1/8, GQA, 4k/32k keys) against the copy floor",
             python(*decode),
             python(*decode, "--list"),
