@@ -17,6 +17,7 @@ from kernelgen.emulator import (
     EmulatorLaunchError,
     EmulatorSourceError,
     EmulatorTimeoutError,
+    HazardError,
     build_kernel,
     encode_tensor_map_tiled,
     transform_source,
@@ -58,7 +59,9 @@ __device__ void cluster_sync() {
 // Static __shared__ variables (each block's own): the multicast destination, its mbarrier, the
 // words the neighbours exchange, the barrier every block's thread 0 arrives on in rank 0.
 // mode 1: the multicast mask leaves out the last rank (its mbarrier never completes);
-// 2: barrier.cluster.wait without an arrive.
+// 2: barrier.cluster.wait without an arrive; 3: __syncthreads instead of the cluster barrier
+// after the initialisation (the other blocks' arrivals and multicast may reach the barriers
+// before, or without a barrier.cluster after, their mbarrier.init).
 extern "C" __global__ void cluster_probe(const __grid_constant__ CUtensorMap tmap, unsigned* ids,
                                          unsigned* words, unsigned char* tiles, int mode) {
   __shared__ __align__(128) unsigned char tile[512];
@@ -76,7 +79,11 @@ extern "C" __global__ void cluster_probe(const __grid_constant__ CUtensorMap tma
     word[0] = 100 * rank + block;
   }
   if (mode == 2) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-  cluster_sync();  // the barriers are initialized, word[0] written, in every block
+  if (mode == 3) {
+    __syncthreads();  // (mutation) this block only
+  } else {
+    cluster_sync();  // the barriers are initialized, word[0] written, in every block
+  }
   if (threadIdx.x == 0) {
     unsigned next;
     asm volatile("ld.shared::cluster.u32 %0, [%1];"
@@ -193,6 +200,24 @@ def test_wrong_multicast_mask_deadlocks_naming_the_mbarrier(cluster_kernel):
         run_cluster(cluster_kernel, mode=1, timeout=2.0)
 
 
+def test_a_barrier_reached_from_another_block_before_a_cluster_barrier_fails(
+    cluster_kernel, monkeypatch
+):
+    """mbarrier.init, then only __syncthreads: another block's remote arrival or multicast is a
+    hazard when it comes after the initialisation (no barrier.cluster orders the two, whatever
+    the emulator's order) and a trap when it comes before; four fixed schedules, every one
+    fails, and the hazard shows."""
+    messages = []
+    for seed in range(1, 5):
+        monkeypatch.setenv("KG_EMULATOR_SCHEDULE_SEED", str(seed))
+        with pytest.raises((HazardError, EmulatorLaunchError)) as raised:
+            run_cluster(cluster_kernel, mode=3)
+        messages.append(str(raised.value))
+    hazard = "with no barrier.cluster between that block's mbarrier.init and this thread"
+    assert any(hazard in m for m in messages), messages
+    assert all(hazard in m or "was not initialized (mbarrier.init)" in m for m in messages)
+
+
 def test_cluster_wait_without_arrive_traps(cluster_kernel):
     with pytest.raises(
         EmulatorLaunchError, match=r"barrier\.cluster\.wait without a barrier\.cluster\.arrive"
@@ -270,6 +295,22 @@ def test_mutation_multicast_to_one_block_is_caught(mutated):  # noqa: F811
     kernel = build_kernel(CLUSTER_SRC, "cluster_probe", CLUSTER_PARAMS)
     with pytest.raises(AssertionError):
         test_cluster_registers_dsmem_remote_arrive_and_multicast(kernel, 0)
+
+
+def test_mutation_remote_init_order_unchecked_is_caught(mutated, monkeypatch):  # noqa: F811
+    """The emulator no longer asking for a barrier.cluster between another block's mbarrier.init
+    and a remote access: the probe's runs that reach the barriers after their initialisation
+    pass, so the test above fails."""
+    mutated(
+        "kg_mbarrier.h",
+        "&C != tctx().cta && cluster_passed() <= b.init_cluster_phase",
+        "false && cluster_passed() <= b.init_cluster_phase",
+    )
+    kernel = build_kernel(CLUSTER_SRC, "cluster_probe", CLUSTER_PARAMS)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        test_a_barrier_reached_from_another_block_before_a_cluster_barrier_fails(
+            kernel, monkeypatch
+        )
 
 
 VECTOR_SRC = (

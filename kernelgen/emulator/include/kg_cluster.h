@@ -24,7 +24,10 @@ inline int64_t& cluster_arrival() {
   return fiber_local<ClusterArrival, kLocalClusterArrival>().value;
 }
 
-inline void cluster_thread_begin() { cluster_arrival() = -1; }
+inline void cluster_thread_begin() {
+  cluster_arrival() = -1;
+  cluster_passed() = 0;
+}
 
 inline void cluster_barrier_complete(ClusterBarrierState& b) {
   b.arrived = 0;
@@ -64,6 +67,7 @@ inline void barrier_cluster_wait() {
   const uint32_t gen = static_cast<uint32_t>(cluster_arrival());
   wait_while(b.generation, gen);
   cluster_arrival() = -1;
+  cluster_passed() = gen + 1;  // that barrier.cluster phase (and every earlier one) completed
   ++tctx().epoch;
 }
 

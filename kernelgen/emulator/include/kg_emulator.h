@@ -169,6 +169,7 @@ enum FiberLocalSlot : int {
   kLocalBulkGroups,      // kg_tma.h
   kLocalWgmma,           // kg_wgmma.h
   kLocalClusterArrival,  // kg_cluster.h
+  kLocalClusterPassed,   // kg_mbarrier.h (set by kg_cluster.h)
   kMaxFiberLocals
 };
 template <class T, int Slot>
@@ -271,6 +272,9 @@ struct SeenPhase {  // an mbarrier phase a thread saw complete (kg_mbarrier.h)
 struct MbarrierState {
   std::atomic<uint32_t> phase{0};
   uint32_t initialized = 0, expected = 0;
+  // barrier.cluster phases completed when it was initialised (kg_mbarrier.h: another block's
+  // thread may reach it only after passing a later one).
+  uint32_t init_cluster_phase = 0;
   int32_t pending = 0, tx = 0;
   // Observations of completed phases: (phases completed, earliest epoch a thread saw it).
   uint32_t seen_phase[4] = {}, seen_epoch[4] = {};
@@ -286,7 +290,7 @@ struct MbarrierState {
   std::vector<std::pair<uint32_t, uint64_t>> fences;
   void reset() {
     phase.store(0, std::memory_order_relaxed);
-    initialized = expected = 0;
+    initialized = expected = init_cluster_phase = 0;
     pending = tx = 0;
     for (int i = 0; i < 4; ++i) {
       seen_phase[i] = seen_epoch[i] = 0;

@@ -33,12 +33,30 @@ inline uint32_t mbarrier_slot(uint32_t addr, const char* what) {
 }
 inline uint32_t mbarrier_address(uint32_t slot) { return kSharedBase + 8 * slot; }
 
+// The barrier.cluster phases this thread has passed (its last barrier.cluster.wait returned
+// after that many completed; kg_cluster.h sets it).
+struct ClusterPassed {
+  uint32_t value = 0;
+};
+inline uint32_t& cluster_passed() { return fiber_local<ClusterPassed, kLocalClusterPassed>().value; }
+
 // The barrier at `addr` of block C, which must have been initialized in this block (lock held).
+// A thread of another block of the cluster (a remote arrival, a multicast or remote TMA
+// completing bytes) may reach it only after a barrier.cluster that completed after the
+// initialisation (PTX ISA: the initialisation is made visible to the cluster by
+// fence.mbarrier_init.release.cluster and a cluster barrier): otherwise a hazard, whatever the
+// order in which the emulator happened to run the two.
 inline MbarrierState& mbarrier_initialized_in(Cta& C, uint32_t addr, const char* what) {
   MbarrierState& b = C.mbarriers[mbarrier_slot_in(C, addr, what)];
   if (!b.initialized) {
     trap_with("%s: the mbarrier at shared 0x%x was not initialized (mbarrier.init) in this block",
               what, addr);
+  }
+  if (&C != tctx().cta && cluster_passed() <= b.init_cluster_phase) {
+    report_hazard("%s reaches the mbarrier at shared 0x%x of block rank %u with no "
+                  "barrier.cluster between that block's mbarrier.init and this thread "
+                  "(fence.mbarrier_init.release.cluster, then barrier.cluster arrive and wait "
+                  "in every thread)", what, addr, C.rank);
   }
   return b;
 }
@@ -117,6 +135,7 @@ inline void mbarrier_init(uint32_t addr, long long count) {
   MbarrierState& b = tctx().cta->mbarriers[slot];
   b.reset();
   b.initialized = 1;
+  b.init_cluster_phase = tctx().launch->cluster_bar.generation.load();
   b.expected = static_cast<uint32_t>(count);
   b.pending = static_cast<int32_t>(count);
 }
