@@ -24,15 +24,11 @@ from conftest import WGMMA_SPEC_PATHS
 from kernelgen.calls.emulated import emulate_attention, emulate_fp8_attention
 from kernelgen.errors import HazardError, InputError, InputTypeError, SpecError
 from kernelgen.kernels.render import render
+from kernelgen.references.fp8 import P_RELATIVE, Fp8Reference, fp8_reference
 from kernelgen.runtime.fp8 import E4M3_VALUES, KEY_ORDER, check_descales, decode_e4m3, v_operand
 from kernelgen.specs.forward import load_spec, spec_from_dict
 
 pytestmark = pytest.mark.emulate
-
-P_RELATIVE = 2.0**-4  # e4m3 rounding of a normal weight: 3 mantissa bits
-P_ABSOLUTE = 2.0**-18  # half the e4m3 subnormal spacing (2^-10), over the maximum's weight 256
-OUT_RELATIVE = 2.0**-8  # bf16 output rounding (2^-9), with room for the fp32 epilogue
-FP32_SLACK = 1e-5  # fp32 scores, exponentials and sums, relative to sum_j p_j |v_j| / l
 
 FP8_SPEC = {
     "loop_order": "v2",
@@ -62,35 +58,16 @@ def quantize(x: np.ndarray) -> np.ndarray:
 
 
 def reference(q, k, v, descales, causal: bool, scale: float):
-    """float64 attention of the decoded inputs: (out, lse, A, B) with A = vd sum p |v| / l and
+    """float64 attention of the decoded inputs (kernelgen.references.fp8, which decodes through
+    ml_dtypes, not the kernels' table): (out, lse, A, B) with A = vd sum p |v| / l and
     B = vd sum |v| / l (the bound's terms)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    qf, kf, vf = (decode_e4m3(x) for x in (q, k, v))
-    qd, kd, vd = (
-        descales.get(n, np.ones(k.shape[:2])) for n in ("q_descale", "k_descale", "v_descale")
-    )
-    group = heads // kv_heads
-    per_head = lambda d: np.repeat(d.astype(np.float64), group, axis=1)[:, :, None, None]  # noqa: E731
-    kf, vf = np.repeat(kf, group, axis=1), np.repeat(vf, group, axis=1)
-    s = (qf * per_head(qd)) @ (kf * per_head(kd)).transpose(0, 1, 3, 2) * scale
-    sq, sk = s.shape[2:]
-    if causal:
-        visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
-        s = np.where(visible, s, -np.inf)
-    mx = s.max(-1, keepdims=True)
-    p = np.exp(s - mx)
-    l = p.sum(-1, keepdims=True)  # noqa: E741
-    v_scaled = vf * per_head(vd)
-    out = p @ v_scaled / l
-    a = p @ np.abs(v_scaled) / l
-    b = np.abs(v_scaled).sum(-2, keepdims=True) / l
-    return out, (mx + np.log(l))[..., 0], a, b
+    r = fp8_reference(q, k, v, descales, causal=causal, scale=scale)
+    return r.out, r.lse, r.weighted, r.total
 
 
 def bound_ratio(out, ref, a, b) -> float:
     """max |out - ref| / bound over the elements (<= 1: within the stated bound)."""
-    bound = P_RELATIVE * a + P_ABSOLUTE * b + OUT_RELATIVE * np.abs(ref) + FP32_SLACK * a
-    return float(np.max(np.abs(out - ref) / bound))
+    return Fp8Reference(out=ref, lse=np.empty(0), weighted=a, total=b).bound_ratio(out)
 
 
 def problem(seed, batch, heads, kv_heads, seqlen_q, seqlen_k, descales=True):
