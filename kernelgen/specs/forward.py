@@ -914,7 +914,7 @@ class KernelSpec(BaseModel):
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K and V tiles in shared memory, in elements."""
         if self.engine.warp_specialized:
-            return self.row_elems  # one 128-byte row of a column block
+            return self.row_elems  # one swizzled row of a column block (qk_row_bytes)
         width = self.head_dim_padded if self.engine.tensor_cores else self.head_dim
         return width + self.smem_pad * 4 // self.elem_bytes
 
