@@ -252,7 +252,9 @@ class Runner(Harness):
         quantized = self.gpu.quantize_sets(self.env, sets)
         ref = self.gpu.reference(self.env, *quantized[id(sets[0][0])], shape.causal)
         base = identity(self.base_fields(shape))
-        listed = [(candidate_label(o), spec_fields(base, o)) for o in fp8_candidates()]
+        listed = [
+            (candidate_label(o), spec_fields(base, o)) for o in fp8_candidates(shape.head_dim)
+        ]
 
         def make_impl(spec: Any) -> Any:
             return self.gpu.kernelgen_fp8_impl(self.env, FP8_PEER, spec, shape.causal, quantized)
@@ -490,9 +492,9 @@ def list_plan(shapes: list[Shape], args: argparse.Namespace) -> None:
     print("tensor-core candidates:")
     for c in tensor_core_candidates(args.quick):
         print(f"  {candidate_label(c)}")
-    print("fp8 candidates (kg-wgmma-fp8, bf16 shapes at head dim 128):")
-    for c in fp8_candidates():
-        print(f"  {candidate_label(c)}")
+    print("fp8 candidates (kg-wgmma-fp8, bf16 shapes at head dims 64, 128 and 256):")
+    for d in (64, 128, 256):
+        print(f"  d{d}: {', '.join(candidate_label(c) for c in fp8_candidates(d))}")
     print(f"peers: {', '.join(selected_peers(args.peers))}")
 
 

@@ -84,13 +84,17 @@ def wgmma_candidates(quick: bool = False) -> list[dict[str, Any]]:
     return list(wgmma_grid(WGMMA_STAGES[:1] if quick else WGMMA_STAGES))
 
 
-def fp8_candidates() -> list[dict[str, Any]]:
-    """Spec-field overrides for the fp8 (e4m3) wgmma forward: each of its loops at 128 x 128
-    tiles (docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with
-    and without Q in registers (3 stages). The autotuner has no fp8 candidates; these rows are
-    where a GPU times the loops against each other."""
+def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:
+    """Spec-field overrides for the fp8 (e4m3) wgmma forward: each of its loops at 128-row tiles
+    and each key tile the head dim takes (``FP8_BLOCK_N_BY_HEAD_DIM``: d128 and d256 one, d64
+    two; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with and
+    without Q in registers (3 stages). Those a tiling refuses (d256's overlap and Q in
+    registers) are recorded invalid with kernelgen's reason. These rows are where a GPU times
+    the loops against each other."""
+    from kernelgen.specs.forward import FP8_BLOCK_N_BY_HEAD_DIM
+
     base = {"loop_order": "v2", "mma": "wgmma", "dtype": "float8_e4m3", "block_m": 128,
-            "block_n": 128, "archs": ["sm_90a"]}  # fmt: skip
+            "archs": ["sm_90a"]}  # fmt: skip
     loops = (
         {"stages": 2},
         {"stages": 2, "q_in_registers": True},
@@ -98,7 +102,11 @@ def fp8_candidates() -> list[dict[str, Any]]:
         {"stages": 3, "overlap": True},
         {"stages": 3, "overlap": True, "q_in_registers": True},
     )
-    return [{**base, **loop} for loop in loops]
+    return [
+        {**base, "block_n": block_n, **loop}
+        for block_n in FP8_BLOCK_N_BY_HEAD_DIM.get(head_dim, (128,))
+        for loop in loops
+    ]
 
 
 def candidate_label(fields: dict[str, Any]) -> str:

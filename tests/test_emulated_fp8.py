@@ -70,11 +70,11 @@ def bound_ratio(out, ref, a, b) -> float:
     return Fp8Reference(out=ref, lse=np.empty(0), weighted=a, total=b).bound_ratio(out)
 
 
-def problem(seed, batch, heads, kv_heads, seqlen_q, seqlen_k, descales=True):
+def problem(seed, batch, heads, kv_heads, seqlen_q, seqlen_k, descales=True, head_dim=128):
     rng = np.random.default_rng(seed)
-    q = quantize(rng.normal(0, 1.5, (batch, heads, seqlen_q, 128)))
-    k = quantize(rng.normal(0, 1.5, (batch, kv_heads, seqlen_k, 128)))
-    v = quantize(rng.normal(0, 2.0, (batch, kv_heads, seqlen_k, 128)))
+    q = quantize(rng.normal(0, 1.5, (batch, heads, seqlen_q, head_dim)))
+    k = quantize(rng.normal(0, 1.5, (batch, kv_heads, seqlen_k, head_dim)))
+    v = quantize(rng.normal(0, 2.0, (batch, kv_heads, seqlen_k, head_dim)))
     scales = {}
     if descales:
         scales = {
@@ -101,9 +101,9 @@ def test_fp8_spec_files_cover_the_loops():
 def test_fp8_forward_within_the_stated_bound(path, shape):
     spec = load_spec(path)
     causal = spec.causal
-    q, k, v, descales = problem(1, *shape)
+    q, k, v, descales = problem(1, *shape, head_dim=spec.head_dim)
     result = emulate_fp8_attention(spec, q, k, v, **descales)
-    scale = 128**-0.5
+    scale = spec.head_dim**-0.5
     ref, lse, a, b = reference(q, k, v, descales, causal, scale)
     ratio = bound_ratio(result.out, ref, a, b)
     relative = np.linalg.norm(result.out - ref) / np.linalg.norm(ref)
@@ -186,8 +186,22 @@ def test_decode_e4m3_matches_ml_dtypes():
             {"mma": "simt", "archs": ["sm_80"], "block_m": 64, "block_n": 64},
             "float8_e4m3 needs mma: wgmma",
         ),
-        ({"block_n": 64}, "block_n=64 is not allowed with dtype='float8_e4m3'; use 128"),
-        ({"head_dim": 64}, "head_dim=64 is not allowed with dtype='float8_e4m3'; use 128"),
+        (
+            {"block_n": 64},
+            "block_n=64 is not allowed with dtype='float8_e4m3' and head_dim=128; use 128",
+        ),
+        (
+            {"head_dim": 256},
+            "block_n=128 is not allowed with dtype='float8_e4m3' and head_dim=256; use 64",
+        ),
+        (
+            {"head_dim": 96},
+            "head_dim=96 is not allowed with dtype='float8_e4m3'; use 64 or 128 or 256",
+        ),
+        (
+            {"head_dim": 64, "epilogue": "tma"},
+            "epilogue='tma' is not allowed with dtype='float8_e4m3' and head_dim=64",
+        ),
         ({"split_kv": True}, "split_kv=True is not allowed with dtype='float8_e4m3'"),
         ({"paged_kv": True}, "paged_kv=True is not allowed with dtype='float8_e4m3'"),
     ],

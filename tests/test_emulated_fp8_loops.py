@@ -59,7 +59,7 @@ BOUND_MUTATIONS = {
     ),
     "Q fragments read unswizzled": (
         "qr",
-        "const int chunk = ((byte % ROW_BYTES) / 16) ^ (row % 8);",
+        "const int chunk = ((byte % ROW_BYTES) / 16) ^ swizzle_phase(row);",
         "const int chunk = ((byte % ROW_BYTES) / 16);",
     ),
     "overlap: O not rescaled": ("ovl", "if (moved) rescale_output(o, alpha);", ""),

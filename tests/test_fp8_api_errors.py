@@ -102,9 +102,9 @@ def test_other_apis_refuse_fp8_naming_kernelgen_attention():
     assert "only in kernelgen.attention" in str(caught.value)
 
 
-def test_fp8_head_dim_other_than_128():
-    with raises(InputError, "head_dim=64 is not allowed with float8_e4m3 inputs; use 128"):
-        kernelgen.attention(*fp8_inputs(head_dim=64))
+def test_fp8_head_dim_other_than_64_128_256():
+    with raises(InputError, "head_dim=96 is not allowed with float8_e4m3 inputs; use 64 or 128"):
+        kernelgen.attention(*fp8_inputs(head_dim=96))
 
 
 def test_fp8_with_a_bf16_spec():
@@ -172,5 +172,9 @@ def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_only_what_fp8_r
     with raises(InputError, "split_kv=True is not allowed with dtype='float8_e4m3'"):
         default_spec("float8_e4m3", D, False, split_kv=True)
     assert ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, D).fp8  # tests/test_tuning_fp8.py
-    with raises(InputError, "head_dim=64 is not allowed with dtype='float8_e4m3'; use 128"):
-        ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, 64)
+    for d, path in ((64, "specs/v2_wg_e4m3_d64_m128_n128_s2.yaml"),
+                    (256, "specs/v2_wg_e4m3_d256_m128_n64_s2.yaml")):  # fmt: skip
+        assert fp8_default_spec(d, False) == load_spec(path)
+        assert ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, d).fp8
+    with raises(InputError, "head_dim=96 is not allowed with dtype='float8_e4m3'; use 64 or 128"):
+        ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, 96)

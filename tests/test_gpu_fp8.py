@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_emulated_fp8 import FP8_SPEC_PATHS, SHAPES, bound_ratio, fp8_spec, problem, reference
+from test_emulated_fp8_dims import CASES as DIM_CASES
 from test_emulated_fp8_loops import LOOPS
 from test_gpu_attention import require_compute_capability_9_0
 
@@ -37,15 +38,16 @@ def run_on_gpu(spec, shape, seed):
     import cupy
 
     batch, heads, _, seqlen_q, _ = shape
-    q, k, v, descales = problem(seed, *shape)
-    scale = 128**-0.5
+    d = spec.head_dim
+    q, k, v, descales = problem(seed, *shape, head_dim=d)
+    scale = d**-0.5
     v_t = v_operand(v)
     tensors = {
         "q": cupy.asarray(q),
         "k": cupy.asarray(k),
         "v": cupy.asarray(v_t),
         **{name: cupy.asarray(x) for name, x in descales.items()},
-        "out": cupy.full((batch, heads, seqlen_q, 128), 0xFFFF, dtype=cupy.uint16),  # NaN
+        "out": cupy.full((batch, heads, seqlen_q, d), 0xFFFF, dtype=cupy.uint16),  # NaN
         "lse": cupy.full((batch, heads, seqlen_q), np.nan, dtype=cupy.float32),
     }
     run = launch_problem(q, k, v_t)
@@ -59,9 +61,18 @@ def run_on_gpu(spec, shape, seed):
     assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
 
 
-@pytest.mark.parametrize("epilogue", ["direct", "tma"])
+# The shipped fp8 specs and their TMA-store epilogue twins, where the head dim has one (d64's
+# 64-byte Q rows have none: docs/hopper.md).
+SPEC_EPILOGUES = [
+    (path, epilogue)
+    for path in FP8_SPEC_PATHS
+    for epilogue in ("direct", "tma")
+    if epilogue == "direct" or load_spec(path).qk_row_bytes == 128
+]
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_hkv{}_sq{}_sk{}".format(*s))
-@pytest.mark.parametrize("path", FP8_SPEC_PATHS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(("path", "epilogue"), SPEC_EPILOGUES, ids=lambda x: getattr(x, "stem", x))
 def test_fp8_wgmma_spec_on_gpu(path, shape, epilogue):
     """The shipped fp8 specs, and their TMA-store epilogue twins (docs/hopper.md)."""
     require_compute_capability_9_0()
@@ -75,6 +86,14 @@ def test_fp8_loops_causal_on_gpu(loop):
     without it, ping-pong), causal with GQA, as the emulated test runs it."""
     require_compute_capability_9_0()
     run_on_gpu(fp8_spec(causal=True, **LOOPS[loop]), SHAPES[0], seed=7 + SHAPES[0][4])
+
+
+@pytest.mark.parametrize("case", DIM_CASES)
+def test_fp8_head_dims_causal_on_gpu(case):
+    """tests/test_emulated_fp8_dims.py's causal cases at d64 (64-key tiles, Q in registers)
+    and d256 (ping-pong), GQA with lengths off the tiles."""
+    require_compute_capability_9_0()
+    run_on_gpu(fp8_spec(causal=True, **DIM_CASES[case]), SHAPES[0], seed=5)
 
 
 SCORE_ACCUMULATION = 2.0**-9  # relative to a score's products' absolute sum (see the top)

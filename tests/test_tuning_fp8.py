@@ -104,7 +104,10 @@ def test_an_fp8_problem_takes_the_dtype_by_its_names(name):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"head_dim": 64}, "head_dim=64 is not allowed with dtype='float8_e4m3'; use 128"),
+        (
+            {"head_dim": 96},
+            "head_dim=96 is not allowed with dtype='float8_e4m3'; use 64 or 128 or 256",
+        ),
         ({"mask": True}, "mask=True is not allowed with dtype='float8_e4m3'; use False"),
         ({"page_size": 64}, "page_size=64 is not allowed with dtype='float8_e4m3'; use 0"),
         ({"variants": ("window",)}, "variants=('window',) is not allowed with dtype="),
@@ -125,14 +128,15 @@ def test_an_unknown_dtype_names_every_allowed_one():
         fp8_problem(dtype="e5m2")
 
 
-@pytest.mark.parametrize(("field", "value"), [("head_dim", 64), ("mask", True)])
+@pytest.mark.parametrize(("field", "value"), [("head_dim", 96), ("mask", True)])
 def test_a_record_key_of_an_fp8_problem_no_kernel_takes_is_refused(field, value):
     data = make_key(fp8_problem(), DEVICE, SOFTWARE).as_dict()
     assert key_problems(data) == []
     data["problem"][field] = value
     assert [p for p in key_problems(data) if p.startswith(f"problem.{field}={value}")] == [
         f"problem.{field}={value!r} is not allowed with dtype='float8_e4m3'; use "
-        f"{'128' if field == 'head_dim' else 'False'} (the fp8 kernels: docs/hopper.md, fp8)"
+        f"{'64 or 128 or 256' if field == 'head_dim' else 'False'} (the fp8 kernels: "
+        "docs/hopper.md, fp8)"
     ]
 
 
@@ -149,6 +153,26 @@ def test_the_candidates_of_an_fp8_problem_are_the_fp8_loops(causal):
     assert [s.uri for s in shipped] == loop_uris(False)[:3]
     kept, dropped = prune(p, DEVICE, fake_compile())
     assert sorted(c.spec.uri for c in kept) == sorted(loop_uris(causal)) and dropped == []
+
+
+def test_the_candidates_at_head_dims_64_and_256_are_the_loops_that_fit():
+    """d64: every loop at 128- and 64-key tiles but the TMA store (64-byte Q rows); d256 (64-key
+    tiles): the plain loop, ping-pong and the TMA store; the overlap and Q in registers want
+    more registers than fit (spec validation drops them)."""
+    d64, dropped = valid_candidates(fp8_problem(head_dim=64), "sm_90")
+    assert [s.uri for s in d64] == [
+        f"fa_fwd_v2_wg_e4m3_d64_m128_n{n}_w12_{loop}"
+        for n in (128, 64)
+        for loop in ("s2", "s2_qr", "s3_ovl", "s3_ovl_qr", "s2_pp")
+    ]
+    assert [d.reason.split(" (")[0] for d in dropped] == [
+        "epilogue='tma' is not allowed with dtype='float8_e4m3' and head_dim=64"
+    ] * 2
+    d256, dropped = valid_candidates(fp8_problem(head_dim=256), "sm_90")
+    assert [s.uri for s in d256] == [
+        f"fa_fwd_v2_wg_e4m3_d256_m128_n64_w12_{loop}" for loop in ("s2", "s2_pp", "s2_tma")
+    ]
+    assert len(dropped) == 3 and all("fit in registers" in d.reason for d in dropped)
 
 
 def test_fp8_problems_are_tuned_on_compute_capability_9_0_only():
@@ -232,7 +256,7 @@ def test_the_dry_run_of_an_fp8_shape_lists_the_fp8_loops(monkeypatch):
     ("args", "message"),
     [
         (("--arch", "sm_80"), "problems are tuned on compute capability 9.0 devices only"),
-        (("--shape", "2,16,8,4096,4096,64"), "head_dim=64 is not allowed with dtype="),
+        (("--shape", "2,16,8,4096,4096,96"), "head_dim=96 is not allowed with dtype="),
         (("--mask",), "mask=True is not allowed with dtype='float8_e4m3'; use False"),
         (("--backward",), "family='backward' is not allowed with dtype='float8_e4m3'"),
     ],

@@ -95,6 +95,9 @@ WGMMA_OPERAND: dict[str, WgmmaOperand] = {
     "bfloat16": WgmmaOperand("bf16", 16, True),
     "float8_e4m3": WgmmaOperand("e4m3", 32, False),
 }
+# A swizzled tile row's bytes (its swizzle span) -> the descriptor's swizzle mode constant
+# (templates/hopper.cuh.j2): wgmma reads each tile in the layout TMA wrote it.
+DESC_SWIZZLE: dict[int, str] = {128: "DESC_SWIZZLE_128B", 64: "DESC_SWIZZLE_64B"}
 
 
 # make_variant's arguments (templates/variants.cuh.j2): the kernel's parameters where the spec
@@ -340,6 +343,7 @@ def render(spec: KernelSpec) -> str:
         consumer_regs=consumer_registers(spec) if spec.engine.warp_specialized else 0,
         elem=CXX_ELEMENT[spec.out_dtype],
         operand=WGMMA_OPERAND.get(spec.dtype),
+        desc_swizzle=DESC_SWIZZLE,
         params=kernel_params(spec),
         combine_params=combine_params(spec) if spec.split_kv else (),
         combine_uri=spec.combine_uri,

@@ -10,6 +10,7 @@ from kernelgen.errors import InputError
 from kernelgen.specs.arch import ARCHS
 from kernelgen.specs.backward import BackwardSpec
 from kernelgen.specs.forward import (
+    FP8_BLOCK_N_BY_HEAD_DIM,
     FP8_DTYPE,
     FP8_HEAD_DIMS,
     WGMMA_ARCHS,
@@ -250,7 +251,8 @@ def hopper_default_spec(
 
 def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
     """The untuned spec of an fp8 (e4m3) call without one: the plain-loop wgmma forward of
-    specs/v2_wg_e4m3_d128_m128_n128_s2.yaml (and its causal twin), for calls on the CPU
+    specs/v2_wg_e4m3_d{64,128,256}_m128_n*_s2.yaml (and causal twins; the head dim's first key
+    tile of :data:`~kernelgen.specs.forward.FP8_BLOCK_N_BY_HEAD_DIM`), for calls on the CPU
     backend and with ``KERNELGEN_AUTOTUNE=0``; a GPU call otherwise runs the tuner's choice
     among the fp8 loops (docs/autotuning.md). Raises InputError for a head dim other than
     :data:`~kernelgen.specs.forward.FP8_HEAD_DIMS`."""
@@ -265,7 +267,7 @@ def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
         dtype=FP8_DTYPE,
         head_dim=head_dim,
         block_m=128,
-        block_n=128,
+        block_n=FP8_BLOCK_N_BY_HEAD_DIM[head_dim][0],
         stages=2,
         causal=bool(causal),
         archs=WGMMA_ARCHS,

@@ -5,7 +5,8 @@ parameters) instead of pointers. Each map describes one tensor as 4-d, innermost
 dim, sequence, head, batch), with the tensor's own byte strides, so batch, head and GQA are
 coordinates of the copy and any strided (B, H, S, D) or (B, S, H, D) view works as long as the
 driver's rules hold (16-byte aligned base, strides multiples of 16 bytes). The box is one
-64-column (128-byte) block of block_m query rows or block_n key rows, 128-byte swizzled; rows
+64-column (128-byte) block of block_m query rows or block_n key rows, 128-byte swizzled (fp8 at
+d64: 64-byte rows, 64-byte swizzled; fp8's V^T: rows of block_n keys, swizzled by their span); rows
 past the sequence and columns past the head dim read as zeros. Packed GQA (q) and a paged
 cache (k, v) change the maps' shapes, not the kernels' copies: :func:`tensor_map_layouts`.
 With ``epilogue: tma`` the kernel also writes out through a map (``out_map``, 64-row boxes;
@@ -34,7 +35,10 @@ from kernelgen.specs.forward import (
 )
 
 TMA_ALIGN_BYTES = 16  # the base address and every stride of a tensor map
-SWIZZLE = "128B"  # the shared-memory layout the kernels' wgmma descriptors read
+# A box row's bytes -> the swizzle the kernels' wgmma descriptors read it with: each box row is
+# one swizzle span (Q and K rows of 128 bytes, or 64 for fp8 at d64; fp8's V^T rows are block_n
+# keys).
+SWIZZLE_OF_ROW_BYTES = {128: "128B", 64: "64B"}
 L2_PROMOTION = "256B"  # K and V rows are read by every row tile of a head: promote whole lines
 # A spec's dtype -> the tensor map's data type (fp8 travels as bytes: TMA does not convert).
 TMA_DATA_TYPE = {
@@ -67,6 +71,7 @@ class TensorMapLayout:
     dims: tuple[int, ...]  # (head_dim, seq, heads, batch); packed GQA's q: 5-d (below)
     strides_bytes: tuple[int, ...]  # of dims 1.. (bytes)
     box: tuple[int, ...]  # (64, tile rows, 1, 1)
+    swizzle: str = "128B"  # SWIZZLE_OF_ROW_BYTES: the span of one box row
 
     @property
     def element_strides(self) -> tuple[int, ...]:
@@ -160,7 +165,8 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
         if tensor in ("k", "v"):  # with clusters, each block copies a slice of the tile
             rows //= spec.cluster_m
-        box: tuple[int, ...] = (WGMMA_ROW_BYTES // elem, rows, 1, 1)  # one 128-byte column block
+        row_bytes = spec.qk_row_bytes if tensor in ("q", "k") else WGMMA_ROW_BYTES
+        box: tuple[int, ...] = (row_bytes // elem, rows, 1, 1)  # one column block
         if tensor not in ("k", "v") and spec.pack_gqa:  # q, out or o_partial
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
@@ -169,12 +175,14 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
             dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
             box = (spec.block_n, spec.head_dim, 1, 1)
+            row_bytes = spec.v_row_bytes
         layouts[param] = TensorMapLayout(
             tensor=tensor,
             data_type=TMA_DATA_TYPE[data_type],
             dims=dims,
             strides_bytes=strides,
             box=box,
+            swizzle=SWIZZLE_OF_ROW_BYTES[row_bytes],
         )
     return layouts
 
@@ -223,7 +231,7 @@ def encode_on_device(layout: TensorMapLayout, pointer: int) -> np.ndarray:
         [u32(b) for b in layout.box],
         [u32(e) for e in layout.element_strides],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{layout.swizzle}"),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
@@ -252,7 +260,7 @@ def encode_on_host(layout: TensorMapLayout, array: np.ndarray) -> Any:
         layout.box,
         layout.element_strides,
         interleave="none",
-        swizzle=SWIZZLE,
+        swizzle=layout.swizzle,
         l2_promotion=L2_PROMOTION,
         oob_fill="none",
     )

@@ -57,10 +57,13 @@ DTYPE_SHORT: dict[str, str] = {
 # split/combine paths, which fp8 does not have). Every other dtype writes out in its own type.
 FP8_DTYPE = "float8_e4m3"  # the fp8 kernels' input dtype (OCP e4m3)
 FP8_OUTPUT_DTYPE: dict[str, str] = {FP8_DTYPE: "bfloat16"}
-# What fp8 on the wgmma engine is built for so far: d128 with 128-key tiles (a V^T tile row is
-# then one 128-byte swizzled row of 128 keys), the plain loop, Q from shared memory.
-FP8_HEAD_DIMS = (128,)
-FP8_BLOCK_N = (128,)
+# What fp8 on the wgmma engine is built for: head dim -> the key tiles it takes (docs/hopper.md,
+# fp8). A Q or K tile row is min(head dim, 128) bytes (d64: one 64-byte-swizzled row; d256: two
+# 128-byte column blocks), a V^T tile row block_n bytes (n128: 128-byte swizzle, n64: 64-byte).
+# d256 takes 64-key tiles only: its 128 fp32 output accumulators per thread leave room for 32
+# of scores, not 64 (live_registers_per_thread).
+FP8_BLOCK_N_BY_HEAD_DIM: dict[int, tuple[int, ...]] = {64: (128, 64), 128: (128,), 256: (64,)}
+FP8_HEAD_DIMS = tuple(FP8_BLOCK_N_BY_HEAD_DIM)
 # Every dtype name kernelgen's functions and CLI accept -> the full name (the one table).
 DTYPE_ALIASES: dict[str, str] = {
     "float32": "float32",
@@ -770,15 +773,23 @@ class KernelSpec(BaseModel):
     def _fp8_problems(self) -> list[str]:
         """What an fp8 wgmma spec may not have (yet): docs/hopper.md, "fp8"."""
         problems = []
-        for field, value, allowed in (
-            ("head_dim", self.head_dim, FP8_HEAD_DIMS),
-            ("block_n", self.block_n, FP8_BLOCK_N),
-        ):
-            if value not in allowed:
-                problems.append(
-                    f"{field}={value} is not allowed with dtype={self.dtype!r}; use "
-                    f"{' or '.join(map(str, allowed))}"
-                )
+        block_ns = FP8_BLOCK_N_BY_HEAD_DIM.get(self.head_dim)
+        if block_ns is None:
+            problems.append(
+                f"head_dim={self.head_dim} is not allowed with dtype={self.dtype!r}; use "
+                f"{' or '.join(map(str, FP8_HEAD_DIMS))}"
+            )
+        elif self.block_n not in block_ns:
+            problems.append(
+                f"block_n={self.block_n} is not allowed with dtype={self.dtype!r} and head_dim="
+                f"{self.head_dim}; use {' or '.join(map(str, block_ns))}"
+            )
+        if self.epilogue == "tma" and self.qk_row_bytes < WGMMA_ROW_BYTES:
+            problems.append(
+                f"epilogue='tma' is not allowed with dtype={self.dtype!r} and head_dim="
+                f"{self.head_dim} (not built yet: the bf16 rows it stages are wider than the "
+                "64-byte Q rows); use epilogue: direct"
+            )
         flags = (
             "pack_gqa", "split_kv", "paged_kv",
             *VARIANT_FLAGS,
@@ -805,8 +816,21 @@ class KernelSpec(BaseModel):
 
     @property
     def row_elems(self) -> int:
-        """wgmma: elements of one 128-byte swizzled tile row (a column block's width)."""
-        return WGMMA_ROW_BYTES // self.elem_bytes
+        """wgmma: elements of one swizzled Q or K tile row (a column block's width): 128 bytes,
+        or the whole padded row where it is shorter (fp8 at d64: 64 bytes)."""
+        return min(WGMMA_ROW_BYTES // self.elem_bytes, self.head_dim_padded)
+
+    @property
+    def qk_row_bytes(self) -> int:
+        """wgmma: bytes of one swizzled Q or K tile row, which is also its swizzle span (TMA's
+        CU_TENSOR_MAP_SWIZZLE_<n>B, the descriptors' layout type): 128, or 64 (fp8 at d64)."""
+        return self.row_elems * self.elem_bytes
+
+    @property
+    def v_row_bytes(self) -> int:
+        """wgmma: bytes of one swizzled V tile row and its swizzle span: fp8 reads V^T, rows of
+        block_n 1-byte keys (128 or 64); else as :attr:`qk_row_bytes`."""
+        return self.block_n if self.fp8 else self.qk_row_bytes
 
     @property
     def engine(self) -> Engine:
@@ -890,7 +914,7 @@ class KernelSpec(BaseModel):
     def smem_row_elems(self) -> int:
         """Row stride of the Q, K and V tiles in shared memory, in elements."""
         if self.engine.warp_specialized:
-            return self.row_elems  # one 128-byte row of a column block
+            return self.row_elems  # one swizzled row of a column block (qk_row_bytes)
         width = self.head_dim_padded if self.engine.tensor_cores else self.head_dim
         return width + self.smem_pad * 4 // self.elem_bytes
 

@@ -52,7 +52,7 @@ from kernelgen.specs.arch import ARCHS
 from kernelgen.specs.backward import TC_DTYPES, BackwardSpec
 from kernelgen.specs.backward import TC_STAGES as BACKWARD_TC_STAGES
 from kernelgen.specs.forward import (
-    FP8_BLOCK_N,
+    FP8_BLOCK_N_BY_HEAD_DIM,
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
     KernelSpec,
@@ -106,10 +106,12 @@ DECODE_STAGES = (2, 3)
 # (a tile that lies in one page is one TMA copy, others are copied row by row with cp.async:
 # which is faster is for a GPU to time).
 WGMMA_DECODE_BLOCK_N = (64, 128)
-# fp8 (e4m3) grid (wgmma, compute capability 9.0 only; docs/hopper.md, fp8): the loops of the
-# one fp8 tiling (d128, 128 x 128 tiles): (stages, switches). The overlapped loops take a third
-# stage, as in the 16-bit grid; which loop pays is for a GPU to time (the static model puts
-# them all at the exponentials' bound).
+# fp8 (e4m3) grid (wgmma, compute capability 9.0 only; docs/hopper.md, fp8): the loops of each
+# fp8 tiling (128-row tiles, the head dim's key tiles: FP8_BLOCK_N_BY_HEAD_DIM), (stages,
+# switches); spec validation drops those a tiling refuses (d64: the TMA store; d256: the
+# overlap and Q in registers, for want of registers). The overlapped loops take a third stage,
+# as in the 16-bit grid; which loop pays is for a GPU to time (the static model puts them all
+# at the exponentials' bound).
 FP8_LOOPS: tuple[tuple[int, dict[str, Any]], ...] = (
     (2, {}),
     (2, {"q_in_registers": True}),
@@ -299,19 +301,22 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
 
 
 def fp8_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
-    """The fp8 grid (:data:`FP8_LOOPS` at the fp8 tiling), for an fp8 problem on a 9.0 device
-    (``arch`` sm_90); any other arch raises InputError (no kernel runs fp8 there)."""
+    """The fp8 grid (:data:`FP8_LOOPS` at each fp8 tiling of the head dim), for an fp8 problem
+    on a 9.0 device (``arch`` sm_90); any other arch raises InputError (no kernel runs fp8
+    there)."""
     if arch != HOPPER_DEVICE_ARCH:
         raise InputError(
             f"dtype={problem.dtype!r} problems are tuned on compute capability 9.0 devices only "
             f"(arch {HOPPER_DEVICE_ARCH}: the fp8 kernels are sm_90a); this device is {arch}"
         )
-    for stages, switches in FP8_LOOPS:
+    for block_n, (stages, switches) in itertools.product(
+        FP8_BLOCK_N_BY_HEAD_DIM.get(problem.head_dim, ()), FP8_LOOPS
+    ):
         yield {
             "loop_order": "v2",
             "mma": "wgmma",
             "block_m": 128,
-            "block_n": FP8_BLOCK_N[0],
+            "block_n": block_n,
             "stages": stages,
             **switches,
             "archs": list(WGMMA_ARCHS),
