@@ -203,8 +203,8 @@ DECODE_MUTATIONS = {
     ),
     "the packed Q box at the tile's row, not its query": (
         SPLIT,
-        "cb * 64, 0, row0 / group, kv_head, b,",
-        "cb * 64, 0, row0, kv_head, b,",
+        "cb * ROW_ELEMS, 0, row0 / group, kv_head, b,",
+        "cb * ROW_ELEMS, 0, row0, kv_head, b,",
     ),
 }
 
