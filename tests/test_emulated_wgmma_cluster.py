@@ -39,16 +39,11 @@ def cluster_spec(**fields):
 
 CLUSTER_CASES = [
     # (spec fields, case): 64-key tiles (32-row halves), the d128 default tiling (64-row
-    # halves), four column blocks (d256), one consumer warpgroup; odd and even numbers of
-    # query tiles, a single query tile (its partner holds no row)
+    # halves), four column blocks (d256), one consumer warpgroup (packed); odd and even numbers
+    # of query tiles, a single query tile (its partner holds no row)
     (dict(dtype="bfloat16", head_dim=64, block_m=128, block_n=64), Case(1, 2, 1, 300, 200)),
     (dict(dtype="bfloat16", head_dim=128, block_m=128, block_n=128), Case(2, 4, 2, 17, 333)),
-    (
-        dict(dtype="bfloat16", head_dim=128, block_m=128, block_n=128),
-        Case(1, 2, 1, 256, 130, layout="bshd", mask="broadcast"),
-    ),
     (dict(dtype="float16", head_dim=256, block_m=128, block_n=64), Case(1, 2, 1, 200, 100)),
-    (dict(dtype="float16", head_dim=96, block_m=64, block_n=64), Case(2, 3, 1, 130, 70)),
     (
         dict(dtype="bfloat16", head_dim=128, block_m=128, block_n=128, stages=3, overlap=True),
         Case(1, 2, 2, 140, 400, key_growth=6.0),

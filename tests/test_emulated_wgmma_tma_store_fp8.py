@@ -33,12 +33,11 @@ pytestmark = pytest.mark.emulate
 
 SCALE = 128**-0.5
 TMA = fp8_spec(epilogue="tma")
-# (causal, (B, H, Hkv, Sq, Sk)): groups 2, 4 and 8, lengths off the tiles and off 16
+# (causal, (B, H, Hkv, Sq, Sk)): groups 2 and 8 (4 after the other loops, below), lengths off
+# the tiles and off 16
 CASES = [
     pytest.param(False, (2, 4, 2, 70, 150), id="group2-sq70"),
-    pytest.param(True, (1, 8, 2, 131, 200), id="group4-causal-sq131"),
     pytest.param(True, (1, 8, 1, 17, 300), id="group8-causal-sq17"),
-    pytest.param(False, (1, 8, 1, 200, 77), id="group8-sq200"),
 ]
 
 
@@ -64,7 +63,7 @@ def test_fp8_tma_store_within_the_bound_and_equal_to_direct(causal, shape):
 def test_fp8_tma_store_after_the_other_loops(loop):
     """The epilogue after the Q-in-registers and overlapped loops (their last products retire
     before the staging overwrites Q's rows): equal to the direct epilogue of the same loop."""
-    shape = (1, 4, 2, 100, 150)
+    shape = (1, 8, 2, 100, 150)  # group 4
     q, k, v, descales = problem(sum(shape), *shape)
     result = emulate_fp8_attention(
         fp8_spec(epilogue="tma", causal=True, **loop), q, k, v, **descales
