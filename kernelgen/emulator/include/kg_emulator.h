@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <array>
 #include <atomic>
 #include <cstdarg>
 #include <deque>
@@ -1662,7 +1663,7 @@ inline uint16_t double_to_half_bits(double x) {
 // OCP FP8 (the PTX ISA's .e4m3 and .e5m2): e4m3 bias 7, 3 mantissa bits, no infinities, NaN
 // S.1111.111, largest 448; e5m2 bias 15, 2 mantissa bits, IEEE-like infinities and NaNs,
 // largest finite 57344.
-inline double fp8_bits_to_double(uint8_t b, bool e5m2) {
+inline double fp8_bits_to_double_exact(uint8_t b, bool e5m2) {
   const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
   const int e = (b & 0x7F) >> mbits, m = b & ((1 << mbits) - 1);
   double v;
@@ -1676,6 +1677,21 @@ inline double fp8_bits_to_double(uint8_t b, bool e5m2) {
     v = std::ldexp(static_cast<double>((1 << mbits) + m), e - bias - mbits);
   }
   return (b & 0x80) ? -v : v;
+}
+
+// The same through a table of all 256 values per format, built once from the function above:
+// wgmma's operand loads call it for every element of every product (32 times per B element per
+// instruction, once per lane that reads it), where the ldexp path made the fp8 kernels' emulation
+// several times slower than the 16-bit ones'.
+inline double fp8_bits_to_double(uint8_t b, bool e5m2) {
+  static const std::array<std::array<double, 256>, 2> values = [] {
+    std::array<std::array<double, 256>, 2> t{};
+    for (int format = 0; format < 2; ++format)
+      for (int bits = 0; bits < 256; ++bits)
+        t[format][bits] = fp8_bits_to_double_exact(static_cast<uint8_t>(bits), format == 1);
+    return t;
+  }();
+  return values[e5m2 ? 1 : 0][b];
 }
 
 // cvt.rn.satfinite{.relu} to .e4m3 / .e5m2: round to nearest even; a NaN input gives NaN
