@@ -143,7 +143,7 @@ def test_page_sizes_the_row_copies_cannot_take_raise():
 # ---- mutations: each must make a run fail (a hazard, a deadlock or a wrong result) ---------
 ROW_MUTATIONS = {
     "the swizzle's chunk left out": (
-        "((chunk ^ (first_row % 8)) * 16)",
+        "((chunk ^ swizzle_phase(first_row)) * 16)",
         "(chunk * 16)",
     ),
     "no arrive-on after the K copies": ("cp_async_arrive_noinc(k_copied + 8 * slot);", ""),
