@@ -125,9 +125,7 @@ def block_key_tiles(spec: KernelSpec, shape: ProblemShape) -> list[int]:
     group = shape.heads // shape.kv_heads if spec.pack_gqa else 1
     rows = shape.seqlen_q * group
     tiles = []
-    # with clusters, whole clusters: a block past the rows still copies its share of the keys
-    row_tiles = math.ceil(rows / (spec.block_m * spec.cluster_m)) * spec.cluster_m
-    for r in range(row_tiles):
+    for r in range(spec.row_tiles(rows)):
         if not spec.causal:
             tiles.append(math.ceil(shape.seqlen_k / spec.block_n))
             continue

@@ -133,11 +133,7 @@ def launch_geometry(spec: KernelSpec, problem: Problem) -> tuple[Grid, Grid]:
     heads = problem.batch * (problem.num_kv_heads if spec.pack_gqa else problem.num_heads)
     if spec.loop_order == "v2":
         splits = problem.num_splits if spec.split_kv else 1
-        # With clusters (cluster_m), a head's row tiles round up to whole clusters: a block past
-        # the rows copies its slice of the key tiles for the others and writes nothing.
-        cluster = spec.cluster_m
-        row_tiles = math.ceil(tile_rows(spec, problem) / (spec.block_m * cluster)) * cluster
-        grid = (row_tiles * heads, splits, 1)
+        grid = (spec.row_tiles(tile_rows(spec, problem)) * heads, splits, 1)
     else:
         grid = (heads, 1, 1)
     if any(size > limit for size, limit in zip(grid, MAX_GRID, strict=True)):

@@ -938,6 +938,12 @@ class KernelSpec(BaseModel):
             )
         return self.keys_per_thread + self.cols_per_thread
 
+    def row_tiles(self, rows: int) -> int:
+        """The grid's blocks for one head's ``rows`` (query rows, or packed (query, head) rows):
+        ceil(rows / block_m), rounded up to whole clusters with ``cluster_m`` (a block past the
+        rows copies its share of the key tiles for the others and writes nothing)."""
+        return math.ceil(rows / (self.block_m * self.cluster_m)) * self.cluster_m
+
     @property
     def live_registers_per_thread(self) -> int:
         """:attr:`accumulators_per_thread` plus the registers of P, the weights rounded to the
