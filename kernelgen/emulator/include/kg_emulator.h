@@ -968,7 +968,7 @@ inline void run_fibers(Launch& L) {
   // it, or a block reaching another's barriers before it initialised them, then shows in some
   // runs.
   uint32_t lagging =
-      L.ncta > 1 ? static_cast<uint32_t>(splitmix64(L.schedule_state) % (L.ncta + 1)) : 0;
+      L.ncta > 1 ? static_cast<uint32_t>(splitmix64(L.schedule_state) % (L.ncta + 1)) : L.ncta;
   while (alive != 0) {
     L.progress = false;
     bool runnable = false;
