@@ -86,8 +86,8 @@ def wgmma_candidates(quick: bool = False) -> list[dict[str, Any]]:
 
 def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:
     """Spec-field overrides for the fp8 (e4m3) wgmma forward: each of its loops at 128-row tiles
-    and each key tile the head dim takes (``FP8_BLOCK_N_BY_HEAD_DIM``: d128 and d256 one, d64
-    two; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with and
+    and each key tile the head dim takes (``FP8_BLOCK_N_BY_HEAD_DIM``: d64 and d128 two, d256
+    one; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with and
     without Q in registers (3 stages). Those a tiling refuses (d256's overlap and Q in
     registers) are recorded invalid with kernelgen's reason. These rows are where a GPU times
     the loops against each other."""

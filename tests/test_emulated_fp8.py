@@ -199,8 +199,8 @@ def test_decode_e4m3_matches_ml_dtypes():
             "float8_e4m3 needs mma: wgmma",
         ),
         (
-            {"block_n": 64},
-            "block_n=64 is not allowed with dtype='float8_e4m3' and head_dim=128; use 128",
+            {"block_n": 96},
+            "block_n=96 is not allowed with dtype='float8_e4m3' and head_dim=128; use 128 or 64",
         ),
         (
             {"head_dim": 256},

@@ -69,10 +69,12 @@ def run(spec, shape, seed, source=None):
 
 
 # Causal with GQA and lengths off the tiles: d64 with 64-key tiles (V^T rows of 64 bytes too)
-# and Q in registers (its fragments read through the 64-byte swizzle); d256 in ping-pong.
+# and Q in registers (its fragments read through the 64-byte swizzle); d256 in ping-pong; d128
+# with 64-key tiles (64-byte V^T rows beside 128-byte Q and K rows) in the overlapped loop.
 CASES = {
     "d64_n64_qr": {"head_dim": 64, "block_n": 64, "q_in_registers": True},
     "d256_n64_pp": {"head_dim": 256, "block_n": 64, "pingpong": True},
+    "d128_n64_ovl": {"head_dim": 128, "block_n": 64, "overlap": True, "stages": 3},
 }
 
 

@@ -57,8 +57,9 @@ def fp8_problem(**overrides: object) -> ProblemDesc:
 
 
 def loop_uris(causal: bool) -> list[str]:
-    return [f"fa_fwd_v2_wg_e4m3_d128_m128_n128_w12_{loop}" + ("_causal" if causal else "")
-            for loop in LOOPS]  # fmt: skip
+    """The d128 candidates: every loop at 128-key tiles, then at 64-key tiles."""
+    return [f"fa_fwd_v2_wg_e4m3_d128_m128_n{n}_w12_{loop}" + ("_causal" if causal else "")
+            for n in (128, 64) for loop in LOOPS]  # fmt: skip
 
 
 def preferring(loop: str):
@@ -144,15 +145,21 @@ def test_a_record_key_of_an_fp8_problem_no_kernel_takes_is_refused(field, value)
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_candidates_of_an_fp8_problem_are_the_fp8_loops(causal):
     """Plain, Q in registers, the overlap (3 stages) with and without it, ping-pong: causal as
-    the problem is, sm_90a code; the shipped fp8 specs are among them. None is dropped."""
+    the problem is, sm_90a code, at 128- then 64-key tiles; the shipped fp8 specs are among them.
+    None is invalid; the model keeps its top 8."""
     p = fp8_problem(causal=causal)
     specs, dropped = valid_candidates(p, "sm_90")
     assert [s.uri for s in specs] == loop_uris(causal) and dropped == []
     assert all(s.fp8 and s.causal == causal and s.archs == ("sm_90a",) for s in specs)
     shipped = [load_spec(ROOT_SPECS.format(loop)) for loop in ("s2", "s2_qr", "s3_ovl")]
     assert [s.uri for s in shipped] == loop_uris(False)[:3]
+    # the model ranks the 64-key tiles below the 128-key ones (272 against 264 clk per unit, the
+    # exponentials' bound): the first two of them make the top 8, the rest are dropped by rank
     kept, dropped = prune(p, DEVICE, fake_compile())
-    assert sorted(c.spec.uri for c in kept) == sorted(loop_uris(causal)) and dropped == []
+    assert [c.spec.uri for c in kept] == loop_uris(causal)[:8]
+    assert [(d.uri, d.reason.split(",")[1]) for d in dropped] == [
+        (uri, f" rank {rank} > top 8") for rank, uri in enumerate(loop_uris(causal)[8:], 9)
+    ]
 
 
 def test_the_candidates_at_head_dims_64_and_256_are_the_loops_that_fit():
@@ -190,12 +197,15 @@ def test_an_fp8_problem_is_tuned_once_then_read_from_disk():
     p = fp8_problem(causal=True)
     launch = select_launch(p, DEVICE, software=SOFTWARE, tuner=tuner)
     assert launch.spec.uri == loop_uris(True)[3] and launch.num_splits is None
-    assert sorted(set(bench.timed)) == sorted(loop_uris(True))  # five: no screen
+    assert sorted(set(bench.timed)) == sorted(loop_uris(True)[:8])  # the model's top 8
     key = make_key(p, DEVICE, SOFTWARE)
     record = TuningDB().load(key)
     assert record is not None and record.winner == launch.spec.model_dump(mode="json")
     assert {c["uri"]: c["status"] for c in record.candidates}[launch.spec.uri] == "winner"
-    assert record.winner_ms == pytest.approx(0.5) and record.dropped == []
+    assert record.winner_ms == pytest.approx(0.5)
+    assert [(d["stage"], d["uri"]) for d in record.dropped] == [
+        ("model", uri) for uri in loop_uris(True)[8:]
+    ]
     clear_memo()  # a new process: the disk answers
     assert select_launch(p, DEVICE, software=SOFTWARE, tuner=tuner) == launch
     same_bucket = fp8_problem(causal=True, seqlen_q=1000, seqlen_k=777)
@@ -234,8 +244,8 @@ def test_an_fp8_record_with_a_bf16_winner_is_a_miss(caplog):
 
 # ---- kernelgen tune --dtype e4m3 ------------------------------------------------------------
 def test_the_dry_run_of_an_fp8_shape_lists_the_fp8_loops(monkeypatch):
-    """On the assumed H100 the six candidates (five loops and the TMA-store twin), one of them
-    spilling (a fake ptxas) dropped by name."""
+    """On the assumed H100 the twelve candidates (five loops and the TMA-store twin at 128- and
+    64-key tiles), one of them spilling (a fake ptxas) dropped by name."""
     from test_tuning_cli import run
 
     from kernelgen.tuning import candidates
@@ -249,7 +259,7 @@ def test_the_dry_run_of_an_fp8_shape_lists_the_fp8_loops(monkeypatch):
     assert "problem bucket e4m3_d128_causal_nomask_g2_q4096_k4096_bh32" in result.stdout
     assert all(uri in result.stdout for uri in loop_uris(True)[:4] + loop_uris(True)[5:])
     assert f"drop [resources] {spilling}: ptxas" in result.stdout
-    assert "5 to time, 1 dropped (dry run: nothing timed)" in result.stdout
+    assert "8 to time, 4 dropped (dry run: nothing timed)" in result.stdout  # 3 by the model
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,7 @@ FP8_OUTPUT_DTYPE: dict[str, str] = {FP8_DTYPE: "bfloat16"}
 # 128-byte column blocks), a V^T tile row block_n bytes (n128: 128-byte swizzle, n64: 64-byte).
 # d256 takes 64-key tiles only: its 128 fp32 output accumulators per thread leave room for 32
 # of scores, not 64 (live_registers_per_thread).
-FP8_BLOCK_N_BY_HEAD_DIM: dict[int, tuple[int, ...]] = {64: (128, 64), 128: (128,), 256: (64,)}
+FP8_BLOCK_N_BY_HEAD_DIM: dict[int, tuple[int, ...]] = {64: (128, 64), 128: (128, 64), 256: (64,)}
 FP8_HEAD_DIMS = tuple(FP8_BLOCK_N_BY_HEAD_DIM)
 # Every dtype name kernelgen's functions and CLI accept -> the full name (the one table).
 DTYPE_ALIASES: dict[str, str] = {
