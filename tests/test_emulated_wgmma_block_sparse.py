@@ -128,15 +128,15 @@ def test_document_mask_loads_exactly_the_listed_tiles():
 # Mutations the tests must catch (each must fail: a hazard, a deadlock or a wrong result).
 MUTATIONS = {
     "the producer loads tile_begin + t, ignoring the list": (
-        "const int kv_row = (key_tile(t)) * BLOCK_N",
+        "const int kv_row = key_tile(t) * BLOCK_N",
         "const int kv_row = (tile_begin + t) * BLOCK_N",
     ),
     "the consumers skip the mask_mod on partly visible tiles": (
         "const bool mask_mod_tile = t < num_partial;",
         "const bool mask_mod_tile = false;",
     ),
-    "the consumers place the tile at tile_begin + t": (
-        "const int tile = key_tile(t);",
+    "the consumers place the tile at tile_begin + t, not where the producer says": (
+        "const int tile = slot_tiles[2 * slot];",
         "const int tile = tile_begin + t;",
     ),
 }

@@ -960,8 +960,9 @@ class KernelSpec(BaseModel):
             q_bytes = self.block_m * self.q_region_blocks * row_bytes
             kv_bytes = 2 * self.stages * self.block_n * self.column_blocks * row_bytes
             # Q landed; per slot K landed, V landed, slot free; the last V tile staged; paged:
-            # per slot K and V copied by cp.async (pages that are no multiple of block_n)
-            slot_barriers = (5 if self.paged_kv else 3) * self.stages
+            # per slot K and V copied by cp.async (pages that are no multiple of block_n);
+            # block-sparse: per slot the index of its key tile (in 8 bytes)
+            slot_barriers = (5 if self.paged_kv else 4 if self.block_sparse else 3) * self.stages
             barriers = (2 + slot_barriers) * WGMMA_BARRIER_BYTES
             return q_bytes + kv_bytes + barriers + WGMMA_SWIZZLE_ATOM
         if self.engine.tensor_cores:  # Q tile (reused to stage the output), then K and V rings
