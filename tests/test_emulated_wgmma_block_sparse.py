@@ -290,3 +290,19 @@ def test_a_block_sparse_call_elsewhere_keeps_the_mma_sync_kernel(monkeypatch):
     call = _sparse_call((64, 64))
     spec, _ = api._untuned_or_tuned_launch(call, False, aligned=True, split=False)
     assert api.with_expressions(spec, call.expressions).mma == "mma_sync"
+
+
+def test_kernelgen_emulate_expects_the_listed_tiles():
+    """`kernelgen emulate`'s TMA row (kernelgen.cli.emulate_table) counts a block-sparse spec's
+    key tiles against its block mask, not against every tile in causal reach."""
+    from kernelgen.cli.emulate_table import tma_rows
+
+    for causal, spec in ((False, PLAIN), (True, _spec(True, head_dim=64, block_m=64, block_n=32))):
+        mask = _mask(spec, PLAIN_CASE, _plain_inputs())
+        listed = _listed_tiles(mask, PLAIN_CASE, causal, spec.block_m)
+        shape = (1, 4, 2, PLAIN_CASE.seqlen_q, PLAIN_CASE.seqlen_k)
+        exact = _tma_bytes(spec, listed, PLAIN_CASE.heads)
+        one_tile = 2 * spec.block_n * spec.column_blocks * spec.qk_row_bytes
+        for tma_bytes, ok in ((exact, True), (exact + one_tile, False)):
+            (_, tiles) = tma_rows(spec, tma_bytes, 1, shape, 1, mask)
+            assert (tiles.value, tiles.ok) == (f"{listed.sum() * 4 + (not ok)}", ok)
