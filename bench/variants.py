@@ -8,9 +8,10 @@ For each variant case (a causal sliding window, softcap, ALiBi, sinks, and two u
 a causal document mask over 4 packed documents, run block-sparse from a block mask, and a
 relative-position bias score_mod; bf16, head dim 128, 16 heads, batch * seqlen = 16384
 tokens) it times kernelgen.attention (the default spec with the variant's flags or
-expressions) against FlexAttention (torch.nn.attention.flex_attention: a block mask for the
-window and the documents, a score_mod for softcap, ALiBi and the bias, the sink folded in from
-its lse) and, where the
+expressions; the document mask on the mma.sync kernel, and as ``kernelgen-wg`` on a 9.0
+device on the Hopper wgmma kernel, docs/hopper.md "Block-sparse masks") against FlexAttention
+(torch.nn.attention.flex_attention: a block mask for the window and the documents, a score_mod
+for softcap, ALiBi and the bias, the sink folded in from its lse) and, where the
 flash-attn package is installed, FlashAttention 2's own window_size / softcap / alibi_slopes.
 Each peer is checked first against an fp32 torch reference of the same semantics (relative
 Frobenius error below bench.metrics' tolerance), then timed with bench.gpu.Timer. Without a GPU
@@ -39,7 +40,8 @@ WINDOW = 1024  # keys a query sees with the sliding window: itself and the 1023 
 SOFTCAP = 30.0
 SEQLENS = (4096, 16384)
 QUICK_SEQLENS = (4096,)
-PEERS = ("kernelgen", "flex", "flash-attn")
+PEERS = ("kernelgen", "flex", "flash-attn", "kernelgen-wg")
+DOC_INPUTS = ("doc:int32[2]",)  # the document mask's mod_inputs, as a spec declares them
 
 
 @dataclass(frozen=True)
@@ -165,20 +167,61 @@ def reference(env: Any, case: VariantCase, q: Any, k: Any, v: Any) -> Any:
 
 def kernelgen_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
     """kernelgen.attention with the case's arguments; the document mask runs block-sparse from a
-    block mask built once (as a model would, once per batch for all layers)."""
+    block mask built once (as a model would, once per batch for all layers), on the mma.sync
+    kernel of the untuned default's tiles for a call with expressions, pinned (a 9.0 device
+    would otherwise run wgmma: the kernelgen-wg row)."""
     args = variant_arguments(env, case)
     kg = env.kernelgen
     if case.name == "document":
-        s = case.shape
-        tiles = kg.default_spec("bfloat16", s.head_dim, True, None)
-        args["block_mask"] = kg.block_mask(
-            DOC_MASK, s.batch, 1, s.seqlen_q, s.seqlen_k, block_m=tiles.block_m,
-            block_n=tiles.block_n, mod_inputs=args["mod_inputs"],
-        )  # fmt: skip
+        tiles = kg.default_spec("bfloat16", case.shape.head_dim, True, env.arch, expressions=True)
+        sparse = {"mask_mod": DOC_MASK, "mod_inputs": DOC_INPUTS, "block_sparse": True}
+        args["spec"] = kg.KernelSpec(**{**tiles.model_dump(), **sparse})
+        args["block_mask"] = document_block_mask(env, case, args["spec"], args["mod_inputs"])
+    return _attention_call(env, args)
 
+
+def kernelgen_wg_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
+    """The document mask's block-sparse run on the Hopper (wgmma) kernel: a block mask in the
+    untuned Hopper tiles (kernelgen.model.policy.hopper_default_spec, 128 x 128 at head dim
+    128), which a call on a 9.0 device runs with wgmma; the same spec, pinned."""
+    from kernelgen.model.policy import HOPPER_DEVICE_ARCH
+
+    if case.name != "document":
+        raise NotImplementedError("the wgmma twin times the block-sparse document mask only")
+    if env.arch != HOPPER_DEVICE_ARCH:
+        raise NotImplementedError(
+            f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {env.arch}"
+        )
+    args = variant_arguments(env, case)
+    args["spec"] = wgmma_document_spec(case.shape.head_dim)
+    args["block_mask"] = document_block_mask(env, case, args["spec"], args["mod_inputs"])
+    return _attention_call(env, args)
+
+
+def wgmma_document_spec(head_dim: int) -> Any:
+    """The block-sparse document mask's wgmma spec: the untuned Hopper tiling with the mask
+    (at head dim 128, specs/v2_wg_bf16_d128_m128_n128_s2_causal_docmask_bsparse.yaml)."""
+    from kernelgen.model.policy import hopper_default_spec
+    from kernelgen.specs.forward import KernelSpec
+
+    hopper = hopper_default_spec("bfloat16", head_dim, True)
+    sparse = {"mask_mod": DOC_MASK, "mod_inputs": DOC_INPUTS, "block_sparse": True}
+    return KernelSpec(**{**hopper.model_dump(), **sparse})
+
+
+def document_block_mask(env: Any, case: VariantCase, spec: Any, mod_inputs: Any) -> Any:
+    """The document mask's block mask in ``spec``'s tiles (one for every head)."""
+    s = case.shape
+    return env.kernelgen.block_mask(
+        DOC_MASK, s.batch, 1, s.seqlen_q, s.seqlen_k, block_m=spec.block_m,
+        block_n=spec.block_n, mod_inputs=mod_inputs,
+    )  # fmt: skip
+
+
+def _attention_call(env: Any, args: dict[str, Any]) -> Callable[..., Any]:
     def call(q: Any, k: Any, v: Any) -> Any:
         with env.stream():
-            return kg.attention(q, k, v, causal=True, **args)
+            return env.kernelgen.attention(q, k, v, causal=True, **args)
 
     return call
 
@@ -257,7 +300,12 @@ def flash_attn_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
     return call
 
 
-MAKERS = {"kernelgen": kernelgen_peer, "flex": flex_peer, "flash-attn": flash_attn_peer}
+MAKERS = {
+    "kernelgen": kernelgen_peer,
+    "flex": flex_peer,
+    "flash-attn": flash_attn_peer,
+    "kernelgen-wg": kernelgen_wg_peer,
+}
 
 
 def case_rows(env: Any, timer: Any, case: VariantCase) -> list[dict[str, Any]]:

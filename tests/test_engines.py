@@ -84,7 +84,7 @@ def test_engine_rows():
         assert engine.exact_capability is None or engine.exact_capability >= engine.min_capability
         assert (engine.arch_target is None) == (engine.exact_capability is None)
     assert ENGINES["wgmma"].warp_specialized and not ENGINES["mma_sync"].warp_specialized
-    assert [e.name for e in ENGINES.values() if e.block_sparse] == ["mma_sync"]
+    assert [e.name for e in ENGINES.values() if e.block_sparse] == ["mma_sync", "wgmma"]
 
 
 def test_specs_ask_their_row():

@@ -97,8 +97,8 @@ OVERLAP_SPECS = [p for p in WGMMA_SPEC_PATHS if load_spec(p).overlap]
 # then hoists that wait above the exponentials, which is what an H100 measured (the
 # overlapped loop slower than the plain one).
 WAIT_AT_THE_END = (
-    "      moved = weigh(s, j + 1, alpha);\n",
-    "      moved = weigh(s, j + 1, alpha);\n      wgmma_wait<0>();\n",
+    "      moved = weigh(s, j + 1, next_slot, alpha);\n",
+    "      moved = weigh(s, j + 1, next_slot, alpha);\n      wgmma_wait<0>();\n",
 )
 
 

@@ -514,7 +514,7 @@ def load_spec_text(text: str) -> KernelSpec:
         ({"mask_mod": "q_idx > 0", "mod_inputs": ["d:int8[1]"]}, "dtype 'int8' is not allowed"),
         ({"mod_inputs": ["doc:int32[1]"]}, "no score_mod or mask_mod"),
         ({"block_sparse": True}, "block_sparse=true needs a mask_mod"),
-        ({"block_sparse": True, "mask_mod": "q_idx >= kv_idx"}, "use mma_sync"),
+        ({"block_sparse": True, "mask_mod": "q_idx >= kv_idx"}, "use mma_sync or wgmma"),
         (
             {**TC_BASE, "block_m": 16, "num_warps": 1, "split_kv": True, "block_sparse": True,
              "mask_mod": "q_idx >= kv_idx"},
@@ -527,15 +527,18 @@ def test_invalid_expression_fields(changes, needle):
     assert any(needle in p for p in problems), problems
 
 
-def test_wgmma_takes_variants_and_expressions_but_not_block_sparsity():
+def test_wgmma_takes_variants_expressions_and_block_sparsity():
     wgmma = dict(
         mma="wgmma", dtype="bfloat16", head_dim=128, block_m=128, block_n=64,
         mask_mod="q_idx >= kv_idx",
     )  # fmt: skip
     spec = spec_from_dict({**BASE, **wgmma, "window": True, "sinks": True, "num_warps": 12})
     assert spec.uri.startswith("fa_fwd_v2_wg_") and "_win_sink_mmod" in spec.uri
-    problems = problems_of(**wgmma, num_warps=12, block_sparse=True)
-    assert "block_sparse=true is not allowed with mma='wgmma'; use mma_sync" in problems
+    sparse = spec_from_dict({**BASE, **wgmma, "num_warps": 12, "block_sparse": True})
+    assert sparse.uri.endswith("_bsparse")
+    # per ring slot the index of its key tile (8 bytes each, beside the barriers)
+    dense = spec_from_dict({**BASE, **wgmma, "num_warps": 12})
+    assert sparse.smem_bytes == dense.smem_bytes + 8 * sparse.stages
 
 
 def test_wgmma_schedule_options_and_their_limits():

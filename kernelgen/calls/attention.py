@@ -30,7 +30,12 @@ from kernelgen.calls.variant_inputs import (
     check_variants,
 )
 from kernelgen.errors import InputError, InputTypeError, KernelgenError, caller_stacklevel
-from kernelgen.model.policy import decode_rows, default_spec
+from kernelgen.model.policy import (
+    HOPPER_DEVICE_ARCH,
+    decode_rows,
+    default_spec,
+    hopper_default_spec,
+)
 from kernelgen.runtime.frameworks import (
     Arrays,
     CupyArrays,
@@ -743,10 +748,19 @@ def _untuned_or_tuned_launch(
     the default spec), and on the CPU backend (``host``: no GPU to time; the portable spec,
     every arch's). Tuning for a torch call (``library``) leaves no free blocks in CuPy's memory
     pool. ``page_size`` (keys per page of a paged KV cache; 0: contiguous K/V) picks paged-KV
-    specs and is part of the tuning key."""
+    specs and is part of the tuning key. A block-sparse call (a block mask) on a 9.0 device
+    runs the Hopper kernel in the mask's tiles where one takes them (and the call has no
+    additive mask, as for the untuned Hopper default), else the mma.sync one."""
     capability, arch = (EMULATED_CAPABILITY, None) if host else device_arch()
     _, heads, seqlen_q, head_dim = call.q.shape
     tensor_cores = capability >= 80 and aligned
+    block_mask = call.expressions.block_mask
+    hopper_sparse = tensor_cores and arch == HOPPER_DEVICE_ARCH and call.mask is None
+    if block_mask is not None and hopper_sparse:
+        tiles = (block_mask.block_m, block_mask.block_n)
+        hopper = hopper_default_spec(call.dtype, head_dim, causal, call.variants.flags, tiles)
+        if hopper is not None:
+            return hopper, None
     if split or not tensor_cores or host or call.expressions.present:
         spec = default_spec(
             call.dtype,

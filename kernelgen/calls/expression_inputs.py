@@ -208,8 +208,8 @@ def check_spec_expressions(
 
 def with_expressions(spec: KernelSpec, expressions: CallExpressions) -> KernelSpec:
     """``spec`` (a default or tuned choice) compiled with the call's expressions; with a block
-    mask, of its tile shape (4 warps, or one per 16 rows of smaller tiles), without split-KV
-    or packed GQA."""
+    mask, of its tile shape (mma.sync: 4 warps, or one per 16 rows of smaller tiles; wgmma:
+    the warpgroups of block_m), without split-KV or packed GQA."""
     if not expressions.present:
         return spec
     mask = expressions.block_mask
@@ -227,16 +227,14 @@ def _spec_with(
     if tiles is not None:
         if not spec.engine.block_sparse:
             raise InputError(
-                f"block_mask needs a tensor-core (mma_sync) kernel: float16/bfloat16 inputs with "
-                f"16-byte aligned rows; this call runs {spec.uri}"
+                f"block_mask needs a tensor-core (mma_sync or wgmma) kernel: float16/bfloat16 "
+                f"inputs with 16-byte aligned rows; this call runs {spec.uri}"
             )
-        data.update(
-            block_m=tiles[0],
-            block_n=tiles[1],
-            num_warps=min(4, tiles[0] // 16),
-            pack_gqa=False,
-            split_kv=False,
-        )
+        data.update(block_m=tiles[0], block_n=tiles[1], pack_gqa=False, split_kv=False)
+        if spec.engine.warp_specialized:
+            del data["num_warps"]  # the producer and one consumer warpgroup per 64 rows
+        else:
+            data["num_warps"] = min(4, tiles[0] // 16)
     try:
         return spec_from_dict(data)
     except SpecError as exc:

@@ -292,7 +292,7 @@ def emulate(
     rows = [
         *_error_rows(loaded, run, q, k, v, {**variants, **hooks}),
         Row("hazards (race check)", "0", "0", True),
-        *memory_rows(loaded, run, dims),
+        *memory_rows(loaded, run, dims, expressions.get("block_mask")),
     ]
     out_console.print(table(loaded, dims, rows))
     failed = [r.what for r in rows if r.ok is False]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from rich import box
 from rich.table import Table
 
@@ -21,7 +23,8 @@ class Row:
     ok: bool | None  # None: information only
 
 
-def memory_rows(spec: KernelSpec, run, shape: tuple[int, ...]) -> list[Row]:
+def memory_rows(spec: KernelSpec, run, shape: tuple[int, ...], block_mask: Any = None) -> list[Row]:
+    """``block_mask``: a block-sparse spec's (the TMA count expects its listed tiles)."""
     from kernelgen.runtime.launch import launch_geometry
 
     b, h, hkv, sq, sk = shape
@@ -57,7 +60,7 @@ def memory_rows(spec: KernelSpec, run, shape: tuple[int, ...]) -> list[Row]:
         every = row_blocks * math.ceil(sk / spec.block_n)
         rows.append(Row("key tiles visited", f"{visited:g}", f"of {every} (no skipping)", None))
     elif main.tma_bytes:
-        rows += tma_rows(spec, main.tma_bytes, minimum, shape, run.problem.num_splits)
+        rows += tma_rows(spec, main.tma_bytes, minimum, shape, run.problem.num_splits, block_mask)
     else:
         rows.append(Row("global bytes read (cp.async)", "n/a", "plain loads, not counted", None))
         rows.append(Row("key tiles visited", "n/a", "counted from cp.async", None))
@@ -65,31 +68,44 @@ def memory_rows(spec: KernelSpec, run, shape: tuple[int, ...]) -> list[Row]:
 
 
 def tma_rows(
-    spec: KernelSpec, tma_bytes: int, minimum: int, shape: tuple[int, ...], num_splits: int = 1
+    spec: KernelSpec,
+    tma_bytes: int,
+    minimum: int,
+    shape: tuple[int, ...],
+    num_splits: int = 1,
+    block_mask: Any = None,
 ) -> list:
     """wgmma specs: the bytes their TMA boxes brought in (whole boxes: 128-byte column blocks,
     rows past the sequence zero-filled) and the key tiles they visited, from those bytes less
     the Q tiles of the blocks that load one (a block whose rows see no key, or whose split-KV
     chunk holds none of them, loads nothing). Packed GQA: a block's rows are (query, head)
-    pairs of one K/V head."""
+    pairs of one K/V head. Block-sparse (``block_mask``): the tiles its lists hold within each
+    row tile's causal reach."""
     b, h, hkv, sq, sk = shape
     row_bytes = spec.column_blocks * 128
     rows_per_query, heads = (h // hkv, b * hkv) if spec.pack_gqa else (1, b * h)
     all_tiles = math.ceil(sk / spec.block_n)
     splits = num_splits if spec.split_kv else 1
     per_chunk = math.ceil(all_tiles / splits)
-    key_tiles = []  # per (row tile, chunk) block of one head
+    ends = []  # per row tile: the end of the key tiles its rows may see
     for first in range(0, sq * rows_per_query, spec.block_m):
         last = (min(first + spec.block_m, sq * rows_per_query) - 1) // rows_per_query
         kv_end = min(sk, last + 1 + sk - sq) if spec.causal else sk
-        end = math.ceil(kv_end / spec.block_n) if kv_end > 0 else 0
-        for chunk in range(splits):
-            begin = chunk * per_chunk
-            key_tiles.append(max(0, min(end, begin + per_chunk) - begin))
-    q_bytes = heads * sum(1 for n in key_tiles if n) * spec.block_m * row_bytes
+        ends.append(math.ceil(kv_end / spec.block_n) if kv_end > 0 else 0)
+    if block_mask is None:
+        key_tiles = [  # per (row tile, chunk) block of one head
+            max(0, min(end, chunk * per_chunk + per_chunk) - chunk * per_chunk)
+            for end in ends
+            for chunk in range(splits)
+        ]
+        loading, expected = heads * sum(1 for n in key_tiles if n), heads * sum(key_tiles)
+    else:  # (not split, not packed) per (batch entry, head, row tile) block
+        listed = np.broadcast_to(block_mask.tile_states() > 0, (b, h, len(ends), all_tiles))
+        counts = (listed & (np.arange(all_tiles) < np.array(ends)[:, None])).sum(axis=-1)
+        loading, expected = int((counts > 0).sum()), int(counts.sum())
+    q_bytes = loading * spec.block_m * row_bytes
     visited = (tma_bytes - q_bytes) / (2 * spec.block_n * row_bytes)
-    row_tiles = len(key_tiles) // splits
-    every = heads * row_tiles * all_tiles
+    every = heads * len(ends) * all_tiles
     return [
         Row(
             "global bytes read (TMA boxes)",
@@ -100,8 +116,8 @@ def tma_rows(
         Row(
             "key tiles visited",
             f"{visited:g}",
-            f"{heads * sum(key_tiles)} expected of {every}",
-            visited == heads * sum(key_tiles),
+            f"{expected} expected of {every}",
+            visited == expected,
         ),
     ]
 

@@ -61,7 +61,7 @@ INTERIOR = {
     },
     # TMA copies have no bounds test (the copy engine zero-fills); only the scores' path differs
     "wgmma": {
-        "MASK_MOD || tile >= first_exact || (WINDOW && tile < interior_begin) || "
+        "mask_mod_tile || tile >= first_exact || (WINDOW && tile < interior_begin) || "
         "has_mask;": "false;"
     },
 }

@@ -222,30 +222,38 @@ HOPPER_DEVICE_ARCH = "sm_90"  # the device arch that runs sm_90a code (wgmma: 9.
 
 
 def hopper_default_spec(
-    dtype: str, head_dim: int, causal: bool, variants: tuple[str, ...] = ()
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    variants: tuple[str, ...] = (),
+    tiles: tuple[int, int] | None = None,
 ) -> KernelSpec | None:
     """The untuned wgmma spec of a prefill problem on a 9.0 device, or None where the wgmma
-    kernels do not apply (fp32, a head dim they do not take, a variant they do not compile)."""
+    kernels do not apply (fp32, a head dim they do not take, a variant they do not compile).
+    ``tiles``: the (block_m, block_n) a block-sparse call's block mask was built in, which the
+    kernel must take (None where no wgmma kernel takes them: block_m other than 64 or 128, a
+    key tile that is no multiple of 16 from 32 to 256 or does not fit the registers; the call
+    then runs the mma.sync kernel in those tiles). Q in registers at key tiles up to 64."""
     dtype = normalize_dtype(dtype)
     if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
         return None
-    block_n = 128 if head_dim in (64, 128) else 64
+    block_m, block_n = tiles or (128, 128 if head_dim in (64, 128) else 64)
     try:
         return KernelSpec(
             loop_order="v2",
             mma="wgmma",
             dtype=dtype,
             head_dim=head_dim,
-            block_m=128,
+            block_m=block_m,
             block_n=block_n,
             stages=2,
             causal=bool(causal),
-            q_in_registers=block_n == Q_IN_REGISTERS_BLOCK_N
+            q_in_registers=block_n <= Q_IN_REGISTERS_BLOCK_N
             and head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
             archs=WGMMA_ARCHS,
             **{name: True for name in variants},
         )
-    except ValueError:  # a variant the wgmma kernels do not compile
+    except ValueError:  # a variant or tiles the wgmma kernels do not compile
         return None
 
 

@@ -345,7 +345,8 @@ class KernelSpec(BaseModel):
         False,
         description="Visit only the key tiles a block mask of mask_mod lists (attention(..., "
         "block_mask=kernelgen.block_mask(...))); fully visible tiles skip the per-element "
-        "mask_mod (mma_sync, not split_kv, paged_kv or pack_gqa).",
+        "mask_mod. mma_sync or wgmma (every wgmma loop: plain, overlap, q_in_registers, "
+        "pingpong, epilogue tma); not with split_kv, paged_kv, pack_gqa, cluster_m > 1 or fp8.",
     )
     overlap: bool = Field(
         False,
@@ -602,6 +603,7 @@ class KernelSpec(BaseModel):
             "split_kv": (self.split_kv, "a decode kernel has one query tile per head"),
             "paged_kv": (self.paged_kv, "a decode kernel has one query tile per head"),
             "dtype": (self.fp8, "fp8's V^T tile is not split for multicast (not built yet)"),
+            "block_sparse": (self.block_sparse, "the two blocks would visit different key tiles"),
         }
         return [
             f"cluster_m={self.cluster_m} is not allowed with {field}={_echo(getattr(self, field))}"
@@ -637,8 +639,9 @@ class KernelSpec(BaseModel):
                     "block_sparse=true needs a mask_mod (the block mask lists its key tiles)"
                 )
             if not self.engine.block_sparse:
+                allowed = " or ".join(name for name, e in ENGINES.items() if e.block_sparse)
                 problems.append(
-                    f"block_sparse=true is not allowed with mma={self.mma!r}; use mma_sync"
+                    f"block_sparse=true is not allowed with mma={self.mma!r}; use {allowed}"
                 )
             for field in ("split_kv", "paged_kv", "pack_gqa"):
                 if getattr(self, field):
@@ -791,7 +794,7 @@ class KernelSpec(BaseModel):
                 "64-byte Q rows); use epilogue: direct"
             )
         flags = (
-            "pack_gqa", "split_kv", "paged_kv",
+            "pack_gqa", "split_kv", "paged_kv", "block_sparse",
             *VARIANT_FLAGS,
         )  # fmt: skip
         for field in (*flags, *EXPRESSION_FIELDS):
@@ -957,8 +960,9 @@ class KernelSpec(BaseModel):
             q_bytes = self.block_m * self.q_region_blocks * row_bytes
             kv_bytes = 2 * self.stages * self.block_n * self.column_blocks * row_bytes
             # Q landed; per slot K landed, V landed, slot free; the last V tile staged; paged:
-            # per slot K and V copied by cp.async (pages that are no multiple of block_n)
-            slot_barriers = (5 if self.paged_kv else 3) * self.stages
+            # per slot K and V copied by cp.async (pages that are no multiple of block_n);
+            # block-sparse: per slot the index of its key tile (in 8 bytes)
+            slot_barriers = (5 if self.paged_kv else 4 if self.block_sparse else 3) * self.stages
             barriers = (2 + slot_barriers) * WGMMA_BARRIER_BYTES
             return q_bytes + kv_bytes + barriers + WGMMA_SWIZZLE_ATOM
         if self.engine.tensor_cores:  # Q tile (reused to stage the output), then K and V rings
