@@ -321,7 +321,9 @@ def test_a_missing_turn_wait_is_reported_as_a_phase_nobody_waited_for():
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "variants"), [(128, ("window", "softcap", "alibi", "sinks")), (64, ())], ids=str
+    ("head_dim", "variants"),
+    [(128, ("window", "softcap", "alibi", "sinks")), (64, ()), (192, ())],
+    ids=str,
 )
 def test_the_untuned_hopper_default_matches_float64(head_dim, variants):
     """What an untuned prefill call runs on a 9.0 device (policy.hopper_default_spec), with

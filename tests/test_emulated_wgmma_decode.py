@@ -69,6 +69,13 @@ CASES = [
         id="q-registers-packed-split",
     ),
     pytest.param(wg(pack_gqa=True), Case(1, 16, 2, 6, 100), None, None, id="packed-unsplit"),
+    pytest.param(  # head dim 192 (three column blocks), pages copied row by row (cp.async)
+        wg(head_dim=192, pack_gqa=True, split_kv=True, paged_kv=True, causal=True),
+        Case(2, 8, 2, 5, 300),
+        3,
+        48,
+        id="d192-paged48-packed-split-causal",
+    ),
 ]
 
 

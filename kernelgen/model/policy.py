@@ -216,6 +216,12 @@ def default_spec(
 # though it takes the unit from 56 to 48 KiB of traffic, while at 64-key tiles, where Q is
 # re-read twice as often, it ran 1.02-1.05x. The overlapped loop (overlap: true, 3 stages) ran
 # 1.01x the plain loop without causality and 0.99x with it: not the default either.
+# Key tiles of the untuned default by head dim: 128 where it fits and was measured best, 64 at
+# 96 (not measured) and 256 (the only ones that fit); at 192 (added 2026-11-27, not measured)
+# 96, the model's choice: 128 keys do not fit in shared memory, and with 64 the operand reads
+# bind (96 KiB per unit, 1030 instructions) where 96 keys leave the tensor term binding (88 KiB,
+# 895 instructions).
+HOPPER_DEFAULT_BLOCK_N: dict[int, int] = {64: 128, 96: 64, 128: 128, 192: 96, 256: 64}
 Q_IN_REGISTERS_BLOCK_N = 64  # the key tile at which the default holds Q in registers
 Q_IN_REGISTERS_MAX_HEAD_DIM = 128  # where its head_dim / 4 registers fit
 HOPPER_DEVICE_ARCH = "sm_90"  # the device arch that runs sm_90a code (wgmma: 9.0 only)
@@ -237,7 +243,7 @@ def hopper_default_spec(
     dtype = normalize_dtype(dtype)
     if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
         return None
-    block_m, block_n = tiles or (128, 128 if head_dim in (64, 128) else 64)
+    block_m, block_n = tiles or (128, HOPPER_DEFAULT_BLOCK_N[head_dim])
     try:
         return KernelSpec(
             loop_order="v2",

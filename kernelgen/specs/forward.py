@@ -111,9 +111,10 @@ MMA_ROWS_PER_WARP = (16, 32)
 MMA_PAD_WORDS = {"padded": 4, "swizzled": 0}
 # wgmma (sm_90a): a consumer warpgroup (4 warps) owns 64 query rows (the m64 of wgmma), one more
 # warpgroup produces (issues the TMA copies). Head dims: the tiles are 64-element column blocks
-# of 128 bytes (the 128-byte swizzle); 96 fills the second block half (TMA zero-fills the rest).
+# of 128 bytes (the 128-byte swizzle); 96 fills the second block half (TMA zero-fills the rest),
+# 192 is three blocks, 256 four.
 WGMMA_ARCHS = (ENGINES["wgmma"].arch_target,)
-WGMMA_HEAD_DIMS = (64, 96, 128, 256)
+WGMMA_HEAD_DIMS = (64, 96, 128, 192, 256)
 WGMMA_BLOCK_M = (64, 128)  # one or two consumer warpgroups
 # Keys per tile: any multiple of 16 (one k-step of P V; whole 8-row swizzle atoms, also for a
 # 2-CTA cluster's halves) up to 256 (wgmma's largest n and TMA's largest box), as the
@@ -258,8 +259,9 @@ class KernelSpec(BaseModel):
         description="simt: CUDA-core FMA kernels (all dtypes, v1 and v2); mma_sync: tensor cores "
         "(mma.sync m16n8k16, ldmatrix, cp.async; float16/bfloat16, v2, block_m = 16 or 32 rows "
         "per warp times num_warps); wgmma: Hopper tensor cores (archs [sm_90a] only: wgmma, TMA, "
-        "mbarriers; float16/bfloat16, v2, head_dim 64/96/128/256, block_m 64 or 128 = one or "
-        "two consumer warpgroups, block_n 32/64/128).",
+        "mbarriers; float16/bfloat16 (and float8_e4m3), v2, head_dim 64/96/128/192/256, block_m "
+        "64 or 128 = one or two consumer warpgroups, block_n a multiple of 16 from 32 to 256 "
+        "within the registers and shared memory).",
     )
     stages: int | None = Field(
         None,  # resolved by _fill_mode_defaults: 1 for simt, 2 for mma_sync

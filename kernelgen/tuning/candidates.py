@@ -89,6 +89,11 @@ WGMMA_OVERLAP = (False, True)
 # docs/hopper.md). Its twins are added as for the others but Q in registers (184 accumulators
 # at d128); head dim 256 refuses it.
 WGMMA_WIDE_TILINGS = ((128, 176),)
+# Tilings of one head dim only: at 192, 128-key tiles do not fit in shared memory (246,848 bytes
+# at 2 stages) and 64-key ones re-read Q twice as often, so the grid adds 96 and 112 keys (895
+# and 898 instructions, 88 and 86 KiB per unit against 1030 and 96 KiB at 64 keys; the model
+# puts 64 keys at the shared-memory bound and these at the tensor one; docs/hopper.md).
+WGMMA_HEAD_DIM_TILINGS: dict[int, tuple[tuple[int, int], ...]] = {192: ((128, 96), (128, 112))}
 # CUDA-core grid (fp32; the first entries double as fp16/bf16 fallbacks).
 SIMT_BLOCK_M = (32, 64, 128)
 SIMT_BLOCK_N = (16, 32, 64)
@@ -297,7 +302,7 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
         or decode_rows(problem) is not None
     ):
         return
-    yield from wgmma_grid()
+    yield from wgmma_grid(head_dim=problem.head_dim)
 
 
 def fp8_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
@@ -352,12 +357,18 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
         yield fields | {"epilogue": "tma"}
 
 
-def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any]]:
-    """The Hopper grid's field sets (the autotuner's and the benchmark's)."""
+def wgmma_grid(
+    stages: tuple[int, ...] = WGMMA_STAGES, head_dim: int | None = None
+) -> Iterator[dict[str, Any]]:
+    """The Hopper grid's field sets (the autotuner's and the benchmark's); with ``head_dim``
+    also that head dim's own tilings (:data:`WGMMA_HEAD_DIM_TILINGS`)."""
+    own = WGMMA_HEAD_DIM_TILINGS.get(head_dim, ()) if head_dim is not None else ()
     tilings = itertools.chain(
         itertools.product(WGMMA_BLOCK_M, WGMMA_BLOCK_N, stages, WGMMA_OVERLAP),
         ((m, n, stage_count, False) for m, n in WGMMA_WIDE_TILINGS for stage_count in stages),
-    )
+        ((m, n, stage_count, overlap) for m, n in own for stage_count in stages
+         for overlap in WGMMA_OVERLAP),
+    )  # fmt: skip
     for block_m, block_n, stage_count, overlap in tilings:
         fields = {
             "loop_order": "v2",
@@ -380,6 +391,7 @@ def wgmma_grid(stages: tuple[int, ...] = WGMMA_STAGES) -> Iterator[dict[str, Any
         # per tiling; which epilogue is faster is for a GPU to time.
         yield fields | {"epilogue": "tma"}
         if (block_m, block_n) not in WGMMA_WIDE_TILINGS:  # (at d128 they lack the registers)
+            # (validation drops it above head dim 128, and wherever the registers are short)
             yield fields | {"q_in_registers": True}  # (where the registers allow)
         if block_m == 128:  # two consumers that may take turns
             yield fields | {"pingpong": True}
