@@ -124,7 +124,7 @@ class Runner(Harness):
         super().__init__(env, args, floors, selected_peers(args.peers))
         self.interleave = True  # a shape's peers are timed together (shape_rows)
         self.candidates = tensor_core_candidates(quick=args.quick)
-        self.hopper_candidates = wgmma_candidates(quick=args.quick)
+        self.quick = args.quick
 
     def figures(self, shape: Shape, times: list[float]) -> dict[str, Any]:
         """TFLOP/s and the gaps to the matmul and copy floors."""
@@ -230,7 +230,8 @@ class Runner(Harness):
             )
             return report.make_row(shape, "kg-wgmma", report.UNAVAILABLE, reason=reason)
         base = identity(self.base_fields(shape))
-        listed = [(candidate_label(o), spec_fields(base, o)) for o in self.hopper_candidates]
+        hopper = wgmma_candidates(quick=self.quick, head_dim=shape.head_dim)
+        listed = [(candidate_label(o), spec_fields(base, o)) for o in hopper]
         return self.tensor_core_row(shape, sets, ref, "kg-wgmma", listed)
 
     def fp8_row(self, shape: Shape, sets: list) -> dict[str, Any]:

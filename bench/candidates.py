@@ -76,12 +76,13 @@ def tensor_core_candidates(quick: bool = False) -> list[dict[str, Any]]:
     ]
 
 
-def wgmma_candidates(quick: bool = False) -> list[dict[str, Any]]:
+def wgmma_candidates(quick: bool = False, head_dim: int | None = None) -> list[dict[str, Any]]:
     """Spec-field overrides for the Hopper (wgmma) kernel: the autotuner's grid for 9.0 devices
-    (kernelgen.tuning.candidates). Quick: 2 stages."""
+    (kernelgen.tuning.candidates), with ``head_dim`` also that head dim's own tilings (d192: 96
+    and 112 keys). Quick: 2 stages."""
     from kernelgen.tuning.candidates import WGMMA_STAGES, wgmma_grid
 
-    return list(wgmma_grid(WGMMA_STAGES[:1] if quick else WGMMA_STAGES))
+    return list(wgmma_grid(WGMMA_STAGES[:1] if quick else WGMMA_STAGES, head_dim))
 
 
 def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:

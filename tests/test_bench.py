@@ -413,6 +413,10 @@ def test_wgmma_peer_and_its_candidates():
     # one stage count (one more for the overlap, which releases a slot a tile later); the wide
     # 128 x 176 tiling without overlap, with its twins but Q in registers
     assert len(grid) == 26 and len(wgmma_candidates(quick=True)) == 26
+    # head dim 192 adds its own 96- and 112-key tilings, each with the overlap and the twins
+    d192 = wgmma_candidates(head_dim=192)
+    assert d192[:26] == grid and {g["block_n"] for g in d192[26:]} == {96, 112}
+    assert len(d192) == 26 + 2 * 7 and wgmma_candidates(head_dim=128) == grid
     assert sum(g["block_n"] == 176 for g in grid) == 4
     assert {g["stages"] for g in grid} == {2, 3}
     assert all(g["stages"] == 3 for g in grid if g["overlap"])

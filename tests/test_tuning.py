@@ -412,6 +412,9 @@ def test_wgmma_candidates_only_for_16_bit_prefill_on_compute_capability_9_0():
     assert {s.block_m for s in found} == {64, 128}
     assert not wgmma(problem(head_dim=128), "sm_80")
     assert not wgmma(problem(head_dim=80), "sm_90")
+    # head dim 192: 128 x 128 tiles do not fit in shared memory; its own 96 and 112 keys join
+    tilings = {(s.block_m, s.block_n) for s in wgmma(problem(head_dim=192), "sm_90")}
+    assert tilings == {(128, 64), (64, 128), (64, 64), (128, 96), (128, 112)}
     assert not wgmma(problem(dtype="float32"), "sm_90")
     decode = wgmma(problem(seqlen_q=1), "sm_90")
     assert decode and all(s.pack_gqa and s.block_m == 64 for s in decode)
@@ -422,7 +425,9 @@ H100 = DeviceInfo("NVIDIA H100 80GB HBM3", "9.0", 132)
 A100 = DeviceInfo("NVIDIA A100-SXM4-80GB", "8.0", 108)
 
 
-@pytest.mark.parametrize(("head_dim", "block_n"), [(64, 128), (96, 64), (128, 128), (256, 64)])
+@pytest.mark.parametrize(
+    ("head_dim", "block_n"), [(64, 128), (96, 64), (128, 128), (192, 96), (256, 64)]
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_untuned_prefill_on_a_9_0_device_runs_the_hopper_kernel(dtype, head_dim, block_n):
     """Without tuning, a 9.0 device gets the wgmma kernel (1.24-1.81x the mma.sync kernel on an
