@@ -82,7 +82,7 @@ def tma_rows(
     pairs of one K/V head. Block-sparse (``block_mask``): the tiles its lists hold within each
     row tile's causal reach."""
     b, h, hkv, sq, sk = shape
-    row_bytes = spec.column_blocks * 128
+    row_bytes = spec.column_blocks * spec.qk_row_bytes  # a Q tile row (whole swizzled blocks)
     rows_per_query, heads = (h // hkv, b * hkv) if spec.pack_gqa else (1, b * h)
     all_tiles = math.ceil(sk / spec.block_n)
     splits = num_splits if spec.split_kv else 1
@@ -104,7 +104,7 @@ def tma_rows(
         counts = (listed & (np.arange(all_tiles) < np.array(ends)[:, None])).sum(axis=-1)
         loading, expected = int((counts > 0).sum()), int(counts.sum())
     q_bytes = loading * spec.block_m * row_bytes
-    visited = (tma_bytes - q_bytes) / (2 * spec.block_n * row_bytes)
+    visited = (tma_bytes - q_bytes) / (spec.k_tile_bytes + spec.v_tile_bytes)
     every = heads * len(ends) * all_tiles
     return [
         Row(

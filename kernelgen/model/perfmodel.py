@@ -348,8 +348,8 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
 
 def tma_tile_bytes(spec: KernelSpec) -> int:
     """Bytes a wgmma block's TMA copies write per key tile: the K and V tiles, each block_n
-    rows of whole 64-element (128-byte) column blocks."""
-    return 2 * spec.block_n * spec.column_blocks * spec.smem_row_elems * spec.elem_bytes
+    rows of whole swizzled column blocks (fp8's V^T: head-dim rows of block_n keys)."""
+    return spec.k_tile_bytes + spec.v_tile_bytes
 
 
 class ShapeTerms(Protocol):

@@ -58,11 +58,19 @@ DTYPE_SHORT: dict[str, str] = {
 FP8_DTYPE = "float8_e4m3"  # the fp8 kernels' input dtype (OCP e4m3)
 FP8_OUTPUT_DTYPE: dict[str, str] = {FP8_DTYPE: "bfloat16"}
 # What fp8 on the wgmma engine is built for: head dim -> the key tiles it takes (docs/hopper.md,
-# fp8). A Q or K tile row is min(head dim, 128) bytes (d64: one 64-byte-swizzled row; d256: two
-# 128-byte column blocks), a V^T tile row block_n bytes (n128: 128-byte swizzle, n64: 64-byte).
-# d256 takes 64-key tiles only: its 128 fp32 output accumulators per thread leave room for 32
-# of scores, not 64 (live_registers_per_thread).
-FP8_BLOCK_N_BY_HEAD_DIM: dict[int, tuple[int, ...]] = {64: (128, 64), 128: (128, 64), 256: (64,)}
+# fp8). A Q or K tile row is stored in 128-byte column blocks (d64: one 64-byte-swizzled row;
+# d96: one 128-byte row whose last 32 bytes TMA zero-fills; d192: two, the second half-filled),
+# a V^T tile is head-dim rows of block_n bytes (n128: 128-byte swizzle, n64: 64-byte), so its
+# tile may be smaller than K's (k_tile_bytes, v_tile_bytes). d256 takes 64-key tiles only: its
+# 128 fp32 output accumulators per thread leave room for 32 of scores, not 64
+# (live_registers_per_thread).
+FP8_BLOCK_N_BY_HEAD_DIM: dict[int, tuple[int, ...]] = {
+    64: (128, 64),
+    96: (128, 64),
+    128: (128, 64),
+    192: (128, 64),
+    256: (64,),
+}
 FP8_HEAD_DIMS = tuple(FP8_BLOCK_N_BY_HEAD_DIM)
 # Every dtype name kernelgen's functions and CLI accept -> the full name (the one table).
 DTYPE_ALIASES: dict[str, str] = {
@@ -127,6 +135,9 @@ WGMMA_MAX_LIVE = 212
 WGMMA_ROWS_PER_WARPGROUP = 64
 WGMMA_COLUMN_BLOCK = 64  # elements of one 128-byte swizzled row (16-bit types)
 WGMMA_ROW_BYTES = 128  # one swizzled row: 64 16-bit or 128 fp8 elements
+# The swizzle spans a tile row may take (TMA's CU_TENSOR_MAP_SWIZZLE_<n>B), smallest first: a
+# row is the smallest span that holds its padded bytes, at most one 128-byte column block.
+WGMMA_SWIZZLE_SPANS = (64, WGMMA_ROW_BYTES)
 PARTIAL_BYTES = 4  # split-KV's partial outputs are fp32
 WGMMA_SWIZZLE_ATOM = 1024  # bytes: 8 rows of 128 bytes, the repeat of the 128-byte swizzle
 WGMMA_BARRIER_BYTES = 8
@@ -822,8 +833,11 @@ class KernelSpec(BaseModel):
     @property
     def row_elems(self) -> int:
         """wgmma: elements of one swizzled Q or K tile row (a column block's width): 128 bytes,
-        or the whole padded row where it is shorter (fp8 at d64: 64 bytes)."""
-        return min(WGMMA_ROW_BYTES // self.elem_bytes, self.head_dim_padded)
+        or the smallest swizzle span that holds a shorter padded row (fp8 at d64: 64 bytes; fp8
+        at d96: 128, its last 32 bytes zero-filled by TMA)."""
+        row = self.head_dim_padded * self.elem_bytes
+        span = next((s for s in WGMMA_SWIZZLE_SPANS if s >= row), WGMMA_ROW_BYTES)
+        return span // self.elem_bytes
 
     @property
     def qk_row_bytes(self) -> int:
@@ -836,6 +850,18 @@ class KernelSpec(BaseModel):
         """wgmma: bytes of one swizzled V tile row and its swizzle span: fp8 reads V^T, rows of
         block_n 1-byte keys (128 or 64); else as :attr:`qk_row_bytes`."""
         return self.block_n if self.fp8 else self.qk_row_bytes
+
+    @property
+    def k_tile_bytes(self) -> int:
+        """wgmma: bytes of one K tile in shared memory (a ring slot of k_ring): block_n rows of
+        :attr:`column_blocks` swizzled rows."""
+        return self.block_n * self.column_blocks * self.qk_row_bytes
+
+    @property
+    def v_tile_bytes(self) -> int:
+        """wgmma: bytes of one V tile (a ring slot of v_ring): as a K tile, or for fp8 the V^T
+        box, head-dim rows of block_n 1-byte keys (d96, d192: fewer than K's padded rows)."""
+        return self.head_dim_padded * self.block_n if self.fp8 else self.k_tile_bytes
 
     @property
     def engine(self) -> Engine:
@@ -960,7 +986,7 @@ class KernelSpec(BaseModel):
         row_bytes = self.smem_row_elems * self.elem_bytes
         if self.engine.warp_specialized:  # Q, K and V rings, their barriers, 1024-byte alignment
             q_bytes = self.block_m * self.q_region_blocks * row_bytes
-            kv_bytes = 2 * self.stages * self.block_n * self.column_blocks * row_bytes
+            kv_bytes = self.stages * (self.k_tile_bytes + self.v_tile_bytes)
             # Q landed; per slot K landed, V landed, slot free; the last V tile staged; paged:
             # per slot K and V copied by cp.async (pages that are no multiple of block_n);
             # block-sparse: per slot the index of its key tile (in 8 bytes)
