@@ -207,8 +207,9 @@ def test_decode_e4m3_matches_ml_dtypes():
             "block_n=128 is not allowed with dtype='float8_e4m3' and head_dim=256; use 64",
         ),
         (
-            {"head_dim": 96},
-            "head_dim=96 is not allowed with dtype='float8_e4m3'; use 64 or 128 or 256",
+            {"head_dim": 80},
+            "head_dim=80 is not allowed with dtype='float8_e4m3'; use "
+            "64 or 96 or 128 or 192 or 256",
         ),
         (
             {"head_dim": 64, "epilogue": "tma"},

@@ -1,12 +1,14 @@
-"""The fp8 (e4m3) wgmma forward at head dims 64 and 256 (docs/hopper.md, "fp8"): 64-byte
-swizzled operands. At d64 the Q and K tile rows are 64 bytes (TMA's 64-byte swizzle, descriptor
-mode 2, 512-byte 8-row groups, two k32 steps per row); at d256 Q and K rows are two 128-byte
-column blocks and the 64-key tiles' V^T rows are 64 bytes. A probe of the emulator's 64-byte
-swizzled K-major 8-bit operand read from inside a row (the kernels' second k-step), then the
-kernels against the float64 reference of the quantized inputs within the bound of
-tests/test_emulated_fp8.py, and mutations of the new layouts that the bound or the emulator's
-TMA hazard check catches. The spec files
-specs/v2_wg_e4m3_d64_* and _d256_* run in test_emulated_fp8.py's spec-file test."""
+"""The fp8 (e4m3) wgmma forward at head dims 64, 96, 192 and 256 (docs/hopper.md, "fp8"). At
+d64 the Q and K tile rows are 64 bytes (TMA's 64-byte swizzle, descriptor mode 2, 512-byte 8-row
+groups, two k32 steps per row); at d256 Q and K rows are two 128-byte column blocks and the
+64-key tiles' V^T rows are 64 bytes; d96's Q and K rows are one 128-byte row (its last 32 bytes
+zero-filled by TMA) and d192's two column blocks (the second half-filled), while their V^T
+tiles hold just the head dim's rows, so a V ring slot is smaller than a K one. A probe of the
+emulator's 64-byte swizzled K-major 8-bit operand read from inside a row (the kernels' second
+k-step), then the kernels against the float64 reference of the quantized inputs within the
+bound of tests/test_emulated_fp8.py, and mutations of the new layouts that the bound or the
+emulator's TMA hazard check catches. The spec files specs/v2_wg_e4m3_d64_* and _d256_* run in
+test_emulated_fp8.py's spec-file test (d96 and d192 ship none: their cases are below)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from test_emulator_hopper_fp8 import FP8, descriptor, fp8_kernel, fp8_values  # 
 from kernelgen.calls.emulated import emulate_fp8_attention
 from kernelgen.errors import HazardError
 from kernelgen.kernels.render import render
+from kernelgen.specs.forward import WGMMA_ROW_BYTES
 
 pytestmark = pytest.mark.emulate
 
@@ -68,13 +71,33 @@ def run(spec, shape, seed, source=None):
     return ratio, relative, float(np.max(np.abs(result.lse - lse)))
 
 
+def test_d96_and_d192_store_k_in_whole_column_blocks_and_v_transposed_unpadded():
+    """The layout the kernels and the shared-memory size share (KernelSpec): Q/K rows of whole
+    128-byte swizzled column blocks, V^T tiles of head-dim rows of block_n keys."""
+    for head_dim, blocks in ((96, 1), (192, 2)):
+        for block_n in (128, 64):
+            spec = fp8_spec(head_dim=head_dim, block_n=block_n)
+            assert (spec.qk_row_bytes, spec.column_blocks) == (WGMMA_ROW_BYTES, blocks)
+            assert spec.k_tile_bytes == block_n * blocks * WGMMA_ROW_BYTES
+            assert spec.v_tile_bytes == block_n * head_dim < spec.k_tile_bytes
+            assert spec.v_row_bytes == block_n
+            ring = spec.stages * (spec.k_tile_bytes + spec.v_tile_bytes)
+            q_tile = spec.block_m * blocks * WGMMA_ROW_BYTES
+            assert spec.smem_bytes == q_tile + ring + (2 + 3 * spec.stages) * 8 + 1024
+
+
 # Causal with GQA and lengths off the tiles: d64 with 64-key tiles (V^T rows of 64 bytes too)
 # and Q in registers (its fragments read through the 64-byte swizzle); d256 in ping-pong; d128
-# with 64-key tiles (64-byte V^T rows beside 128-byte Q and K rows) in the overlapped loop.
+# with 64-key tiles (64-byte V^T rows beside 128-byte Q and K rows) in the overlapped loop; d96
+# in the overlap with Q in registers (three k32 steps of each 128-byte Q row); d192 at 128-key
+# tiles (a 24 KiB V^T slot beside a 32 KiB K slot) with the TMA store (out's three column blocks
+# staged in Q's two and one more).
 CASES = {
     "d64_n64_qr": {"head_dim": 64, "block_n": 64, "q_in_registers": True},
     "d256_n64_pp": {"head_dim": 256, "block_n": 64, "pingpong": True},
     "d128_n64_ovl": {"head_dim": 128, "block_n": 64, "overlap": True, "stages": 3},
+    "d96_n128_ovl_qr": {"head_dim": 96, "overlap": True, "q_in_registers": True, "stages": 3},
+    "d192_n128_tma": {"head_dim": 192, "epilogue": "tma"},
 }
 
 
@@ -90,7 +113,9 @@ def test_fp8_head_dims_causal_within_the_stated_bound(case):
 # Mutations the tests catch. Read with the 128-byte layout, d64's 64-byte Q and K rows (or its
 # 1024-byte 8-row stride) reach past each tile into ring bytes no TMA copy has written yet, and
 # so do d256's 64-byte V^T rows: the emulator's TMA hazard check stops them (on a GPU they read
-# stale data). d64's Q fragments read through the 128-byte swizzle break the bound.
+# stale data). d64's Q fragments read through the 128-byte swizzle break the bound, and so does
+# d96's P V reading the V^T ring at the K ring's slot stride: tile 1's V^T rows are read from
+# the wrong place (rows 32-95 of slot 1, then the unwritten slot 2).
 UNWRITTEN = "is read before its TMA write completed"
 MUTATIONS = {
     "d64: Q and K descriptors in the 128-byte swizzle": (
@@ -110,6 +135,12 @@ MUTATIONS = {
         "constexpr unsigned V_SWIZZLE = DESC_SWIZZLE_64B;",
         "constexpr unsigned V_SWIZZLE = DESC_SWIZZLE_128B;",
         UNWRITTEN,
+    ),
+    "d96: V^T slots at the K tile's stride": (
+        {"head_dim": 96, "overlap": True, "stages": 3},
+        "const unsigned slot_offset = slot * V_TILE_BYTES;",
+        "const unsigned slot_offset = slot * KV_TILE_BYTES;",
+        None,  # the bound
     ),
     "d64: Q fragments through the 128-byte swizzle": (
         {"head_dim": 64, "q_in_registers": True},

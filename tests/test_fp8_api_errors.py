@@ -102,9 +102,10 @@ def test_other_apis_refuse_fp8_naming_kernelgen_attention():
     assert "only in kernelgen.attention" in str(caught.value)
 
 
-def test_fp8_head_dim_other_than_64_128_256():
-    with raises(InputError, "head_dim=96 is not allowed with float8_e4m3 inputs; use 64 or 128"):
-        kernelgen.attention(*fp8_inputs(head_dim=96))
+def test_fp8_head_dim_other_than_those_of_the_fp8_kernels():
+    allowed = "use 64 or 96 or 128 or 192 or 256"
+    with raises(InputError, f"head_dim=80 is not allowed with float8_e4m3 inputs; {allowed}"):
+        kernelgen.attention(*fp8_inputs(head_dim=80))
 
 
 def test_fp8_with_a_bf16_spec():
@@ -176,5 +177,6 @@ def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_only_what_fp8_r
                     (256, "specs/v2_wg_e4m3_d256_m128_n64_s2.yaml")):  # fmt: skip
         assert fp8_default_spec(d, False) == load_spec(path)
         assert ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, d).fp8
-    with raises(InputError, "head_dim=96 is not allowed with dtype='float8_e4m3'; use 64 or 128"):
-        ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, 96)
+    allowed = "use 64 or 96 or 128 or 192 or 256"
+    with raises(InputError, f"head_dim=80 is not allowed with dtype='float8_e4m3'; {allowed}"):
+        ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, 80)

@@ -148,7 +148,7 @@ BAD_CALLS = [
     ({"k_descale": torch.ones(2, 4)}, InputError, "k_descale has shape (2, 4); expected (2, 2)"),
     ({"v_descale": torch.ones(2, 2, dtype=torch.int32)}, InputTypeError,
      "v_descale has dtype int32; expected float32"),
-    ({"head_dim": 96}, InputError, "head_dim=96 is not allowed with float8_e4m3 inputs"),
+    ({"head_dim": 80}, InputError, "head_dim=80 is not allowed with float8_e4m3 inputs"),
     ({"v": "bf16"}, InputTypeError, "v has dtype bfloat16 but q has float8_e4m3fn"),
     ({"bf16": True, "q_descale": torch.ones(2, 2)}, InputTypeError,
      "q_descale is not allowed with non-fp8 inputs"),

@@ -106,8 +106,9 @@ def test_an_fp8_problem_takes_the_dtype_by_its_names(name):
     ("overrides", "message"),
     [
         (
-            {"head_dim": 96},
-            "head_dim=96 is not allowed with dtype='float8_e4m3'; use 64 or 128 or 256",
+            {"head_dim": 80},
+            "head_dim=80 is not allowed with dtype='float8_e4m3'; use "
+            "64 or 96 or 128 or 192 or 256",
         ),
         ({"mask": True}, "mask=True is not allowed with dtype='float8_e4m3'; use False"),
         ({"page_size": 64}, "page_size=64 is not allowed with dtype='float8_e4m3'; use 0"),
@@ -129,14 +130,14 @@ def test_an_unknown_dtype_names_every_allowed_one():
         fp8_problem(dtype="e5m2")
 
 
-@pytest.mark.parametrize(("field", "value"), [("head_dim", 96), ("mask", True)])
+@pytest.mark.parametrize(("field", "value"), [("head_dim", 80), ("mask", True)])
 def test_a_record_key_of_an_fp8_problem_no_kernel_takes_is_refused(field, value):
     data = make_key(fp8_problem(), DEVICE, SOFTWARE).as_dict()
     assert key_problems(data) == []
     data["problem"][field] = value
     assert [p for p in key_problems(data) if p.startswith(f"problem.{field}={value}")] == [
         f"problem.{field}={value!r} is not allowed with dtype='float8_e4m3'; use "
-        f"{'64 or 128 or 256' if field == 'head_dim' else 'False'} (the fp8 kernels: "
+        f"{'64 or 96 or 128 or 192 or 256' if field == 'head_dim' else 'False'} (the fp8 kernels: "
         "docs/hopper.md, fp8)"
     ]
 
@@ -180,6 +181,36 @@ def test_the_candidates_at_head_dims_64_and_256_are_the_loops_that_fit():
         f"fa_fwd_v2_wg_e4m3_d256_m128_n64_w12_{loop}" for loop in ("s2", "s2_pp", "s2_tma")
     ]
     assert len(dropped) == 3 and all("fit in registers" in d.reason for d in dropped)
+
+
+def test_the_candidates_at_head_dims_96_and_192_are_the_loops_that_fit():
+    """d96 (one 128-byte Q/K row, 96-row V^T tiles): every loop at 128- and 64-key tiles, the
+    TMA store included; d192: every loop at 64-key tiles, and at 128-key tiles the plain loop,
+    ping-pong and the TMA store (the overlap and Q in registers need 176, 184 and 200
+    accumulators per thread: spec validation drops them)."""
+    every = ("s2", "s2_qr", "s3_ovl", "s3_ovl_qr", "s2_pp", "s2_tma")
+    d96, dropped = valid_candidates(fp8_problem(head_dim=96), "sm_90")
+    assert [s.uri for s in d96] == [
+        f"fa_fwd_v2_wg_e4m3_d96_m128_n{n}_w12_{loop}" for n in (128, 64) for loop in every
+    ]
+    assert dropped == []
+    d192, dropped = valid_candidates(fp8_problem(head_dim=192), "sm_90")
+    assert [s.uri for s in d192] == [
+        *(f"fa_fwd_v2_wg_e4m3_d192_m128_n128_w12_{loop}" for loop in ("s2", "s2_pp", "s2_tma")),
+        *(f"fa_fwd_v2_wg_e4m3_d192_m128_n64_w12_{loop}" for loop in every),
+    ]
+    assert [d.reason.split("; ")[0].split("need ")[1] for d in dropped] == [
+        f"{n} fp32 accumulators per thread" for n in (184, 176, 200)
+    ]
+
+
+@pytest.mark.parametrize("head_dim", [96, 192])
+def test_the_untuned_fp8_default_at_head_dims_96_and_192_is_the_plain_loop_at_128_keys(head_dim):
+    """No spec file ships for them: the default is the plain loop at 128-key tiles (at d192
+    the model's fastest: 767 instructions per unit against 922 at 64-key tiles)."""
+    spec = fp8_default_spec(head_dim, True)
+    assert spec.uri == f"fa_fwd_v2_wg_e4m3_d{head_dim}_m128_n128_w12_s2_causal"
+    assert heuristic_spec(fp8_problem(head_dim=head_dim, causal=True), DEVICE) == spec
 
 
 def test_fp8_problems_are_tuned_on_compute_capability_9_0_only():
@@ -266,7 +297,7 @@ def test_the_dry_run_of_an_fp8_shape_lists_the_fp8_loops(monkeypatch):
     ("args", "message"),
     [
         (("--arch", "sm_80"), "problems are tuned on compute capability 9.0 devices only"),
-        (("--shape", "2,16,8,4096,4096,96"), "head_dim=96 is not allowed with dtype="),
+        (("--shape", "2,16,8,4096,4096,80"), "head_dim=80 is not allowed with dtype="),
         (("--mask",), "mask=True is not allowed with dtype='float8_e4m3'; use False"),
         (("--backward",), "family='backward' is not allowed with dtype='float8_e4m3'"),
     ],
