@@ -493,8 +493,10 @@ def list_plan(shapes: list[Shape], args: argparse.Namespace) -> None:
     print("tensor-core candidates:")
     for c in tensor_core_candidates(args.quick):
         print(f"  {candidate_label(c)}")
-    print("fp8 candidates (kg-wgmma-fp8, bf16 shapes at head dims 64, 128 and 256):")
-    for d in (64, 128, 256):
+    from kernelgen.specs.forward import FP8_HEAD_DIMS
+
+    print(f"fp8 candidates (kg-wgmma-fp8, bf16 shapes at head dims {FP8_HEAD_DIMS}):")
+    for d in FP8_HEAD_DIMS:
         print(f"  d{d}: {', '.join(candidate_label(c) for c in fp8_candidates(d))}")
     print(f"peers: {', '.join(selected_peers(args.peers))}")
 

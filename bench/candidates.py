@@ -87,11 +87,11 @@ def wgmma_candidates(quick: bool = False, head_dim: int | None = None) -> list[d
 
 def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:
     """Spec-field overrides for the fp8 (e4m3) wgmma forward: each of its loops at 128-row tiles
-    and each key tile the head dim takes (``FP8_BLOCK_N_BY_HEAD_DIM``: d64 and d128 two, d256
-    one; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with and
-    without Q in registers (3 stages). Those a tiling refuses (d256's overlap and Q in
-    registers) are recorded invalid with kernelgen's reason. These rows are where a GPU times
-    the loops against each other."""
+    and each key tile the head dim takes (``FP8_BLOCK_N_BY_HEAD_DIM``: d256 one, the others
+    two; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with and
+    without Q in registers (3 stages). Those a tiling refuses (the overlap and Q in registers
+    at d256 and at d192 with 128-key tiles) are recorded invalid with kernelgen's reason. These
+    rows are where a GPU times the loops against each other."""
     from kernelgen.specs.forward import FP8_BLOCK_N_BY_HEAD_DIM
 
     base = {"loop_order": "v2", "mma": "wgmma", "dtype": "float8_e4m3", "block_m": 128,

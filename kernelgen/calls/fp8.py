@@ -3,8 +3,9 @@ where the data lives, and the launch of the fp8 wgmma forward (docs/hopper.md, f
 
 What a call may pass: q, k and v all ``float8_e4m3fn`` (torch.float8_e4m3fn tensors: CUDA ones
 on a compute capability 9.0 device, CPU ones through the emulator; NumPy arrays of
-``ml_dtypes.float8_e4m3fn``: the emulator), head dim 64, 128 or 256, causal or not, GQA/MQA,
-either layout, float32 descales (B, Hkv), ``scale``, ``return_lse`` and a float8_e4m3 ``spec``.
+``ml_dtypes.float8_e4m3fn``: the emulator), head dim 64, 96, 128, 192 or 256, causal or not,
+GQA/MQA, either layout, float32 descales (B, Hkv), ``scale``, ``return_lse`` and a float8_e4m3
+``spec``.
 CuPy has no fp8 dtype: CuPy arrays of bytes are refused with the way to view them as torch fp8
 tensors. The kernels read q and k in place, and a V^T copy of v
 (:func:`kernelgen.runtime.fp8.v_operand`) made by v's own library on v's device (one extra read

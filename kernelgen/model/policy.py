@@ -264,9 +264,10 @@ def hopper_default_spec(
 
 
 def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
-    """The untuned spec of an fp8 (e4m3) call without one: the plain-loop wgmma forward of
-    specs/v2_wg_e4m3_d{64,128,256}_m128_n*_s2.yaml (and causal twins; the head dim's first key
-    tile of :data:`~kernelgen.specs.forward.FP8_BLOCK_N_BY_HEAD_DIM`), for calls on the CPU
+    """The untuned spec of an fp8 (e4m3) call without one: the plain-loop wgmma forward at the
+    head dim's first key tile of :data:`~kernelgen.specs.forward.FP8_BLOCK_N_BY_HEAD_DIM`
+    (specs/v2_wg_e4m3_d{64,128,256}_m128_n*_s2.yaml and causal twins; d96 and d192, which ship
+    no spec file: 128-key tiles, the model's best at d192), for calls on the CPU
     backend and with ``KERNELGEN_AUTOTUNE=0``; a GPU call otherwise runs the tuner's choice
     among the fp8 loops (docs/autotuning.md). Raises InputError for a head dim other than
     :data:`~kernelgen.specs.forward.FP8_HEAD_DIMS`."""

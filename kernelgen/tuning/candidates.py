@@ -113,10 +113,10 @@ DECODE_STAGES = (2, 3)
 WGMMA_DECODE_BLOCK_N = (64, 128)
 # fp8 (e4m3) grid (wgmma, compute capability 9.0 only; docs/hopper.md, fp8): the loops of each
 # fp8 tiling (128-row tiles, the head dim's key tiles: FP8_BLOCK_N_BY_HEAD_DIM), (stages,
-# switches); spec validation drops those a tiling refuses (d64: the TMA store; d256: the
-# overlap and Q in registers, for want of registers). The overlapped loops take a third stage,
-# as in the 16-bit grid; which loop pays is for a GPU to time (the static model puts them all
-# at the exponentials' bound).
+# switches); spec validation drops those a tiling refuses (d64: the TMA store; d256, and d192
+# at 128-key tiles: the overlap and Q in registers, for want of registers). The overlapped
+# loops take a third stage, as in the 16-bit grid; which loop pays is for a GPU to time (the
+# static model puts them all at the exponentials' bound).
 FP8_LOOPS: tuple[tuple[int, dict[str, Any]], ...] = (
     (2, {}),
     (2, {"q_in_registers": True}),
