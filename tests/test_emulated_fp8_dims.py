@@ -86,6 +86,19 @@ def test_d96_and_d192_store_k_in_whole_column_blocks_and_v_transposed_unpadded()
             assert spec.smem_bytes == q_tile + ring + (2 + 3 * spec.stages) * 8 + 1024
 
 
+def test_emulate_counts_the_key_tiles_of_unequal_k_and_v_slots():
+    """`kernelgen emulate`'s key-tile row divides the TMA bytes past the Q tiles by one K plus
+    one V^T tile: d192 n128, B=1 H=2 Sq=100 Sk=160 (the emulated run read 294,912 bytes: two Q
+    tiles of 128 x 256 bytes, four key tiles of 128 x 256 K and 192 x 128 V^T bytes)."""
+    from kernelgen.cli.emulate_table import tma_rows
+
+    spec = fp8_spec(head_dim=192, epilogue="tma")
+    read = 2 * 128 * 256 + 4 * (128 * 256 + 192 * 128)
+    assert read == 294912
+    (_, tiles) = tma_rows(spec, read, 1, (1, 2, 1, 100, 160))
+    assert (tiles.value, tiles.ok) == ("4", True)
+
+
 # Causal with GQA and lengths off the tiles: d64 with 64-key tiles (V^T rows of 64 bytes too)
 # and Q in registers (its fragments read through the 64-byte swizzle); d256 in ping-pong; d128
 # with 64-key tiles (64-byte V^T rows beside 128-byte Q and K rows) in the overlapped loop; d96
