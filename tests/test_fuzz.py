@@ -117,6 +117,14 @@ def test_verdict_catches_each_wrong_output(wrong, message):
     assert any(message in line for line in verdict["failed"]), verdict["failed"]
 
 
+def test_verdict_without_lse_judges_out_alone():
+    ref_out, ref_lse = _reference()
+    inputs = _inputs(ref_out, ref_lse)
+    assert fuzz.compare(ref_out, None, inputs, "float16")["outcome"] == "ok"
+    wrong = np.where(ref_out == 0, 1.0, ref_out)  # a row that sees no key gives out != 0
+    assert fuzz.compare(wrong, None, inputs, "float16")["outcome"] == "mismatch"
+
+
 def test_bad_arguments_are_refused_by_name(capsys):
     with pytest.raises(SystemExit) as exit_:
         fuzz.main(["--replay", "{not json"])

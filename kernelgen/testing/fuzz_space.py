@@ -58,6 +58,7 @@ class FuzzProblem:
     window: tuple[int, int] | None = None
     softcap: float | None = None
     alibi_per_batch: bool = False  # slopes (B, H), else (H,)
+    null_lse: bool = False  # the call asks for no lse (the kernels get a null pointer)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FuzzProblem:
@@ -283,6 +284,7 @@ def draw_problem(rng: np.random.Generator, spec: KernelSpec) -> FuzzProblem:
         window=_window(rng, spec) if spec.window else None,
         softcap=_pick(rng, (0.3, 1.5, 5.0, 20.0)) if spec.softcap else None,
         alibi_per_batch=spec.alibi and _chance(rng, 0.5),
+        null_lse=_chance(rng, 0.1),
     )
 
 
