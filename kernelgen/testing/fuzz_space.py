@@ -92,7 +92,7 @@ class DrawStats:
                 self.refused[name] = self.refused.get(name, 0) + 1
         for problem in error.problems if error is not None else ():
             named = re.match(r"(\w+)=", problem)
-            field = named.group(1) if named else " ".join(problem.split()[:3])
+            field = named.group(1) if named else " ".join(problem.split()[:2])  # "shared memory"
             self.blamed[field] = self.blamed.get(field, 0) + 1
 
     def rates(self) -> dict[str, str]:
