@@ -247,6 +247,9 @@ def draw_problem(rng: np.random.Generator, spec: KernelSpec) -> FuzzProblem:
     heads = kv_heads * _pick(rng, _groups(spec))
     seqlen_q = _length(rng, spec.block_m)
     seqlen_k = _length(rng, spec.block_n)
+    if _chance(rng, 0.3):  # the causal diagonal / window offset Sk - Sq just off a tile edge
+        shift = _pick(rng, (-2, -1, 0, 1, 2, spec.block_n - 2, spec.block_n - 1, spec.block_n + 1))
+        seqlen_k = min(MAX_SEQLEN, max(1, seqlen_q + shift))
     if spec.split_kv and _chance(rng, 0.5):  # decode: a few queries over many keys
         seqlen_q = _pick(rng, (1, 2, 3, 5))
     while _work(spec, batch, heads, seqlen_q, seqlen_k) > MAX_WORK:
