@@ -114,6 +114,18 @@ def test_the_numpy_builder_lists_what_a_brute_force_finds(name, bm, bn):
     assert name == "tree" or (states == 2).sum() > 0
 
 
+@pytest.mark.parametrize(("bm", "bn"), [(64, 176), (128, 256)])
+def test_the_numpy_builder_takes_wgmma_key_tiles(bm, bn):
+    """Key tiles wider than mma.sync's 128 (wgmma's block-sparse kernels take up to 256): the
+    builders refused them until the fuzzer drew one (kernelgen.testing.fuzz, seed 1)."""
+    text = MASKS["documents"][0]
+    inputs = {"doc": four_documents(2, 300, seed=6)}
+    mask = block_mask_reference(text, 2, 1, 300, 300, block_m=bm, block_n=bn, mod_inputs=inputs)
+    states = brute_force_states(mask.mask_mod, 2, 1, 300, 300, bm, bn, inputs)
+    assert_lists_are_the_states(mask, states)
+    assert (mask.key_tiles, (states == 1).any()) == (-(-300 // bn), True)
+
+
 def test_tile_counts_follow_the_masks_geometry():
     """Causal on square tiles: the diagonal partial, below it full, above it skipped. Four
     documents: exactly the tiles that meet a document's diagonal block are visited."""
@@ -260,7 +272,7 @@ def test_the_device_path_launches_the_builder_with_its_parameter_types(monkeypat
         ({"heads": True}, InputError, "heads=True"),
         ({"seqlen_q": 1.5}, InputError, "seqlen_q=1.5"),
         ({"block_m": 24}, InputError, "block_m=24 is not allowed; use one of 16, 32, 64, 128 (mma"),
-        ({"block_n": 256}, InputError, "block_n=256"),
+        ({"block_n": 272}, InputError, "block_n=272 is not allowed; use one of"),
         ({"heads": 70000}, InputError, "over CUDA's limit"),
         ({"mask_mod": "q_idx - kv_idx"}, SpecError, "mask_mod must be boolean"),
         ({"mask_mod": "bias[q_idx] > 0"}, SpecError, "only declared inputs"),

@@ -225,6 +225,23 @@ def test_zeroing_the_last_visit_instead_of_the_last_key_tile_fails():
         assert_matches(out, lse, data, D128.dtype)
 
 
+# ---- key tiles wider than mma.sync's: the block masks of wgmma's 160-key tiles -----------------
+@pytest.mark.emulate
+def test_key_tiles_wider_than_128_with_their_block_mask():
+    """The fuzzer's first find (kernelgen.testing.fuzz, seed 1, case 20): the block-mask
+    builders refused block_n above mma.sync's 128, so a valid block-sparse wgmma spec with
+    160-key tiles could not be called. Causal, GQA, a document boundary inside a key tile."""
+    spec = _spec(True, head_dim=64, block_m=128, block_n=160)
+    case = Case(1, 2, 1, 150, 330)
+    inputs = _documents([120, 130, 80], np.zeros(0))
+    inputs["qdoc"] = _aligned(inputs["kdoc"], case.seqlen_q)
+    mask = _mask(spec, case, inputs)
+    assert mask.key_tiles == 3 and (mask.tile_states() == 1).any()
+    data = _reference(make_case(case, spec.dtype, spec.head_dim, True, seed=34), True, inputs)
+    out, lse = _run(spec, case, data, inputs, mask)
+    assert_matches(out, lse, data, spec.dtype)
+
+
 # ---- CPU tier: the spec's refusals, the dispatch ---------------------------------------------
 @pytest.mark.parametrize(
     ("fields", "words"),

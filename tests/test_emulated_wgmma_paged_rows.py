@@ -57,6 +57,10 @@ D64 = wg(head_dim=64, block_n=64, split_kv=True)
 D96 = wg(head_dim=96, block_m=128, block_n=64, causal=True)
 OVERLAP = wg(block_m=128, block_n=64, overlap=True, stages=3)  # slots released a step later
 PINGPONG = wg(block_m=128, block_n=64, pingpong=True, causal=True, dtype="bfloat16")
+# Two stages: thread 0 relays tile t - 1 before it waits for tile t's slot, which the overlapped
+# loop releases only once it has tile t - 1's K (relayed after that wait it deadlocked from the
+# third tile on: found by kernelgen.testing.fuzz)
+OVERLAP_S2 = wg(head_dim=64, block_n=64, overlap=True)
 
 # spec, case (B, H, Hkv, Sq, Sk), split count, page size, per-entry lengths (None: Sk)
 CASES = [
@@ -69,6 +73,7 @@ CASES = [
     pytest.param(D96, Case(1, 6, 2, 70, 130), None, 16, None, id="d96-page16-causal"),
     pytest.param(OVERLAP, Case(1, 4, 2, 90, 275), None, 48, [275], id="overlap-s3-page48"),
     pytest.param(PINGPONG, Case(2, 2, 1, 130, 180), None, 16, [180, 99], id="pingpong-page16"),
+    pytest.param(OVERLAP_S2, Case(1, 2, 1, 40, 200), None, 16, [199], id="overlap-s2-page16"),
 ]
 
 

@@ -35,7 +35,7 @@ from kernelgen.runtime.frameworks import Arrays, arrays_of, device_of, dtype_nam
 from kernelgen.runtime.host import NumpyArrays, as_numpy, is_host_array
 from kernelgen.runtime.launch import MAX_GRID, compile_functions, import_cupy
 from kernelgen.specs.expressions import Expression, checked_expression, inputs_from_arrays
-from kernelgen.specs.forward import tile_size_problem
+from kernelgen.specs.forward import WGMMA_MAX_BLOCK_N, tile_size_problem
 from kernelgen.version import __version__
 
 TEMPLATE = "block_mask.cu.j2"
@@ -349,7 +349,8 @@ def _check_sizes(sizes: Mapping[str, Any], block_m: Any, block_n: Any) -> None:
                 f"{name}={value!r} is not allowed; use an integer from 1 to {INT32_MAX}"
             )
     for name, value in (("block_m", block_m), ("block_n", block_n)):
-        problem = tile_size_problem(name, value)
+        # the widest engine's tiles: wgmma's block-sparse kernels take key tiles up to 256
+        problem = tile_size_problem(name, value, WGMMA_MAX_BLOCK_N)
         if problem:
             raise InputError(f"{problem}: the tiles of the kernel the block mask is for")
     grid = (tiles(int(sizes["seqlen_q"]), block_m), int(sizes["heads"]), int(sizes["batch"]))
