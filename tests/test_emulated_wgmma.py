@@ -338,3 +338,25 @@ def test_the_untuned_hopper_default_matches_float64(head_dim, variants):
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 3, values)
     out, lse = run_emulated(spec, case, data, variants=values)
     assert_matches(out, lse, data, spec.dtype)
+
+
+def test_a_causal_tile_hiding_only_its_last_key_takes_the_exact_path():
+    """Sk = Sq - 2 puts the second query tile's first diagonal (row 128 sees keys 0..126) one
+    key short of key tile 0's end: that tile hides one key from that row, so it must not count
+    as interior (raw dot products, no per-key test). Mutation: the causal bound of
+    ``key_tiles`` one key too far, which only this alignment exposes (the fuzzer's seeded copy
+    of it went uncaught in 160 random cases, and so did every other causal wgmma test)."""
+    spec = load_spec(
+        next(p for p in WGMMA_SPEC_PATHS if p.stem == "v2_wg_bf16_d128_m128_n128_s2_causal")
+    )
+    case = Case(1, 1, 1, 258, 256)
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 5)
+    out, lse = run_emulated(spec, case, data)
+    assert_matches(out, lse, data, spec.dtype)
+    original = "CAUSAL ? max(0, first_query + offset + 1) / BLOCK_N"
+    source = render(spec)
+    assert source.count(original) == 1
+    mutant = source.replace(original, "CAUSAL ? max(0, first_query + offset + 2) / BLOCK_N")
+    out, lse = run_emulated(spec, case, data, source=mutant)
+    with pytest.raises(AssertionError):
+        assert_matches(out, lse, data, spec.dtype)
