@@ -340,23 +340,48 @@ def test_the_untuned_hopper_default_matches_float64(head_dim, variants):
     assert_matches(out, lse, data, spec.dtype)
 
 
-def test_a_causal_tile_hiding_only_its_last_key_takes_the_exact_path():
+# The last key a row of the tile's first query sees, one too far in key_tiles: a key tile that
+# hides only its last key from that row counts as interior (raw dot products, no per-key test).
+# With the causal mask alone, and with a window whose right edge is the diagonal (left 1000).
+DIAGONAL_BOUNDS = {
+    "causal": (
+        {"causal": True},
+        None,
+        "CAUSAL ? max(0, first_query + offset + 1) / BLOCK_N",
+        "CAUSAL ? max(0, first_query + offset + 2) / BLOCK_N",
+    ),
+    "window": (
+        {"window": True},
+        (1000, 0),
+        "min(seqlen_k, first_query + offset + va.right + 1)) / BLOCK_N",
+        "min(seqlen_k, first_query + offset + va.right + 2)) / BLOCK_N",
+    ),
+}
+
+
+@pytest.mark.parametrize("bound", DIAGONAL_BOUNDS)
+def test_a_tile_hiding_only_its_last_key_takes_the_exact_path(bound):
     """Sk = Sq - 2 puts the second query tile's first diagonal (row 128 sees keys 0..126) one
     key short of key tile 0's end: that tile hides one key from that row, so it must not count
-    as interior (raw dot products, no per-key test). Mutation: the causal bound of
-    ``key_tiles`` one key too far, which only this alignment exposes (the fuzzer's seeded copy
-    of it went uncaught in 160 random cases, and so did every other causal wgmma test)."""
-    spec = load_spec(
-        next(p for p in WGMMA_SPEC_PATHS if p.stem == "v2_wg_bf16_d128_m128_n128_s2_causal")
-    )
+    as interior. The mutation (the bound one key too far) only this alignment exposes: the
+    fuzzer's seeded copy went uncaught in 160 random cases, and so did every other wgmma test
+    (two mma.sync tests caught each)."""
+    from attention_cases import example_variants
+
+    fields, window, original, mutated = DIAGONAL_BOUNDS[bound]
+    spec = spec_from_dict(
+        {"loop_order": "v2", "mma": "wgmma", "dtype": "bfloat16", "head_dim": 128,
+         "block_m": 128, "block_n": 128, "stages": 2, **fields}
+    )  # fmt: skip
     case = Case(1, 1, 1, 258, 256)
-    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 5)
-    out, lse = run_emulated(spec, case, data)
+    values = example_variants(spec.variants, 1, 1, 5, window=window or (0, 0))
+    data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 5, values)
+    out, lse = run_emulated(spec, case, data, variants=values)
     assert_matches(out, lse, data, spec.dtype)
-    original = "CAUSAL ? max(0, first_query + offset + 1) / BLOCK_N"
     source = render(spec)
     assert source.count(original) == 1
-    mutant = source.replace(original, "CAUSAL ? max(0, first_query + offset + 2) / BLOCK_N")
-    out, lse = run_emulated(spec, case, data, source=mutant)
+    out, lse = run_emulated(
+        spec, case, data, variants=values, source=source.replace(original, mutated)
+    )
     with pytest.raises(AssertionError):
         assert_matches(out, lse, data, spec.dtype)
