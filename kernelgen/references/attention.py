@@ -62,6 +62,7 @@ __all__ = [
     "combine_partials",
     "finalize",
     "identity_state",
+    "mismatches",
     "naive_attention",
     "online_softmax_attention",
     "relative_error",
@@ -821,3 +822,45 @@ def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
     if ref_norm == 0.0:
         return float(np.linalg.norm(x.ravel()))
     return diff_norm / ref_norm
+
+
+@dataclass(frozen=True)
+class Mismatches:
+    """What :func:`mismatches` found: ``failed`` (one line per broken limit; empty: within them),
+    out's relative error and the largest lse error over the rows that see a key."""
+
+    failed: tuple[str, ...]
+    out_error: float
+    lse_error: float
+
+
+def mismatches(
+    out: np.ndarray, lse: np.ndarray | None, ref_out: np.ndarray, ref_lse: np.ndarray, dtype: str
+) -> Mismatches:
+    """out/lse (B, H, Sq, D)/(B, H, Sq) against the float64 reference with the project's limits:
+    no NaN, out within OUT_TOLERANCE[dtype], out = 0 on rows that see no key, lse -inf exactly
+    there and within LSE_TOLERANCE elsewhere (lse None: a call that did not ask for it; out
+    alone is judged). The test suite asserts it empty; the fuzzer reports it."""
+    out = np.asarray(out, dtype=np.float64)
+    failed = []
+    if np.isnan(out).any():
+        failed.append(f"NaN in out at {np.argwhere(np.isnan(out))[:5].tolist()}")
+    error = relative_error(np.nan_to_num(out, nan=0.0), ref_out)
+    if not error <= OUT_TOLERANCE[dtype]:
+        failed.append(f"out relative error {error:.3g} > {OUT_TOLERANCE[dtype]}")
+    empty = np.isneginf(ref_lse)
+    if not np.all(out[empty] == 0.0):
+        failed.append("rows that see no key give out = 0")
+    lse_error = 0.0
+    if lse is not None:
+        lse = np.asarray(lse, dtype=np.float64)
+        if np.isnan(lse).any():
+            failed.append(f"NaN in lse at {np.argwhere(np.isnan(lse))[:5].tolist()}")
+        if not np.array_equal(np.isneginf(lse), empty):
+            where = np.argwhere(np.isneginf(lse) != empty)[:5].tolist()
+            failed.append(f"lse is -inf exactly where a row sees no key (not at {where})")
+        if (~empty).any():
+            lse_error = float(np.max(np.abs(lse[~empty] - ref_lse[~empty])))
+            if not lse_error <= LSE_TOLERANCE:
+                failed.append(f"lse error {lse_error:.3g} > {LSE_TOLERANCE}")
+    return Mismatches(tuple(failed), error, lse_error)

@@ -25,12 +25,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kernelgen.errors import EmulatorError, InputError, KernelgenError
-from kernelgen.references.attention import (
-    LSE_TOLERANCE,
-    OUT_TOLERANCE,
-    naive_attention,
-    relative_error,
-)
+from kernelgen.references.attention import mismatches, naive_attention
 from kernelgen.references.example_inputs import ProblemSizes, expression_arguments
 from kernelgen.runtime.emulated_launch import from_device_dtype, to_device_dtype
 from kernelgen.specs.forward import KernelSpec, spec_from_dict
@@ -218,34 +213,11 @@ def _reference(
 
 
 def compare(out: np.ndarray, lse: np.ndarray | None, inputs: Inputs, dtype: str) -> dict[str, Any]:
-    """The test suite's checks (tests/attention_cases.py, assert_matches) as a verdict:
+    """The test suite's checks (kernelgen.references.attention.mismatches) as a verdict:
     ``{"outcome": "ok" | "mismatch", "out_error", "lse_error", "failed": [...]}`` (lse None:
     a call that asked for none; out alone is judged)."""
-    out = np.asarray(out, np.float64)
-    failed = []
-    if np.isnan(out).any():
-        failed.append(f"NaN in out at {np.argwhere(np.isnan(out))[:3].tolist()}")
-    error = relative_error(np.nan_to_num(out, nan=0.0), inputs.ref_out)
-    if not error <= OUT_TOLERANCE[dtype]:
-        failed.append(f"out relative error {error:.3g} > {OUT_TOLERANCE[dtype]}")
-    empty = np.isneginf(inputs.ref_lse)
-    if not np.all(out[empty] == 0.0):
-        failed.append("rows that see no key do not give out = 0")
-    lse_error = 0.0
-    if lse is None:
-        return _verdict(failed, error, lse_error)
-    lse = np.asarray(lse, np.float64)
-    if np.isnan(lse).any():
-        failed.append(f"NaN in lse at {np.argwhere(np.isnan(lse))[:3].tolist()}")
-    if not np.array_equal(np.isneginf(lse), empty):
-        where = np.argwhere(np.isneginf(lse) != empty)[:3].tolist()
-        failed.append(f"lse is -inf where a row sees keys, or not where it sees none: {where}")
-    seen = ~empty & np.isfinite(lse)
-    if seen.any():
-        lse_error = float(np.max(np.abs(lse[seen] - inputs.ref_lse[seen])))
-        if not lse_error <= LSE_TOLERANCE:
-            failed.append(f"lse error {lse_error:.3g} > {LSE_TOLERANCE}")
-    return _verdict(failed, error, lse_error)
+    found = mismatches(out, lse, inputs.ref_out, inputs.ref_lse, dtype)
+    return _verdict(list(found.failed), found.out_error, found.lse_error)
 
 
 def _verdict(failed: list[str], error: float, lse_error: float) -> dict[str, Any]:
