@@ -88,10 +88,10 @@ def wgmma_candidates(quick: bool = False, head_dim: int | None = None) -> list[d
 def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:
     """Spec-field overrides for the fp8 (e4m3) wgmma forward: each of its loops at 128-row tiles
     and each key tile the head dim takes (``FP8_BLOCK_N_BY_HEAD_DIM``: d256 one, the others
-    two; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap with and
-    without Q in registers (3 stages). Those a tiling refuses (the overlap and Q in registers
-    at d256 and at d192 with 128-key tiles) are recorded invalid with kernelgen's reason. These
-    rows are where a GPU times the loops against each other."""
+    two; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap alone,
+    with Q in registers and with ping-pong (3 stages). Those a tiling refuses (the overlap and Q
+    in registers at d256 and at d192 with 128-key tiles) are recorded invalid with kernelgen's
+    reason. These rows are where a GPU times the loops against each other."""
     from kernelgen.specs.forward import FP8_BLOCK_N_BY_HEAD_DIM
 
     base = {"loop_order": "v2", "mma": "wgmma", "dtype": "float8_e4m3", "block_m": 128,
@@ -102,6 +102,7 @@ def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:
         {"stages": 2, "pingpong": True},
         {"stages": 3, "overlap": True},
         {"stages": 3, "overlap": True, "q_in_registers": True},
+        {"stages": 3, "overlap": True, "pingpong": True},
     )
     return [
         {**base, "block_n": block_n, **loop}

@@ -408,15 +408,19 @@ def test_wgmma_peer_and_its_candidates():
 
     assert PEERS_BY_NAME["kg-wgmma"].family == "kernelgen"
     grid = wgmma_candidates()
-    # 2 x 2 tilings x overlap on or off, and 2-CTA clusters of the 128-row ones; without overlap
-    # also the TMA-store epilogue and Q in registers, and ping-pong for the two 128-row ones;
-    # one stage count (one more for the overlap, which releases a slot a tile later); the wide
-    # 128 x 176 tiling without overlap, with its twins but Q in registers
-    assert len(grid) == 26 and len(wgmma_candidates(quick=True)) == 26
+    # 2 x 2 tilings x overlap on or off, and 2-CTA clusters and ping-pong of the 128-row ones;
+    # without overlap also the TMA-store epilogue and Q in registers; one stage count (one more
+    # for the overlap, which releases a slot a tile later); the wide 128 x 176 tiling without
+    # overlap, with its twins but Q in registers
+    assert len(grid) == 28 and len(wgmma_candidates(quick=True)) == 28
     # head dim 192 adds its own 96- and 112-key tilings, each with the overlap and the twins
     d192 = wgmma_candidates(head_dim=192)
-    assert d192[:26] == grid and {g["block_n"] for g in d192[26:]} == {96, 112}
-    assert len(d192) == 26 + 2 * 7 and wgmma_candidates(head_dim=128) == grid
+    assert d192[:28] == grid and {g["block_n"] for g in d192[28:]} == {96, 112}
+    assert len(d192) == 28 + 2 * 8 and wgmma_candidates(head_dim=128) == grid
+    overlapped_turns = [g for g in grid if g["overlap"] and g.get("pingpong")]
+    assert {(g["block_m"], g["block_n"], g["stages"]) for g in overlapped_turns} == {
+        (128, 128, 3), (128, 64, 3)
+    }  # fmt: skip
     assert sum(g["block_n"] == 176 for g in grid) == 4
     assert {g["stages"] for g in grid} == {2, 3}
     assert all(g["stages"] == 3 for g in grid if g["overlap"])
@@ -450,7 +454,8 @@ def test_fp8_peer_and_its_candidates():
     assert all(s.fp8 and s.causal and s.archs == ("sm_90a",) for s in specs)
     loops = {(s.q_in_registers, s.overlap, s.pingpong, s.stages) for s in specs}
     assert loops == {(False, False, False, 2), (True, False, False, 2), (False, False, True, 2),
-                     (False, True, False, 3), (True, True, False, 3)}  # fmt: skip
+                     (False, True, False, 3), (True, True, False, 3),
+                     (False, True, True, 3)}  # fmt: skip
     assert [candidate_label(f) for f in fp8_candidates()[:2]] == [
         "fp8-m128n128s2", "fp8-m128n128s2-qr"
     ]  # fmt: skip

@@ -1,8 +1,9 @@
 """The fp8 (e4m3) wgmma forward's other loops on the emulator: Q in registers (the k32 e4m3 A
 fragments read once from the swizzled Q tile), the overlapped loop (3 stages, with and without
-Q in registers) and ping-pong, against the float64 reference of the quantized inputs with the
-element-wise bound of tests/test_emulated_fp8.py (docs/hopper.md, "fp8"); and mutations of each
-loop that the bound or the emulator's checks catch."""
+Q in registers), ping-pong on the plain and the overlapped loop, against the float64 reference
+of the quantized inputs with the element-wise bound of tests/test_emulated_fp8.py
+(docs/hopper.md, "fp8"); and mutations of each loop that the bound or the emulator's checks
+catch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ LOOPS = {
     "ovl": {"overlap": True, "stages": 3},
     "ovl_qr": {"overlap": True, "q_in_registers": True, "stages": 3},
     "pp": {"pingpong": True},
+    "ovl_pp": {"overlap": True, "pingpong": True, "stages": 3},
 }
 
 

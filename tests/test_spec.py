@@ -542,8 +542,8 @@ def test_wgmma_takes_variants_expressions_and_block_sparsity():
 
 
 def test_wgmma_schedule_options_and_their_limits():
-    """pingpong needs two consumers and the plain loop; q_in_registers the registers for
-    head_dim / 4 more 32-bit values per thread, the overlap block_n / 4 more."""
+    """pingpong needs two consumers (on the plain or the overlapped loop); q_in_registers the
+    registers for head_dim / 4 more 32-bit values per thread, the overlap block_n / 4 more."""
     base = dict(loop_order="v2", mma="wgmma", dtype="bfloat16", head_dim=128, block_n=64)
     both = spec_from_dict({**base, "block_m": 128, "pingpong": True, "q_in_registers": True})
     assert both.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_pp_qr"
@@ -551,9 +551,11 @@ def test_wgmma_schedule_options_and_their_limits():
     pipelined = spec_from_dict({**base, "block_m": 128, "overlap": True, "q_in_registers": True})
     assert pipelined.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_ovl_qr"
     assert pipelined.accumulators_per_thread == 16 * (64 + 128) // 32 + 64 // 4 + 128 // 4
+    turns = spec_from_dict({**base, "block_m": 128, "overlap": True, "pingpong": True})
+    assert turns.uri == "fa_fwd_v2_wg_bf16_d128_m128_n64_w12_s2_ovl_pp"
+    assert turns.accumulators_per_thread == 16 * (64 + 128) // 32 + 64 // 4  # as the overlap
     for bad in (
         {"block_m": 64, "pingpong": True},  # one consumer: no one to take turns with
-        {"block_m": 128, "pingpong": True, "overlap": True},
         {"block_m": 128, "head_dim": 256, "q_in_registers": True},  # 160 + 64 registers
     ):
         with pytest.raises(SpecError):

@@ -375,10 +375,11 @@ class KernelSpec(BaseModel):
     )
     pingpong: bool = Field(
         False,
-        description="wgmma only, two consumer warpgroups (block_m 128), not with overlap: the "
-        "warpgroups take turns issuing each key tile's Q K^T on two named barriers, so one "
-        "warpgroup's softmax runs while the other's product is on the tensor cores "
-        "(FlashAttention 3's inter-warpgroup scheduling).",
+        description="wgmma only, two consumer warpgroups (block_m 128): the warpgroups take "
+        "turns issuing their products on two named barriers (each key tile's Q K^T; with "
+        "overlap, each step's Q K^T and P V together), so one warpgroup's softmax runs while "
+        "the other's products are on the tensor cores (FlashAttention 3's inter-warpgroup "
+        "scheduling).",
     )
     epilogue: Epilogue = Field(
         "direct",
@@ -569,11 +570,10 @@ class KernelSpec(BaseModel):
                 f"overlap=true is not allowed with mma={self.mma!r}; it pipelines wgmma products "
                 "(use mma: wgmma)"
             )
-        if self.pingpong and (not wgmma or self.overlap or self.block_m != 128):
+        if self.pingpong and (not wgmma or self.block_m != 128):
             problems.append(
-                f"pingpong=true is not allowed with mma={self.mma!r}, block_m={self.block_m}, "
-                f"overlap={str(self.overlap).lower()}; it alternates two consumer warpgroups "
-                "(use mma: wgmma, block_m: 128, overlap: false)"
+                f"pingpong=true is not allowed with mma={self.mma!r}, block_m={self.block_m}; "
+                "it alternates two consumer warpgroups (use mma: wgmma, block_m: 128)"
             )
         if self.q_in_registers and not wgmma:
             problems.append(

@@ -74,8 +74,8 @@ TC_STAGES = (2, 3)
 TC_LAYOUTS = ("swizzled", "padded")
 # Hopper grid (wgmma, fp16/bf16, offered only on compute capability 9.0, compiled for sm_90a):
 # one or two consumer warpgroups x key tile x the intra-warpgroup overlap, and for two consumers
-# the ping-pong between them (whose worth only timing can tell: the static model does not see
-# the latency either hides). Two K/V stages: the
+# the ping-pong between them, on the plain loop and on the overlapped one (whose worth only
+# timing can tell: the static model does not see the latency either hides). Two K/V stages: the
 # producer warp keeps the TMA ring full without stealing issue slots (FlashAttention 3 runs two
 # at head dim 128), and a third would double the grid. The overlapped loop takes one stage
 # more (it releases a slot one key tile later, so with two stages each tile's copy would wait
@@ -386,6 +386,8 @@ def wgmma_grid(
         if block_m == 128:
             yield fields | {"cluster_m": 2}
         if overlap:
+            if block_m == 128:  # the overlap with ping-pong: FlashAttention 3's d128 schedule
+                yield fields | {"pingpong": True}
             continue
         # The TMA-store epilogue (docs/hopper.md): the same loop, so one twin of the plain loop
         # per tiling; which epilogue is faster is for a GPU to time.
