@@ -110,7 +110,7 @@ def plan(results: str = "{results}") -> list[Stage]:
         ),
         Stage(
             "prefill",
-            100,  # run 6: 44 s with 14 wgmma candidates; 26 since 2026-11-27
+            100,  # run 6: 44 s with 14 wgmma candidates; 28 since 2026-11-27 (ovl-pp twins)
             "bf16 d128/d256 4k, causal or not: wgmma against flash and cuDNN",
             python(*prefill),
             python(*prefill, "--list"),
