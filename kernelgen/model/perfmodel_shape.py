@@ -186,8 +186,9 @@ def latency_clocks(prediction: Prediction, spec: KernelSpec, resident: int) -> f
     runs its products, then its softmax, then the next products, so one warp alone takes the
     unit's tensor time plus its softmax time (the larger of issue and MUFU); W resident
     consumer warps per scheduler overlap W such chains: (tensor + max(issue, MUFU)) / W.
-    ``overlap`` (the next tile's products issued before the softmax) is not credited: it
-    measured slower than without in every committed pair (docs/performance-model.md)."""
+    ``overlap`` (the next tile's products issued before the softmax) and ``pingpong`` are not
+    credited: their measured worth (0.73-1.15x) follows no rule the model could state yet
+    (docs/performance-model.md)."""
     c = prediction.clocks
     return (c["tensor"] + max(c["issue"], c["MUFU"])) / hiding_warps(spec, resident)
 
