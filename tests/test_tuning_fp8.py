@@ -411,8 +411,10 @@ def emulated_fp8_bench(monkeypatch):
     monkeypatch.setattr(fp8_bench_module, "require_device", numpy_cupy)
     monkeypatch.setattr(fp8_bench_module, "TORCH_DEVICE", "cpu")
     monkeypatch.setattr(fp8_bench_module, "bench_kernel", lambda spec, arch: emulated_kernel(spec))
-    # causal GQA, Sq and Sk off the tiles (Sk off 16)
-    p = ProblemDesc("e4m3", 1, 2, 1, 70, 150, 128, causal=True)
+    # causal GQA, Sq and Sk off the tiles (Sk off 16), every built-in variant (the bench runs
+    # them with kernelgen.tuning.gpu.bench_variants' values)
+    p = ProblemDesc("e4m3", 1, 2, 1, 70, 150, 128, causal=True,
+                    variants=("window", "softcap", "alibi", "sinks"))  # fmt: skip
     return fp8_bench_module.Fp8Bench(p, DeviceInfo("Emulated", "9.0", 132))
 
 
@@ -431,6 +433,8 @@ def test_the_fp8_bench_checks_and_times_by_the_emulator(emulated_fp8_bench, monk
         assert 0.5 <= float(s[name]) < 2.0
     assert not torch.equal(s["q"].view(torch.uint8), bench.sets[1]["q"].view(torch.uint8))
     spec = valid_candidates(bench.problem, "sm_90")[0][3]  # the overlap with Q in registers
+    assert spec.variants == ("window", "softcap", "alibi", "sinks")
+    assert set(bench.tensors[0]) >= {"alibi_slopes", "sinks"}
     bench.compile(spec)
     assert bench.check(spec) is None  # out against float64 of the e4m3 inputs and descales
     samples = bench.time(spec, 1.0, min_reps=2)
