@@ -1,19 +1,22 @@
-"""The fp8 (e4m3) wgmma forward with the built-in variants (window, softcap, ALiBi, sinks) and
-``seqlens_k`` (docs/hopper.md, "fp8"), on the emulator against the float64 reference of the
-quantized inputs (kernelgen.references.fp8) within the element-wise bound of
-tests/test_emulated_fp8.py, the relative Frobenius error below 2^-4 and the lse within 1e-4.
+"""The fp8 (e4m3) wgmma forward with the built-in variants (window, softcap, ALiBi, sinks), user
+expressions (score_mod, mask_mod) and ``seqlens_k`` (docs/hopper.md, "fp8"), on the emulator
+against the float64 reference of the quantized inputs (kernelgen.references.fp8) within the
+element-wise bound of tests/test_emulated_fp8.py, the relative Frobenius error below 2^-4 and
+the lse within 1e-4.
 
 What the variants see: the q and k descales are folded into the scores' scale, so softcap caps
-the descaled, scaled score, while ALiBi and the window are positional and a sink is a per-head
-logit: no descale touches them. A sink is a key of value 0, so it joins l only and v's descale
-(applied to O) never meets it; in fp8 its state starts REFERENCE_OFFSET below the sink, so a row
-whose scores lie below a large sink keeps its weights normal e4m3 numbers. With ``seqlens_k`` the
-V^T copy zeroes each entry's keys past its length: a cache's rows there may hold NaN.
+the descaled, scaled score (and score_mod receives it), while ALiBi and the window are positional
+and a sink is a per-head logit: no descale touches them. A sink is a key of value 0, so it joins
+l only and v's descale (applied to O) never meets it; in fp8 its state starts REFERENCE_OFFSET
+below the sink, so a row whose scores lie below a large sink keeps its weights normal e4m3
+numbers. With ``seqlens_k`` the V^T copy zeroes each entry's keys past its length: a cache's
+rows there may hold NaN.
 
 Cases: the shipped spec (causal + window + softcap + sinks, GQA, d128); head dim 96 with the
 overlap and Q in registers (ALiBi per batch entry, a two-sided window, softcap; MQA); NaN rows
 past seqlens_k through kernelgen.attention on NumPy arrays (causal + window) and through the
-torch custom op on CPU tensors (bshd, ALiBi, sinks). Mutations the checks catch follow.
+torch custom op on CPU tensors (bshd, ALiBi, sinks); a score_mod reading a bf16 bias table with a
+document mask_mod through kernelgen.attention. Mutations the checks catch follow.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CPU_BACKEND_MARKS, ROOT
+from test_emulated_expressions import _callables
 from test_emulated_fp8 import P_RELATIVE, fp8_spec, problem
 
 import kernelgen
@@ -144,6 +148,57 @@ def test_seqlens_k_with_nan_rows_through_the_torch_op_with_alibi_and_sinks():
     ref = fp8_reference(q, k, v, descales, causal=False, scale=128**-0.5, seqlens_k=lengths,
                         alibi_slopes=slopes, sinks=sinks)  # fmt: skip
     assert_within_bound(out.float().numpy().transpose(0, 2, 1, 3), lse.numpy(), ref)
+
+
+# User expressions (docs/expressions.md): a relative bias from a bf16 table and a distance term
+# (score_mod receives the descaled, scaled score, as the reference's hook does) and a document
+# mask from per-key document ids, queries aligned bottom right.
+SCORE_MOD = "score + 0.5 * bias[h, q_idx, kv_idx] - 0.01 * abs(q_idx - kv_idx)"
+MASK_MOD = "doc[b, q_idx + offset[0]] == doc[b, kv_idx]"
+EXPRESSION_SHAPE = (2, 4, 2, 70, 150)
+
+
+def expression_case(seed: int) -> tuple:
+    """(q, k, v, descales, the expressions' keywords, the reference's hooks)."""
+    batch, heads, _, seqlen_q, seqlen_k = EXPRESSION_SHAPE
+    q, k, v, descales = problem(seed, *EXPRESSION_SHAPE)
+    rng = np.random.default_rng(seed + 1)
+    bias = rng.standard_normal((heads, seqlen_q, seqlen_k)).astype(np.float32)
+    inputs = {
+        "bias": bias.astype(ml_dtypes.bfloat16),
+        "doc": np.sort(rng.integers(0, 3, (batch, seqlen_k)), axis=1).astype(np.int32),
+        "offset": np.array([seqlen_k - seqlen_q], np.int64),
+    }
+    keywords = {"score_mod": SCORE_MOD, "mask_mod": MASK_MOD, "mod_inputs": inputs}
+    return q, k, v, descales, keywords, _callables(SCORE_MOD, MASK_MOD, inputs)
+
+
+def test_user_expressions_through_kernelgen_attention_within_the_bound():
+    """score_mod and mask_mod with their mod inputs on NumPy arrays, causal GQA: the default
+    fp8 spec compiled with the call's expressions (the call names none)."""
+    q, k, v, descales, keywords, hooks = expression_case(12)
+    out, lse = kernelgen.attention(
+        *(x.view(ml_dtypes.float8_e4m3fn) for x in (q, k, v)), causal=True, return_lse=True,
+        **keywords, **descales,
+    )  # fmt: skip
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, **hooks)
+    assert_within_bound(out.astype(np.float32), lse, ref)
+
+
+def test_score_mod_given_a_differently_scaled_score_is_caught():
+    """Mutation: score_mod evaluated on half the score and its result doubled (a descale
+    product of 2 applied after the expression instead of before it)."""
+    q, k, v, descales, keywords, hooks = expression_case(12)
+    spec = fp8_spec(causal=True, score_mod=SCORE_MOD, mask_mod=MASK_MOD,
+                    mod_inputs=["bias:bfloat16[3]", "doc:int32[2]", "offset:int64[1]"])  # fmt: skip
+    old = "x = kg_score_mod(x * LN2,"
+    source = render(spec)
+    assert source.count(old) == 1
+    source = source.replace(old, "x = 2.f * kg_score_mod(x * LN2 / 2.f,")
+    result = emulate_fp8_attention(spec, q, k, v, source=source, **descales, **keywords)
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, **hooks)
+    ratio, relative, lse_error = measure(result.out, result.lse, ref)
+    assert ratio > 1.0 or relative >= P_RELATIVE or lse_error > LSE_TOLERANCE
 
 
 # ---- mutations -------------------------------------------------------------------------------

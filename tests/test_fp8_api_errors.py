@@ -42,8 +42,7 @@ def raises(error, message):
     [
         ("mask", np.zeros((SQ, SK), np.float32), "additive mask"),
         ("num_splits", 2, "split-KV form"),
-        ("score_mod", "score * 2", "user expressions"),
-        ("mask_mod", "kv_idx <= q_idx", "user expressions"),
+        ("block_mask", object(), "block-sparse form"),
     ],
 )
 def test_fp8_refuses_what_its_kernel_lacks(name, value, what):
@@ -207,5 +206,5 @@ def test_the_fp8_default_spec_has_the_calls_variants():
     spec = fp8_default_spec(D, True, ("window", "softcap", "sinks"))
     assert spec.variants == ("window", "softcap", "sinks") and spec.fp8 and spec.causal
     assert default_spec("float8_e4m3", D, True, variants=("alibi",)).variants == ("alibi",)
-    with raises(InputError, "expressions=True is not allowed with dtype='float8_e4m3'"):
-        default_spec("float8_e4m3", D, True, expressions=True)
+    with raises(InputError, "additive_mask=True is not allowed with dtype='float8_e4m3'"):
+        default_spec("float8_e4m3", D, True, additive_mask=True)

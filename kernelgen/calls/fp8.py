@@ -5,8 +5,9 @@ What a call may pass: q, k and v all ``float8_e4m3fn`` (torch.float8_e4m3fn tens
 on a compute capability 9.0 device, CPU ones through the emulator; NumPy arrays of
 ``ml_dtypes.float8_e4m3fn``: the emulator), head dim 64, 96, 128, 192 or 256, causal or not,
 GQA/MQA, either layout, float32 descales (B, Hkv), ``scale``, ``return_lse``, a float8_e4m3
-``spec``, the built-in variants (window_size, softcap, alibi_slopes, sinks: they act on the
-descaled scores) and ``seqlens_k`` (V^T's keys past each entry's length are zeroed).
+``spec``, the built-in variants (window_size, softcap, alibi_slopes, sinks) and user expressions
+(score_mod, mask_mod, mod_inputs; no block mask), which act on the descaled scores, and
+``seqlens_k`` (V^T's keys past each entry's length are zeroed).
 CuPy has no fp8 dtype: CuPy arrays of bytes are refused with the way to view them as torch fp8
 tensors. The kernels read q and k in place, and a V^T copy of v
 (:func:`kernelgen.runtime.fp8.v_operand`) made by v's own library on v's device (one extra read
@@ -26,6 +27,7 @@ from kernelgen.calls.attention import (
     CallPlan,
     CheckedCall,
     TensorInfo,
+    check_expression_libraries,
     check_flags,
     check_inputs,
     common_device,
@@ -33,6 +35,7 @@ from kernelgen.calls.attention import (
     plan,
 )
 from kernelgen.calls.attention import _seqlens_k_array as seqlens_k_array
+from kernelgen.calls.expression_inputs import with_expressions
 from kernelgen.calls.variant_inputs import NO_VARIANTS, VariantArgs
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.model.policy import fp8_default_spec
@@ -42,7 +45,7 @@ from kernelgen.runtime.host import emulated_kernel
 from kernelgen.runtime.launch import check_fits_device
 from kernelgen.specs.forward import FP8_DTYPE, KernelSpec
 
-__all__ = ["EXPRESSION_KEYWORDS", "FP8_LIBRARY_DTYPE", "Fp8Call", "check_fp8_call", "fp8_attention"]
+__all__ = ["FP8_LIBRARY_DTYPE", "Fp8Call", "check_fp8_call", "fp8_attention"]
 
 FP8_LIBRARY_DTYPE = "float8_e4m3fn"  # torch's and ml_dtypes' name of OCP e4m3 (no infinities)
 FP8_CAPABILITY = 90  # the wgmma kernel's devices (sm_90a: H100, H200)
@@ -55,15 +58,9 @@ HOW_TO_PASS = (
 NOT_BUILT = {
     "mask": "additive mask",
     "num_splits": "split-KV form (num_splits 1 or None)",
-    "score_mod": "user expressions",
-    "mask_mod": "user expressions",
-    "mod_inputs": "user expressions",
     "block_mask": "block-sparse form",
     "deterministic": "backward pass",
 }
-# The variant keywords of attention() an fp8 call refuses (user expressions; the built-in
-# variants are taken).
-EXPRESSION_KEYWORDS = ("score_mod", "mask_mod", "mod_inputs", "block_mask")
 
 
 def wants_fp8(q: Any, k: Any, v: Any, q_descale: Any, k_descale: Any, v_descale: Any) -> bool:
@@ -115,8 +112,8 @@ def check_fp8_call(
 ) -> Fp8Call:
     """Every check of an fp8 call, on metadata only (nothing is copied or launched; the torch
     operator's fake implementation runs them at trace time). ``unsupported``: the call's other
-    arguments by name, each of which must be absent; ``variants``: the built-in variants'
-    arguments (user expressions belong in ``unsupported``); ``seqlens_k`` is checked at launch
+    arguments by name, each of which must be absent; ``variants``: the built-in variants' and
+    user expressions' arguments (a block mask is refused); ``seqlens_k`` is checked at launch
     (:func:`kernelgen.calls.attention.seqlens_k_array`), as for 16-bit calls."""
     check_flags(causal=causal, return_lse=return_lse)
     for name, value in unsupported.items():
@@ -136,8 +133,10 @@ def check_fp8_call(
     )  # fmt: skip
     batch, _, _, head_dim = call.q.shape
     named = spec is not None
-    if spec is None:
-        spec = fp8_default_spec(head_dim, causal, call.variants.flags)
+    if spec is None:  # (a GPU call without expressions asks the tuner instead)
+        spec = with_expressions(
+            fp8_default_spec(head_dim, causal, call.variants.flags), call.expressions
+        )
     checked = check_descales(descales, batch, call.k.shape[1], fp8=True)
     return Fp8Call(call, spec, checked, named, seqlens_k)
 
@@ -158,13 +157,13 @@ def fp8_attention(
     seqlens_k: Any = None,
 ) -> Any:
     """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
-    arguments by name, each of which must be absent; ``variants``: its built-in variants'
-    arguments; ``seqlens_k``: one key length per batch entry, as for 16-bit calls). The checks
-    (:func:`check_fp8_call`) run before v is copied or anything is launched (descales of
-    another dtype or layout are converted first). Without a spec, a GPU call runs the
-    autotuner's choice among the fp8 loops (:func:`kernelgen.tuning.select_launch`, under
-    ``KERNELGEN_AUTOTUNE`` as every call; off: :func:`~kernelgen.model.policy.fp8_default_spec`),
-    a CPU call the default."""
+    arguments by name, each of which must be absent; ``variants``: its built-in variants' and
+    user expressions' arguments; ``seqlens_k``: one key length per batch entry, as for 16-bit
+    calls). The checks (:func:`check_fp8_call`) run before v is copied or anything is launched
+    (descales of another dtype or layout are converted first). Without a spec, a GPU call
+    without expressions runs the autotuner's choice among the fp8 loops
+    (:func:`kernelgen.tuning.select_launch`, under ``KERNELGEN_AUTOTUNE`` as every call; off:
+    :func:`~kernelgen.model.policy.fp8_default_spec`), others the default."""
     checked_call = check_fp8_call(
         q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse, layout=layout,
         descales=descales, unsupported=unsupported, variants=variants, seqlens_k=seqlens_k,
@@ -172,8 +171,12 @@ def fp8_attention(
     call, spec, checked = checked_call.call, checked_call.spec, checked_call.descales
     batch, heads, seqlen_q, _ = call.q.shape
     named = {"q": q, "k": k, "v": v}
+    check_expression_libraries(q, call.expressions)
     arrays = arrays_of(q)
-    device = common_device({**named, **checked, "seqlens_k": seqlens_k, **variants.arrays()})
+    device = common_device(
+        {**named, **checked, "seqlens_k": seqlens_k, **variants.arrays(),
+         **call.expressions.named_arrays()}
+    )  # fmt: skip
     with arrays.scope(device):
         lengths = None  # int32 (B,) on the device (host lengths range-checked, then uploaded)
         if seqlens_k is not None:
@@ -188,7 +191,9 @@ def fp8_attention(
                     "attention runs on compute capability 9.0 only (H100, H200: the wgmma "
                     "kernel), or on the CPU (CPU tensors: the emulator)"
                 )
-            if not checked_call.named:  # the tuner's loop (KERNELGEN_AUTOTUNE=0: the default)
+            # the tuner's loop (KERNELGEN_AUTOTUNE=0: the default); expressions are compiled
+            # per call, so their calls run the default, as 16-bit ones do
+            if not checked_call.named and not call.expressions.present:
                 spec = api.tuned_launch(call, bool(causal), arrays.name).spec
             check_fits_device(spec, device)
             kernel = api.runtime_kernel(spec)
@@ -207,6 +212,7 @@ def fp8_attention(
             "v": launch_arg(arrays, v_t),
             **{name: launch_arg(arrays, x) for name, x in checked.items()},
             **call.variants.tensors(arrays),
+            **call.expressions.tensors(arrays),
         }
         if lengths is not None:
             tensors["seqlens_k"] = launch_arg(arrays, lengths)

@@ -17,7 +17,7 @@ from typing import Any
 from kernelgen.calls.attention import Layout, check_flags
 from kernelgen.calls.attention import attention as forward_attention
 from kernelgen.calls.block_mask import BlockMask
-from kernelgen.calls.fp8 import EXPRESSION_KEYWORDS, fp8_attention, wants_fp8
+from kernelgen.calls.fp8 import fp8_attention, wants_fp8
 from kernelgen.calls.variant_inputs import VariantArgs
 from kernelgen.specs.forward import KernelSpec
 
@@ -59,12 +59,11 @@ def attention(
     )
     if wants_fp8(q, k, v, q_descale, k_descale, v_descale):  # forward only: no grad
         descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-        expressions = {name: getattr(variants, name) for name in EXPRESSION_KEYWORDS}
         return fp8_attention(
             q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
             layout=layout, descales=descales, seqlens_k=seqlens_k,
-            variants=VariantArgs(window_size, softcap, alibi_slopes, sinks),
-            unsupported={"mask": mask, "num_splits": num_splits, **expressions,
+            variants=replace(variants, block_mask=None),
+            unsupported={"mask": mask, "num_splits": num_splits, "block_mask": block_mask,
                          "deterministic": deterministic or None},
         )  # fmt: skip
     if (

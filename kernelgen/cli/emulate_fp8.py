@@ -48,14 +48,23 @@ def random_fp8_inputs(
 
 
 def emulate_fp8(
-    spec: KernelSpec, dims: tuple[int, ...], seed: int, variants: dict[str, Any] | None = None
+    spec: KernelSpec,
+    dims: tuple[int, ...],
+    seed: int,
+    variants: dict[str, Any] | None = None,
+    hooks: dict[str, Any] | None = None,
 ) -> None:
-    """Run the fp8 spec on random e4m3 inputs with descales and ``variants`` (the built-in
-    variants' values for the spec's flags: kernelgen.cli.emulate.variant_values); print the
-    table (the error over its per-element bound, the relative error, the lse, NaN, hazards, the
-    TMA bytes and key tiles); exit 1 on a failed check or launch, 2 (one line) on input the
-    spec cannot run."""
+    """Run the fp8 spec on random e4m3 inputs with descales and ``variants`` (attention()'s
+    arguments for the spec's variants and user expressions: kernelgen.cli.emulate's
+    variant_values and expression_values, whose float64 hooks are ``hooks``); print the table
+    (the error over its per-element bound, the relative error, the lse, NaN, hazards, the TMA
+    bytes and key tiles); exit 1 on a failed check or launch, 2 (one line) on input the spec
+    cannot run."""
     variants = variants or {}
+    reference_variants = {
+        **{n: x for n, x in variants.items() if n not in ("score_mod", "mask_mod", "mod_inputs")},
+        **(hooks or {}),
+    }
     from kernelgen.calls.emulated import emulate_fp8_attention
     from kernelgen.references.attention import LSE_TOLERANCE, relative_error
     from kernelgen.references.fp8 import FP8_TOLERANCE, fp8_reference
@@ -74,7 +83,7 @@ def emulate_fp8(
     except KernelgenError as exc:  # the shape does not fit the spec, e.g. a grid limit
         raise fail(str(exc).splitlines()[:1]) from None
     ref = fp8_reference(bits["q"], bits["k"], bits["v"], descales, causal=spec.causal,
-                        scale=scale, **variants)  # fmt: skip
+                        scale=scale, **reference_variants)  # fmt: skip
     ratio = ref.bound_ratio(run.out)
     error = relative_error(run.out, ref.out)
     seen = np.isfinite(ref.lse)

@@ -140,17 +140,18 @@ def default_spec(
     ``additive_mask``: the call has a mask (a kernel that reads one; its tiles from
     :data:`MASKED_WIDE_TILES`). ``expressions``: the caller adds user expressions to the spec
     (their kernels take :data:`RICH_WIDE_TILES`, as do those with ``variants``).
-    ``dtype="float8_e4m3"``: :func:`fp8_default_spec`, the plain-loop fp8 kernel (it has none of
-    the options above; asking for one raises InputError).
+    ``dtype="float8_e4m3"``: :func:`fp8_default_spec`, the plain-loop fp8 kernel with
+    ``variants`` (``expressions`` changes nothing: the caller adds them; a decode form, split-KV,
+    a paged cache or a mask raises InputError).
     """
     if dtype == FP8_DTYPE:
         options = {"decode_rows": decode_rows, "split_kv": split_kv, "paged_kv": paged_kv,
-                   "additive_mask": additive_mask, "expressions": expressions}  # fmt: skip
+                   "additive_mask": additive_mask}  # fmt: skip
         for name, value in options.items():
             if value not in (None, False, ()):
                 raise InputError(
                     f"{name}={value!r} is not allowed with dtype={FP8_DTYPE!r}; the fp8 kernel "
-                    "is the prefill forward with the built-in variants (docs/hopper.md, fp8)"
+                    "is the prefill forward (docs/hopper.md, fp8)"
                 )
         return fp8_default_spec(head_dim, causal, variants)
     dtype = normalize_dtype(dtype)

@@ -77,9 +77,10 @@ def fp8_reference(
     """Attention of e4m3 bit patterns q (B, H, Sq, D), k and v (B, Hkv, Sk, D) (uint8) with
     ``descales`` (name -> (B, Hkv) or None: 1), in float64; causal aligned bottom right.
     ``seqlens_k``: entry b sees its first ``seqlens_k[b]`` keys only (clamped to [0, Sk];
-    causal and ALiBi aligned to that length); ``variants``: the built-in variants of
+    causal and ALiBi aligned to that length); ``variants``: those of
     :func:`kernelgen.references.attention.naive_attention` (window_size, softcap, alibi_slopes,
-    sinks), applied to the descaled scores. A sink is a key of value 0: it joins l (so the
+    sinks, and the score_mod / mask_mod hooks, called with the true batch index), applied to
+    the descaled scores. A sink is a key of value 0: it joins l (so the
     bound's terms) and the lse; the bound's absolute term sums the visible keys' |v|."""
     heads, kv_heads = q.shape[1], k.shape[1]
     batch, seqlen_k = k.shape[0], k.shape[2]
@@ -100,11 +101,24 @@ def fp8_reference(
     parts = []
     for b in range(batch):
         keys = seqlen_k if seqlens_k is None else int(np.clip(seqlens_k[b], 0, seqlen_k))
-        entry = variants | ({} if slopes is None else {"alibi_slopes": slopes[b : b + 1]})
+        entry = _batch_hooks(variants, b)
+        if slopes is not None:
+            entry["alibi_slopes"] = slopes[b : b + 1]
         parts.append(_entry(qf[b : b + 1], kf[b : b + 1, :, :keys], vf[b : b + 1, :, :keys],
                             causal, scale, entry))  # fmt: skip
     out, lse, weighted, total = (np.concatenate(x) for x in zip(*parts, strict=True))
     return Fp8Reference(out=out, lse=lse, weighted=weighted, total=total)
+
+
+def _batch_hooks(variants: dict[str, Any], entry: int) -> dict[str, Any]:
+    """``variants`` for batch entry ``entry`` run as a batch of one: the hooks get b + entry."""
+    hooked = dict(variants)
+    score_mod, mask_mod = variants.get("score_mod"), variants.get("mask_mod")
+    if score_mod is not None:
+        hooked["score_mod"] = lambda s, b, h, q, k: score_mod(s, b + entry, h, q, k)
+    if mask_mod is not None:
+        hooked["mask_mod"] = lambda b, h, q, k: mask_mod(b + entry, h, q, k)
+    return hooked
 
 
 def _entry(
