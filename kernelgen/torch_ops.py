@@ -271,7 +271,7 @@ def _refuse_fp8_grad(args: dict[str, Any]) -> None:
     names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
     if not wants_fp8(*(args[name] for name in names)):
         return
-    for name in names:
+    for name in (*names, "alibi_slopes", "sinks"):
         if getattr(args[name], "requires_grad", False):
             raise InputError(
                 f"{name} requires grad, but fp8 attention has no backward pass (not built yet); "

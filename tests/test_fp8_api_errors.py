@@ -159,6 +159,9 @@ def test_fp8_inputs_that_require_grad():
     q.requires_grad_(True)
     with raises(InputError, "q requires grad, but fp8 attention has no backward pass"):
         kernelgen.attention(q, k, v)
+    sinks = torch.zeros(H, requires_grad=True)  # the sinks' gradient would be lost too
+    with raises(InputError, "sinks requires grad, but fp8 attention has no backward pass"):
+        kernelgen.attention(*fp8_inputs(), sinks=sinks)
 
 
 def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_only_what_fp8_runs():

@@ -206,3 +206,8 @@ def test_fp8_has_no_backward_through_the_operator():
         torch.ops.kernelgen.attention(q, k, v)
     with pytest.raises(Exception, match=message):
         torch.compile(kt.attention, fullgraph=True, backend="aot_eager")(q, k, v)
+    sinks = torch.zeros(4, requires_grad=True)  # the sinks' gradient would be lost too
+    with pytest.raises(Exception, match="sinks requires grad, but fp8 attention has no backward"):
+        torch.compile(kt.attention, fullgraph=True, backend="aot_eager")(
+            q.detach(), k, v, sinks=sinks
+        )

@@ -125,7 +125,7 @@ def check_fp8_call(
             )
     named = {"q": q, "k": k, "v": v}
     _check_dtypes(named, descales)
-    _refuse_grad({**named, **descales})
+    _refuse_grad({**named, **descales, **variants.arrays()})
     infos = [replace(describe(x, name), dtype=FP8_DTYPE) for name, x in named.items()]
     call = check_inputs(
         *infos, None, layout=layout, scale=scale, spec=spec, causal=bool(causal),
