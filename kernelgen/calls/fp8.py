@@ -92,7 +92,6 @@ class Fp8Call:
     spec: KernelSpec
     descales: dict[str, Any]
     named: bool = True
-    seqlens_k: Any = None  # as given (checked and converted at launch)
 
 
 def check_fp8_call(
@@ -113,8 +112,9 @@ def check_fp8_call(
     """Every check of an fp8 call, on metadata only (nothing is copied or launched; the torch
     operator's fake implementation runs them at trace time). ``unsupported``: the call's other
     arguments by name, each of which must be absent; ``variants``: the built-in variants' and
-    user expressions' arguments (a block mask is refused); ``seqlens_k`` is checked at launch
-    (:func:`kernelgen.calls.attention.seqlens_k_array`), as for 16-bit calls."""
+    user expressions' arguments (a block mask is refused); ``seqlens_k`` is taken so that the
+    torch operator passes one argument set to this and :func:`fp8_attention`, and is checked
+    where that converts it, as for 16-bit calls (its values may live on the device)."""
     check_flags(causal=causal, return_lse=return_lse)
     for name, value in unsupported.items():
         if value is not None and not (name == "num_splits" and value == 1):
@@ -138,7 +138,7 @@ def check_fp8_call(
             fp8_default_spec(head_dim, causal, call.variants.flags), call.expressions
         )
     checked = check_descales(descales, batch, call.k.shape[1], fp8=True)
-    return Fp8Call(call, spec, checked, named, seqlens_k)
+    return Fp8Call(call, spec, checked, named)
 
 
 def fp8_attention(
