@@ -242,21 +242,11 @@ def test_variant_mutations_are_caught(mutation):
     assert ratio > 1.0 or relative >= P_RELATIVE or lse_error > LSE_TOLERANCE
 
 
-def test_v_operand_without_the_seqlens_k_zeroing_lets_nan_through(monkeypatch):
-    """Mutation of the host side: V^T copied without zeroing the keys past seqlens_k (the NaN
-    rows reach P V, whose zero weights do not hide them)."""
-    plain = fp8_runtime.v_operand
-    monkeypatch.setattr("kernelgen.calls.fp8.v_operand", lambda v, lengths=None: plain(v))
-    lengths = [97, 133]
-    q, k, v, descales = cache_problem(7, lengths, heads=2, kv_heads=1)
-    out = kernelgen.attention(*(x.view(ml_dtypes.float8_e4m3fn) for x in (q, k, v)),
-                              seqlens_k=lengths, **descales)  # fmt: skip
-    assert np.isnan(out.astype(np.float32)).any()
-
-
 def test_v_operand_zeroes_the_keys_past_each_length():
     """V^T of bytes with seqlens_k: each entry's keys from its length on are 0 wherever their
-    slot is, the others v's bytes; lengths past Sk keep every key, negative ones none."""
+    slot is, the others v's bytes; lengths past Sk keep every key, negative ones none. (Run once,
+    not kept: kernelgen.calls.fp8 with a v_operand that ignores the lengths gives NaN in out on
+    the NaN-row case above.)"""
     rng = np.random.default_rng(9)
     v = rng.integers(1, 256, (4, 2, 37, 64), dtype=np.uint8)
     lengths = np.array([0, 20, 37, 99], np.int32)
