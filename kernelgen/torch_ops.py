@@ -47,6 +47,7 @@ from kernelgen.calls.attention import attention as _attention
 from kernelgen.calls.attention import check_flags
 from kernelgen.calls.backward import attention_backward as _attention_backward
 from kernelgen.calls.fp8 import check_fp8_call, fp8_attention, wants_fp8
+from kernelgen.calls.variant_inputs import VariantArgs
 from kernelgen.errors import InputError
 
 __all__ = ["attention"]
@@ -69,10 +70,12 @@ def _fp8_arguments(
     """The operator's arguments as those of :func:`kernelgen.calls.fp8.check_fp8_call` and
     :func:`~kernelgen.calls.fp8.fp8_attention` (always with the lse)."""
     unsupported = {
-        "mask": mask, "seqlens_k": seqlens_k, "num_splits": num_splits,
-        "window_size": None if window is None else tuple(window), "softcap": softcap,
-        "alibi_slopes": alibi_slopes, "sinks": sinks, "deterministic": deterministic or None,
+        "mask": mask, "num_splits": num_splits, "deterministic": deterministic or None,
     }  # fmt: skip
+    variants = VariantArgs(
+        window_size=None if window is None else tuple(window), softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks,
+    )  # fmt: skip
     return {
         "causal": causal,
         "scale": scale,
@@ -81,6 +84,8 @@ def _fp8_arguments(
         "layout": layout,
         "descales": dict(zip(("q_descale", "k_descale", "v_descale"), descales, strict=True)),
         "unsupported": unsupported,
+        "variants": variants,
+        "seqlens_k": seqlens_k,
     }
 
 
@@ -266,7 +271,7 @@ def _refuse_fp8_grad(args: dict[str, Any]) -> None:
     names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
     if not wants_fp8(*(args[name] for name in names)):
         return
-    for name in names:
+    for name in (*names, "alibi_slopes", "sinks"):
         if getattr(args[name], "requires_grad", False):
             raise InputError(
                 f"{name} requires grad, but fp8 attention has no backward pass (not built yet); "

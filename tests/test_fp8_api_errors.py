@@ -41,12 +41,8 @@ def raises(error, message):
     ("name", "value", "what"),
     [
         ("mask", np.zeros((SQ, SK), np.float32), "additive mask"),
-        ("seqlens_k", [SK, SK], "per-sequence key lengths"),
         ("num_splits", 2, "split-KV form"),
-        ("window_size", (4, 0), "sliding window"),
-        ("softcap", 30.0, "soft cap"),
-        ("sinks", np.zeros(H, np.float32), "attention sinks"),
-        ("score_mod", "score * 2", "user expressions"),
+        ("block_mask", object(), "block-sparse form"),
     ],
 )
 def test_fp8_refuses_what_its_kernel_lacks(name, value, what):
@@ -163,6 +159,9 @@ def test_fp8_inputs_that_require_grad():
     q.requires_grad_(True)
     with raises(InputError, "q requires grad, but fp8 attention has no backward pass"):
         kernelgen.attention(q, k, v)
+    sinks = torch.zeros(H, requires_grad=True)  # the sinks' gradient would be lost too
+    with raises(InputError, "sinks requires grad, but fp8 attention has no backward pass"):
+        kernelgen.attention(*fp8_inputs(), sinks=sinks)
 
 
 def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_only_what_fp8_runs():
@@ -180,3 +179,35 @@ def test_the_fp8_default_is_the_shipped_spec_and_the_tuner_takes_only_what_fp8_r
     allowed = "use 64 or 96 or 128 or 192 or 256"
     with raises(InputError, f"head_dim=80 is not allowed with dtype='float8_e4m3'; {allowed}"):
         ProblemDesc("float8_e4m3", B, H, HKV, SQ, SK, 80)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"softcap": -1.0}, "softcap=-1.0 is not allowed; use a finite number > 0"),
+        ({"window_size": (4,)}, "window_size=(4,) is not allowed; use a pair (left, right)"),
+        ({"sinks": np.zeros(H + 1, np.float32)}, "sinks has shape (5,)"),
+        ({"seqlens_k": [SK + 1, SK]}, f"seqlens_k holds {SK + 1}; allowed 0 to {SK}"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning")
+def test_fp8_variants_and_seqlens_k_are_checked_as_for_16_bit_calls(keywords, message):
+    """The variants and seqlens_k an fp8 call takes get the 16-bit calls' typed errors, before
+    anything is built (NumPy inputs: the emulator would build the kernel)."""
+    with raises(InputError, message):
+        kernelgen.attention(*fp8_inputs(library="numpy"), **keywords)
+
+
+def test_a_named_fp8_spec_must_have_the_calls_variants():
+    spec = fp8_default_spec(D, False)
+    with raises(InputError, f"spec {spec.uri} is compiled with variants [none] but the call "
+                "needs [softcap]"):  # fmt: skip
+        kernelgen.attention(*fp8_inputs(), softcap=5.0, spec=spec)
+
+
+def test_the_fp8_default_spec_has_the_calls_variants():
+    spec = fp8_default_spec(D, True, ("window", "softcap", "sinks"))
+    assert spec.variants == ("window", "softcap", "sinks") and spec.fp8 and spec.causal
+    assert default_spec("float8_e4m3", D, True, variants=("alibi",)).variants == ("alibi",)
+    with raises(InputError, "additive_mask=True is not allowed with dtype='float8_e4m3'"):
+        default_spec("float8_e4m3", D, True, additive_mask=True)

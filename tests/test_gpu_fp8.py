@@ -25,6 +25,7 @@ from test_emulated_fp8_loops import LOOPS
 from test_gpu_attention import require_compute_capability_9_0
 
 import kernelgen
+from kernelgen.references.fp8 import fp8_reference
 from kernelgen.runtime.fp8 import decode_e4m3, launch_problem, v_operand
 from kernelgen.runtime.launch import runtime_kernel
 from kernelgen.specs.forward import load_spec, spec_from_dict
@@ -149,6 +150,57 @@ def test_fp8_through_kernelgen_attention_on_gpu(shape, with_descales, causal, la
     assert bound_ratio(got, ref, a, b) <= 1.0
     lse_error = np.abs(lse.cpu().numpy() - lse_ref)
     assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
+
+
+# The variants and seqlens_k (tests/test_emulated_fp8_variants.py's cases) on CUDA tensors:
+# (spec fields, variants, seqlens_k or None, causal).
+VARIANT_CASES = {
+    "causal_window_softcap_sinks": (
+        {"window": True, "softcap": True, "sinks": True},
+        {"window_size": (9, 0), "softcap": 2.0, "sinks": np.linspace(3.0, 5.0, 4)},
+        None,
+        True,
+    ),
+    "seqlens_k_nan_rows_alibi": (
+        {"alibi": True},
+        {"alibi_slopes": np.array([0.2, 0.05, 0.1, 0.4])},
+        [97, 133],
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES)
+def test_fp8_variants_and_seqlens_k_on_gpu(case):
+    """kernelgen.attention on CUDA fp8 tensors with the variants (device arrays) and an int32
+    device seqlens_k whose rows past each length hold NaN in k and v (the V^T copy zeroes them
+    on the device): the bound and the lse's, as above."""
+    require_compute_capability_9_0()
+    torch = pytest.importorskip("torch")
+    fields, variants, lengths, causal = VARIANT_CASES[case]
+    q, k, v, descales = problem(21, 2, 4, 2, 70, 160)
+    clean_k = k.copy()
+    for b, length in enumerate(lengths or []):
+        k[b, :, length:] = v[b, :, length:] = 0x7F  # e4m3 NaN
+        clean_k[b, :, length:] = 0
+    variants = {n: x.astype(np.float32) if isinstance(x, np.ndarray) else x
+                for n, x in variants.items()}  # fmt: skip
+    scale = 128**-0.5
+    on_gpu = {n: torch.from_numpy(x).cuda() if isinstance(x, np.ndarray) else x
+              for n, x in {**descales, **variants}.items()}  # fmt: skip
+    if lengths is not None:
+        on_gpu["seqlens_k"] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = kernelgen.attention(
+        *(torch.from_numpy(x).cuda().view(torch.float8_e4m3fn) for x in (q, k, v)),
+        causal=causal, return_lse=True, spec=fp8_spec(causal=causal, **fields), **on_gpu,
+    )  # fmt: skip
+    got = out.float().cpu().numpy().astype(np.float64)
+    ref = fp8_reference(q, k, v, descales, causal=causal, scale=scale, seqlens_k=lengths,
+                        **variants)  # fmt: skip
+    assert np.isfinite(got).all()
+    assert ref.bound_ratio(got) <= 1.0
+    lse_error = np.abs(lse.cpu().numpy() - ref.lse)
+    assert (lse_error <= score_error_bound(q, clean_k, descales, scale)).all()
 
 
 def test_fp8_through_the_compiled_torch_op_on_gpu():

@@ -141,8 +141,9 @@ def zeros(head_dim: int = 128, kv_heads: int = 2):
 
 # (what changes, error, message): each names the argument, its value and what is allowed
 BAD_CALLS = [
-    ({"softcap": 3.0}, InputError, "softcap=3.0 is not allowed with fp8 inputs"),
-    ({"window_size": (4, 0)}, InputError, "window_size=(4, 0) is not allowed with fp8 inputs"),
+    ({"softcap": -3.0}, InputError, "softcap=-3.0 is not allowed; use a finite number > 0"),
+    ({"window_size": (-4, 0)}, InputError, "window_size=(-4, 0): left=-4 is not allowed"),
+    ({"sinks": torch.zeros(3)}, InputError, "sinks has shape (3,)"),
     ({"num_splits": 2}, InputError, "num_splits=2 is not allowed with fp8 inputs"),
     ({"deterministic": True}, InputError, "deterministic=True is not allowed with fp8 inputs"),
     ({"k_descale": torch.ones(2, 4)}, InputError, "k_descale has shape (2, 4); expected (2, 2)"),
@@ -189,9 +190,9 @@ def test_a_bad_fp8_call_fails_when_compiled():
     q, k, v = zeros()
 
     def fn(q, k, v):
-        return kt.attention(q, k, v, softcap=3.0)
+        return kt.attention(q, k, v, num_splits=2)
 
-    with pytest.raises(Exception, match=re.escape("softcap=3.0 is not allowed with fp8 inputs")):
+    with pytest.raises(Exception, match=re.escape("num_splits=2 is not allowed with fp8 inputs")):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
 
 
@@ -205,3 +206,8 @@ def test_fp8_has_no_backward_through_the_operator():
         torch.ops.kernelgen.attention(q, k, v)
     with pytest.raises(Exception, match=message):
         torch.compile(kt.attention, fullgraph=True, backend="aot_eager")(q, k, v)
+    sinks = torch.zeros(4, requires_grad=True)  # the sinks' gradient would be lost too
+    with pytest.raises(Exception, match="sinks requires grad, but fp8 attention has no backward"):
+        torch.compile(kt.attention, fullgraph=True, backend="aot_eager")(
+            q.detach(), k, v, sinks=sinks
+        )

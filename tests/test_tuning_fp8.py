@@ -112,7 +112,6 @@ def test_an_fp8_problem_takes_the_dtype_by_its_names(name):
         ),
         ({"mask": True}, "mask=True is not allowed with dtype='float8_e4m3'; use False"),
         ({"page_size": 64}, "page_size=64 is not allowed with dtype='float8_e4m3'; use 0"),
-        ({"variants": ("window",)}, "variants=('window',) is not allowed with dtype="),
         (
             {"family": "backward"},
             "family='backward' is not allowed with dtype='float8_e4m3'; use 'forward'",
@@ -161,6 +160,19 @@ def test_the_candidates_of_an_fp8_problem_are_the_fp8_loops(causal):
     assert [(d.uri, d.reason.split(",")[1]) for d in dropped] == [
         (uri, f" rank {rank} > top 8") for rank, uri in enumerate(loop_uris(causal)[8:], 9)
     ]
+
+
+def test_an_fp8_problem_with_variants_gets_candidates_and_a_default_that_have_them():
+    """An fp8 call with a window and a soft cap is tuned among the fp8 loops compiled with both
+    (the problem's variants are every candidate's fields), and untuned runs the plain loop with
+    both; the key tells it from the problem without variants."""
+    p = fp8_problem(causal=True, variants=("window", "softcap"))
+    specs, dropped = valid_candidates(p, "sm_90")
+    assert len(specs) == len(loop_uris(True)) and dropped == []
+    assert all(s.fp8 and s.variants == ("window", "softcap") for s in specs)
+    assert heuristic_spec(p, DEVICE) == fp8_default_spec(128, True, ("window", "softcap"))
+    assert make_key(p, DEVICE, SOFTWARE).id != make_key(fp8_problem(causal=True), DEVICE,
+                                                        SOFTWARE).id  # fmt: skip
 
 
 def test_the_candidates_at_head_dims_64_and_256_are_the_loops_that_fit():
@@ -357,6 +369,21 @@ def test_an_fp8_call_without_tuning_runs_the_default(fp8_gpu, monkeypatch):
     assert len(launches) == 1
 
 
+def test_an_fp8_call_with_variants_runs_a_kernel_compiled_with_them(fp8_gpu, monkeypatch):
+    """Tuned and untuned, an fp8 call with softcap and sinks launches a spec with both flags."""
+    launches, calls = fp8_gpu
+    sinks = fake_torch.Tensor((H,), fake_torch.float32)
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "1")
+    fp8_call(softcap=20.0, sinks=sinks)
+    assert launches[0] in {uri + "_cap_sink" for uri in loop_uris(True)}
+    (record,) = [r for _, r in TuningDB().records()]
+    assert record.winner["softcap"] and record.winner["sinks"] and "window" not in record.winner
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")
+    fp8_call(softcap=20.0, sinks=sinks)
+    assert launches[1] == fp8_default_spec(D, True, ("softcap", "sinks")).uri
+    assert len(calls) == 1
+
+
 def test_a_named_fp8_spec_is_not_tuned(fp8_gpu, monkeypatch):
     launches, calls = fp8_gpu
     monkeypatch.setenv("KERNELGEN_AUTOTUNE", "1")
@@ -384,8 +411,10 @@ def emulated_fp8_bench(monkeypatch):
     monkeypatch.setattr(fp8_bench_module, "require_device", numpy_cupy)
     monkeypatch.setattr(fp8_bench_module, "TORCH_DEVICE", "cpu")
     monkeypatch.setattr(fp8_bench_module, "bench_kernel", lambda spec, arch: emulated_kernel(spec))
-    # causal GQA, Sq and Sk off the tiles (Sk off 16)
-    p = ProblemDesc("e4m3", 1, 2, 1, 70, 150, 128, causal=True)
+    # causal GQA, Sq and Sk off the tiles (Sk off 16), every built-in variant (the bench runs
+    # them with kernelgen.tuning.gpu.bench_variants' values)
+    p = ProblemDesc("e4m3", 1, 2, 1, 70, 150, 128, causal=True,
+                    variants=("window", "softcap", "alibi", "sinks"))  # fmt: skip
     return fp8_bench_module.Fp8Bench(p, DeviceInfo("Emulated", "9.0", 132))
 
 
@@ -404,6 +433,8 @@ def test_the_fp8_bench_checks_and_times_by_the_emulator(emulated_fp8_bench, monk
         assert 0.5 <= float(s[name]) < 2.0
     assert not torch.equal(s["q"].view(torch.uint8), bench.sets[1]["q"].view(torch.uint8))
     spec = valid_candidates(bench.problem, "sm_90")[0][3]  # the overlap with Q in registers
+    assert spec.variants == ("window", "softcap", "alibi", "sinks")
+    assert set(bench.tensors[0]) >= {"alibi_slopes", "sinks"}
     bench.compile(spec)
     assert bench.check(spec) is None  # out against float64 of the e4m3 inputs and descales
     samples = bench.time(spec, 1.0, min_reps=2)

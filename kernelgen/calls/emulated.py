@@ -260,12 +260,15 @@ def emulate_fp8_attention(
     v_descale: np.ndarray | None = None,
     scale: float | None = None,
     source: str | None = None,
+    seqlens_k: Any = None,
+    **variants: Any,
 ) -> EmulatedAttention:
     """Run an fp8 spec's kernel on q (B, H, Sq, D), k and v (B, Hkv, Sk, D) given as e4m3 bit
     patterns (uint8), with optional fp32 descales of shape (B, Hkv): kernelgen's fp8 call on
     NumPy arrays (:func:`kernelgen.calls.fp8.fp8_attention`; v reaches the kernel as
-    :func:`kernelgen.runtime.fp8.v_operand` makes it, V^T with keys permuted). ``out`` (bf16,
-    widened to float32) and ``lse`` start as NaN."""
+    :func:`kernelgen.runtime.fp8.v_operand` makes it, V^T with keys permuted). ``seqlens_k``
+    and ``variants`` (window_size, softcap, alibi_slopes, sinks) as for
+    :func:`kernelgen.attention`. ``out`` (bf16, widened to float32) and ``lse`` start as NaN."""
     if not spec.fp8:
         raise InputTypeError(
             f"spec dtype={spec.dtype!r} is not allowed here; use a float8_e4m3 spec"
@@ -280,6 +283,7 @@ def emulate_fp8_attention(
     with recording(source) as recorded:
         out, lse = fp8_attention(
             *e4m3, causal=spec.causal, scale=scale, spec=spec, return_lse=True, layout="bhsd",
-            descales=descales, unsupported={},
+            descales=descales, unsupported={}, variants=VariantArgs(**variants),
+            seqlens_k=seqlens_k,
         )  # fmt: skip
     return _result(out, lse, recorded)

@@ -4,8 +4,10 @@ where the data lives, and the launch of the fp8 wgmma forward (docs/hopper.md, f
 What a call may pass: q, k and v all ``float8_e4m3fn`` (torch.float8_e4m3fn tensors: CUDA ones
 on a compute capability 9.0 device, CPU ones through the emulator; NumPy arrays of
 ``ml_dtypes.float8_e4m3fn``: the emulator), head dim 64, 96, 128, 192 or 256, causal or not,
-GQA/MQA, either layout, float32 descales (B, Hkv), ``scale``, ``return_lse`` and a float8_e4m3
-``spec``.
+GQA/MQA, either layout, float32 descales (B, Hkv), ``scale``, ``return_lse``, a float8_e4m3
+``spec``, the built-in variants (window_size, softcap, alibi_slopes, sinks) and user expressions
+(score_mod, mask_mod, mod_inputs; no block mask), which act on the descaled scores, and
+``seqlens_k`` (V^T's keys past each entry's length are zeroed).
 CuPy has no fp8 dtype: CuPy arrays of bytes are refused with the way to view them as torch fp8
 tensors. The kernels read q and k in place, and a V^T copy of v
 (:func:`kernelgen.runtime.fp8.v_operand`) made by v's own library on v's device (one extra read
@@ -25,12 +27,16 @@ from kernelgen.calls.attention import (
     CallPlan,
     CheckedCall,
     TensorInfo,
+    check_expression_libraries,
     check_flags,
     check_inputs,
     common_device,
     describe,
     plan,
 )
+from kernelgen.calls.attention import _seqlens_k_array as seqlens_k_array
+from kernelgen.calls.expression_inputs import with_expressions
+from kernelgen.calls.variant_inputs import NO_VARIANTS, VariantArgs
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.model.policy import fp8_default_spec
 from kernelgen.runtime.fp8 import check_descales, v_operand, v_operand_layout
@@ -51,15 +57,7 @@ HOW_TO_PASS = (
 # The arguments of attention() the fp8 kernel has no use for yet -> what it lacks.
 NOT_BUILT = {
     "mask": "additive mask",
-    "seqlens_k": "per-sequence key lengths",
     "num_splits": "split-KV form (num_splits 1 or None)",
-    "window_size": "sliding window",
-    "softcap": "soft cap",
-    "alibi_slopes": "ALiBi",
-    "sinks": "attention sinks",
-    "score_mod": "user expressions",
-    "mask_mod": "user expressions",
-    "mod_inputs": "user expressions",
     "block_mask": "block-sparse form",
     "deterministic": "backward pass",
 }
@@ -108,10 +106,15 @@ def check_fp8_call(
     layout: str,
     descales: dict[str, Any],
     unsupported: dict[str, Any],
+    variants: VariantArgs = NO_VARIANTS,
+    seqlens_k: Any = None,
 ) -> Fp8Call:
     """Every check of an fp8 call, on metadata only (nothing is copied or launched; the torch
     operator's fake implementation runs them at trace time). ``unsupported``: the call's other
-    arguments by name, each of which must be absent."""
+    arguments by name, each of which must be absent; ``variants``: the built-in variants' and
+    user expressions' arguments (a block mask is refused); ``seqlens_k`` is taken so that the
+    torch operator passes one argument set to this and :func:`fp8_attention`, and is checked
+    where that converts it, as for 16-bit calls (its values may live on the device)."""
     check_flags(causal=causal, return_lse=return_lse)
     for name, value in unsupported.items():
         if value is not None and not (name == "num_splits" and value == 1):
@@ -122,16 +125,18 @@ def check_fp8_call(
             )
     named = {"q": q, "k": k, "v": v}
     _check_dtypes(named, descales)
-    _refuse_grad({**named, **descales})
+    _refuse_grad({**named, **descales, **variants.arrays()})
     infos = [replace(describe(x, name), dtype=FP8_DTYPE) for name, x in named.items()]
     call = check_inputs(
         *infos, None, layout=layout, scale=scale, spec=spec, causal=bool(causal),
-        dtypes=(FP8_DTYPE,),
+        variants=variants, dtypes=(FP8_DTYPE,),
     )  # fmt: skip
     batch, _, _, head_dim = call.q.shape
     named = spec is not None
-    if spec is None:
-        spec = fp8_default_spec(head_dim, causal)
+    if spec is None:  # (a GPU call without expressions asks the tuner instead)
+        spec = with_expressions(
+            fp8_default_spec(head_dim, causal, call.variants.flags), call.expressions
+        )
     checked = check_descales(descales, batch, call.k.shape[1], fp8=True)
     return Fp8Call(call, spec, checked, named)
 
@@ -148,23 +153,34 @@ def fp8_attention(
     layout: str,
     descales: dict[str, Any],
     unsupported: dict[str, Any],
+    variants: VariantArgs = NO_VARIANTS,
+    seqlens_k: Any = None,
 ) -> Any:
     """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
-    arguments by name, each of which must be absent). The checks (:func:`check_fp8_call`) run
-    before v is copied or anything is launched (descales of another dtype or layout are
-    converted first). Without a spec, a GPU call runs the autotuner's choice among the fp8
-    loops (:func:`kernelgen.tuning.select_launch`, under ``KERNELGEN_AUTOTUNE`` as every call;
-    off: :func:`~kernelgen.model.policy.fp8_default_spec`), a CPU call the default."""
+    arguments by name, each of which must be absent; ``variants``: its built-in variants' and
+    user expressions' arguments; ``seqlens_k``: one key length per batch entry, as for 16-bit
+    calls). The checks (:func:`check_fp8_call`) run before v is copied or anything is launched
+    (descales of another dtype or layout are converted first). Without a spec, a GPU call
+    without expressions runs the autotuner's choice among the fp8 loops
+    (:func:`kernelgen.tuning.select_launch`, under ``KERNELGEN_AUTOTUNE`` as every call; off:
+    :func:`~kernelgen.model.policy.fp8_default_spec`), others the default."""
     checked_call = check_fp8_call(
         q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse, layout=layout,
-        descales=descales, unsupported=unsupported,
+        descales=descales, unsupported=unsupported, variants=variants, seqlens_k=seqlens_k,
     )  # fmt: skip
     call, spec, checked = checked_call.call, checked_call.spec, checked_call.descales
     batch, heads, seqlen_q, _ = call.q.shape
     named = {"q": q, "k": k, "v": v}
+    check_expression_libraries(q, call.expressions)
     arrays = arrays_of(q)
-    device = common_device({**named, **checked})
+    device = common_device(
+        {**named, **checked, "seqlens_k": seqlens_k, **variants.arrays(),
+         **call.expressions.named_arrays()}
+    )  # fmt: skip
     with arrays.scope(device):
+        lengths = None  # int32 (B,) on the device (host lengths range-checked, then uploaded)
+        if seqlens_k is not None:
+            lengths = seqlens_k_array(seqlens_k, batch, call.k.shape[2], arrays)
         if arrays.host:  # the CPU backend: the same launch, run by the emulator
             kernel: Any = emulated_kernel(spec)
         else:
@@ -175,7 +191,9 @@ def fp8_attention(
                     "attention runs on compute capability 9.0 only (H100, H200: the wgmma "
                     "kernel), or on the CPU (CPU tensors: the emulator)"
                 )
-            if not checked_call.named:  # the tuner's loop (KERNELGEN_AUTOTUNE=0: the default)
+            # the tuner's loop (KERNELGEN_AUTOTUNE=0: the default); expressions are compiled
+            # per call, so their calls run the default, as 16-bit ones do
+            if not checked_call.named and not call.expressions.present:
                 spec = api.tuned_launch(call, bool(causal), arrays.name).spec
             check_fits_device(spec, device)
             kernel = api.runtime_kernel(spec)
@@ -187,19 +205,23 @@ def fp8_attention(
         q_bytes, k_bytes, v_bytes = (_bytes(x) for x in (q, k, v))
         if layout == "bshd":  # v_operand takes (B, Hkv, Sk, D): a view, no copy
             v_bytes = v_bytes.swapaxes(1, 2)
-        v_t = v_operand(v_bytes)  # on v's device, in v's library
+        v_t = v_operand(v_bytes, lengths)  # on v's device, in v's library
         tensors = {
             "q": launch_arg(arrays, q_bytes),
             "k": launch_arg(arrays, k_bytes),
             "v": launch_arg(arrays, v_t),
             **{name: launch_arg(arrays, x) for name, x in checked.items()},
+            **call.variants.tensors(arrays),
+            **call.expressions.tensors(arrays),
         }
+        if lengths is not None:
+            tensors["seqlens_k"] = launch_arg(arrays, lengths)
         call_plan = CallPlan(
             launch, out_shape, _bfloat16(arrays), (batch, heads, seqlen_q), call.k.shape[2],
             arrays, device,
         )  # fmt: skip
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
-        del v_t, checked  # freed in stream order once the launch is queued
+        del v_t, checked, lengths  # freed in stream order once the launch is queued
     return (out, lse) if return_lse else out
 
 

@@ -61,9 +61,10 @@ def attention(
         descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
         return fp8_attention(
             q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
-            layout=layout, descales=descales,
-            unsupported={"mask": mask, "seqlens_k": seqlens_k, "num_splits": num_splits,
-                         **variants.keywords(), "deterministic": deterministic or None},
+            layout=layout, descales=descales, seqlens_k=seqlens_k,
+            variants=replace(variants, block_mask=None),
+            unsupported={"mask": mask, "num_splits": num_splits, "block_mask": block_mask,
+                         "deterministic": deterministic or None},
         )  # fmt: skip
     if (
         seqlens_k is None

@@ -252,7 +252,7 @@ def emulate(
     if loaded.fp8:  # e4m3 inputs with descales, against the stated fp8 bound
         from kernelgen.cli.emulate_fp8 import emulate_fp8
 
-        emulate_fp8(loaded, dims, seed)
+        emulate_fp8(loaded, dims, seed, {**variants, **expressions}, hooks)
         return
     q, k, v = _random_inputs(loaded, dims, seed)
     rows: list[Row] = []

@@ -5,6 +5,8 @@ checked against the float64 attention of the quantized inputs within the stated 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kernelgen.cli.console import fail, out_console
@@ -45,10 +47,24 @@ def random_fp8_inputs(
     return bits, descales
 
 
-def emulate_fp8(spec: KernelSpec, dims: tuple[int, ...], seed: int) -> None:
-    """Run the fp8 spec on random e4m3 inputs with descales; print the table (the error over
-    its per-element bound, the relative error, the lse, NaN, hazards, the TMA bytes and key
-    tiles); exit 1 on a failed check or launch, 2 (one line) on input the spec cannot run."""
+def emulate_fp8(
+    spec: KernelSpec,
+    dims: tuple[int, ...],
+    seed: int,
+    variants: dict[str, Any] | None = None,
+    hooks: dict[str, Any] | None = None,
+) -> None:
+    """Run the fp8 spec on random e4m3 inputs with descales and ``variants`` (attention()'s
+    arguments for the spec's variants and user expressions: kernelgen.cli.emulate's
+    variant_values and expression_values, whose float64 hooks are ``hooks``); print the table
+    (the error over its per-element bound, the relative error, the lse, NaN, hazards, the TMA
+    bytes and key tiles); exit 1 on a failed check or launch, 2 (one line) on input the spec
+    cannot run."""
+    variants = variants or {}
+    reference_variants = {
+        **{n: x for n, x in variants.items() if n not in ("score_mod", "mask_mod", "mod_inputs")},
+        **(hooks or {}),
+    }
     from kernelgen.calls.emulated import emulate_fp8_attention
     from kernelgen.references.attention import LSE_TOLERANCE, relative_error
     from kernelgen.references.fp8 import FP8_TOLERANCE, fp8_reference
@@ -56,7 +72,9 @@ def emulate_fp8(spec: KernelSpec, dims: tuple[int, ...], seed: int) -> None:
     bits, descales = random_fp8_inputs(dims, spec.head_dim, seed)
     scale = spec.head_dim**-0.5
     try:
-        run = emulate_fp8_attention(spec, bits["q"], bits["k"], bits["v"], scale=scale, **descales)
+        run = emulate_fp8_attention(
+            spec, bits["q"], bits["k"], bits["v"], scale=scale, **descales, **variants
+        )
     except HazardError as exc:
         out_console.print(table(spec, dims, [Row("hazards (race check)", "1", "0", False)]))
         raise fail([f"hazard: {exc.message}"], 1) from None
@@ -65,7 +83,7 @@ def emulate_fp8(spec: KernelSpec, dims: tuple[int, ...], seed: int) -> None:
     except KernelgenError as exc:  # the shape does not fit the spec, e.g. a grid limit
         raise fail(str(exc).splitlines()[:1]) from None
     ref = fp8_reference(bits["q"], bits["k"], bits["v"], descales, causal=spec.causal,
-                        scale=scale)  # fmt: skip
+                        scale=scale, **reference_variants)  # fmt: skip
     ratio = ref.bound_ratio(run.out)
     error = relative_error(run.out, ref.out)
     seen = np.isfinite(ref.lse)

@@ -140,20 +140,20 @@ def default_spec(
     ``additive_mask``: the call has a mask (a kernel that reads one; its tiles from
     :data:`MASKED_WIDE_TILES`). ``expressions``: the caller adds user expressions to the spec
     (their kernels take :data:`RICH_WIDE_TILES`, as do those with ``variants``).
-    ``dtype="float8_e4m3"``: :func:`fp8_default_spec`, the plain-loop fp8 kernel (it has none of
-    the options above; asking for one raises InputError).
+    ``dtype="float8_e4m3"``: :func:`fp8_default_spec`, the plain-loop fp8 kernel with
+    ``variants`` (``expressions`` changes nothing: the caller adds them; a decode form, split-KV,
+    a paged cache or a mask raises InputError).
     """
     if dtype == FP8_DTYPE:
         options = {"decode_rows": decode_rows, "split_kv": split_kv, "paged_kv": paged_kv,
-                   "variants": variants, "additive_mask": additive_mask,
-                   "expressions": expressions}  # fmt: skip
+                   "additive_mask": additive_mask}  # fmt: skip
         for name, value in options.items():
             if value not in (None, False, ()):
                 raise InputError(
                     f"{name}={value!r} is not allowed with dtype={FP8_DTYPE!r}; the fp8 kernel "
-                    "is the plain prefill forward (docs/hopper.md, fp8)"
+                    "is the prefill forward (docs/hopper.md, fp8)"
                 )
-        return fp8_default_spec(head_dim, causal)
+        return fp8_default_spec(head_dim, causal, variants)
     dtype = normalize_dtype(dtype)
     archs = (arch,) if arch in ARCHS else ("sm_80", "sm_90")
     decode = decode_rows is not None
@@ -263,13 +263,14 @@ def hopper_default_spec(
         return None
 
 
-def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
+def fp8_default_spec(head_dim: int, causal: bool, variants: tuple[str, ...] = ()) -> KernelSpec:
     """The untuned spec of an fp8 (e4m3) call without one: the plain-loop wgmma forward at the
     head dim's first key tile of :data:`~kernelgen.specs.forward.FP8_BLOCK_N_BY_HEAD_DIM`
     (specs/v2_wg_e4m3_d{64,128,256}_m128_n*_s2.yaml and causal twins; d96 and d192, which ship
     no spec file: 128-key tiles, the model's best at d192), for calls on the CPU
     backend and with ``KERNELGEN_AUTOTUNE=0``; a GPU call otherwise runs the tuner's choice
-    among the fp8 loops (docs/autotuning.md). Raises InputError for a head dim other than
+    among the fp8 loops (docs/autotuning.md). ``variants``: the built-in variants (spec flags,
+    e.g. ``("window", "softcap")``) to compile in. Raises InputError for a head dim other than
     :data:`~kernelgen.specs.forward.FP8_HEAD_DIMS`."""
     if head_dim not in FP8_HEAD_DIMS:
         raise InputError(
@@ -286,6 +287,7 @@ def fp8_default_spec(head_dim: int, causal: bool) -> KernelSpec:
         stages=2,
         causal=bool(causal),
         archs=WGMMA_ARCHS,
+        **{name: True for name in variants},
     )
 
 

@@ -15,9 +15,12 @@ sums' terms beside out and lse; :func:`bound_ratio` is the largest error over it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from kernelgen.references.attention import Variants, _prepare, _softmax_parts, _with_sinks
 
 P_RELATIVE = 2.0**-4  # e4m3 rounding of a normal weight: 3 mantissa bits
 P_ABSOLUTE = 2.0**-18  # half the e4m3 subnormal spacing (2^-10), over the maximum's weight 256
@@ -68,10 +71,19 @@ def fp8_reference(
     *,
     causal: bool,
     scale: float,
+    seqlens_k: np.ndarray | list[int] | None = None,
+    **variants: Any,
 ) -> Fp8Reference:
     """Attention of e4m3 bit patterns q (B, H, Sq, D), k and v (B, Hkv, Sk, D) (uint8) with
-    ``descales`` (name -> (B, Hkv) or None: 1), in float64; causal aligned bottom right."""
+    ``descales`` (name -> (B, Hkv) or None: 1), in float64; causal aligned bottom right.
+    ``seqlens_k``: entry b sees its first ``seqlens_k[b]`` keys only (clamped to [0, Sk];
+    causal and ALiBi aligned to that length); ``variants``: those of
+    :func:`kernelgen.references.attention.naive_attention` (window_size, softcap, alibi_slopes,
+    sinks, and the score_mod / mask_mod hooks, called with the true batch index), applied to
+    the descaled scores. A sink is a key of value 0: it joins l (so the
+    bound's terms) and the lse; the bound's absolute term sums the visible keys' |v|."""
     heads, kv_heads = q.shape[1], k.shape[1]
+    batch, seqlen_k = k.shape[0], k.shape[2]
     group = heads // kv_heads
     ones = np.ones(k.shape[:2])
 
@@ -83,21 +95,47 @@ def fp8_reference(
     qf = decode(q) * per_head("q_descale")
     kf = np.repeat(decode(k), group, axis=1) * per_head("k_descale")
     vf = np.repeat(decode(v), group, axis=1) * per_head("v_descale")
-    s = qf @ kf.transpose(0, 1, 3, 2) * scale
-    sq, sk = s.shape[2:]
-    if causal:
-        visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
-        s = np.where(visible, s, -np.inf)
-    peak = s.max(-1, keepdims=True)
-    peak = np.where(np.isfinite(peak), peak, 0.0)  # a row that sees no key: out 0, lse -inf
-    p = np.exp(s - peak)
-    total = p.sum(-1, keepdims=True)
-    l = np.where(total > 0, total, 1.0)  # noqa: E741
-    with np.errstate(divide="ignore"):
-        lse = (peak + np.log(total))[..., 0]
-    return Fp8Reference(
-        out=p @ vf / l,
-        lse=lse,
-        weighted=p @ np.abs(vf) / l,
-        total=np.where(total > 0, np.abs(vf).sum(-2, keepdims=True) / l, 0.0),
+    slopes = variants.pop("alibi_slopes", None)
+    if slopes is not None:
+        slopes = np.broadcast_to(np.asarray(slopes, np.float64), (batch, heads))
+    parts = []
+    for b in range(batch):
+        keys = seqlen_k if seqlens_k is None else int(np.clip(seqlens_k[b], 0, seqlen_k))
+        entry = _batch_hooks(variants, b)
+        if slopes is not None:
+            entry["alibi_slopes"] = slopes[b : b + 1]
+        parts.append(_entry(qf[b : b + 1], kf[b : b + 1, :, :keys], vf[b : b + 1, :, :keys],
+                            causal, scale, entry))  # fmt: skip
+    out, lse, weighted, total = (np.concatenate(x) for x in zip(*parts, strict=True))
+    return Fp8Reference(out=out, lse=lse, weighted=weighted, total=total)
+
+
+def _batch_hooks(variants: dict[str, Any], entry: int) -> dict[str, Any]:
+    """``variants`` for batch entry ``entry`` run as a batch of one: the hooks get b + entry."""
+    hooked = dict(variants)
+    score_mod, mask_mod = variants.get("score_mod"), variants.get("mask_mod")
+    if score_mod is not None:
+        hooked["score_mod"] = lambda s, b, h, q, k: score_mod(s, b + entry, h, q, k)
+    if mask_mod is not None:
+        hooked["mask_mod"] = lambda b, h, q, k: mask_mod(b + entry, h, q, k)
+    return hooked
+
+
+def _entry(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float, variants: dict
+) -> tuple[np.ndarray, ...]:
+    """(out, lse, weighted, total) of one batch entry's descaled float64 inputs (K/V expanded
+    to the query heads, cut to the entry's keys)."""
+    keys = k.shape[2]
+    problem = _prepare(q, k, v, causal, scale, None, Variants(**variants))
+    s = _with_sinks(problem.scores(0, q.shape[2], 0, keys), problem.variants.sinks)
+    p, l, seen, lse = _softmax_parts(s)  # noqa: E741  (l: 1 where no key or sink is seen)
+    p = p[..., :keys]  # the keys' weights (a sink's value is 0)
+    visible = np.isfinite(s[..., :keys]).astype(np.float64)
+    l = l[..., None]  # noqa: E741
+    return (
+        np.where(seen[..., None], p @ v / l, 0.0),
+        lse,
+        p @ np.abs(v) / l,
+        visible @ np.abs(v) / l,
     )

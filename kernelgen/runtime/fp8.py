@@ -55,11 +55,15 @@ def v_operand_layout(
     return shape, (kv_heads * head_dim * padded, head_dim * padded, padded, 1)
 
 
-def v_operand(v: Any) -> Any:
+def v_operand(v: Any, seqlens_k: Any = None) -> Any:
     """The V^T copy an fp8 kernel reads: v (B, Hkv, Sk, D) of bytes (e4m3 bit patterns as
     uint8; any strides) -> (B, Hkv, D, Sk rounded up to 16), keys permuted by
     :func:`key_permutation`, zeros past Sk, contiguous, in v's library (NumPy, CuPy or torch)
-    and on its device: one read of v and one scattered write of the copy (no other pass)."""
+    and on its device: one read of v and one scattered write of the copy. ``seqlens_k``
+    ((B,) integers, host or of v's library and device; None: Sk): entry b's keys from
+    ``seqlens_k[b]`` on are zeroed too (one more pass over the copy), since a cache's rows past
+    an entry's length may hold anything, NaN included, and the kernel's zero weights would not
+    hide them (0 * NaN = NaN); lengths outside [0, Sk] act as the kernels' clamp to it."""
     if len(v.shape) != 4 or dtype_name(v.dtype) != "uint8":
         raise InputError(
             f"v has shape {tuple(v.shape)} and dtype {dtype_name(v.dtype)}; expected "
@@ -75,6 +79,11 @@ def v_operand(v: Any) -> Any:
     rows[:, :, ops.index(slots[:keys])] = v
     if padded > keys:  # the padding keys: zero weights meet zero values
         rows[:, :, ops.index(slots[keys:])] = 0
+    if seqlens_k is not None:  # bytes times 0 or 1: NaN patterns past a length become +0
+        slot_keys = ops.index(key_permutation(padded))  # the key each slot holds
+        lengths = ops.int64(seqlens_k)  # in v's library, on its device (host lengths too)
+        kept = slot_keys[None, :] < lengths[:, None]  # (B, padded): a key of its entry
+        v_t *= kept[:, None, None, :]
     return v_t
 
 

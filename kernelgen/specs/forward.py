@@ -806,16 +806,15 @@ class KernelSpec(BaseModel):
                 f"{self.head_dim} (not built yet: the bf16 rows it stages are wider than the "
                 "64-byte Q rows); use epilogue: direct"
             )
-        flags = (
-            "pack_gqa", "split_kv", "paged_kv", "block_sparse",
-            *VARIANT_FLAGS,
-        )  # fmt: skip
-        for field in (*flags, *EXPRESSION_FIELDS):
+        # The built-in variants and user expressions are allowed (both act on the descaled
+        # scores); the decode forms and block-sparse are not.
+        for field in ("pack_gqa", "split_kv", "paged_kv", "block_sparse"):
             value = getattr(self, field)
             if value not in (False, None):
                 problems.append(
                     f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} (not built "
-                    "yet: fp8 runs the prefill loops, causal or not; no decode forms or variants)"
+                    "yet: fp8 runs the prefill loops, causal or not, with the variants and user "
+                    "expressions; no decode forms or block-sparse)"
                 )
         return problems
 

@@ -87,7 +87,7 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
             arch=device.target_arch,
         )
     if problem.fp8:
-        return fp8_default_spec(problem.head_dim, problem.causal)
+        return fp8_default_spec(problem.head_dim, problem.causal, problem.variants)
     prefill = decode_rows(problem) is None and not problem.mask and problem.page_size == 0
     if prefill and device.target_arch == HOPPER_DEVICE_ARCH:
         hopper = hopper_default_spec(

@@ -4,9 +4,10 @@ CuPy has no fp8 dtype, so the inputs are torch tensors on the GPU (torch draws t
 them to e4m3), and the kernels get their bytes by raw pointer, as an fp8 call passes them
 (:mod:`kernelgen.calls.fp8`): q and k in place, v as the V^T copy an fp8 call makes
 (:func:`kernelgen.runtime.fp8.v_operand`, made once per input set, outside the timed region:
-every candidate reads the same copy, so it would add the same time to each), and the three
-descales. Launches go to torch's current stream (CuPy's while the bench's scope is entered);
-the events and the timing loop are :class:`kernelgen.tuning.gpu.EventBench`'s.
+every candidate reads the same copy, so it would add the same time to each), the three
+descales, and the problem's variants with :func:`kernelgen.tuning.gpu.bench_variants`' values
+(a record serves every value). Launches go to torch's current stream (CuPy's while the bench's
+scope is entered); the events and the timing loop are :class:`kernelgen.tuning.gpu.EventBench`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from kernelgen.errors import ToolchainMissingError
 from kernelgen.runtime.fp8 import DESCALES, v_operand, v_operand_layout
 from kernelgen.runtime.frameworks import arrays_of, device_of, launch_arg
 from kernelgen.specs.forward import KernelSpec
-from kernelgen.tuning.gpu import EventBench, require_device, set_count
+from kernelgen.tuning.gpu import (
+    EventBench,
+    bench_variants,
+    require_device,
+    set_count,
+    variant_scalars,
+)
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc
 
 TORCH_DEVICE = "cuda"  # where the inputs live (the emulated test runs the bench on "cpu")
@@ -92,18 +99,28 @@ class Fp8Bench(EventBench):
                  "lse": empty(q_shape[:3], torch.float32)}  # fmt: skip
             s["v_t"] = v_operand(s["v"].view(torch.uint8))
             self.sets.append(s)
+        self.variants = bench_variants(p)  # host values; the slopes and sinks also on the GPU
+        self.variant_arrays = {
+            name: torch.from_numpy(self.variants[name]).to(TORCH_DEVICE)
+            for name in ("alibi_slopes", "sinks")
+            if name in self.variants
+        }
         self.arrays = arrays_of(self.sets[0]["q"])
         self.device_index = device_of(self.sets[0]["q"])
         self.tensors = [self._arguments(s) for s in self.sets]
         # the kernels read V^T: its (batch, kv head, head-dim row) strides
-        self.launch_problem = dataclasses.replace(launch_problem(p), v_strides=v_strides[:3])
+        scalars = variant_scalars(self.variants)
+        self.launch_problem = dataclasses.replace(
+            launch_problem(p), v_strides=v_strides[:3], variant_scalars=scalars
+        )
         self.launches: dict[KernelSpec, Any] = {}  # spec -> its PreparedLaunch
 
     def _arguments(self, s: dict[str, Any]) -> dict[str, Any]:
         """A set's kernel arguments by parameter name: q and k as their e4m3 bytes, V^T as v."""
         uint8 = self.torch.uint8
         tensors = {"q": s["q"].view(uint8), "k": s["k"].view(uint8), "v": s["v_t"],
-                   "out": s["out"], "lse": s["lse"], **{n: s[n] for n in DESCALES}}  # fmt: skip
+                   "out": s["out"], "lse": s["lse"], **{n: s[n] for n in DESCALES},
+                   **self.variant_arrays}  # fmt: skip
         return {name: launch_arg(self.arrays, x) for name, x in tensors.items()}
 
     def _launch(self, spec: Any, index: int, num_splits: int | None = None) -> None:
@@ -167,7 +184,9 @@ class Fp8Bench(EventBench):
             {name: host(s[name][:1, :1]) for name in DESCALES},
             causal=p.causal,
             scale=self.scale,
-        )
+            **{name: x[:group] if name in ("alibi_slopes", "sinks") else x
+               for name, x in self.variants.items()},
+        )  # fmt: skip
         error = relative_error(host(s["out"][:1, :group, first:].float()), reference.out)
         if error > FP8_TOLERANCE:
             return f"relative error {error:.2e} > {FP8_TOLERANCE:.2e} against float64 (fp8)"

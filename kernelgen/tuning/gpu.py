@@ -350,12 +350,18 @@ def backward_launch_problem(problem: ProblemDesc, variants: dict[str, Any]) -> P
         for tensor, values in strides.items()
         for i, axis in enumerate("bhs")
     )
+    return dataclasses.replace(base, variant_scalars=variant_scalars(variants), extra_scalars=extra)
+
+
+def variant_scalars(variants: dict[str, Any]) -> tuple[tuple[str, int | float], ...]:
+    """The scalar kernel arguments of :func:`bench_variants`' values (ALiBi's (H,) slopes have
+    batch stride 0, render.VARIANT_OFF's value)."""
     scalars: list[tuple[str, int | float]] = []
     if "window_size" in variants:  # bench_variants' window is bounded on both sides already
         scalars += zip(("window_left", "window_right"), variants["window_size"], strict=True)
     if "softcap" in variants:
         scalars.append(("softcap", variants["softcap"]))
-    return dataclasses.replace(base, variant_scalars=tuple(scalars), extra_scalars=extra)
+    return tuple(scalars)
 
 
 def backward_functions(cupy: Any, spec: BackwardSpec, cubin: Path | None) -> dict[str, Any]:
