@@ -243,8 +243,18 @@ class CupyBench(EventBench):
             mask = state.standard_normal((p.seqlen_q, p.seqlen_k), dtype=cupy.float32)
             for s in self.sets:
                 s["mask"] = mask
+        # the built-in variants' run-time values, as the backward bench's: a kernel with sinks
+        # or ALiBi reads its per-head arrays, and one with a soft cap divides by it
+        self.variants = bench_variants(p)
+        for name in ("alibi_slopes", "sinks"):
+            if name in self.variants:
+                values = cupy.asarray(self.variants[name])
+                for s in self.sets:
+                    s[name] = values
         self.scale = 1.0 / math.sqrt(p.head_dim)
-        self.launch_problem = launch_problem(p)
+        self.launch_problem = dataclasses.replace(
+            launch_problem(p), variant_scalars=variant_scalars(self.variants)
+        )
 
     def _launch(self, spec: KernelSpec, index: int, num_splits: int | None = None) -> None:
         from kernelgen.runtime.launch import runtime_kernel
@@ -293,17 +303,47 @@ class CupyBench(EventBench):
         pages = s[name][s["block_table"][b]]  # (pages, page_size, Hkv, D)
         return pages.reshape(-1, p.num_kv_heads, p.head_dim)[: p.seqlen_k, kv_head]
 
+    def reference_slice(self) -> np.ndarray:
+        """float64 out (kernelgen.references.attention) of the check's slice of set 0 with the
+        variants' values: batch entry 0, the query heads of K/V head 0 and their last
+        :func:`check_rows` rows, every key (the variants' semantics are the reference's)."""
+        from kernelgen.references.attention import naive_attention
+
+        p, s = self.problem, self.sets[0]
+        group, first = p.gqa_ratio, p.seqlen_q - check_rows(p)
+        options = slice_options(self.variants, group)
+        if p.mask:
+            options["mask"] = host_float64(self.cupy, s["mask"][first:])
+        out, _ = naive_attention(
+            host_float64(self.cupy, s["q"][:1, :group, first:]),
+            host_float64(self.cupy, self._rows(s, "k", 0, 0)[None, None]),
+            host_float64(self.cupy, self._rows(s, "v", 0, 0)[None, None]),
+            causal=p.causal,
+            scale=self.scale,
+            **options,
+        )
+        return out
+
     def check(self, spec: KernelSpec, num_splits: int | None = None) -> str | None:
-        cp = self.cupy
+        """None when the spec's out on set 0 is finite and matches: against the float32 GPU
+        reference (every row), or with variants against float64 on the check's slice."""
+        from kernelgen.references.attention import relative_error
+
+        cp, p = self.cupy, self.problem
         s = self.sets[0]
         nan_fill(cp, s["out"])  # poison, so unwritten rows show up
         self._launch(spec, 0, num_splits)
-        ref = self.reference(s)
         got = as_float32(cp, s["out"])
         if not bool(cp.isfinite(got).all()):
             return "NaN or inf in the output"
+        limit = TOLERANCE[p.dtype]
+        if p.variants:
+            first = p.seqlen_q - check_rows(p)
+            part = cp.asnumpy(got[:1, : p.gqa_ratio, first:])
+            err = relative_error(part, self.reference_slice())
+            return None if err <= limit else f"relative error {err:.2e} > {limit:.0e} (float64)"
+        ref = self.reference(s)
         err = float(cp.linalg.norm(got - ref) / max(float(cp.linalg.norm(ref)), 1e-30))
-        limit = TOLERANCE[self.problem.dtype]
         return None if err <= limit else f"relative error {err:.2e} > {limit:.0e}"
 
 
@@ -318,7 +358,7 @@ BENCH_SINK = 0.5
 
 
 def bench_variants(problem: ProblemDesc) -> dict[str, Any]:
-    """The variants' run-time values the backward bench runs a problem with, as
+    """The variants' run-time values the benches (forward, backward, fp8) run a problem with, as
     attention_backward's keyword arguments (host arrays): a window of a quarter of the keys on
     each side (none to the right when causal), a soft cap, the usual ALiBi slopes
     2^(-8 h / H) and sinks."""
@@ -334,6 +374,29 @@ def bench_variants(problem: ProblemDesc) -> dict[str, Any]:
     if "sinks" in p.variants:
         values["sinks"] = np.full(p.num_heads, BENCH_SINK, np.float32)
     return values
+
+
+def check_rows(problem: ProblemDesc) -> int:
+    """Query rows of a bench check's float64 slice (all of them when the slice is small)."""
+    p = problem
+    return min(p.seqlen_q, max(1, CHECK_SCORES // (p.gqa_ratio * p.seqlen_k)))
+
+
+def slice_options(variants: dict[str, Any], group: int) -> dict[str, Any]:
+    """:func:`bench_variants`' values for the float64 reference of a check's slice, whose
+    query heads are the ``group`` of K/V head 0."""
+    options = {k: v for k, v in variants.items() if k in ("window_size", "softcap")}
+    options.update({k: variants[k][:group] for k in ("alibi_slopes", "sinks") if k in variants})
+    return options
+
+
+def host_float64(cupy: Any, array: Any) -> np.ndarray:
+    """A (slice of a) device array as float64 on the host (bfloat16 moved as its bits: no
+    bfloat16 copy kernel needed)."""
+    if str(array.dtype) == "bfloat16":
+        bits = cupy.asnumpy(cupy.ascontiguousarray(array.view(cupy.uint16)))
+        return as_float32(np, bits.view(array.dtype)).astype(np.float64)
+    return np.asarray(cupy.asnumpy(array), dtype=np.float64)
 
 
 def backward_launch_problem(problem: ProblemDesc, variants: dict[str, Any]) -> Problem:
@@ -450,9 +513,8 @@ class BackwardBench(EventBench):
 
     @property
     def check_rows(self) -> int:
-        """Query rows of the check's float64 slice (all of them when the slice is small)."""
-        p = self.problem
-        return min(p.seqlen_q, max(1, CHECK_SCORES // (p.gqa_ratio * p.seqlen_k)))
+        """Query rows of the check's float64 slice (:func:`check_rows`)."""
+        return check_rows(self.problem)
 
     def compile(self, spec: AnySpec) -> None:
         """Load the spec's kernels from the pruning step's cubin (built for this device's
@@ -487,13 +549,7 @@ class BackwardBench(EventBench):
             function(grid, block, args, shared_mem=shared_mem)
 
     def _host(self, array: Any) -> np.ndarray:
-        """A (slice of a) device array as float64 on the host (bfloat16 moved as its bits: no
-        bfloat16 copy kernel needed)."""
-        cp = self.cupy
-        if str(array.dtype) == "bfloat16":
-            bits = cp.asnumpy(cp.ascontiguousarray(array.view(cp.uint16)))
-            return as_float32(np, bits.view(array.dtype)).astype(np.float64)
-        return np.asarray(cp.asnumpy(array), dtype=np.float64)
+        return host_float64(self.cupy, array)
 
     def reference_slice(self) -> Any:
         """float64 gradients (kernelgen.references.attention) of the check's slice of set 0: batch
@@ -505,11 +561,7 @@ class BackwardBench(EventBench):
             p, s, rows = self.problem, self.sets[0], self.check_rows
             group, first = p.gqa_ratio, p.seqlen_q - rows
             options: dict[str, Any] = {
-                "causal": p.causal,
-                "scale": self.scale,
-                **{k: v for k, v in self.variants.items() if k in ("window_size", "softcap")},
-                **{k: self.variants[k][:group] for k in ("alibi_slopes", "sinks")
-                   if k in self.variants},
+                "causal": p.causal, "scale": self.scale, **slice_options(self.variants, group)
             }  # fmt: skip
             if p.mask:
                 options["mask"] = self._host(s["mask"][first:])
