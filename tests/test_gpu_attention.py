@@ -440,6 +440,28 @@ def test_tuned_attention_is_correct(case, dtype, head_dim, causal, monkeypatch, 
     assert list(tmp_path.rglob("*.json")), "the tuning record was not written"
 
 
+def test_tuned_attention_with_every_variant_is_correct(monkeypatch, tmp_path):
+    """attention() with every built-in variant and no spec tunes: the bench runs each
+    candidate with the variants' values (the per-head sinks and slopes once went to the kernels
+    as null pointers) and checks it against float64; the winner is correct with the call's."""
+    import kernelgen.tuning
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "1")
+    kernelgen.tuning.clear_memo()
+    case = Case(2, 4, 2, 300, 333)
+    flags = ("window", "softcap", "alibi", "sinks")
+    variants = example_variants(flags, case.batch, case.heads, 11, window=(100, 7))
+    data = make_case(case, "bfloat16", 128, True, 11, variants)
+    q, k, v = (device_array(getattr(data, n), "bfloat16", "bhsd") for n in "qkv")
+    out, lse = kernelgen.attention(
+        q, k, v, causal=True, return_lse=True, **device_variants(variants)
+    )
+    assert_matches(host_float32(out), lse.get(), data, "bfloat16")
+    (record,) = [r for _, r in kernelgen.tuning.TuningDB(tmp_path).records()]
+    assert record is not None and record.winner.get("sinks") and record.winner.get("alibi")
+
+
 # ---- split-KV decode -----------------------------------------------------------------------
 
 SPLIT_PATHS = [p for p in SPEC_PATHS if load_spec(p).split_kv]
