@@ -53,17 +53,15 @@ WARP_MEMORY_BYTES = 512  # bytes one warp-wide LDSM.x4 or LDGSTS.128 moves throu
 # What makes a key tile take the interior path in the tensor-core template, and what the
 # interior variant writes instead: no key hidden and no mask (scores stay raw), and a full K/V
 # tile to copy (no bounds test). interior_source() checks each appears exactly once.
+# the exact-path test of fwd_tc_schedule.cuh.j2's score_paths, which both engines render
+_EXACT_TEST = {
+    "mask_mod_tile || tile >= first_exact || (WINDOW && tile < interior_begin) || "
+    "has_mask;": "false;"
+}
 INTERIOR = {
-    "mma_sync": {
-        "mask_mod_tile || tile >= first_exact || (WINDOW && tile < interior_begin) || "
-        "has_mask;": "false;",
-        "if (key0 + BLOCK_N <= num_keys) {": "if (true) {",
-    },
+    "mma_sync": {**_EXACT_TEST, "if (key0 + BLOCK_N <= num_keys) {": "if (true) {"},
     # TMA copies have no bounds test (the copy engine zero-fills); only the scores' path differs
-    "wgmma": {
-        "mask_mod_tile || tile >= first_exact || (WINDOW && tile < interior_begin) || "
-        "has_mask;": "false;"
-    },
+    "wgmma": _EXACT_TEST,
 }
 # Instruction classes shown per unit: the tensor and memory instructions, the softmax's float
 # work, and the rest (integer, address, control).
