@@ -10,11 +10,11 @@ import pytest
 
 import kernelgen
 from kernelgen.calls.attention import (
-    _seqlens_k_array,
     check_inputs,
     check_num_splits,
     default_spec,
     describe,
+    seqlens_k_array,
 )
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.specs.forward import KernelSpec
@@ -203,7 +203,7 @@ def test_good_num_splits():
 )
 def test_bad_seqlens_k(value, error, match):
     with pytest.raises(error, match=match):
-        _seqlens_k_array(value, batch=3, max_keys=50)
+        seqlens_k_array(value, batch=3, max_keys=50)
 
 
 def test_bfloat16_crosses_dlpack_as_int16_where_a_library_refuses_it(monkeypatch):

@@ -537,7 +537,7 @@ def checked_plan(
     uploaded here)."""
     batch = call.q.shape[0]
     max_keys = call.k.shape[2]
-    seqlens = None if seqlens_k is None else _seqlens_k_array(seqlens_k, batch, max_keys, arrays)
+    seqlens = None if seqlens_k is None else seqlens_k_array(seqlens_k, batch, max_keys, arrays)
     page_size = paging.page_size if paging is not None else 0
     if spec is not None and spec.paged_kv != bool(paging):
         raise InputError(
@@ -632,7 +632,7 @@ class CallPlan:
         tensors = {name: arrays.launch_arg(x) for name, x in inputs.items() if x is not None}
         with arrays.scope(self.device):
             if is_host_sequence(lengths):
-                lengths = _seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k, arrays)
+                lengths = seqlens_k_array(lengths, self.lse_shape[0], self.max_seqlen_k, arrays)
                 tensors["seqlens_k"] = launch_arg(arrays, lengths)  # alive until launched
             elif lengths is not None:
                 tensors["seqlens_k"] = arrays.launch_arg(lengths)
@@ -835,7 +835,7 @@ def is_host_sequence(x: Any) -> bool:
     return isinstance(x, (list, tuple)) or module_of(x) == "numpy"
 
 
-def _seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int, arrays: Arrays = CupyArrays) -> Any:
+def seqlens_k_array(seqlens_k: Any, batch: int, max_keys: int, arrays: Arrays = CupyArrays) -> Any:
     """seqlens_k as a contiguous int32 array of shape (batch,) for ``arrays``' kernels (host
     values are checked and uploaded to the current device, on the current stream; refused
     while that stream captures a CUDA graph, which would replay the values of the capture)."""

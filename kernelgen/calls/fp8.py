@@ -33,8 +33,8 @@ from kernelgen.calls.attention import (
     common_device,
     describe,
     plan,
+    seqlens_k_array,
 )
-from kernelgen.calls.attention import _seqlens_k_array as seqlens_k_array
 from kernelgen.calls.expression_inputs import with_expressions
 from kernelgen.calls.variant_inputs import NO_VARIANTS, VariantArgs
 from kernelgen.errors import InputError, InputTypeError
