@@ -26,6 +26,8 @@ from test_emulated_fp8 import P_RELATIVE, fp8_spec, problem
 import kernelgen
 from kernelgen.calls.block_mask import BlockMask, block_mask_reference
 from kernelgen.calls.emulated import emulate_fp8_attention
+from kernelgen.calls.fp8 import check_fp8_call
+from kernelgen.calls.variant_inputs import VariantArgs
 from kernelgen.errors import EmulatorError, InputError
 from kernelgen.kernels.render import render
 from kernelgen.references.fp8 import Fp8Reference, fp8_reference
@@ -172,3 +174,24 @@ def test_block_mask_in_tiles_no_fp8_kernel_takes_is_refused(tiles, head_dim):
     text = str(info.value)
     assert f"{tiles[0]} x {tiles[1]}" in text and f"head_dim={head_dim}" in text
     assert "128 x 64" in text  # an allowed tile at every head dim
+
+
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_a_call_without_a_spec_runs_the_default_fp8_spec_in_the_masks_tiles(block_n):
+    """Every fp8 call with a block mask and no spec, on the CPU backend or a 9.0 device (calls
+    with expressions are not tuned), runs fp8_default_spec compiled with the mask_mod and made
+    block-sparse in the mask's tiles: in 128 x 128 tiles, the shipped spec's kernel."""
+    q, k, v, _ = problem(0, 2, 4, 2, 300, 300, descales=False)
+    inputs = {"doc": DOCS}
+    mask = block_mask_reference(SPEC.mask_mod, 2, 1, 300, 300, block_m=128, block_n=block_n,
+                                mod_inputs=inputs)  # fmt: skip
+    variants = VariantArgs(mask_mod=SPEC.mask_mod, mod_inputs=inputs, block_mask=mask)
+    checked = check_fp8_call(
+        *(x.view(ml_dtypes.float8_e4m3fn) for x in (q, k, v)), causal=True, scale=None,
+        spec=None, return_lse=True, layout="bhsd", descales={}, unsupported={},
+        variants=variants,
+    )  # fmt: skip
+    spec = checked.spec
+    assert not checked.named and spec.block_sparse and spec.fp8 and not spec.pingpong
+    assert (spec.block_m, spec.block_n, spec.mask_mod) == (128, block_n, SPEC.mask_mod)
+    assert (spec.uri == SPEC.uri) == (block_n == 128)
