@@ -195,3 +195,30 @@ def test_a_call_without_a_spec_runs_the_default_fp8_spec_in_the_masks_tiles(bloc
     assert not checked.named and spec.block_sparse and spec.fp8 and not spec.pingpong
     assert (spec.block_m, spec.block_n, spec.mask_mod) == (128, block_n, SPEC.mask_mod)
     assert (spec.uri == SPEC.uri) == (block_n == 128)
+
+
+def test_a_named_fp8_spec_takes_a_block_mask_of_its_own_tiles():
+    """block_m 64 is refused for a call without a spec (above) but taken by a named m64 fp8
+    spec of the mask's tiles (emulated once when written: every m64 loop within the bound on
+    the ping-pong case); a named spec of other tiles names both."""
+    q, k, v, _ = problem(0, 1, 2, 1, 300, 270, descales=False)
+    inputs = {"qdoc": np.zeros(300, np.int32), "kdoc": np.zeros(270, np.int32)}
+    mask = block_mask_reference(SPLIT_DOCS, 1, 1, 300, 270, block_m=64, block_n=64,
+                                mod_inputs=inputs)  # fmt: skip
+    variants = VariantArgs(mask_mod=SPLIT_DOCS, mod_inputs=inputs, block_mask=mask)
+    fields = {"mask_mod": SPLIT_DOCS, "mod_inputs": ["qdoc:int32[1]", "kdoc:int32[1]"],
+              "block_sparse": True}  # fmt: skip
+
+    def check(spec):
+        return check_fp8_call(
+            *(x.view(ml_dtypes.float8_e4m3fn) for x in (q, k, v)), causal=False, scale=None,
+            spec=spec, return_lse=True, layout="bhsd", descales={}, unsupported={},
+            variants=variants,
+        )  # fmt: skip
+
+    m64 = fp8_spec(block_m=64, block_n=64, **fields)
+    assert check(m64).spec == m64
+    with pytest.raises(InputError, match=r"block_mask has 64 x 64 tiles \(block_m x block_n\)"):
+        check(None)
+    with pytest.raises(InputError, match=r"block_mask has 64 x 64 tiles but spec .*block_m=128"):
+        check(fp8_spec(block_n=64, **fields))

@@ -142,9 +142,10 @@ def check_fp8_call(
         variants=variants, dtypes=(FP8_DTYPE,),
     )  # fmt: skip
     batch, _, _, head_dim = call.q.shape
-    check_block_mask_tiles(call.expressions.block_mask, head_dim)
     named = spec is not None
     if spec is None:  # (a GPU call without expressions asks the tuner instead)
+        # a named spec's tiles are checked against the mask's by check_inputs
+        check_block_mask_tiles(call.expressions.block_mask, head_dim)
         spec = with_expressions(
             fp8_default_spec(head_dim, causal, call.variants.flags), call.expressions
         )
@@ -237,10 +238,11 @@ def fp8_attention(
 
 
 def check_block_mask_tiles(block_mask: BlockMask | None, head_dim: int) -> None:
-    """A block mask of an fp8 call must be built in tiles an fp8 kernel takes: ``block_m``
-    :data:`FP8_BLOCK_M` and a ``block_n`` of the head dim's
+    """A block mask of an fp8 call without a spec must be built in tiles the default fp8
+    kernel takes: ``block_m`` :data:`FP8_BLOCK_M` and a ``block_n`` of the head dim's
     :data:`~kernelgen.specs.forward.FP8_BLOCK_N_BY_HEAD_DIM` (nothing rebuilds the mask);
-    otherwise :class:`InputError` names the mask's tiles and the allowed ones."""
+    otherwise :class:`InputError` names the mask's tiles and the allowed ones. (A named spec
+    takes a mask of its own tiles, block_m 64 included.)"""
     if block_mask is None or head_dim not in FP8_BLOCK_N_BY_HEAD_DIM:
         return  # (a head dim fp8 does not take: the spec's check names it)
     block_ns = FP8_BLOCK_N_BY_HEAD_DIM[head_dim]
