@@ -9,7 +9,9 @@ a causal document mask over 4 packed documents, run block-sparse from a block ma
 relative-position bias score_mod; bf16, head dim 128, 16 heads, batch * seqlen = 16384
 tokens) it times kernelgen.attention (the default spec with the variant's flags or
 expressions; the document mask on the mma.sync kernel, and as ``kernelgen-wg`` on a 9.0
-device on the Hopper wgmma kernel, docs/hopper.md "Block-sparse masks") against FlexAttention
+device on the Hopper wgmma kernel, docs/hopper.md "Block-sparse masks", and as
+``kernelgen-wg-fp8`` on its fp8 twin: the bf16 inputs rounded to e4m3 outside the timed region,
+checked against the reference of the rounded inputs within the fp8 tolerance) against FlexAttention
 (torch.nn.attention.flex_attention: a block mask for the window and the documents, a score_mod
 for softcap, ALiBi and the bias, the sink folded in from its lse) and, where the
 flash-attn package is installed, FlashAttention 2's own window_size / softcap / alibi_slopes.
@@ -40,7 +42,9 @@ WINDOW = 1024  # keys a query sees with the sliding window: itself and the 1023 
 SOFTCAP = 30.0
 SEQLENS = (4096, 16384)
 QUICK_SEQLENS = (4096,)
-PEERS = ("kernelgen", "flex", "flash-attn", "kernelgen-wg")
+PEERS = ("kernelgen", "flex", "flash-attn", "kernelgen-wg", "kernelgen-wg-fp8")
+FP8_PEER = "kernelgen-wg-fp8"  # takes the sets rounded to e4m3 (bench.gpu.quantize_sets)
+BF16 = "bfloat16"
 DOC_INPUTS = ("doc:int32[2]",)  # the document mask's mod_inputs, as a spec declares them
 
 
@@ -184,29 +188,58 @@ def kernelgen_wg_peer(env: Any, case: VariantCase) -> Callable[..., Any]:
     """The document mask's block-sparse run on the Hopper (wgmma) kernel: a block mask in the
     untuned Hopper tiles (kernelgen.model.policy.hopper_default_spec, 128 x 128 at head dim
     128), which a call on a 9.0 device runs with wgmma; the same spec, pinned."""
-    from kernelgen.model.policy import HOPPER_DEVICE_ARCH
-
-    if case.name != "document":
-        raise NotImplementedError("the wgmma twin times the block-sparse document mask only")
-    if env.arch != HOPPER_DEVICE_ARCH:
-        raise NotImplementedError(
-            f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {env.arch}"
-        )
+    _require_hopper_document(env, case, "the wgmma twin")
     args = variant_arguments(env, case)
     args["spec"] = wgmma_document_spec(case.shape.head_dim)
     args["block_mask"] = document_block_mask(env, case, args["spec"], args["mod_inputs"])
     return _attention_call(env, args)
 
 
-def wgmma_document_spec(head_dim: int) -> Any:
-    """The block-sparse document mask's wgmma spec: the untuned Hopper tiling with the mask
-    (at head dim 128, specs/v2_wg_bf16_d128_m128_n128_s2_causal_docmask_bsparse.yaml)."""
-    from kernelgen.model.policy import hopper_default_spec
+def kernelgen_wg_fp8_peer(
+    env: Any, case: VariantCase, sets: list[tuple[Any, Any, Any]]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The document mask's block-sparse run on the fp8 (e4m3) wgmma kernel
+    (specs/v2_wg_e4m3_d128_m128_n128_s2_causal_docmask_bsparse.yaml at head dim 128), pinned,
+    on each set's q, k and v rounded to e4m3 here, before any timing (bench.gpu.quantize_sets;
+    no descales), with a block mask in its tiles: (the call on a bf16 set, set 0 in e4m3, whose
+    reference the check takes)."""
+    from bench import gpu
+
+    _require_hopper_document(env, case, "the fp8 wgmma twin")
+    quantized = gpu.quantize_sets(env, sets)
+    args = variant_arguments(env, case)
+    args["spec"] = wgmma_document_spec(case.shape.head_dim, fp8=True)
+    args["block_mask"] = document_block_mask(env, case, args["spec"], args["mod_inputs"])
+    fp8_call = _attention_call(env, args)
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        return fp8_call(*quantized[id(q)])
+
+    return call, quantized[id(sets[0][0])]
+
+
+def _require_hopper_document(env: Any, case: VariantCase, what: str) -> None:
+    """The wgmma twins time the document mask on a 9.0 device only (NotImplementedError)."""
+    from kernelgen.model.policy import HOPPER_DEVICE_ARCH
+
+    if case.name != "document":
+        raise NotImplementedError(f"{what} times the block-sparse document mask only")
+    if env.arch != HOPPER_DEVICE_ARCH:
+        raise NotImplementedError(
+            f"wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {env.arch}"
+        )
+
+
+def wgmma_document_spec(head_dim: int, fp8: bool = False) -> Any:
+    """The block-sparse document mask's wgmma spec: the untuned Hopper tiling with the mask (at
+    head dim 128, specs/v2_wg_bf16_d128_m128_n128_s2_causal_docmask_bsparse.yaml), or with
+    ``fp8`` the fp8 default's (specs/v2_wg_e4m3_d128_m128_n128_s2_causal_docmask_bsparse.yaml)."""
+    from kernelgen.model.policy import fp8_default_spec, hopper_default_spec
     from kernelgen.specs.forward import KernelSpec
 
-    hopper = hopper_default_spec("bfloat16", head_dim, True)
+    tiles = fp8_default_spec(head_dim, True) if fp8 else hopper_default_spec(BF16, head_dim, True)
     sparse = {"mask_mod": DOC_MASK, "mod_inputs": DOC_INPUTS, "block_sparse": True}
-    return KernelSpec(**{**hopper.model_dump(), **sparse})
+    return KernelSpec(**{**tiles.model_dump(), **sparse})
 
 
 def document_block_mask(env: Any, case: VariantCase, spec: Any, mod_inputs: Any) -> Any:
@@ -319,16 +352,22 @@ def case_rows(env: Any, timer: Any, case: VariantCase) -> list[dict[str, Any]]:
     rows = []
     for peer in PEERS:
         fields: dict[str, Any] = {"variant": case.name}
+        peer_ref, peer_tol = ref, tol
         try:
-            call = MAKERS[peer](env, case)
+            if peer == FP8_PEER:  # checked against the reference of its e4m3 inputs
+                call, fp8_set = kernelgen_wg_fp8_peer(env, case, sets)
+                peer_ref = reference(env, case, *fp8_set)
+                peer_tol = metrics.tolerance("float8_e4m3")
+            else:
+                call = MAKERS[peer](env, case)
         except Exception as exc:  # not installed, or the variant is not supported
             reason = gpu.first_line(exc)
             rows.append(report.make_row(shape, peer, report.UNAVAILABLE, **fields, reason=reason))
             continue
         try:
-            err, bad = gpu.relative_error(env, call(*sets[0]), ref)
-            fields.update(rel_err=err, tol=tol)
-            if err is None or err >= tol:
+            err, bad = gpu.relative_error(env, call(*sets[0]), peer_ref)
+            fields.update(rel_err=err, tol=peer_tol)
+            if err is None or err >= peer_tol:
                 why = f"{bad} non-finite" if err is None else f"rel. error {err:.3g}"
                 rows.append(report.make_row(shape, peer, report.WRONG, **fields, reason=why))
                 continue

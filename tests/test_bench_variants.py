@@ -55,7 +55,7 @@ def test_list_needs_no_gpu(capsys):
     assert variants.main(["--list", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "window-bf16-d128-s4096-causal" in out
-    assert "peers: kernelgen, flex, flash-attn, kernelgen-wg" in out
+    assert "peers: kernelgen, flex, flash-attn, kernelgen-wg, kernelgen-wg-fp8" in out
 
 
 def test_run_without_gpu_is_one_line(tmp_path, capsys, monkeypatch):
@@ -88,3 +88,20 @@ def test_the_wgmma_twin_times_the_shipped_block_sparse_spec_on_9_0_devices_only(
         variants.kernelgen_wg_peer(SimpleNamespace(arch="sm_80"), document)
     with pytest.raises(NotImplementedError, match="document mask only"):
         variants.kernelgen_wg_peer(SimpleNamespace(arch="sm_90"), window)
+
+
+def test_the_fp8_wgmma_twin_times_the_shipped_fp8_block_sparse_spec_on_9_0_devices_only():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from kernelgen.specs.forward import load_spec
+
+    shipped = Path(__file__).parent.parent / "specs"
+    spec = load_spec(shipped / "v2_wg_e4m3_d128_m128_n128_s2_causal_docmask_bsparse.yaml")
+    assert variants.wgmma_document_spec(variants.HEAD_DIM, fp8=True) == spec
+    (document,) = variants.cases(True, ["document"])
+    (window,) = variants.cases(True, ["window"])
+    with pytest.raises(NotImplementedError, match=r"compute capability 9\.0 only"):
+        variants.kernelgen_wg_fp8_peer(SimpleNamespace(arch="sm_80"), document, [])
+    with pytest.raises(NotImplementedError, match="fp8 wgmma twin times the block-sparse"):
+        variants.kernelgen_wg_fp8_peer(SimpleNamespace(arch="sm_90"), window, [])

@@ -211,6 +211,20 @@ def test_an_fp8_spec_runs_within_its_bound_against_float64():
     assert "6 expected of 6" in out  # 3 heads x 2 key tiles, none skipped
 
 
+def test_the_fp8_block_sparse_spec_visits_the_listed_tiles():
+    """The shipped fp8 document-mask spec with example documents (3 per entry) and their block
+    mask: within the bound, and its TMA bytes count the listed tiles only (28 of the 40 that
+    the causal mask leaves in reach of 2 x 2 heads' 4 x 4 tiles; the emulate CLI used to pass
+    the block mask to the reference and count every tile)."""
+    spec = ROOT / "specs" / "v2_wg_e4m3_d128_m128_n128_s2_causal_docmask_bsparse.yaml"
+    result = run(spec, "--shape", "2,2,1,400,400", "--seed", 3)
+    assert result.exit_code == 0, result.output
+    assert "FAIL" not in result.output
+    assert float(_value(result.output, "out: max error / fp8 bound")) <= 1.0
+    assert _value(result.output, "key tiles visited") == "28"
+    assert "28 expected of 64" in result.output
+
+
 def test_an_fp8_kernel_without_its_v_descale_fails_the_bound(monkeypatch, fresh_kernels):
     """Mutation: the epilogue's v descale dropped (out off by the descale's factor)."""
     factor = "const float out_factor = v_descale ? v_descale[descale_index] : 1.f;"

@@ -282,3 +282,35 @@ def test_fp8_tuning_on_gpu(tmp_path, monkeypatch):
         assert np.isfinite(got).all() and bound_ratio(got, ref, a, b) <= 1.0
     finally:
         clear_memo()
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["shipped-spec", "default-spec"])
+def test_fp8_block_sparse_document_mask_on_gpu(named):
+    """kernelgen.attention on CUDA fp8 tensors with a causal document mask and its block mask
+    built on the device (tests/test_emulated_fp8_block_sparse.py's case: partly, fully and not
+    visible tiles, GQA): the shipped spec, and without a spec the default fp8 spec made
+    block-sparse in the mask's 128 x 128 tiles; the bound and the lse's, as above."""
+    from test_emulated_expressions import _callables
+    from test_emulated_fp8_block_sparse import DOC_SHAPE, DOCS, SPEC
+
+    require_compute_capability_9_0()
+    torch = pytest.importorskip("torch")
+    batch, heads, kv_heads, seqlen = DOC_SHAPE
+    q, k, v, descales = problem(21, batch, heads, kv_heads, seqlen, seqlen)
+    inputs = {"doc": torch.from_numpy(DOCS).cuda()}
+    mask = kernelgen.block_mask(SPEC.mask_mod, batch, 1, seqlen, seqlen, block_m=128,
+                                block_n=128, mod_inputs=inputs)  # fmt: skip
+    out, lse = kernelgen.attention(
+        *(torch.from_numpy(x).cuda().view(torch.float8_e4m3fn) for x in (q, k, v)),
+        causal=True, return_lse=True, spec=SPEC if named else None, mask_mod=SPEC.mask_mod,
+        mod_inputs=inputs, block_mask=mask,
+        **{n: torch.from_numpy(x).cuda() for n, x in descales.items()},
+    )  # fmt: skip
+    scale = 128**-0.5
+    hooks = _callables(None, SPEC.mask_mod, {"doc": DOCS})
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=scale, **hooks)
+    got = out.float().cpu().numpy().astype(np.float64)
+    assert np.isfinite(got).all()
+    assert ref.bound_ratio(got) <= 1.0
+    lse_error = np.abs(lse.cpu().numpy() - ref.lse)
+    assert (lse_error <= score_error_bound(q, k, descales, scale)).all()

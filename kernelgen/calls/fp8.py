@@ -6,8 +6,9 @@ on a compute capability 9.0 device, CPU ones through the emulator; NumPy arrays 
 ``ml_dtypes.float8_e4m3fn``: the emulator), head dim 64, 96, 128, 192 or 256, causal or not,
 GQA/MQA, either layout, float32 descales (B, Hkv), ``scale``, ``return_lse``, a float8_e4m3
 ``spec``, the built-in variants (window_size, softcap, alibi_slopes, sinks) and user expressions
-(score_mod, mask_mod, mod_inputs; no block mask), which act on the descaled scores, and
-``seqlens_k`` (V^T's keys past each entry's length are zeroed).
+(score_mod, mask_mod, mod_inputs), which act on the descaled scores, a ``block_mask`` in tiles
+the fp8 kernel takes (block-sparse: :func:`check_block_mask_tiles`), and ``seqlens_k`` (V^T's
+keys past each entry's length are zeroed).
 CuPy has no fp8 dtype: CuPy arrays of bytes are refused with the way to view them as torch fp8
 tensors. The kernels read q and k in place, and a V^T copy of v
 (:func:`kernelgen.runtime.fp8.v_operand`) made by v's own library on v's device (one extra read
@@ -35,6 +36,7 @@ from kernelgen.calls.attention import (
     plan,
     seqlens_k_array,
 )
+from kernelgen.calls.block_mask import BlockMask
 from kernelgen.calls.expression_inputs import with_expressions
 from kernelgen.calls.variant_inputs import NO_VARIANTS, VariantArgs
 from kernelgen.errors import InputError, InputTypeError
@@ -43,12 +45,20 @@ from kernelgen.runtime.fp8 import check_descales, v_operand, v_operand_layout
 from kernelgen.runtime.frameworks import Arrays, arrays_of, dtype_name, launch_arg
 from kernelgen.runtime.host import emulated_kernel
 from kernelgen.runtime.launch import check_fits_device
-from kernelgen.specs.forward import FP8_DTYPE, KernelSpec
+from kernelgen.specs.forward import FP8_BLOCK_N_BY_HEAD_DIM, FP8_DTYPE, KernelSpec
 
-__all__ = ["FP8_LIBRARY_DTYPE", "Fp8Call", "check_fp8_call", "fp8_attention"]
+__all__ = [
+    "FP8_BLOCK_M",
+    "FP8_LIBRARY_DTYPE",
+    "Fp8Call",
+    "check_block_mask_tiles",
+    "check_fp8_call",
+    "fp8_attention",
+]
 
 FP8_LIBRARY_DTYPE = "float8_e4m3fn"  # torch's and ml_dtypes' name of OCP e4m3 (no infinities)
 FP8_CAPABILITY = 90  # the wgmma kernel's devices (sm_90a: H100, H200)
+FP8_BLOCK_M = 128  # the fp8 kernels' query tile (two consumer warpgroups; block masks' block_m)
 # How to pass fp8 data (in the errors about a dtype).
 HOW_TO_PASS = (
     "pass torch.float8_e4m3fn tensors or NumPy ml_dtypes.float8_e4m3fn arrays (CuPy has no fp8 "
@@ -58,7 +68,6 @@ HOW_TO_PASS = (
 NOT_BUILT = {
     "mask": "additive mask",
     "num_splits": "split-KV form (num_splits 1 or None)",
-    "block_mask": "block-sparse form",
     "deterministic": "backward pass",
 }
 
@@ -112,7 +121,8 @@ def check_fp8_call(
     """Every check of an fp8 call, on metadata only (nothing is copied or launched; the torch
     operator's fake implementation runs them at trace time). ``unsupported``: the call's other
     arguments by name, each of which must be absent; ``variants``: the built-in variants' and
-    user expressions' arguments (a block mask is refused); ``seqlens_k`` is taken so that the
+    user expressions' arguments (a block mask in the fp8 kernel's tiles: the spec, named or
+    default, is block-sparse in them); ``seqlens_k`` is taken so that the
     torch operator passes one argument set to this and :func:`fp8_attention`, and is checked
     where that converts it, as for 16-bit calls (its values may live on the device)."""
     check_flags(causal=causal, return_lse=return_lse)
@@ -134,6 +144,8 @@ def check_fp8_call(
     batch, _, _, head_dim = call.q.shape
     named = spec is not None
     if spec is None:  # (a GPU call without expressions asks the tuner instead)
+        # a named spec's tiles are checked against the mask's by check_inputs
+        check_block_mask_tiles(call.expressions.block_mask, head_dim)
         spec = with_expressions(
             fp8_default_spec(head_dim, causal, call.variants.flags), call.expressions
         )
@@ -223,6 +235,24 @@ def fp8_attention(
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
         del v_t, checked, lengths  # freed in stream order once the launch is queued
     return (out, lse) if return_lse else out
+
+
+def check_block_mask_tiles(block_mask: BlockMask | None, head_dim: int) -> None:
+    """A block mask of an fp8 call without a spec must be built in tiles the default fp8
+    kernel takes: ``block_m`` :data:`FP8_BLOCK_M` and a ``block_n`` of the head dim's
+    :data:`~kernelgen.specs.forward.FP8_BLOCK_N_BY_HEAD_DIM` (nothing rebuilds the mask);
+    otherwise :class:`InputError` names the mask's tiles and the allowed ones. (A named spec
+    takes a mask of its own tiles, block_m 64 included.)"""
+    if block_mask is None or head_dim not in FP8_BLOCK_N_BY_HEAD_DIM:
+        return  # (a head dim fp8 does not take: the spec's check names it)
+    block_ns = FP8_BLOCK_N_BY_HEAD_DIM[head_dim]
+    if block_mask.block_m != FP8_BLOCK_M or block_mask.block_n not in block_ns:
+        allowed = " or ".join(f"{FP8_BLOCK_M} x {n}" for n in block_ns)
+        raise InputError(
+            f"block_mask has {block_mask.block_m} x {block_mask.block_n} tiles (block_m x "
+            f"block_n); fp8 kernels at head_dim={head_dim} take {allowed}: build it with "
+            f"kernelgen.block_mask(..., block_m={FP8_BLOCK_M}, block_n={block_ns[0]})"
+        )
 
 
 def _check_dtypes(named: dict[str, Any], descales: dict[str, Any]) -> None:

@@ -62,8 +62,8 @@ def attention(
         return fp8_attention(
             q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
             layout=layout, descales=descales, seqlens_k=seqlens_k,
-            variants=replace(variants, block_mask=None),
-            unsupported={"mask": mask, "num_splits": num_splits, "block_mask": block_mask,
+            variants=variants,
+            unsupported={"mask": mask, "num_splits": num_splits,
                          "deterministic": deterministic or None},
         )  # fmt: skip
     if (

@@ -59,10 +59,12 @@ def emulate_fp8(
     variant_values and expression_values, whose float64 hooks are ``hooks``); print the table
     (the error over its per-element bound, the relative error, the lse, NaN, hazards, the TMA
     bytes and key tiles); exit 1 on a failed check or launch, 2 (one line) on input the spec
-    cannot run."""
+    cannot run. A block-sparse spec's ``variants`` hold its block mask: the key tiles row
+    expects the tiles it lists."""
     variants = variants or {}
+    kernel_only = ("score_mod", "mask_mod", "mod_inputs", "block_mask")  # the hooks stand in
     reference_variants = {
-        **{n: x for n, x in variants.items() if n not in ("score_mod", "mask_mod", "mod_inputs")},
+        **{n: x for n, x in variants.items() if n not in kernel_only},
         **(hooks or {}),
     }
     from kernelgen.calls.emulated import emulate_fp8_attention
@@ -106,7 +108,7 @@ def emulate_fp8(
         ),
         Row("NaN in out or lse", "yes" if nan else "no", "no", not nan),
         Row("hazards (race check)", "0", "0", True),
-        *memory_rows(spec, run, dims),
+        *memory_rows(spec, run, dims, variants.get("block_mask")),
     ]
     out_console.print(table(spec, dims, rows))
     failed = [r.what for r in rows if r.ok is False]

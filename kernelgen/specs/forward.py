@@ -806,15 +806,15 @@ class KernelSpec(BaseModel):
                 f"{self.head_dim} (not built yet: the bf16 rows it stages are wider than the "
                 "64-byte Q rows); use epilogue: direct"
             )
-        # The built-in variants and user expressions are allowed (both act on the descaled
-        # scores); the decode forms and block-sparse are not.
-        for field in ("pack_gqa", "split_kv", "paged_kv", "block_sparse"):
+        # The built-in variants, user expressions and block-sparse masks are allowed (they act
+        # on the descaled scores and the key tiles' positions); the decode forms are not.
+        for field in ("pack_gqa", "split_kv", "paged_kv"):
             value = getattr(self, field)
             if value not in (False, None):
                 problems.append(
                     f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} (not built "
-                    "yet: fp8 runs the prefill loops, causal or not, with the variants and user "
-                    "expressions; no decode forms or block-sparse)"
+                    "yet: fp8 runs the prefill loops, causal or not, with the variants, user "
+                    "expressions and block-sparse masks; no decode forms)"
                 )
         return problems
 
