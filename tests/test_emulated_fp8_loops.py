@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_emulated_fp8 import P_RELATIVE, SHAPES, bound_ratio, fp8_spec, problem, reference
+from test_emulated_wgmma import PINGPONG_MUTATIONS
 
 from kernelgen.calls.emulated import emulate_fp8_attention
 from kernelgen.errors import EmulatorError, HazardError
@@ -94,9 +95,9 @@ def test_fp8_pingpong_without_a_hand_over_deadlocks(monkeypatch):
     emulator reports the deadlock; a short watchdog)."""
     monkeypatch.setenv("KG_EMULATOR_TIMEOUT", "10")
     spec = fp8_spec(**LOOPS["pp"])
-    original = "if (consumer == 0 || t + 1 < num_tiles)\n"
+    original, mutated = PINGPONG_MUTATIONS["no hand-over from consumer 1"]
     source = render(spec)
     assert source.count(original) == 1
-    mutant = source.replace(original, "if (consumer == 0)\n")
+    mutant = source.replace(original, mutated)
     with pytest.raises(EmulatorError):
         run(spec, (1, 1, 1, 128, 300), seed=6, source=mutant)
