@@ -12,7 +12,8 @@ keys past each entry's length are zeroed).
 CuPy has no fp8 dtype: CuPy arrays of bytes are refused with the way to view them as torch fp8
 tensors. The kernels read q and k in place, and a V^T copy of v
 (:func:`kernelgen.runtime.fp8.v_operand`) made by v's own library on v's device (one extra read
-and write of v). out is bfloat16, lse float32.
+and write of v), or, with a spec of ``fp8_v_layout: kernel``, v in place too (the kernel
+transposes it in shared memory). out is bfloat16, lse float32.
 """
 
 from __future__ import annotations
@@ -209,15 +210,20 @@ def fp8_attention(
                 spec = api.tuned_launch(call, bool(causal), arrays.name).spec
             check_fits_device(spec, device)
             kernel = api.runtime_kernel(spec)
-        v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes
-        problem, out_shape = plan(
-            replace(call, v=TensorInfo("v", v_shape, v_strides, FP8_DTYPE, None)), layout
-        )
-        launch = kernel.prepare(problem, call.scale)  # the tensor maps' checks: nothing made yet
         q_bytes, k_bytes, v_bytes = (_bytes(x) for x in (q, k, v))
-        if layout == "bshd":  # v_operand takes (B, Hkv, Sk, D): a view, no copy
-            v_bytes = v_bytes.swapaxes(1, 2)
-        v_t = v_operand(v_bytes, lengths)  # on v's device, in v's library
+        if spec.v_transposed_in_kernel:  # v as it is, like k (fp8_v_layout: kernel)
+            problem, out_shape = plan(call, layout)
+            launch = kernel.prepare(problem, call.scale)
+            v_t = v_bytes
+        else:
+            v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes
+            problem, out_shape = plan(
+                replace(call, v=TensorInfo("v", v_shape, v_strides, FP8_DTYPE, None)), layout
+            )
+            launch = kernel.prepare(problem, call.scale)  # the maps' checks: nothing made yet
+            if layout == "bshd":  # v_operand takes (B, Hkv, Sk, D): a view, no copy
+                v_bytes = v_bytes.swapaxes(1, 2)
+            v_t = v_operand(v_bytes, lengths)  # on v's device, in v's library
         tensors = {
             "q": launch_arg(arrays, q_bytes),
             "k": launch_arg(arrays, k_bytes),

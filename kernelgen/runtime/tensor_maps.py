@@ -165,14 +165,16 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
         if tensor in ("k", "v"):  # with clusters, each block copies a slice of the tile
             rows //= spec.cluster_m
-        row_bytes = spec.qk_row_bytes if tensor in ("q", "k") else WGMMA_ROW_BYTES
+        # (fp8 with V transposed in the kernel: v is copied as K is, into the staging ring)
+        natural_v = tensor == "v" and spec.v_transposed_in_kernel
+        row_bytes = spec.qk_row_bytes if tensor in ("q", "k") or natural_v else WGMMA_ROW_BYTES
         box: tuple[int, ...] = (row_bytes // elem, rows, 1, 1)  # one column block
         if tensor not in ("k", "v") and spec.pack_gqa:  # q, out or o_partial
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
             box = (box[0], min(group, rows), max(rows // group, 1), 1, 1)
-        if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
+        if spec.fp8 and tensor == "v" and not natural_v:  # V^T: rows of keys, strides (head dim, head, batch)
             dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
             box = (spec.block_n, spec.head_dim, 1, 1)
             row_bytes = spec.v_row_bytes
