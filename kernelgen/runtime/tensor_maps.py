@@ -174,7 +174,8 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
             box = (box[0], min(group, rows), max(rows // group, 1), 1, 1)
-        if spec.fp8 and tensor == "v" and not natural_v:  # V^T: rows of keys, strides (head dim, head, batch)
+        if spec.fp8 and tensor == "v" and not natural_v:
+            # V^T: rows of keys, strides (head dim, head, batch)
             dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
             box = (spec.block_n, spec.head_dim, 1, 1)
             row_bytes = spec.v_row_bytes
