@@ -478,8 +478,9 @@ def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
     for S (m64 x block_n x k, k = 16, or 32 for fp8; both operands in shared memory) and
     block_n / k for O (A, the probabilities, in registers); per warpgroup and tile they read Q
     (64 rows; not with ``q_in_registers``, whose one read per block the steady state does not
-    see) and the K and V tiles once. The TMA copies write the K and V tiles once per block. MUFU
-    as for mma.sync."""
+    see) and the K and V tiles once. The TMA copies write the K and V tiles once per block
+    (``fp8_v_layout: kernel``: V K-shaped, and the producer reads it and writes V^T). MUFU as
+    for mma.sync."""
     keys, dim, k = spec.block_n, spec.head_dim_padded, WGMMA_OPERAND[spec.dtype].k
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * keys)
     per_warpgroup_tile = UNIT_QUERIES * UNIT_KEYS / (64 * keys)
@@ -487,6 +488,8 @@ def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
     q_rows = 0 if spec.q_in_registers else 64
     reads = (q_rows + 2 * keys) * dim * spec.elem_bytes * per_warpgroup_tile
     writes = tma_tile_bytes(spec) * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
+    if spec.v_transposed_in_kernel:  # the producer reads the staged V and writes V^T
+        writes += 2 * spec.head_dim * keys * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
     per_score = 2 if spec.softcap else 1  # exp2, and the cap's tanh
     mufu = (per_score * spec.rows_per_warp * keys / 32 + 2) * per_unit
     by_class = {"HGMMA": hgmma, "LDSM": 0.0, "LDGSTS": 0.0, "MUFU": mufu}
