@@ -168,12 +168,15 @@ def fp8_attention(
     unsupported: dict[str, Any],
     variants: VariantArgs = NO_VARIANTS,
     seqlens_k: Any = None,
+    num_splits: int | None = None,
 ) -> Any:
     """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
     arguments by name, each of which must be absent; ``variants``: its built-in variants' and
     user expressions' arguments; ``seqlens_k``: one key length per batch entry, as for 16-bit
-    calls). The checks (:func:`check_fp8_call`) run before v is copied or anything is launched
-    (descales of another dtype or layout are converted first). Without a spec, a GPU call
+    calls; ``num_splits``: a split-KV spec's key chunks, None: the launch's default; the fp8
+    decode path, :mod:`kernelgen.calls.kvcache_fp8`). The checks (:func:`check_fp8_call`) run
+    before v is copied or anything is launched (descales of another dtype or layout are
+    converted first). Without a spec, a GPU call
     without expressions runs the autotuner's choice among the fp8 loops
     (:func:`kernelgen.tuning.select_launch`, under ``KERNELGEN_AUTOTUNE`` as every call; off:
     :func:`~kernelgen.model.policy.fp8_default_spec`), others the default."""
@@ -213,7 +216,7 @@ def fp8_attention(
         q_bytes, k_bytes, v_bytes = (_bytes(x) for x in (q, k, v))
         if spec.v_transposed_in_kernel:  # v as it is, like k (fp8_v_layout: kernel)
             problem, out_shape = plan(call, layout)
-            launch = kernel.prepare(problem, call.scale)
+            launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
             v_t = v_bytes
         else:
             v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes

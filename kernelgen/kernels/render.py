@@ -236,8 +236,9 @@ VARIANT_OFF: dict[str, int | float] = {
 
 
 def combine_params(spec: KernelSpec) -> tuple[Param, ...]:
-    """Parameters of a split-KV spec's combine kernel: partials in, out and lse out."""
-    elem = CXX_ELEMENT[spec.dtype].name
+    """Parameters of a split-KV spec's combine kernel: partials in, out (in the
+    spec's output type) and lse out."""
+    elem = CXX_ELEMENT[spec.out_dtype].name  # fp8: bf16
     params = [
         Param("o_partial", "const float*"),
         Param("lse_partial", "const float*"),

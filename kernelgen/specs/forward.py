@@ -825,14 +825,22 @@ class KernelSpec(BaseModel):
             )
         # The built-in variants, user expressions and block-sparse masks are allowed (they act
         # on the descaled scores and the key tiles' positions); the decode forms are not.
-        for field in ("pack_gqa", "split_kv", "paged_kv"):
+        # The decode forms read a cache in place: split-KV and packed GQA with V transposed in
+        # the kernel only (the host layout would copy the cache's V^T every step); a paged fp8
+        # cache not at all yet.
+        for field in ("pack_gqa", "split_kv"):
             value = getattr(self, field)
-            if value not in (False, None):
+            if value and not self.v_transposed_in_kernel:
                 problems.append(
-                    f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} (not built "
-                    "yet: fp8 runs the prefill loops, causal or not, with the variants, user "
-                    "expressions and block-sparse masks; no decode forms)"
+                    f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} and "
+                    f"fp8_v_layout={self.fp8_v_layout!r} (a decode form reads the cache in "
+                    "place); use fp8_v_layout: kernel"
                 )
+        if self.paged_kv:
+            problems.append(
+                f"paged_kv={_echo(self.paged_kv)} is not allowed with dtype={self.dtype!r} (not "
+                "built yet: fp8 decodes a contiguous cache, with split_kv and pack_gqa)"
+            )
         return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------

@@ -1,0 +1,97 @@
+"""``kernelgen.attention_with_kvcache`` on an fp8 (e4m3) cache (docs/hopper.md, "fp8 decode").
+
+q, k_cache and v_cache (and k_new/v_new) are ``float8_e4m3fn`` with float32 (B, Hkv) descales,
+out is bfloat16. The cache is read in place: the fp8 kernel takes V transposed in shared
+memory (``fp8_v_layout: kernel``), so no V^T copy of the cache is made per step. Without a
+spec the call runs :func:`~kernelgen.model.policy.fp8_decode_spec` (split-KV, packed GQA where
+the group divides 64 rows). A paged fp8 cache (``block_table``) is not built yet. As for
+16-bit caches, every check comes before ``k_new``/``v_new`` are written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernelgen.calls.attention import check_num_splits, describe, host_values
+from kernelgen.calls.expression_inputs import with_expressions
+from kernelgen.calls.fp8 import check_fp8_call, fp8_attention
+from kernelgen.calls.kvcache_checks import check_lengths, validate_on_device
+from kernelgen.calls.variant_inputs import VariantArgs
+from kernelgen.errors import InputError
+from kernelgen.model.policy import fp8_decode_spec
+from kernelgen.runtime.frameworks import refuse_during_capture
+from kernelgen.specs.forward import KernelSpec
+
+__all__ = ["fp8_attention_with_kvcache"]
+
+
+def fp8_attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    cache_seqlens: Any,
+    *,
+    block_table: Any,
+    k_new: Any,
+    v_new: Any,
+    causal: bool,
+    scale: float | None,
+    return_lse: bool,
+    spec: KernelSpec | None,
+    num_splits: int | None,
+    validate: bool,
+    variants: VariantArgs,
+    descales: dict[str, Any],
+) -> Any:
+    """:func:`kernelgen.attention_with_kvcache` for fp8 inputs (the arguments as there)."""
+    from kernelgen.calls import kvcache  # the 16-bit module's checks (it imports this one)
+
+    if block_table is not None:
+        raise InputError(
+            "block_table is not allowed with fp8 inputs: a paged fp8 cache is not built yet "
+            "(docs/hopper.md, fp8 decode); pass a contiguous (B, S_max, Hkv, D) cache"
+        )
+
+    def checked(named: KernelSpec | None) -> Any:
+        return check_fp8_call(
+            q, k_cache, v_cache, causal=causal, scale=scale, spec=named, return_lse=return_lse,
+            layout="bshd", descales=descales, unsupported={}, variants=variants,
+        )  # fmt: skip
+
+    call = checked(spec).call  # shapes, dtypes, descales, variants: before anything is written
+    batch, heads, _, head_dim = call.q.shape  # (B, H, Sq, D) whatever the layout
+    kv_heads, max_keys = call.k.shape[1], call.k.shape[2]
+    if spec is None:
+        flags = call.variants.flags
+        spec = fp8_decode_spec(head_dim, causal, heads // kv_heads, flags)
+        spec = with_expressions(spec, call.expressions)
+        checked(spec)
+    num_splits = check_num_splits(num_splits, spec)
+    appending = k_new is not None or v_new is not None
+    new_len = 0
+    if appending:
+        cache_info = describe(k_cache, "k_cache")
+        new_len = int(kvcache._check_new(k_new, v_new, cache_info)[0].shape[1])
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(x, np.ndarray) and not x.flags.writeable:
+                raise InputError(f"{name} is read-only; the call writes k_new/v_new into it")
+    lengths = kvcache._lengths(cache_seqlens, batch, q)
+    if appending and lengths is None:  # the write positions: device lengths read once
+        refuse_during_capture("cache_seqlens", cache_seqlens, "host values (lists or NumPy)")
+        lengths = host_values(cache_seqlens).astype(np.int64)
+    elif validate and lengths is None:
+        validate_on_device(cache_seqlens, 0, max_keys, None, None)
+    seqlens_k: Any = cache_seqlens
+    if lengths is not None:
+        check_lengths(lengths, new_len, max_keys)
+        seqlens_k = (lengths + new_len).astype(np.int32)
+    if appending and new_len:
+        kvcache._append(k_cache, k_new, lengths, new_len)
+        kvcache._append(v_cache, v_new, lengths, new_len)
+    return fp8_attention(
+        q, k_cache, v_cache, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
+        layout="bshd", descales=descales, unsupported={}, variants=variants,
+        seqlens_k=seqlens_k, num_splits=num_splits,
+    )  # fmt: skip

@@ -1,0 +1,120 @@
+"""fp8 decode on the emulator: ``kernelgen.attention_with_kvcache`` on e4m3 caches with
+per-(batch, kv head) descales (docs/hopper.md, "fp8 decode"), against the float64 reference of
+the decoded inputs (kernelgen.references.fp8) and its stated bound.
+
+The default spec (kernelgen.model.policy.fp8_decode_spec, the shipped
+specs/v2_wg_e4m3_d128_m64_n128_s2_vk_gqa_split.yaml at d128) reads the cache in place, V
+transposed in the kernel, split-KV (fp32 partials, the combine) with packed GQA. The cache's
+rows past each entry's length hold NaN. Mutation: the partials without v's descale.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from test_emulated_fp8 import fp8_spec, problem
+from test_emulated_fp8_variants import NAN, assert_within_bound
+
+import kernelgen
+from kernelgen.errors import InputError, SpecError
+from kernelgen.kernels.render import render
+from kernelgen.model.policy import fp8_decode_spec
+from kernelgen.references.fp8 import fp8_reference
+from kernelgen.runtime.emulated_launch import recording
+from kernelgen.specs.forward import load_spec
+
+pytestmark = [
+    pytest.mark.emulate,
+    pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning"),
+]
+
+SPEC_FILE = "specs/v2_wg_e4m3_d128_m64_n128_s2_vk_gqa_split.yaml"
+
+
+def bshd(x: np.ndarray) -> np.ndarray:
+    """(B, H, S, D) e4m3 bits as a (B, S, H, D) ml_dtypes array."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).view(ml_dtypes.float8_e4m3fn)
+
+
+def cache_case(seed: int, lengths: list[int], heads: int, kv_heads: int, seqlen_q: int):
+    """q and a 300-key cache whose rows past each entry's length hold NaN: (q, k, v, descales)."""
+    q, k, v, descales = problem(seed, len(lengths), heads, kv_heads, seqlen_q, 300)
+    for b, length in enumerate(lengths):
+        k[b, :, length:] = NAN
+        v[b, :, length:] = NAN
+    return q, k, v, descales
+
+
+def decode(q, k, v, lengths, descales, source: str | None = None, **kwargs):
+    """(out as (B, H, Sq, D) float32, lse, the recording) of one decode step."""
+    with recording(source) as recorded:
+        out, lse = kernelgen.attention_with_kvcache(
+            bshd(q), bshd(k), bshd(v), lengths, causal=True, return_lse=True, **descales,
+            **kwargs,
+        )  # fmt: skip
+    assert out.dtype == ml_dtypes.bfloat16
+    return out.astype(np.float32).transpose(0, 2, 1, 3), lse, recorded
+
+
+def test_the_decode_default_is_the_shipped_spec():
+    assert fp8_decode_spec(128, False, 4) == load_spec(SPEC_FILE)
+    spec = fp8_decode_spec(128, True, 3)  # a group that does not divide 64: not packed
+    assert spec.split_kv and not spec.pack_gqa and spec.fp8_v_layout == "kernel"
+
+
+def test_split_packed_decode_with_nan_rows_past_the_lengths_within_the_bound():
+    """GQA 4 (packed), one query, lengths off the tiles and off 16, 3 key chunks."""
+    lengths = [170, 259]
+    q, k, v, descales = cache_case(4, lengths, 8, 2, 1)
+    out, lse, recorded = decode(q, k, v, lengths, descales, num_splits=3)
+    assert recorded.problem.num_splits == 3
+    assert fp8_decode_spec(128, True, 4).uri in recorded.stats
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, seqlens_k=lengths)
+    assert_within_bound(out, lse, ref)
+
+
+def test_appending_new_keys_then_decoding_within_the_bound():
+    """Two new tokens per entry written at each entry's length (in place), causal among them;
+    MQA with a group of 3 (not packed), d64 (64-byte rows both ways)."""
+    lengths = [100, 41]
+    q, k, v, descales = cache_case(6, lengths, 3, 1, 2)
+    k_new, v_new = (x[:, :, :2].copy() for x in problem(7, 2, 1, 1, 2, 2, head_dim=128)[1:3])
+    q, k, v = (x[..., :64].copy() for x in (q, k, v))
+    k_new, v_new = k_new[..., :64], v_new[..., :64]
+    k_cache, v_cache = bshd(k), bshd(v)
+    out, lse = kernelgen.attention_with_kvcache(
+        bshd(q), k_cache, v_cache, lengths, k_new=bshd(k_new), v_new=bshd(v_new), causal=True,
+        return_lse=True, num_splits=2, **descales,
+    )  # fmt: skip
+    for b, length in enumerate(lengths):  # the cache now holds the new rows
+        k[b, :, length : length + 2] = k_new[b]
+        v[b, :, length : length + 2] = v_new[b]
+    np.testing.assert_array_equal(k_cache.view(np.uint8), bshd(k).view(np.uint8))
+    new_lengths = [n + 2 for n in lengths]
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=64**-0.5, seqlens_k=new_lengths)
+    assert_within_bound(out.astype(np.float32).transpose(0, 2, 1, 3), lse, ref)
+
+
+def test_partials_without_the_v_descale_break_the_bound():
+    lengths = [170, 259]
+    q, k, v, descales = cache_case(4, lengths, 8, 2, 1)
+    source = render(fp8_decode_spec(128, True, 4))
+    old = "const float inv_l = inverse_sum(row_l) * out_factor;\n    float* o_row"
+    assert source.count(old) == 1
+    mutated = source.replace(old, "const float inv_l = inverse_sum(row_l);\n    float* o_row")
+    out, _, _ = decode(q, k, v, lengths, descales, source=mutated, num_splits=3)
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, seqlens_k=lengths)
+    assert ref.bound_ratio(np.asarray(out, np.float64)) > 2.0
+
+
+def test_fp8_decode_refusals_name_what_is_allowed():
+    lengths = [10]
+    q, k, v, _ = cache_case(1, lengths, 2, 1, 1)
+    table = np.zeros((1, 1), np.int32)
+    with pytest.raises(InputError, match="block_table is not allowed with fp8 inputs"):
+        kernelgen.attention_with_kvcache(bshd(q), bshd(k), bshd(v), lengths, block_table=table)
+    with pytest.raises(SpecError, match=r"split_kv=True is not allowed with .* use fp8_v_layout"):
+        fp8_spec(block_m=64, split_kv=True)
+    with pytest.raises(SpecError, match="paged_kv=True is not allowed with dtype='float8_e4m3'"):
+        fp8_spec(block_m=64, split_kv=True, paged_kv=True, fp8_v_layout="kernel")
