@@ -118,3 +118,38 @@ def test_fp8_decode_refusals_name_what_is_allowed():
         fp8_spec(block_m=64, split_kv=True)
     with pytest.raises(SpecError, match="paged_kv=True is not allowed with dtype='float8_e4m3'"):
         fp8_spec(block_m=64, split_kv=True, paged_kv=True, fp8_v_layout="kernel")
+
+
+def test_torch_cpu_cache_with_appending_then_tensor_lengths():
+    """CPU torch float8_e4m3fn tensors (GQA 2, packed), int32 tensor lengths with validate:
+    appending writes the cache in place; the next call on the updated lengths (no append)
+    gives the same out."""
+    torch = pytest.importorskip("torch")
+    lengths = [100, 41]
+    q, k, v, descales = cache_case(6, lengths, 4, 2, 2)
+    _, k_new, v_new, _ = problem(7, 2, 2, 2, 2, 2)
+
+    def tensor(x):
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).view(
+            torch.float8_e4m3fn
+        )
+
+    k_cache, v_cache = tensor(k), tensor(v)
+    scales = {name: torch.from_numpy(x) for name, x in descales.items()}
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = kernelgen.attention_with_kvcache(
+        tensor(q), k_cache, v_cache, seqlens, k_new=tensor(k_new), v_new=tensor(v_new),
+        causal=True, return_lse=True, validate=True, **scales,
+    )  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    for b, length in enumerate(lengths):
+        k[b, :, length : length + 2] = k_new[b]
+        v[b, :, length : length + 2] = v_new[b]
+    np.testing.assert_array_equal(v_cache.view(torch.uint8).numpy(), bshd(v).view(np.uint8))
+    new_lengths = [n + 2 for n in lengths]
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, seqlens_k=new_lengths)
+    assert_within_bound(out.float().numpy().transpose(0, 2, 1, 3), lse.numpy(), ref)
+    again = kernelgen.attention_with_kvcache(
+        tensor(q), k_cache, v_cache, seqlens + 2, causal=True, validate=True, **scales
+    )
+    assert torch.equal(again, out)
