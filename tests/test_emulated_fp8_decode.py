@@ -4,8 +4,9 @@ the decoded inputs (kernelgen.references.fp8) and its stated bound.
 
 The default spec (kernelgen.model.policy.fp8_decode_spec, the shipped
 specs/v2_wg_e4m3_d128_m64_n128_s2_vk_gqa_split.yaml at d128) reads the cache in place, V
-transposed in the kernel, split-KV (fp32 partials, the combine) with packed GQA. The cache's
-rows past each entry's length hold NaN. Mutation: the partials without v's descale.
+transposed in the kernel, split-KV (fp32 partials, the combine) with packed GQA; a paged cache
+(pages of a multiple of 64 keys, each key tile one TMA copy) as well. The cache's rows past
+each entry's length hold NaN. Mutation: the partials without v's descale.
 """
 
 from __future__ import annotations
@@ -111,13 +112,16 @@ def test_partials_without_the_v_descale_break_the_bound():
 def test_fp8_decode_refusals_name_what_is_allowed():
     lengths = [10]
     q, k, v, _ = cache_case(1, lengths, 2, 1, 1)
-    table = np.zeros((1, 1), np.int32)
-    with pytest.raises(InputError, match="block_table is not allowed with fp8 inputs"):
-        kernelgen.attention_with_kvcache(bshd(q), bshd(k), bshd(v), lengths, block_table=table)
-    with pytest.raises(SpecError, match=r"split_kv=True is not allowed with .* use fp8_v_layout"):
-        fp8_spec(block_m=64, split_kv=True)
-    with pytest.raises(SpecError, match="paged_kv=True is not allowed with dtype='float8_e4m3'"):
-        fp8_spec(block_m=64, split_kv=True, paged_kv=True, fp8_v_layout="kernel")
+    for field in ("split_kv", "pack_gqa", "paged_kv"):
+        with pytest.raises(SpecError, match=rf"{field}=True is not allowed with .* use fp8_v_l"):
+            fp8_spec(block_m=64, **{field: True})
+    named = fp8_spec(block_m=64, split_kv=True, fp8_v_layout="kernel")  # not paged
+    k_pool, v_pool, table = paged_pool(k, v, 64, seed=3)
+    f8 = ml_dtypes.float8_e4m3fn
+    with pytest.raises(InputError, match="has paged_kv=False but the call needs paged_kv=True"):
+        kernelgen.attention_with_kvcache(
+            bshd(q), k_pool.view(f8), v_pool.view(f8), lengths, block_table=table, spec=named
+        )
 
 
 def test_torch_cpu_cache_with_appending_then_tensor_lengths():
@@ -153,3 +157,61 @@ def test_torch_cpu_cache_with_appending_then_tensor_lengths():
         tensor(q), k_cache, v_cache, seqlens + 2, causal=True, validate=True, **scales
     )
     assert torch.equal(again, out)
+
+
+def paged_pool(k: np.ndarray, v: np.ndarray, page_size: int, seed: int):
+    """k and v (B, Hkv, S, D) as shuffled pages of a pool with 3 spare pages, every row no
+    entry maps (and the caller's NaN rows) NaN: (k pool, v pool, block table)."""
+    batch, kv_heads, keys, dim = k.shape
+    per_entry = -(-keys // page_size)
+    table = np.random.default_rng(seed).permutation(batch * per_entry + 3)[: batch * per_entry]
+    table = table.reshape(batch, per_entry).astype(np.int32)
+    pools = []
+    for x in (k, v):
+        pool = np.full((batch * per_entry + 3, page_size, kv_heads, dim), NAN, np.uint8)
+        padded = np.full((batch, kv_heads, per_entry * page_size, dim), NAN, np.uint8)
+        padded[:, :, :keys] = x
+        for b, j in np.ndindex(batch, per_entry):
+            rows = padded[b, :, j * page_size : (j + 1) * page_size]
+            pool[table[b, j]] = rows.transpose(1, 0, 2)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def test_paged_cache_with_shuffled_pages_and_appending_within_the_bound():
+    """Pages of 64 keys in shuffled order with NaN in the spare pages and past the lengths,
+    one new token appended per entry into its page, GQA 4 (packed), 3 key chunks."""
+    lengths = [169, 258]
+    q, k, v, descales = cache_case(8, lengths, 8, 2, 1)
+    _, k_new, v_new, _ = problem(9, 2, 2, 2, 1, 1)
+    k_pool, v_pool, table = paged_pool(k, v, 64, seed=1)
+    f8 = ml_dtypes.float8_e4m3fn
+    with recording(None) as recorded:
+        out, lse = kernelgen.attention_with_kvcache(
+            bshd(q), k_pool.view(f8), v_pool.view(f8), lengths, block_table=table,
+            k_new=bshd(k_new), v_new=bshd(v_new), causal=True, return_lse=True, num_splits=3,
+            **descales,
+        )  # fmt: skip
+    assert recorded.problem.num_splits == 3 and recorded.problem.page_size == 64
+    assert fp8_decode_spec(128, True, 4, paged_kv=True).uri in recorded.stats
+    for b, length in enumerate(lengths):
+        k[b, :, length] = k_new[b, :, 0]
+        v[b, :, length] = v_new[b, :, 0]
+        page, row = table[b, length // 64], length % 64
+        np.testing.assert_array_equal(v_pool[page, row], v_new[b, :, 0])
+    new_lengths = [n + 1 for n in lengths]
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, seqlens_k=new_lengths)
+    assert_within_bound(out.astype(np.float32).transpose(0, 2, 1, 3), lse, ref)
+
+
+def test_pages_that_are_no_multiple_of_the_key_tile_are_refused():
+    """Row copies of fp8 pages are not built: an InputError names the page size, before the
+    cache is written."""
+    lengths = [40]
+    q, k, v, descales = cache_case(2, lengths, 2, 1, 1)
+    k_pool, v_pool, table = paged_pool(k, v, 32, seed=2)
+    f8 = ml_dtypes.float8_e4m3fn
+    with pytest.raises(InputError, match=r"page_size=32 is not allowed with spec .*block_n=64"):
+        kernelgen.attention_with_kvcache(
+            bshd(q), k_pool.view(f8), v_pool.view(f8), lengths, block_table=table, **descales
+        )

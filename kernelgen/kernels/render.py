@@ -174,7 +174,8 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
         if spec.epilogue == "tma":  # out written by TMA stores (out and its strides stay)
             params.append(Param("out_map", TENSOR_MAP_CTYPE))
-        if spec.paged_kv:  # pages of any size: rows copied by cp.async from the pools
+        # pages of any size: rows copied by cp.async from the pools (not fp8's: TMA only)
+        if spec.paged_kv and not spec.fp8:
             params += [Param("k", f"const {elem}*"), Param("v", f"const {elem}*")]
     else:
         params = [

@@ -825,10 +825,10 @@ class KernelSpec(BaseModel):
             )
         # The built-in variants, user expressions and block-sparse masks are allowed (they act
         # on the descaled scores and the key tiles' positions); the decode forms are not.
-        # The decode forms read a cache in place: split-KV and packed GQA with V transposed in
-        # the kernel only (the host layout would copy the cache's V^T every step); a paged fp8
-        # cache not at all yet.
-        for field in ("pack_gqa", "split_kv"):
+        # The decode forms read a cache in place: with V transposed in the kernel only (the
+        # host layout would copy the cache's V^T every step); a paged fp8 cache takes pages of
+        # a multiple of block_n (the launch checks it: tensor_maps.check_wgmma_decode).
+        for field in ("pack_gqa", "split_kv", "paged_kv"):
             value = getattr(self, field)
             if value and not self.v_transposed_in_kernel:
                 problems.append(
@@ -836,11 +836,6 @@ class KernelSpec(BaseModel):
                     f"fp8_v_layout={self.fp8_v_layout!r} (a decode form reads the cache in "
                     "place); use fp8_v_layout: kernel"
                 )
-        if self.paged_kv:
-            problems.append(
-                f"paged_kv={_echo(self.paged_kv)} is not allowed with dtype={self.dtype!r} (not "
-                "built yet: fp8 decodes a contiguous cache, with split_kv and pack_gqa)"
-            )
         return problems
 
     # ---- derived geometry (single source for render, launch and validation) --------------
@@ -1026,7 +1021,8 @@ class KernelSpec(BaseModel):
             # Q landed; per slot K landed, V landed, slot free; the last V tile staged; paged:
             # per slot K and V copied by cp.async (pages that are no multiple of block_n);
             # block-sparse: per slot the index of its key tile (in 8 bytes)
-            slot_barriers = (5 if self.paged_kv else 4 if self.block_sparse else 3) * self.stages
+            copies = self.paged_kv and not self.fp8  # fp8 pages: TMA copies only
+            slot_barriers = (5 if copies else 4 if self.block_sparse else 3) * self.stages
             # V transposed in the kernel: per slot, the staged V tile landed
             slot_barriers += self.stages if self.v_transposed_in_kernel else 0
             barriers = (2 + slot_barriers) * WGMMA_BARRIER_BYTES
