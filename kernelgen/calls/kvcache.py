@@ -120,8 +120,8 @@ def attention_with_kvcache(
 
     fp8: q, the caches and k_new/v_new all ``float8_e4m3fn``, with optional float32 (B, Hkv)
     ``q_descale``/``k_descale``/``v_descale`` as in ``attention()``; out is bfloat16. The cache
-    is read in place (the kernel transposes V in shared memory), contiguous only (a paged fp8
-    cache is not built yet): :mod:`kernelgen.calls.kvcache_fp8`.
+    is read in place (the kernel transposes V in shared memory), contiguous or paged (pages of
+    a multiple of the spec's block_n): :mod:`kernelgen.calls.kvcache_fp8`.
     """
     variants = VariantArgs(window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod,
                            mod_inputs)  # fmt: skip
