@@ -58,8 +58,8 @@ DTYPE_SHORT: dict[str, str] = {
     "bfloat16": "bf16",
     "float8_e4m3": "e4m3",
 }
-# fp8 inputs (docs/hopper.md, "fp8"): the element type of q, k and v -> that of out (and of the
-# split/combine paths, which fp8 does not have). Every other dtype writes out in its own type.
+# fp8 inputs (docs/hopper.md, "fp8"): the element type of q, k and v -> that of out (split-KV's
+# combine writes it too; its partials are fp32). Every other dtype writes out in its own type.
 FP8_DTYPE = "float8_e4m3"  # the fp8 kernels' input dtype (OCP e4m3)
 FP8_OUTPUT_DTYPE: dict[str, str] = {FP8_DTYPE: "bfloat16"}
 # What fp8 on the wgmma engine is built for: head dim -> the key tiles it takes (docs/hopper.md,
