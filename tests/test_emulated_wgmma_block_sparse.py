@@ -263,14 +263,14 @@ def test_block_sparse_wgmma_refusals_name_the_field(fields, words):
 
 def test_block_sparse_fp8_is_allowed_and_its_decode_forms_refused_by_name():
     """fp8 takes block-sparse masks (tests/test_emulated_fp8_block_sparse.py); its decode forms
-    stay refused, naming what fp8 takes."""
+    with the host V^T layout stay refused, naming what fp8 takes for them."""
     data = {**WG, "dtype": "float8_e4m3", "head_dim": 128, "block_m": 128, "block_n": 128}
     data |= {"mask_mod": DOC_MASK, "mod_inputs": ["qdoc:int32[1]", "kdoc:int32[1]"]}
     assert spec_from_dict({**data, "block_sparse": True}).block_sparse
     with pytest.raises(SpecError) as caught:
         spec_from_dict({**data, "paged_kv": True})
     assert "paged_kv=True is not allowed with dtype='float8_e4m3'" in str(caught.value)
-    assert "block-sparse masks; no decode forms" in str(caught.value)
+    assert "use fp8_v_layout: kernel" in str(caught.value)
 
 
 def _sparse_call(tiles: tuple[int, int], head_dim: int = 128, causal: bool = False):

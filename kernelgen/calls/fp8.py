@@ -12,7 +12,8 @@ keys past each entry's length are zeroed).
 CuPy has no fp8 dtype: CuPy arrays of bytes are refused with the way to view them as torch fp8
 tensors. The kernels read q and k in place, and a V^T copy of v
 (:func:`kernelgen.runtime.fp8.v_operand`) made by v's own library on v's device (one extra read
-and write of v). out is bfloat16, lse float32.
+and write of v), or, with a spec of ``fp8_v_layout: kernel``, v in place too (the kernel
+transposes it in shared memory). out is bfloat16, lse float32.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kernelgen.calls import attention as api
 from kernelgen.calls.attention import (
     CallPlan,
     CheckedCall,
+    Paging,
     TensorInfo,
     check_expression_libraries,
     check_flags,
@@ -117,6 +119,7 @@ def check_fp8_call(
     unsupported: dict[str, Any],
     variants: VariantArgs = NO_VARIANTS,
     seqlens_k: Any = None,
+    kv_infos: tuple[TensorInfo, TensorInfo] | None = None,
 ) -> Fp8Call:
     """Every check of an fp8 call, on metadata only (nothing is copied or launched; the torch
     operator's fake implementation runs them at trace time). ``unsupported``: the call's other
@@ -124,7 +127,9 @@ def check_fp8_call(
     user expressions' arguments (a block mask in the fp8 kernel's tiles: the spec, named or
     default, is block-sparse in them); ``seqlens_k`` is taken so that the
     torch operator passes one argument set to this and :func:`fp8_attention`, and is checked
-    where that converts it, as for 16-bit calls (its values may live on the device)."""
+    where that converts it, as for 16-bit calls (its values may live on the device).
+    ``kv_infos``: k and v as the kernels see them where the arrays are not (a paged cache:
+    (B, S_max, Hkv, D) views of the pool, kernelgen.calls.kvcache_fp8)."""
     check_flags(causal=causal, return_lse=return_lse)
     for name, value in unsupported.items():
         if value is not None and not (name == "num_splits" and value == 1):
@@ -137,6 +142,8 @@ def check_fp8_call(
     _check_dtypes(named, descales)
     _refuse_grad({**named, **descales, **variants.arrays()})
     infos = [replace(describe(x, name), dtype=FP8_DTYPE) for name, x in named.items()]
+    if kv_infos is not None:
+        infos[1:] = [replace(t, dtype=FP8_DTYPE) for t in kv_infos]
     call = check_inputs(
         *infos, None, layout=layout, scale=scale, spec=spec, causal=bool(causal),
         variants=variants, dtypes=(FP8_DTYPE,),
@@ -167,20 +174,32 @@ def fp8_attention(
     unsupported: dict[str, Any],
     variants: VariantArgs = NO_VARIANTS,
     seqlens_k: Any = None,
+    num_splits: int | None = None,
+    paging: Paging | None = None,
+    kv_infos: tuple[TensorInfo, TensorInfo] | None = None,
 ) -> Any:
     """:func:`kernelgen.attention` for a call that :func:`wants_fp8` (``unsupported``: its other
     arguments by name, each of which must be absent; ``variants``: its built-in variants' and
     user expressions' arguments; ``seqlens_k``: one key length per batch entry, as for 16-bit
-    calls). The checks (:func:`check_fp8_call`) run before v is copied or anything is launched
-    (descales of another dtype or layout are converted first). Without a spec, a GPU call
+    calls; ``num_splits``: a split-KV spec's key chunks, None: the launch's default;
+    ``paging`` and ``kv_infos``: a paged cache, k and v its pools; the fp8 decode path,
+    :mod:`kernelgen.calls.kvcache_fp8`). The checks (:func:`check_fp8_call`) run
+    before v is copied or anything is launched (descales of another dtype or layout are
+    converted first). Without a spec, a GPU call
     without expressions runs the autotuner's choice among the fp8 loops
     (:func:`kernelgen.tuning.select_launch`, under ``KERNELGEN_AUTOTUNE`` as every call; off:
     :func:`~kernelgen.model.policy.fp8_default_spec`), others the default."""
     checked_call = check_fp8_call(
         q, k, v, causal=causal, scale=scale, spec=spec, return_lse=return_lse, layout=layout,
         descales=descales, unsupported=unsupported, variants=variants, seqlens_k=seqlens_k,
+        kv_infos=kv_infos,
     )  # fmt: skip
     call, spec, checked = checked_call.call, checked_call.spec, checked_call.descales
+    if spec.paged_kv != (paging is not None):
+        raise InputError(
+            f"spec {spec.uri} has paged_kv={spec.paged_kv} but the call needs "
+            f"paged_kv={paging is not None} ({'a' if paging else 'no'} block_table)"
+        )
     batch, heads, seqlen_q, _ = call.q.shape
     named = {"q": q, "k": k, "v": v}
     check_expression_libraries(q, call.expressions)
@@ -209,15 +228,25 @@ def fp8_attention(
                 spec = api.tuned_launch(call, bool(causal), arrays.name).spec
             check_fits_device(spec, device)
             kernel = api.runtime_kernel(spec)
-        v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes
-        problem, out_shape = plan(
-            replace(call, v=TensorInfo("v", v_shape, v_strides, FP8_DTYPE, None)), layout
-        )
-        launch = kernel.prepare(problem, call.scale)  # the tensor maps' checks: nothing made yet
         q_bytes, k_bytes, v_bytes = (_bytes(x) for x in (q, k, v))
-        if layout == "bshd":  # v_operand takes (B, Hkv, Sk, D): a view, no copy
-            v_bytes = v_bytes.swapaxes(1, 2)
-        v_t = v_operand(v_bytes, lengths)  # on v's device, in v's library
+        if spec.v_transposed_in_kernel:  # v as it is, like k (fp8_v_layout: kernel)
+            problem, out_shape = plan(call, layout)
+            if paging is not None:
+                problem = replace(
+                    problem, page_size=paging.page_size, block_table_stride=paging.table_stride,
+                    num_pages=paging.num_pages,
+                )  # fmt: skip
+            launch = kernel.prepare(problem, call.scale, num_splits if spec.split_kv else None)
+            v_t = v_bytes
+        else:
+            v_shape, v_strides = v_operand_layout(*call.k.shape)  # the copy v_operand makes
+            problem, out_shape = plan(
+                replace(call, v=TensorInfo("v", v_shape, v_strides, FP8_DTYPE, None)), layout
+            )
+            launch = kernel.prepare(problem, call.scale)  # the maps' checks: nothing made yet
+            if layout == "bshd":  # v_operand takes (B, Hkv, Sk, D): a view, no copy
+                v_bytes = v_bytes.swapaxes(1, 2)
+            v_t = v_operand(v_bytes, lengths)  # on v's device, in v's library
         tensors = {
             "q": launch_arg(arrays, q_bytes),
             "k": launch_arg(arrays, k_bytes),
@@ -228,12 +257,18 @@ def fp8_attention(
         }
         if lengths is not None:
             tensors["seqlens_k"] = launch_arg(arrays, lengths)
+        table = None
+        if paging is not None:  # a host block table is uploaded for a device launch
+            table = paging.block_table
+            if isinstance(table, np.ndarray) and not arrays.host:
+                table = arrays.from_host(np.ascontiguousarray(table, np.int32))
+            tensors["block_table"] = launch_arg(arrays, table)
         call_plan = CallPlan(
             launch, out_shape, _bfloat16(arrays), (batch, heads, seqlen_q), call.k.shape[2],
             arrays, device,
         )  # fmt: skip
         out, lse = call_plan.launch_outputs(tensors, bool(return_lse))
-        del v_t, checked, lengths  # freed in stream order once the launch is queued
+        del v_t, checked, lengths, table  # freed in stream order once the launch is queued
     return (out, lse) if return_lse else out
 
 

@@ -33,6 +33,7 @@ from kernelgen.calls.attention import (
     host_lengths,
     host_values,
 )
+from kernelgen.calls.fp8 import wants_fp8
 from kernelgen.calls.kvcache_checks import (
     PAGE_SIZE_MULTIPLE,
     PagedLayout,
@@ -42,6 +43,7 @@ from kernelgen.calls.kvcache_checks import (
     paged_slots,
     validate_on_device,
 )
+from kernelgen.calls.kvcache_fp8 import fp8_attention_with_kvcache
 from kernelgen.calls.variant_inputs import VariantArgs
 from kernelgen.errors import InputError, InputTypeError
 from kernelgen.runtime.frameworks import arrays_of, module_of, pointer_of, refuse_during_capture
@@ -75,6 +77,9 @@ def attention_with_kvcache(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_inputs: Mapping[str, Any] | None = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> Any:
     """Attention of q over a KV cache, after appending ``k_new``/``v_new`` in place.
 
@@ -112,7 +117,22 @@ def attention_with_kvcache(
     length. User expressions (``score_mod``, ``mask_mod``, ``mod_inputs``; docs/expressions.md)
     as in ``attention()``: ``kv_idx`` is the key's position in its entry's cache and ``q_idx``
     the query's row in [0, Sq) (write the entry's offset into the expression or an input).
+
+    fp8: q, the caches and k_new/v_new all ``float8_e4m3fn``, with optional float32 (B, Hkv)
+    ``q_descale``/``k_descale``/``v_descale`` as in ``attention()``; out is bfloat16. The cache
+    is read in place (the kernel transposes V in shared memory), contiguous or paged (pages of
+    a multiple of the spec's block_n): :mod:`kernelgen.calls.kvcache_fp8`.
     """
+    variants = VariantArgs(window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod,
+                           mod_inputs)  # fmt: skip
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if wants_fp8(q, k_cache, v_cache, *descales.values()):
+        check_flags(causal=causal, return_lse=return_lse, validate=validate)
+        return fp8_attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new,
+            v_new=v_new, causal=causal, scale=scale, return_lse=return_lse, spec=spec,
+            num_splits=num_splits, validate=validate, variants=variants, descales=descales,
+        )  # fmt: skip
     check_flags(causal=causal, return_lse=return_lse, validate=validate)
     infos = [describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
     paged = block_table is not None
@@ -138,8 +158,6 @@ def attention_with_kvcache(
     if layout is None and k_info.shape[0] != batch:
         raise InputError(f"k_cache has batch {k_info.shape[0]} but q has batch {batch}")
     kernel_infos = [q_info] + [_as_batched(t, layout) for t in (k_info, v_info)]
-    variants = VariantArgs(window_size, softcap, alibi_slopes, sinks, score_mod, mask_mod,
-                           mod_inputs)  # fmt: skip
     call = check_inputs(
         *kernel_infos, None, layout="bshd", scale=scale, spec=spec, causal=bool(causal),
         variants=variants,

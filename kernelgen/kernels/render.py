@@ -42,6 +42,9 @@ PRODUCER_REGS = 24
 # producer threads (each row's page from the block table, 64-bit addresses): ptxas spills below
 # 56 there (docs/hopper.md, "Decode and serving").
 PAGED_PRODUCER_REGS = 56
+# fp8 with V transposed in the kernel (fp8_v_layout: kernel): warps 1-3 of the producer hold a
+# 16-key x 4-column block of V and its transpose (transpose_v_tile); ptxas spills below this.
+TRANSPOSE_PRODUCER_REGS = 56
 MAX_CONSUMER_REGS = 240
 
 
@@ -171,7 +174,8 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
         if spec.epilogue == "tma":  # out written by TMA stores (out and its strides stay)
             params.append(Param("out_map", TENSOR_MAP_CTYPE))
-        if spec.paged_kv:  # pages of any size: rows copied by cp.async from the pools
+        # pages of any size: rows copied by cp.async from the pools (not fp8's: TMA only)
+        if spec.paged_kv and not spec.fp8:
             params += [Param("k", f"const {elem}*"), Param("v", f"const {elem}*")]
     else:
         params = [
@@ -233,8 +237,9 @@ VARIANT_OFF: dict[str, int | float] = {
 
 
 def combine_params(spec: KernelSpec) -> tuple[Param, ...]:
-    """Parameters of a split-KV spec's combine kernel: partials in, out and lse out."""
-    elem = CXX_ELEMENT[spec.dtype].name
+    """Parameters of a split-KV spec's combine kernel: partials in, out (in the
+    spec's output type) and lse out."""
+    elem = CXX_ELEMENT[spec.out_dtype].name  # fp8: bf16
     params = [
         Param("o_partial", "const float*"),
         Param("lse_partial", "const float*"),
@@ -257,9 +262,12 @@ def consumer_registers(spec: KernelSpec) -> int:
 
 
 def producer_registers(spec: KernelSpec) -> int:
-    """setmaxnreg budget of a wgmma producer thread: :data:`PRODUCER_REGS`, or with paged K/V
-    :data:`PAGED_PRODUCER_REGS` (its cp.async row copies)."""
-    return PAGED_PRODUCER_REGS if spec.paged_kv else PRODUCER_REGS
+    """setmaxnreg budget of a wgmma producer thread: :data:`PRODUCER_REGS`, with paged K/V
+    :data:`PAGED_PRODUCER_REGS` (its cp.async row copies), with V transposed in the kernel
+    :data:`TRANSPOSE_PRODUCER_REGS`."""
+    if spec.paged_kv:
+        return PAGED_PRODUCER_REGS
+    return TRANSPOSE_PRODUCER_REGS if spec.v_transposed_in_kernel else PRODUCER_REGS
 
 
 def workspace_floats(spec: KernelSpec, batch: int, num_heads: int, seqlen_q: int) -> int:

@@ -263,6 +263,33 @@ def hmma_loop(sass: str, family: str | tuple[str, ...] = TENSOR_FAMILIES) -> Loo
     return best
 
 
+def transposer_loop(sass: str) -> LoopBody:
+    """fp8 with V transposed in the kernel (``fp8_v_layout: kernel``): one step of the producer
+    warps' transpose_v_tile (a 16-key x 4-column block per thread), the smallest loop (no EXIT)
+    holding byte permutes and shared-memory stores: the step of a tile whose keys are all the
+    entry's (the last tile's key test is a loop of its own)."""
+    rows = sass_instructions(sass)
+    best: LoopBody | None = None
+    for end in rows:
+        start = _backward_target(end)
+        if start is None:
+            continue
+        body = [row for row in rows if start <= row.address <= end.address]
+        counts = Counter(row.family for row in body)
+        if "EXIT" in counts or not (counts["PRMT"] and counts["STS"]):
+            continue
+        if best is None or len(body) < best.issued:
+            best = LoopBody(dict(counts), opcodes=dict(Counter(row.opcode for row in body)))
+    if best is None:
+        raise ValueError("no loop with PRMT and STS instructions (the V transpose) in the SASS")
+    return best
+
+
+def transposer_steps(spec: KernelSpec) -> float:
+    """Warp steps of transpose_v_tile per key tile: one per 32 blocks of 16 keys x 4 columns."""
+    return spec.head_dim // 4 * (spec.block_n // 16) / 32
+
+
 def _hgmma_operands(instructions: Counter[str]) -> tuple[tuple[int, int, int, bool], ...]:
     """(m, n, k, A from shared memory) of each HGMMA of a loop body (its text: opcode and
     operands); A comes from registers when the operand after D is a register."""
@@ -315,7 +342,12 @@ def interior_source(source: str, mma: str = "mma_sync") -> str:
     return source
 
 
-def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = None) -> UnitFigures:
+def unit_figures(
+    body: LoopBody,
+    spec: KernelSpec,
+    producer: LoopBody | None = None,
+    transposer: LoopBody | None = None,
+) -> UnitFigures:
     """Per-unit figures of one warp's loop body: a warp's iteration covers rows_per_warp
     queries x block_n keys, so a unit takes 4096 / (rows_per_warp * block_n) of them.
 
@@ -323,7 +355,10 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
     is unrolled for the overlap); ``producer`` is the TMA producer's loop, one thread's
     iteration per key tile of the block (block_m x block_n), added to the consumers';
     shared-memory traffic is what the HGMMA read (:meth:`LoopBody.hgmma_smem_bytes`) plus what
-    the TMA copies write (the K and V tiles, whole 128-byte column blocks, once per block)."""
+    the TMA copies write (the K and V tiles, whole 128-byte column blocks, once per block).
+    ``transposer``: fp8's in-kernel V transpose step (:func:`transposer_loop`), run
+    :func:`transposer_steps` times per key tile; its instructions and the bytes its LDS and STS
+    move are added (bytes, not bank wavefronts: docs/hopper.md counts its conflicts)."""
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * spec.block_n)
     per_unit_block = UNIT_QUERIES * UNIT_KEYS / (spec.block_m * spec.block_n)
     if spec.engine.warp_specialized:  # an overlapped loop is unrolled: one iteration, two tiles
@@ -335,8 +370,15 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
         for name in CLASSES:
             by_class[name] += producer.counts.get(name, 0) * per_unit_block
         issued += producer.issued * per_unit_block
+    transposed = 0.0
+    if transposer is not None:
+        steps = transposer_steps(spec) * per_unit_block
+        for name in CLASSES:
+            by_class[name] += transposer.counts.get(name, 0) * steps
+        issued += transposer.issued * steps
+        transposed = sum(shared_bytes(op) * n for op, n in transposer.opcodes.items()) * steps
     by_class["other"] = issued - sum(by_class.values())
-    memory = (by_class["LDSM"] + by_class["LDGSTS"]) * WARP_MEMORY_BYTES
+    memory = (by_class["LDSM"] + by_class["LDGSTS"]) * WARP_MEMORY_BYTES + transposed
     memory += body.hgmma_smem_bytes(spec.elem_bytes) * per_unit
     if spec.engine.warp_specialized:
         memory += tma_tile_bytes(spec) * per_unit_block
@@ -347,6 +389,8 @@ def unit_figures(body: LoopBody, spec: KernelSpec, producer: LoopBody | None = N
 def tma_tile_bytes(spec: KernelSpec) -> int:
     """Bytes a wgmma block's TMA copies write per key tile: the K and V tiles, each block_n
     rows of whole swizzled column blocks (fp8's V^T: head-dim rows of block_n keys)."""
+    if spec.v_transposed_in_kernel:  # V lands K-shaped in the staging ring
+        return 2 * spec.k_tile_bytes
     return spec.k_tile_bytes + spec.v_tile_bytes
 
 
@@ -434,8 +478,9 @@ def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
     for S (m64 x block_n x k, k = 16, or 32 for fp8; both operands in shared memory) and
     block_n / k for O (A, the probabilities, in registers); per warpgroup and tile they read Q
     (64 rows; not with ``q_in_registers``, whose one read per block the steady state does not
-    see) and the K and V tiles once. The TMA copies write the K and V tiles once per block. MUFU
-    as for mma.sync."""
+    see) and the K and V tiles once. The TMA copies write the K and V tiles once per block
+    (``fp8_v_layout: kernel``: V K-shaped, and the producer reads it and writes V^T). MUFU as
+    for mma.sync."""
     keys, dim, k = spec.block_n, spec.head_dim_padded, WGMMA_OPERAND[spec.dtype].k
     per_unit = UNIT_QUERIES * UNIT_KEYS / (spec.rows_per_warp * keys)
     per_warpgroup_tile = UNIT_QUERIES * UNIT_KEYS / (64 * keys)
@@ -443,6 +488,8 @@ def _wgmma_analytic_figures(spec: KernelSpec) -> UnitFigures:
     q_rows = 0 if spec.q_in_registers else 64
     reads = (q_rows + 2 * keys) * dim * spec.elem_bytes * per_warpgroup_tile
     writes = tma_tile_bytes(spec) * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
+    if spec.v_transposed_in_kernel:  # the producer reads the staged V and writes V^T
+        writes += 2 * spec.head_dim * keys * UNIT_QUERIES * UNIT_KEYS / (spec.block_m * keys)
     per_score = 2 if spec.softcap else 1  # exp2, and the cap's tanh
     mufu = (per_score * spec.rows_per_warp * keys / 32 + 2) * per_unit
     by_class = {"HGMMA": hgmma, "LDSM": 0.0, "LDGSTS": 0.0, "MUFU": mufu}
@@ -508,7 +555,8 @@ def model_spec(
     rates_of(arch)  # an arch the model knows, before compiling anything
     sass, log = interior_compile(spec, arch)
     consumer, producer = loops_of(spec, sass)
-    figures = unit_figures(consumer, spec, producer)
+    transposer = transposer_loop(sass) if spec.v_transposed_in_kernel else None
+    figures = unit_figures(consumer, spec, producer, transposer)
     res = resources or compile_offline(render(spec), spec.uri, arch, sass=False).resources
     prediction = predict(figures, arch)
     vs_fa2 = None

@@ -291,6 +291,36 @@ def fp8_default_spec(head_dim: int, causal: bool, variants: tuple[str, ...] = ()
     )
 
 
+def fp8_decode_spec(
+    head_dim: int,
+    causal: bool,
+    group: int,
+    variants: tuple[str, ...] = (),
+    *,
+    paged_kv: bool = False,
+) -> KernelSpec:
+    """The spec of an fp8 (e4m3) decode call without one (``attention_with_kvcache`` on an fp8
+    cache; specs/v2_wg_e4m3_d128_m64_n128_s2_vk_gqa_split.yaml at d128): the wgmma forward
+    reading the cache in place (``fp8_v_layout: kernel``, V transposed in shared memory),
+    split-KV, one consumer warpgroup of 64 rows, packed GQA where the group divides them, the
+    head dim's first fp8 key tile (``paged_kv``: a paged cache, 64-key tiles, so pages of a
+    multiple of 64 keys are one TMA copy per tile), 2 stages. Not tuned (docs/hopper.md, "fp8
+    decode")."""
+    base = fp8_default_spec(head_dim, causal, variants)
+    return KernelSpec(
+        **{
+            **base.model_dump(),
+            "block_m": 64,
+            "num_warps": 8,
+            "split_kv": True,
+            "pack_gqa": group > 1 and 64 % group == 0,
+            "fp8_v_layout": "kernel",
+            "paged_kv": paged_kv,
+            "block_n": 64 if paged_kv else base.block_n,
+        }
+    )
+
+
 def hopper_decode_spec(
     dtype: str,
     head_dim: int,

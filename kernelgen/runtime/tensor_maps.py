@@ -116,6 +116,12 @@ def check_wgmma_decode(spec: KernelSpec, problem: Any) -> None:
             f"{spec.block_n} is copied by TMA, others row by row with cp.async, {PAGE_ROWS} "
             "rows per step)"
         )
+    if spec.paged_kv and spec.fp8 and problem.page_size % spec.block_n:
+        raise InputError(
+            f"page_size={problem.page_size} is not allowed with spec {spec.uri} (fp8, "
+            f"paged_kv): a multiple of block_n={spec.block_n}, each key tile one TMA copy (fp8 "
+            "row copies for other page sizes: not built yet)"
+        )
     if spec.paged_kv and problem.num_pages <= 0:
         raise InputError(
             f"num_pages={problem.num_pages} is not allowed with spec {spec.uri} (mma='wgmma', "
@@ -165,14 +171,17 @@ def tensor_map_layouts(spec: KernelSpec, problem: Any) -> dict[str, TensorMapLay
         dims: tuple[int, ...] = (spec.head_dim, seq, heads, batch)
         if tensor in ("k", "v"):  # with clusters, each block copies a slice of the tile
             rows //= spec.cluster_m
-        row_bytes = spec.qk_row_bytes if tensor in ("q", "k") else WGMMA_ROW_BYTES
+        # (fp8 with V transposed in the kernel: v is copied as K is, into the staging ring)
+        natural_v = tensor == "v" and spec.v_transposed_in_kernel
+        row_bytes = spec.qk_row_bytes if tensor in ("q", "k") or natural_v else WGMMA_ROW_BYTES
         box: tuple[int, ...] = (row_bytes // elem, rows, 1, 1)  # one column block
         if tensor not in ("k", "v") and spec.pack_gqa:  # q, out or o_partial
             group = problem.group
             dims = (spec.head_dim, group, seq, problem.num_kv_heads, batch)
             strides = (strides[1], strides[0], group * strides[1], strides[2])
             box = (box[0], min(group, rows), max(rows // group, 1), 1, 1)
-        if spec.fp8 and tensor == "v":  # V^T: rows of keys, strides (head dim, head, batch)
+        if spec.fp8 and tensor == "v" and not natural_v:
+            # V^T: rows of keys, strides (head dim, head, batch)
             dims = (-(-seq // FP8_KEY_GROUP) * FP8_KEY_GROUP, spec.head_dim, heads, batch)
             box = (spec.block_n, spec.head_dim, 1, 1)
             row_bytes = spec.v_row_bytes

@@ -42,6 +42,11 @@ SmemLayout = Literal["padded", "swizzled"]
 # accumulators, or through a swizzled shared-memory tile (stmatrix) and one TMA store per block.
 Epilogue = Literal["direct", "tma"]
 EPILOGUE_TAGS = {"direct": "", "tma": "tma"}
+# Where the fp8 forward's V^T operand comes from (docs/hopper.md, "fp8", "V transposed in the
+# kernel"): a host copy per call, or the caller's V by TMA, transposed in shared memory by the
+# producer warpgroup. The uri tag of each.
+FP8VLayout = Literal["host", "kernel"]
+FP8_V_LAYOUT_TAGS = {"host": "", "kernel": "vk"}
 # Thread blocks per cluster of the wgmma forward (docs/hopper.md, "2-CTA clusters"): 1, or 2
 # blocks of adjacent query tiles sharing each K/V tile by TMA multicast.
 CLUSTER_SIZES = (1, 2)
@@ -53,8 +58,8 @@ DTYPE_SHORT: dict[str, str] = {
     "bfloat16": "bf16",
     "float8_e4m3": "e4m3",
 }
-# fp8 inputs (docs/hopper.md, "fp8"): the element type of q, k and v -> that of out (and of the
-# split/combine paths, which fp8 does not have). Every other dtype writes out in its own type.
+# fp8 inputs (docs/hopper.md, "fp8"): the element type of q, k and v -> that of out (split-KV's
+# combine writes it too; its partials are fp32). Every other dtype writes out in its own type.
 FP8_DTYPE = "float8_e4m3"  # the fp8 kernels' input dtype (OCP e4m3)
 FP8_OUTPUT_DTYPE: dict[str, str] = {FP8_DTYPE: "bfloat16"}
 # What fp8 on the wgmma engine is built for: head dim -> the key tiles it takes (docs/hopper.md,
@@ -398,6 +403,13 @@ class KernelSpec(BaseModel):
         "K/V traffic from L2 (FlashAttention 3's 2-CTA clusters; not causal, window, "
         "split_kv, paged_kv or fp8, whose blocks visit different key tiles).",
     )
+    fp8_v_layout: FP8VLayout = Field(
+        "host",
+        description="fp8 (float8_e4m3) only: where P V's V^T operand comes from. host: a "
+        "transposed, key-permuted copy of v made once per call (kernelgen.runtime.fp8."
+        "v_operand); kernel: the caller's v by TMA into a staging ring, transposed in shared "
+        "memory by the producer warpgroup (no copy, no extra memory).",
+    )
     archs: tuple[str, ...] = Field(
         DEFAULT_ARCHS,
         description="GPU architectures the spec must fit (shared memory is checked against each).",
@@ -584,6 +596,11 @@ class KernelSpec(BaseModel):
             problems += self._epilogue_problems()
         if self.cluster_m != 1:
             problems += self._cluster_problems()
+        if self.fp8_v_layout != "host" and not self.fp8:
+            problems.append(
+                f"fp8_v_layout={self.fp8_v_layout!r} is not allowed with dtype={self.dtype!r}; "
+                "it is where an fp8 (float8_e4m3) kernel's V^T comes from (leave it out)"
+            )
         if not wgmma and self.num_warps == 12:
             problems.append(
                 f"num_warps=12 is not allowed with mma={self.mma!r}; use 1, 2, 4 or 8 (12 is "
@@ -808,13 +825,16 @@ class KernelSpec(BaseModel):
             )
         # The built-in variants, user expressions and block-sparse masks are allowed (they act
         # on the descaled scores and the key tiles' positions); the decode forms are not.
+        # The decode forms read a cache in place: with V transposed in the kernel only (the
+        # host layout would copy the cache's V^T every step); a paged fp8 cache takes pages of
+        # a multiple of block_n (the launch checks it: tensor_maps.check_wgmma_decode).
         for field in ("pack_gqa", "split_kv", "paged_kv"):
             value = getattr(self, field)
-            if value not in (False, None):
+            if value and not self.v_transposed_in_kernel:
                 problems.append(
-                    f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} (not built "
-                    "yet: fp8 runs the prefill loops, causal or not, with the variants, user "
-                    "expressions and block-sparse masks; no decode forms)"
+                    f"{field}={_echo(value)} is not allowed with dtype={self.dtype!r} and "
+                    f"fp8_v_layout={self.fp8_v_layout!r} (a decode form reads the cache in "
+                    "place); use fp8_v_layout: kernel"
                 )
         return problems
 
@@ -861,6 +881,18 @@ class KernelSpec(BaseModel):
         """wgmma: bytes of one V tile (a ring slot of v_ring): as a K tile, or for fp8 the V^T
         box, head-dim rows of block_n 1-byte keys (d96, d192: fewer than K's padded rows)."""
         return self.head_dim_padded * self.block_n if self.fp8 else self.k_tile_bytes
+
+    @property
+    def v_transposed_in_kernel(self) -> bool:
+        """fp8 with ``fp8_v_layout: kernel``: V lands by TMA in a staging ring (K's layout) and
+        the producer warpgroup writes the V^T slots."""
+        return self.fp8 and self.fp8_v_layout == "kernel"
+
+    @property
+    def v_staging_bytes(self) -> int:
+        """wgmma: bytes of the V staging ring (``fp8_v_layout: kernel``: one K-shaped tile per
+        stage), else 0."""
+        return self.stages * self.k_tile_bytes if self.v_transposed_in_kernel else 0
 
     @property
     def engine(self) -> Engine:
@@ -989,9 +1021,12 @@ class KernelSpec(BaseModel):
             # Q landed; per slot K landed, V landed, slot free; the last V tile staged; paged:
             # per slot K and V copied by cp.async (pages that are no multiple of block_n);
             # block-sparse: per slot the index of its key tile (in 8 bytes)
-            slot_barriers = (5 if self.paged_kv else 4 if self.block_sparse else 3) * self.stages
+            copies = self.paged_kv and not self.fp8  # fp8 pages: TMA copies only
+            slot_barriers = (5 if copies else 4 if self.block_sparse else 3) * self.stages
+            # V transposed in the kernel: per slot, the staged V tile landed
+            slot_barriers += self.stages if self.v_transposed_in_kernel else 0
             barriers = (2 + slot_barriers) * WGMMA_BARRIER_BYTES
-            return q_bytes + kv_bytes + barriers + WGMMA_SWIZZLE_ATOM
+            return q_bytes + kv_bytes + self.v_staging_bytes + barriers + WGMMA_SWIZZLE_ATOM
         if self.engine.tensor_cores:  # Q tile (reused to stage the output), then K and V rings
             return (self.block_m + 2 * self.stages * self.block_n) * row_bytes
         return (
@@ -1019,6 +1054,11 @@ class KernelSpec(BaseModel):
                 + ("_qr" if self.q_in_registers else "")
                 + (f"_{EPILOGUE_TAGS[self.epilogue]}" if EPILOGUE_TAGS[self.epilogue] else "")
                 + (f"_c{self.cluster_m}" if self.cluster_m > 1 else "")
+                + (
+                    f"_{FP8_V_LAYOUT_TAGS[self.fp8_v_layout]}"
+                    if FP8_V_LAYOUT_TAGS[self.fp8_v_layout]
+                    else ""
+                )
             )
         elif engine.tensor_cores:
             parts += [f"s{self.stages}", "swz" if self.smem_layout == "swizzled" else "pad"]

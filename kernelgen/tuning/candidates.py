@@ -124,6 +124,11 @@ FP8_LOOPS: tuple[tuple[int, dict[str, Any]], ...] = (
     (3, {"overlap": True, "q_in_registers": True}),
     (2, {"pingpong": True}),
     (2, {"epilogue": "tma"}),  # the plain loop's TMA-store twin, as in the 16-bit grid
+    # the plain loop with V transposed in the kernel: no V^T copy per call (the bench times
+    # the host layout's with its launches), but 8 KiB more shared-memory traffic per 64 x 64
+    # unit at d128, which the model ranks last there (288 clk/unit against 264) and equal at
+    # d64 and d96 (docs/hopper.md, "V transposed in the kernel")
+    (2, {"fp8_v_layout": "kernel"}),
 )
 # A paged cache whose page size is no multiple of 32 (16, 48, ...) also tries 16-key tiles: a
 # tile that lies in one page costs one block-table load (docs/design-decisions.md).

@@ -3,10 +3,10 @@
 CuPy has no fp8 dtype, so the inputs are torch tensors on the GPU (torch draws them and rounds
 them to e4m3), and the kernels get their bytes by raw pointer, as an fp8 call passes them
 (:mod:`kernelgen.calls.fp8`): q and k in place, v as the V^T copy an fp8 call makes
-(:func:`kernelgen.runtime.fp8.v_operand`, made once per input set, outside the timed region:
-every candidate reads the same copy, so it would add the same time to each), the three
-descales, and the problem's variants with :func:`kernelgen.tuning.gpu.bench_variants`' values
-(a record serves every value). Launches go to torch's current stream (CuPy's while the bench's
+(:func:`kernelgen.runtime.fp8.v_operand`, made again in each timed launch, as a call makes it)
+or, for a spec with ``fp8_v_layout: kernel``, v in place (no copy), the three descales, and
+the problem's variants with :func:`kernelgen.tuning.gpu.bench_variants`' values (a record
+serves every value). Launches go to torch's current stream (CuPy's while the bench's
 scope is entered); the events and the timing loop are :class:`kernelgen.tuning.gpu.EventBench`'s.
 """
 
@@ -73,7 +73,7 @@ class Fp8Bench(EventBench):
         q_shape = (p.batch, p.num_heads, p.seqlen_q, p.head_dim)
         kv_shape = (p.batch, p.num_kv_heads, p.seqlen_k, p.head_dim)
         v_shape, v_strides = v_operand_layout(*kv_shape)
-        # bytes per set: q, k, v and V^T (1 byte), out (2), lse and the descales (4)
+        # bytes per set: q, k, v and a launch's V^T (1 byte), out (2), lse and the descales (4)
         per_set = 3 * math.prod(q_shape) + 2 * math.prod(kv_shape) + math.prod(v_shape)
         count = set_count(device, per_set + 4 * (math.prod(q_shape[:3]) + 3 * p.batch))
         generator = torch.Generator(device=TORCH_DEVICE)
@@ -97,7 +97,6 @@ class Fp8Bench(EventBench):
             s = {"q": e4m3(q_shape), "k": e4m3(kv_shape), "v": e4m3(kv_shape),
                  **{name: descale() for name in DESCALES}, "out": empty(q_shape, torch.bfloat16),
                  "lse": empty(q_shape[:3], torch.float32)}  # fmt: skip
-            s["v_t"] = v_operand(s["v"].view(torch.uint8))
             self.sets.append(s)
         self.variants = bench_variants(p)  # host values; the slopes and sinks also on the GPU
         self.variant_arrays = {
@@ -108,23 +107,32 @@ class Fp8Bench(EventBench):
         self.arrays = arrays_of(self.sets[0]["q"])
         self.device_index = device_of(self.sets[0]["q"])
         self.tensors = [self._arguments(s) for s in self.sets]
-        # the kernels read V^T: its (batch, kv head, head-dim row) strides
+        # host-layout kernels read V^T: its (batch, kv head, head-dim row) strides; kernels
+        # that transpose V themselves read v as k
         scalars = variant_scalars(self.variants)
-        self.launch_problem = dataclasses.replace(
-            launch_problem(p), v_strides=v_strides[:3], variant_scalars=scalars
-        )
+        natural = dataclasses.replace(launch_problem(p), variant_scalars=scalars)
+        self.launch_problems = {
+            "host": dataclasses.replace(natural, v_strides=v_strides[:3]),
+            "kernel": natural,
+        }
         self.launches: dict[KernelSpec, Any] = {}  # spec -> its PreparedLaunch
 
     def _arguments(self, s: dict[str, Any]) -> dict[str, Any]:
-        """A set's kernel arguments by parameter name: q and k as their e4m3 bytes, V^T as v."""
+        """A set's kernel arguments by parameter name but v (each launch's): q and k as their
+        e4m3 bytes."""
         uint8 = self.torch.uint8
-        tensors = {"q": s["q"].view(uint8), "k": s["k"].view(uint8), "v": s["v_t"],
+        tensors = {"q": s["q"].view(uint8), "k": s["k"].view(uint8),
                    "out": s["out"], "lse": s["lse"], **{n: s[n] for n in DESCALES},
                    **self.variant_arrays}  # fmt: skip
         return {name: launch_arg(self.arrays, x) for name, x in tensors.items()}
 
     def _launch(self, spec: Any, index: int, num_splits: int | None = None) -> None:
-        self.launches[spec](self.tensors[index % len(self.sets)])
+        """One launch on set ``index``: a host-layout spec's includes the V^T copy of the
+        call's path (so that it compares with a spec that transposes V in the kernel)."""
+        s, tensors = self.sets[index % len(self.sets)], self.tensors[index % len(self.sets)]
+        v_bytes = s["v"].view(self.torch.uint8)
+        v = v_bytes if spec.v_transposed_in_kernel else v_operand(v_bytes)
+        self.launches[spec]({**tensors, "v": launch_arg(self.arrays, v)})
 
     def compile(self, spec: KernelSpec) -> None:
         """Build (or load) the spec's kernel, prepare its launch (the tensor maps' checks) and
@@ -132,7 +140,8 @@ class Fp8Bench(EventBench):
         with self.arrays.scope(self.device_index):
             if spec not in self.launches:
                 kernel = bench_kernel(spec, self.device.arch)
-                self.launches[spec] = kernel.prepare(self.launch_problem, self.scale)
+                problem = self.launch_problems[spec.fp8_v_layout]
+                self.launches[spec] = kernel.prepare(problem, self.scale)
             self._launch(spec, 0)
             self.cupy.cuda.get_current_stream().synchronize()
 

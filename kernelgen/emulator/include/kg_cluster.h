@@ -109,6 +109,7 @@ inline T ld_shared(uint32_t addr, bool cluster, const char* what) {
   if (target == tctx().cta) {
     const size_t chunk = chunk_of(p);
     check_generic_write(tctx().cta->shadow[chunk], chunk);
+    check_tma_read(chunk);  // bytes a TMA (or tracked cp.async) wrote: after the mbarrier wait
   }
   T v;
   std::memcpy(&v, p, sizeof(T));

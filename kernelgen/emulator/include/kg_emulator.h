@@ -1550,6 +1550,15 @@ inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned int>(x)); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
+// __byte_perm(x, y, s) (CUDA's integer intrinsic, libdevice __nv_byte_perm; PTX prmt.b32 in its
+// default mode): byte n of the result is byte s<4n+2:4n> of the eight bytes {y, x}, x's bytes
+// 0-3; the top bit of each selector nibble and the upper 16 bits of s are not used.
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const uint64_t bytes = static_cast<uint64_t>(y) << 32 | x;
+  unsigned int r = 0;
+  for (int n = 0; n < 4; ++n) r |= static_cast<unsigned int>(bytes >> (8 * ((s >> (4 * n)) & 7u)) & 0xFFu) << (8 * n);
+  return r;
+}
 
 // CUDA's integer/float min and max overloads (usual arithmetic conversions; floats like fminf).
 template <class A, class B,
