@@ -19,9 +19,11 @@ from kernelgen.model.perfmodel import (
     analytic_cost,
     analytic_figures,
     interior_loop,
-    interior_loops,
+    interior_sass,
+    loops_of,
     model_spec,
     predict,
+    transposer_loop,
     unit_figures,
 )
 from kernelgen.model.policy import hopper_default_spec
@@ -256,18 +258,21 @@ WGMMA_SPECS = [p for p in SPEC_PATHS if load_spec(p).mma == "wgmma"]
 def test_wgmma_loop_issues_what_the_tiling_requires(path):
     """The consumers' interior loop issues exactly the tiling's HGMMA and exp2 and reads exactly
     its operands from shared memory (Q, K and V once per warpgroup and tile, P from registers),
-    the TMA producer's loop adds the K/V tile writes; no LDSM, no cp.async, no inner loop but
-    the mbarrier waits' retries, and the products account for a unit's multiply-adds."""
+    the TMA producer's loop adds the K/V tile writes (and with fp8's V transposed in the kernel,
+    the transposing warps' reads and writes); no LDSM, no cp.async, no inner loop but the
+    mbarrier waits' retries, and the products account for a unit's multiply-adds."""
     require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
     require_toolchain(cuobjdump_path() is not None, "cuobjdump + nvdisasm wheels")
     spec = load_spec(path)
-    consumer, producer = interior_loops(spec, "sm_90a")
+    sass = interior_sass(spec, "sm_90a")
+    consumer, producer = loops_of(spec, sass)
+    transposer = transposer_loop(sass) if spec.v_transposed_in_kernel else None
     # backward branches inside the body can only be the retry loops of its mbarrier waits (K
     # and V of each tile: one pass once the tile has landed)
     k = WGMMA_OPERAND[spec.dtype].k  # 16, or 32 for fp8
     tiles = len(consumer.hgmma) / ((spec.head_dim_padded + spec.block_n) // k)
     assert consumer.inner_loops <= 2 * tiles and producer is not None
-    measured = unit_figures(consumer, spec, producer)
+    measured = unit_figures(consumer, spec, producer, transposer)
     expected = analytic_figures(spec)
     for name in ("HGMMA", "MUFU", "LDSM", "LDGSTS"):
         assert measured.count(name) == pytest.approx(expected.count(name)), name

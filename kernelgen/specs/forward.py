@@ -440,8 +440,9 @@ class KernelSpec(BaseModel):
     @model_serializer(mode="wrap")
     def _drop_unused_variants(self, handler: Any) -> dict[str, Any]:
         """Variant flags that are off are left out of dumps (YAML, JSON, cache identities), so a
-        spec without variants keeps the identity it had before variants existed; so is wgmma's
-        overlap switch when off."""
+        spec without variants keeps the identity it had before variants existed; so are wgmma's
+        loop switches when off and the fields whose default came later (epilogue direct,
+        cluster_m 1, fp8_v_layout host)."""
         data = handler(self)
         for name in (
             *VARIANT_FLAGS, "block_sparse", "overlap", "pingpong", "q_in_registers", "additive_mask"
@@ -457,6 +458,8 @@ class KernelSpec(BaseModel):
             del data["epilogue"]
         if data.get("cluster_m") == 1:
             del data["cluster_m"]
+        if data.get("fp8_v_layout") == "host":
+            del data["fp8_v_layout"]
         return data
 
     @model_validator(mode="before")
