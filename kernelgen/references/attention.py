@@ -61,6 +61,7 @@ __all__ = [
     "combine",
     "combine_partials",
     "finalize",
+    "grad_mismatches",
     "identity_state",
     "mismatches",
     "naive_attention",
@@ -864,3 +865,35 @@ def mismatches(
             if not lse_error <= LSE_TOLERANCE:
                 failed.append(f"lse error {lse_error:.3g} > {LSE_TOLERANCE}")
     return Mismatches(tuple(failed), error, lse_error)
+
+
+@dataclass(frozen=True)
+class GradMismatches:
+    """What :func:`grad_mismatches` found: ``failed`` (one line per broken limit) and each
+    gradient's relative Frobenius error (``dq``, ``dk``, ``dv`` and, with sinks, ``dsinks``)."""
+
+    failed: tuple[str, ...]
+    errors: dict[str, float]
+
+
+def grad_mismatches(grads: Sequence[Any], ref: BackwardGrads, dtype: str) -> GradMismatches:
+    """A backward's gradients (dq, dk, dv[, dsinks], in (B, H, S, D) order) against the float64
+    :func:`attention_backward` with the project's limit: each of the reference's shape, finite,
+    and within OUT_TOLERANCE[dtype] in relative Frobenius error (the forward's limit for the
+    input dtype). The backward tests assert it empty; the fuzzer reports it."""
+    names = ["dq", "dk", "dv"] + ([] if ref.dsinks is None else ["dsinks"])
+    if len(grads) != len(names):
+        return GradMismatches((f"{len(grads)} gradients; expected {', '.join(names)}",), {})
+    failed, errors = [], {}
+    for name, got in zip(names, grads, strict=True):
+        got = np.asarray(got, dtype=np.float64)
+        want = getattr(ref, name)
+        if got.shape != want.shape:
+            failed.append(f"{name} has shape {got.shape}; expected {want.shape}")
+            continue
+        if not np.isfinite(got).all():
+            failed.append(f"non-finite {name} at {np.argwhere(~np.isfinite(got))[:5].tolist()}")
+        errors[name] = relative_error(np.nan_to_num(got, nan=0.0, posinf=0.0, neginf=0.0), want)
+        if not errors[name] <= OUT_TOLERANCE[dtype]:
+            failed.append(f"{name} relative error {errors[name]:.3g} > {OUT_TOLERANCE[dtype]}")
+    return GradMismatches(tuple(failed), errors)

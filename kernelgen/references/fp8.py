@@ -15,15 +15,19 @@ sums' terms beside out and lse; :func:`bound_ratio` is the largest error over it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from kernelgen.references.attention import Variants, _prepare, relative_error
 
 P_RELATIVE = 2.0**-4  # e4m3 rounding of a normal weight: 3 mantissa bits
 P_ABSOLUTE = 2.0**-18  # half the e4m3 subnormal spacing (2^-10), over the maximum's weight 256
 OUT_RELATIVE = 2.0**-8  # bf16 output rounding (2^-9), with room for the fp32 epilogue
 FP32_SLACK = 1e-5  # fp32 scores, exponentials and sums, relative to sum_j p_j |v_j| / l
 FP8_TOLERANCE = 2.0**-4  # relative Frobenius error of out (measured about 1%)
+FP8_LSE_TOLERANCE = 1e-4  # absolute error of the lse: fp32 scores of exact e4m3 products
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
@@ -55,9 +59,34 @@ class Fp8Reference:
         return float(np.max(ratio, initial=0.0))
 
 
+@dataclass(frozen=True)
+class Fp8Mismatches:
+    """What :func:`fp8_mismatches` found: ``failed`` (one line per broken limit), the largest
+    error over its bound, out's relative Frobenius error and the largest lse error."""
+
+    failed: tuple[str, ...]
+    bound_ratio: float
+    out_error: float
+    lse_error: float
+
+
 def decode(bits: np.ndarray) -> np.ndarray:
     """e4m3 bit patterns (uint8) as float64 values (OCP E4M3: bias 7, no infinities)."""
     return np.asarray(bits, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+_ALL = decode(np.arange(256, dtype=np.uint8))
+_FINITE = np.flatnonzero(np.isfinite(_ALL))
+_ORDER = _FINITE[np.argsort(_ALL[_FINITE], kind="stable")]  # bit patterns by value
+_SORTED = _ALL[_ORDER]
+
+
+def quantize(x: np.ndarray) -> np.ndarray:
+    """The nearest e4m3 bit pattern (uint8) of each value, saturating at +-448 (ties either
+    way: the tests and the fuzzer only need e4m3 data)."""
+    i = np.clip(np.searchsorted(_SORTED, x), 1, len(_SORTED) - 1)
+    nearer_lower = np.abs(x - _SORTED[i - 1]) <= np.abs(_SORTED[i] - x)
+    return _ORDER[np.where(nearer_lower, i - 1, i)].astype(np.uint8)
 
 
 def fp8_reference(
@@ -68,9 +97,13 @@ def fp8_reference(
     *,
     causal: bool,
     scale: float,
+    **variants: Any,
 ) -> Fp8Reference:
     """Attention of e4m3 bit patterns q (B, H, Sq, D), k and v (B, Hkv, Sk, D) (uint8) with
-    ``descales`` (name -> (B, Hkv) or None: 1), in float64; causal aligned bottom right."""
+    ``descales`` (name -> (B, Hkv) or None: 1), in float64; causal aligned bottom right.
+    ``variants`` (window_size, softcap, alibi_slopes, sinks) are naive_attention's, applied to
+    the descaled scores by the same code; the weights are relative to the largest key's (a
+    sink only joins the sum l)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
     ones = np.ones(k.shape[:2])
@@ -83,15 +116,14 @@ def fp8_reference(
     qf = decode(q) * per_head("q_descale")
     kf = np.repeat(decode(k), group, axis=1) * per_head("k_descale")
     vf = np.repeat(decode(v), group, axis=1) * per_head("v_descale")
-    s = qf @ kf.transpose(0, 1, 3, 2) * scale
-    sq, sk = s.shape[2:]
-    if causal:
-        visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
-        s = np.where(visible, s, -np.inf)
+    problem = _prepare(qf, kf, vf, causal, scale, None, Variants(**variants))
+    s = problem.scores(0, problem.sq, 0, problem.sk)
     peak = s.max(-1, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0.0)  # a row that sees no key: out 0, lse -inf
     p = np.exp(s - peak)
     total = p.sum(-1, keepdims=True)
+    if problem.variants.sinks is not None:  # one more term of the sum, of no value
+        total = total + np.exp(problem.variants.sinks[None, :, None, None] - peak)
     l = np.where(total > 0, total, 1.0)  # noqa: E741
     with np.errstate(divide="ignore"):
         lse = (peak + np.log(total))[..., 0]
@@ -101,3 +133,33 @@ def fp8_reference(
         weighted=p @ np.abs(vf) / l,
         total=np.where(total > 0, np.abs(vf).sum(-2, keepdims=True) / l, 0.0),
     )
+
+
+def fp8_mismatches(out: np.ndarray, lse: np.ndarray | None, ref: Fp8Reference) -> Fp8Mismatches:
+    """An fp8 forward's out (B, H, Sq, D) and lse (B, H, Sq) against :func:`fp8_reference` with
+    the fp8 limits: every element within the stated bound (NaN, and out != 0 on a row that sees
+    no key, break it), the relative Frobenius error under :data:`FP8_TOLERANCE`, the lse -inf
+    exactly where a row sees no key and within :data:`FP8_LSE_TOLERANCE` elsewhere (lse None:
+    not asked for). The fp8 tests assert it empty; the fuzzer reports it."""
+    out = np.asarray(out, np.float64)
+    failed = []
+    ratio = ref.bound_ratio(out)
+    if not ratio <= 1.0:
+        failed.append(f"max error / bound {ratio:.3g} > 1")
+    error = relative_error(np.nan_to_num(out, nan=0.0), ref.out)
+    if not error < FP8_TOLERANCE:
+        failed.append(f"out relative error {error:.3g} >= {FP8_TOLERANCE}")
+    lse_error = 0.0
+    if lse is not None:
+        lse = np.asarray(lse, np.float64)
+        empty = np.isneginf(ref.lse)
+        if np.isnan(lse).any():
+            failed.append(f"NaN in lse at {np.argwhere(np.isnan(lse))[:5].tolist()}")
+        if not np.array_equal(np.isneginf(lse), empty):
+            where = np.argwhere(np.isneginf(lse) != empty)[:5].tolist()
+            failed.append(f"lse is -inf exactly where a row sees no key (not at {where})")
+        if (~empty).any():
+            lse_error = float(np.max(np.abs(lse[~empty] - ref.lse[~empty])))
+            if not lse_error <= FP8_LSE_TOLERANCE:
+                failed.append(f"lse error {lse_error:.3g} > {FP8_LSE_TOLERANCE}")
+    return Fp8Mismatches(tuple(failed), ratio, error, lse_error)
