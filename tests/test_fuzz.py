@@ -91,7 +91,9 @@ def test_backward_draws_are_valid_reproducible_and_fit(engine):
                 assert error.value.problems[0] == problem
             p = case.problem
             assert p.heads % p.kv_heads == 0 and 1 <= p.batch <= 2
-            assert min(p.seqlen_q, p.seqlen_k) >= 1
+            assert p.seqlen_q >= 1 and p.seqlen_k >= 2  # rows see more than one key
+            if p.window is not None:
+                assert p.window[0] != 0 or (p.window[1] != 0 and not spec.causal)
             work = fuzz_backward.work(spec, p.batch, p.heads, p.seqlen_q, p.seqlen_k)
             assert work <= fuzz_backward.MAX_WORK
             assert (p.mask is not None) == spec.additive_mask

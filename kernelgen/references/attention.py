@@ -721,6 +721,7 @@ def attention_backward(
     score_mod: ScoreMod | None = None,
     score_mod_grad: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
+    out: np.ndarray | None = None,
 ) -> BackwardGrads:
     """The analytic gradients of ``L = sum(out * dout)`` for :func:`naive_attention`'s forward.
 
@@ -735,6 +736,11 @@ def attention_backward(
     softcapped score; without it the derivative is a float64 central difference of
     ``score_mod`` (:data:`SCORE_MOD_FD_STEP`). ``seqlens_k`` is as in :func:`naive_attention`:
     keys past an entry's length get zero ``dk``/``dv``.
+
+    ``out`` is the forward output a backward kernel is given (its rounding to the dtype), for
+    ``D_i = dout_i . out_i``; default the exact one. A backward is a function of out: the float64
+    model of that function takes the out it got, as it takes the rounded q, k and v (D enters
+    dS = P (dP - D) by a difference, and dsinks = -sum P_sink D by a sum, that can cancel).
     """
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != np.shape(q):
@@ -751,6 +757,8 @@ def attention_backward(
     )
     kw: dict[str, Any] = dict(causal=causal, scale=scale, mask=mask, **variants)
     if seqlens_k is not None:
+        if out is not None:
+            raise ValueError("out: not supported with seqlens_k (give each entry's call)")
         return _backward_per_sequence(dout, q, k, v, seqlens_k, kw, score_mod_grad)
     p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
     var = p.variants
@@ -758,8 +766,11 @@ def attention_backward(
     e, denom, seen, lse = _softmax_parts(_with_sinks(stages.final, var.sinks))
     prob = np.where(seen[..., None], e / denom[..., None], 0.0)
     p_keys = prob[..., : p.sk]
-    out = np.matmul(p_keys, p.v)
-    delta = np.einsum("bhid,bhid->bhi", dout, out)
+    exact = np.matmul(p_keys, p.v)
+    given = exact if out is None else np.asarray(out, dtype=np.float64)
+    if given.shape != exact.shape:
+        raise ValueError(f"out: shape {given.shape} must equal q's shape {exact.shape}")
+    delta = np.einsum("bhid,bhid->bhi", dout, given)
     dp = np.matmul(dout, np.swapaxes(p.v, -1, -2))
     dx = p_keys * (dp - delta[..., None])
     chain = np.ones_like(dx)
@@ -774,7 +785,7 @@ def attention_backward(
     dv = np.matmul(np.swapaxes(p_keys, -1, -2), dout)
     dk, dv = (x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(axis=2) for x in (dk, dv))
     dsinks = None if var.sinks is None else -(prob[..., p.sk] * delta).sum(axis=(0, 2))
-    return BackwardGrads(dq, dk, dv, dsinks, out, lse, delta)
+    return BackwardGrads(dq, dk, dv, dsinks, exact, lse, delta)
 
 
 def _backward_per_sequence(

@@ -7,7 +7,10 @@ its dq, dk, dv (and dsinks) judged against the float64
 
 The forward's out and lse the backward reads are the float64 reference's (out rounded to the
 dtype, lse in fp32), not a forward kernel's: a failure is the backward's own, and a case costs
-one family's emulation.
+one family's emulation. The reference gradients are those of the out the backward is given
+(``attention_backward(out=)``): its rounding enters D_i = dout_i . out_i, and through
+dP - D and dsinks = -sum P_sink D (differences and sums that cancel) it alone put dsinks 0.2%
+off in float16 (seed 201 case 22: the kernel matched the float64 of the rounded out to 1e-7).
 """
 
 from __future__ import annotations
@@ -131,8 +134,9 @@ def draw_problem(rng: np.random.Generator, spec: BackwardSpec) -> FuzzProblem:
     if chance(rng, 0.3):
         shift = pick(rng, (-2, -1, 0, 1, 2, spec.block_n - 1, spec.block_n + 1, -spec.block_m))
         seqlen_k = min(MAX_SEQLEN, max(1, seqlen_q + shift))
+    seqlen_k = max(2, seqlen_k)  # one key: dq = dk = 0 exactly (see _window)
     while work(spec, batch, heads, seqlen_q, seqlen_k) > MAX_WORK:
-        if seqlen_k >= seqlen_q and seqlen_k > 1:
+        if seqlen_k >= seqlen_q and seqlen_k > 2:
             seqlen_k = (seqlen_k + 1) // 2
         elif seqlen_q > 1:
             seqlen_q = (seqlen_q + 1) // 2
@@ -154,10 +158,20 @@ def draw_problem(rng: np.random.Generator, spec: BackwardSpec) -> FuzzProblem:
         data_seed=int(rng.integers(2**31)),
         wide_range=chance(rng, 0.15),
         mask=pick(rng, ("broadcast", "full")) if spec.additive_mask else None,
-        window=draw_window(rng, spec) if spec.window else None,
+        window=_window(rng, spec) if spec.window else None,
         softcap=pick(rng, (0.3, 1.5, 5.0, 20.0)) if spec.softcap else None,
         alibi_per_batch=spec.alibi and chance(rng, 0.5),
     )
+
+
+def _window(rng: np.random.Generator, spec: BackwardSpec) -> tuple[int, int]:
+    """A forward window, but never one key per row (left 0, right 0 or causal): then every
+    score's dS = P (dP - D) is 0 exactly (P = 1, D = dP), dq = dk = 0, and their relative error
+    against float64 rounding noise means nothing (seed 201 case 18, Sq = Sk = 1: 1e9)."""
+    left, right = draw_window(rng, spec)
+    if left == 0 and (right == 0 or spec.causal):
+        left = 1
+    return left, right
 
 
 def _device(x: np.ndarray, dtype: str, layout: str) -> np.ndarray:
@@ -191,12 +205,12 @@ def run(spec: BackwardSpec, p: FuzzProblem) -> dict[str, Any]:
         keywords |= expressions
     reference_keywords = {k: w for k, w in keywords.items() if k not in ("score_mod", "mask_mod")}
     reference_keywords.pop("mod_inputs", None)
-    ref = attention_backward(
-        dout, q, k, v, causal=spec.causal, scale=p.scale, mask=mask, **reference_keywords,
-        **hooks,
-    )  # fmt: skip
-    out = _device(rounded(ref.out, spec.dtype), spec.dtype, p.layout)
-    lse = np.ascontiguousarray(ref.lse.astype(np.float32))
+    options = dict(causal=spec.causal, scale=p.scale, mask=mask, **reference_keywords, **hooks)
+    exact = attention_backward(dout, q, k, v, **options)
+    given = rounded(exact.out, spec.dtype)  # the out a forward in the dtype returns
+    ref = attention_backward(dout, q, k, v, out=given, **options)
+    out = _device(given, spec.dtype, p.layout)
+    lse = np.ascontiguousarray(exact.lse.astype(np.float32))
     grads = kernelgen.attention_backward(
         *(_device(x, spec.dtype, p.layout) for x in (dout, q, k, v)), out, lse,
         causal=spec.causal, scale=p.scale, mask=mask, layout=p.layout,
