@@ -1,7 +1,8 @@
-"""The fuzzer's fp8 (e4m3, wgmma) forward cases (:mod:`kernelgen.testing.fuzz`): the spec fields
-it draws, what a problem of an fp8 spec may hold, the quantized inputs with their descales, and
-the run judged against :func:`kernelgen.references.fp8.fp8_reference` with the fp8 tests' limits
-(:func:`kernelgen.references.fp8.fp8_mismatches`).
+"""The fuzzer's fp8 (e4m3, wgmma) forward cases (:mod:`kernelgen.testing.fuzz`): what a problem
+of an fp8 spec may hold, the quantized inputs with their descales, and the run judged against
+:func:`kernelgen.references.fp8.fp8_reference` with the fp8 tests' limits
+(:func:`kernelgen.references.fp8.fp8_mismatches`). The spec fields are drawn by
+:func:`kernelgen.testing.fuzz_space.draw_fp8_fields`.
 
 Which fp8 forms exist is the validator's to say (``KernelSpec._fp8_problems``): the draw asks for
 the variants too (window, softcap, ALiBi, sinks) and counts the refusals, so the same code draws
