@@ -19,12 +19,20 @@ def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
     return from_device_dtype(to_device_dtype(np.asarray(x, np.float32), dtype), dtype)
 
 
-def draw_values(rng: np.random.Generator, dtype: str, p: FuzzProblem, *shape: int) -> np.ndarray:
+def draw_values(
+    rng: np.random.Generator,
+    dtype: str,
+    p: FuzzProblem,
+    *shape: int,
+    exponents: tuple[int, int] = (-4, 4),
+) -> np.ndarray:
     """Standard normal values exact in ``dtype`` (float32); with ``p.wide_range`` each row
-    scaled by a power of two from 2^-4 to 2^4 (scores far apart, values of all sizes)."""
+    scaled by a power of two 2^e, e from ``exponents`` (scores far apart, values of all
+    sizes)."""
     x = rng.standard_normal(shape)
     if p.wide_range:
-        x = x * np.exp2(rng.integers(-4, 5, shape[:-1]))[..., None]
+        low, high = exponents
+        x = x * np.exp2(rng.integers(low, high + 1, shape[:-1]))[..., None]
     return rounded(x, dtype)
 
 
