@@ -103,6 +103,8 @@ def draw_spec(
 ) -> tuple[dict[str, Any], BackwardSpec, list[tuple[dict[str, Any], str]]]:
     """Draw fields until the validator takes them: (fields, spec, the refused draws with their
     first problem)."""
+    if engine == "all":  # once per case: the engine whose draws are refused more keeps its half
+        engine = pick(rng, ("simt", "mma_sync"))
     refused = []
     for _ in range(MAX_ATTEMPTS):
         fields = draw_fields(rng, engine)
