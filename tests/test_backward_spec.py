@@ -105,6 +105,10 @@ def test_split_roles_geometry_and_name():
         ({"mma": "simt", "stages": None, "dtype": "float32", "block_m": 32, "block_n": 32},
          "split_roles=True needs mma='mma_sync'"),
         ({"split_roles": "yes"}, "split_roles"),
+        # the fuzzer's find: 2 warps and 64 queries left rows 32-63 without lse and D (NaN in
+        # the emulator's poisoned shared memory: every dK and dV); 32 queries are covered
+        ({"block_m": 64, "block_n": 32, "num_warps": 2, "head_dim": 64},
+         "block_m=64 is over their 32 threads with num_warps=2; use block_m=32"),
     ],
 )  # fmt: skip
 def test_split_roles_problems(fields, message):

@@ -20,7 +20,7 @@ import kernelgen
 from kernelgen.calls import backward as backward_api
 from kernelgen.errors import EmulatorLaunchError, InputError, InputTypeError
 from kernelgen.families import backward, load_any_spec
-from kernelgen.references.attention import OUT_TOLERANCE, attention_backward, relative_error
+from kernelgen.references.attention import attention_backward, grad_mismatches
 from kernelgen.references.expressions import evaluate
 from kernelgen.specs.backward import BackwardSpec
 from kernelgen.specs.expression_grad import score_mod_grad_callable
@@ -77,20 +77,12 @@ def run(p: Problem, **extra):
 
 def check(p: Problem, grads, dtype: str) -> dict[str, float]:
     """Relative Frobenius errors of dq, dk, dv (and dsinks) against the float64 reference of the
-    rounded inputs; asserts each within the forward's tolerance for ``dtype``."""
+    rounded inputs; asserts each finite and within the forward's tolerance for ``dtype``
+    (kernelgen.references.attention.grad_mismatches, the fuzzer's check too)."""
     wide = [np.asarray(x, dtype=np.float64) for x in (p.dout, p.q, p.k, p.v)]
-    ref = attention_backward(*wide, **p.ref_options)
-    names = ["dq", "dk", "dv"] + (["dsinks"] if ref.dsinks is not None else [])
-    assert len(grads) == len(names)
-    errors = {}
-    for name, got in zip(names, grads, strict=True):
-        got = np.asarray(got, dtype=np.float64)
-        want = getattr(ref, name)
-        assert got.shape == want.shape, (name, got.shape, want.shape)
-        assert np.isfinite(got).all(), name
-        errors[name] = relative_error(got, want)
-    assert all(e <= OUT_TOLERANCE[dtype] for e in errors.values()), errors
-    return errors
+    found = grad_mismatches(grads, attention_backward(*wide, **p.ref_options), dtype)
+    assert not found.failed, found
+    return found.errors
 
 
 # ---- every backward spec of specs/ ---------------------------------------------------------

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_emulated_fp8 import P_RELATIVE, bound_ratio, fp8_spec, problem, reference
+from test_emulated_fp8 import bound_ratio, fp8_spec, problem, reference
 from test_emulator_hopper import decode, swizzle
 from test_emulator_hopper_fp8 import FP8, descriptor, fp8_kernel, fp8_values  # noqa: F401
 
 from kernelgen.calls.emulated import emulate_fp8_attention
 from kernelgen.errors import HazardError
 from kernelgen.kernels.render import render
+from kernelgen.references.fp8 import P_RELATIVE
 from kernelgen.specs.forward import WGMMA_ROW_BYTES
 
 pytestmark = pytest.mark.emulate

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_emulated_fp8 import P_RELATIVE, SHAPES, bound_ratio, fp8_spec, problem, reference
+from test_emulated_fp8 import SHAPES, bound_ratio, fp8_spec, problem, reference
 from test_emulated_wgmma import PINGPONG_MUTATIONS
 
 from kernelgen.calls.emulated import emulate_fp8_attention
 from kernelgen.errors import EmulatorError, HazardError
 from kernelgen.kernels.render import render
+from kernelgen.references.fp8 import P_RELATIVE
 
 pytestmark = pytest.mark.emulate
 

@@ -239,3 +239,27 @@ def test_input_checks():
     kv = np.zeros((1, 2, 7, 8))  # 2 kv heads do not divide 3 query heads
     with pytest.raises(ValueError, match="kv heads"):
         attention_backward(dout[:, :1].repeat(3, axis=1), q[:, :1].repeat(3, axis=1), kv, kv)
+
+
+def test_the_out_a_backward_is_given_enters_only_d():
+    """attention_backward(out=): the gradients of the out a backward kernel got (its rounding),
+    through D_i = dout_i . out_i alone: dv is out's own, dS = P (dP - D) moves by -P dD, and
+    dsinks = -sum P_sink D."""
+    rng = np.random.default_rng(11)
+    q, dout = rng.standard_normal((2, 1, 2, 6, 8))
+    k, v = rng.standard_normal((2, 1, 1, 9, 8))
+    sinks = rng.standard_normal(2)
+    exact = attention_backward(dout, q, k, v, causal=True, sinks=sinks)
+    same = attention_backward(dout, q, k, v, causal=True, sinks=sinks, out=exact.out)
+    for name in ("dq", "dk", "dv", "dsinks", "delta"):
+        np.testing.assert_array_equal(getattr(same, name), getattr(exact, name))
+    given = exact.out + 1e-3 * rng.standard_normal(exact.out.shape)
+    moved = attention_backward(dout, q, k, v, causal=True, sinks=sinks, out=given)
+    np.testing.assert_allclose(moved.delta, np.einsum("bhid,bhid->bhi", dout, given), rtol=1e-14)
+    np.testing.assert_array_equal(moved.dv, exact.dv)
+    np.testing.assert_array_equal(moved.out, exact.out)  # out stays the forward's
+    p_sink = np.exp(sinks[None, :, None] - exact.lse)
+    np.testing.assert_allclose(moved.dsinks, -(p_sink * moved.delta).sum(axis=(0, 2)), rtol=1e-12)
+    assert np.abs(moved.dq - exact.dq).max() > 1e-6  # D enters dq
+    with pytest.raises(ValueError, match="out: shape"):
+        attention_backward(dout, q, k, v, out=given[:, :, :-1])

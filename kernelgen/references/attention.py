@@ -61,6 +61,7 @@ __all__ = [
     "combine",
     "combine_partials",
     "finalize",
+    "grad_mismatches",
     "identity_state",
     "mismatches",
     "naive_attention",
@@ -720,6 +721,7 @@ def attention_backward(
     score_mod: ScoreMod | None = None,
     score_mod_grad: ScoreMod | None = None,
     mask_mod: MaskMod | None = None,
+    out: np.ndarray | None = None,
 ) -> BackwardGrads:
     """The analytic gradients of ``L = sum(out * dout)`` for :func:`naive_attention`'s forward.
 
@@ -734,6 +736,11 @@ def attention_backward(
     softcapped score; without it the derivative is a float64 central difference of
     ``score_mod`` (:data:`SCORE_MOD_FD_STEP`). ``seqlens_k`` is as in :func:`naive_attention`:
     keys past an entry's length get zero ``dk``/``dv``.
+
+    ``out`` is the forward output a backward kernel is given (its rounding to the dtype), for
+    ``D_i = dout_i . out_i``; default the exact one. A backward is a function of out: the float64
+    model of that function takes the out it got, as it takes the rounded q, k and v (D enters
+    dS = P (dP - D) by a difference, and dsinks = -sum P_sink D by a sum, that can cancel).
     """
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != np.shape(q):
@@ -750,6 +757,8 @@ def attention_backward(
     )
     kw: dict[str, Any] = dict(causal=causal, scale=scale, mask=mask, **variants)
     if seqlens_k is not None:
+        if out is not None:
+            raise ValueError("out: not supported with seqlens_k (give each entry's call)")
         return _backward_per_sequence(dout, q, k, v, seqlens_k, kw, score_mod_grad)
     p = _prepare(q, k, v, causal, scale, mask, Variants(**variants))
     var = p.variants
@@ -757,8 +766,11 @@ def attention_backward(
     e, denom, seen, lse = _softmax_parts(_with_sinks(stages.final, var.sinks))
     prob = np.where(seen[..., None], e / denom[..., None], 0.0)
     p_keys = prob[..., : p.sk]
-    out = np.matmul(p_keys, p.v)
-    delta = np.einsum("bhid,bhid->bhi", dout, out)
+    exact = np.matmul(p_keys, p.v)
+    given = exact if out is None else np.asarray(out, dtype=np.float64)
+    if given.shape != exact.shape:
+        raise ValueError(f"out: shape {given.shape} must equal q's shape {exact.shape}")
+    delta = np.einsum("bhid,bhid->bhi", dout, given)
     dp = np.matmul(dout, np.swapaxes(p.v, -1, -2))
     dx = p_keys * (dp - delta[..., None])
     chain = np.ones_like(dx)
@@ -773,7 +785,7 @@ def attention_backward(
     dv = np.matmul(np.swapaxes(p_keys, -1, -2), dout)
     dk, dv = (x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(axis=2) for x in (dk, dv))
     dsinks = None if var.sinks is None else -(prob[..., p.sk] * delta).sum(axis=(0, 2))
-    return BackwardGrads(dq, dk, dv, dsinks, out, lse, delta)
+    return BackwardGrads(dq, dk, dv, dsinks, exact, lse, delta)
 
 
 def _backward_per_sequence(
@@ -864,3 +876,35 @@ def mismatches(
             if not lse_error <= LSE_TOLERANCE:
                 failed.append(f"lse error {lse_error:.3g} > {LSE_TOLERANCE}")
     return Mismatches(tuple(failed), error, lse_error)
+
+
+@dataclass(frozen=True)
+class GradMismatches:
+    """What :func:`grad_mismatches` found: ``failed`` (one line per broken limit) and each
+    gradient's relative Frobenius error (``dq``, ``dk``, ``dv`` and, with sinks, ``dsinks``)."""
+
+    failed: tuple[str, ...]
+    errors: dict[str, float]
+
+
+def grad_mismatches(grads: Sequence[Any], ref: BackwardGrads, dtype: str) -> GradMismatches:
+    """A backward's gradients (dq, dk, dv[, dsinks], in (B, H, S, D) order) against the float64
+    :func:`attention_backward` with the project's limit: each of the reference's shape, finite,
+    and within OUT_TOLERANCE[dtype] in relative Frobenius error (the forward's limit for the
+    input dtype). The backward tests assert it empty; the fuzzer reports it."""
+    names = ["dq", "dk", "dv"] + ([] if ref.dsinks is None else ["dsinks"])
+    if len(grads) != len(names):
+        return GradMismatches((f"{len(grads)} gradients; expected {', '.join(names)}",), {})
+    failed, errors = [], {}
+    for name, got in zip(names, grads, strict=True):
+        got = np.asarray(got, dtype=np.float64)
+        want = getattr(ref, name)
+        if got.shape != want.shape:
+            failed.append(f"{name} has shape {got.shape}; expected {want.shape}")
+            continue
+        if not np.isfinite(got).all():
+            failed.append(f"non-finite {name} at {np.argwhere(~np.isfinite(got))[:5].tolist()}")
+        errors[name] = relative_error(np.nan_to_num(got, nan=0.0, posinf=0.0, neginf=0.0), want)
+        if not errors[name] <= OUT_TOLERANCE[dtype]:
+            failed.append(f"{name} relative error {errors[name]:.3g} > {OUT_TOLERANCE[dtype]}")
+    return GradMismatches(tuple(failed), errors)

@@ -20,13 +20,20 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kernelgen.references.attention import Variants, _prepare, _softmax_parts, _with_sinks
+from kernelgen.references.attention import (
+    Variants,
+    _prepare,
+    _softmax_parts,
+    _with_sinks,
+    relative_error,
+)
 
 P_RELATIVE = 2.0**-4  # e4m3 rounding of a normal weight: 3 mantissa bits
 P_ABSOLUTE = 2.0**-18  # half the e4m3 subnormal spacing (2^-10), over the maximum's weight 256
 OUT_RELATIVE = 2.0**-8  # bf16 output rounding (2^-9), with room for the fp32 epilogue
 FP32_SLACK = 1e-5  # fp32 scores, exponentials and sums, relative to sum_j p_j |v_j| / l
 FP8_TOLERANCE = 2.0**-4  # relative Frobenius error of out (measured about 1%)
+FP8_LSE_TOLERANCE = 1e-4  # absolute error of the lse: fp32 scores of exact e4m3 products
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
@@ -58,9 +65,34 @@ class Fp8Reference:
         return float(np.max(ratio, initial=0.0))
 
 
+@dataclass(frozen=True)
+class Fp8Mismatches:
+    """What :func:`fp8_mismatches` found: ``failed`` (one line per broken limit), the largest
+    error over its bound, out's relative Frobenius error and the largest lse error."""
+
+    failed: tuple[str, ...]
+    bound_ratio: float
+    out_error: float
+    lse_error: float
+
+
 def decode(bits: np.ndarray) -> np.ndarray:
     """e4m3 bit patterns (uint8) as float64 values (OCP E4M3: bias 7, no infinities)."""
     return np.asarray(bits, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+_ALL = decode(np.arange(256, dtype=np.uint8))
+_FINITE = np.flatnonzero(np.isfinite(_ALL))
+_ORDER = _FINITE[np.argsort(_ALL[_FINITE], kind="stable")]  # bit patterns by value
+_SORTED = _ALL[_ORDER]
+
+
+def quantize(x: np.ndarray) -> np.ndarray:
+    """The nearest e4m3 bit pattern (uint8) of each value, saturating at +-448 (ties either
+    way: the tests and the fuzzer only need e4m3 data)."""
+    i = np.clip(np.searchsorted(_SORTED, x), 1, len(_SORTED) - 1)
+    nearer_lower = np.abs(x - _SORTED[i - 1]) <= np.abs(_SORTED[i] - x)
+    return _ORDER[np.where(nearer_lower, i - 1, i)].astype(np.uint8)
 
 
 def fp8_reference(
@@ -139,3 +171,33 @@ def _entry(
         p @ np.abs(v) / l,
         visible @ np.abs(v) / l,
     )
+
+
+def fp8_mismatches(out: np.ndarray, lse: np.ndarray | None, ref: Fp8Reference) -> Fp8Mismatches:
+    """An fp8 forward's out (B, H, Sq, D) and lse (B, H, Sq) against :func:`fp8_reference` with
+    the fp8 limits: every element within the stated bound (NaN, and out != 0 on a row that sees
+    no key, break it), the relative Frobenius error under :data:`FP8_TOLERANCE`, the lse -inf
+    exactly where a row sees no key and within :data:`FP8_LSE_TOLERANCE` elsewhere (lse None:
+    not asked for). The fp8 tests assert it empty; the fuzzer reports it."""
+    out = np.asarray(out, np.float64)
+    failed = []
+    ratio = ref.bound_ratio(out)
+    if not ratio <= 1.0:
+        failed.append(f"max error / bound {ratio:.3g} > 1")
+    error = relative_error(np.nan_to_num(out, nan=0.0), ref.out)
+    if not error < FP8_TOLERANCE:
+        failed.append(f"out relative error {error:.3g} >= {FP8_TOLERANCE}")
+    lse_error = 0.0
+    if lse is not None:
+        lse = np.asarray(lse, np.float64)
+        empty = np.isneginf(ref.lse)
+        if np.isnan(lse).any():
+            failed.append(f"NaN in lse at {np.argwhere(np.isnan(lse))[:5].tolist()}")
+        if not np.array_equal(np.isneginf(lse), empty):
+            where = np.argwhere(np.isneginf(lse) != empty)[:5].tolist()
+            failed.append(f"lse is -inf exactly where a row sees no key (not at {where})")
+        if (~empty).any():
+            lse_error = float(np.max(np.abs(lse[~empty] - ref.lse[~empty])))
+            if not lse_error <= FP8_LSE_TOLERANCE:
+                failed.append(f"lse error {lse_error:.3g} > {FP8_LSE_TOLERANCE}")
+    return Fp8Mismatches(tuple(failed), ratio, error, lse_error)

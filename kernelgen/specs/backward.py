@@ -322,7 +322,8 @@ class BackwardSpec(BaseModel):
     def _split_problems(self) -> list[str]:
         """split_roles (templates/fa_bwd_tc.cu.j2): two warps per 32-key range, one for S^T,
         P^T, dV and dQ, one for dP^T, dS^T and dK, each over the whole query tile (a warp's dK or
-        dV rows span the head dim: the accumulator limit keeps head dims to 128)."""
+        dV rows span the head dim: the accumulator limit keeps head dims to 128); the dS warps'
+        threads load one query row's statistics each, so block_m is at most theirs."""
         if not self.engine.tensor_cores:
             return ["split_roles=True needs mma='mma_sync'"]
         problems = []
@@ -330,6 +331,12 @@ class BackwardSpec(BaseModel):
             problems.append(
                 f"split_roles=True needs two warps per 32 keys: block_n={self.block_n} with "
                 f"num_warps={self.num_warps} is not that; use block_n={16 * self.num_warps}"
+            )
+        if self.block_m > self.threads // 2:  # STATS_THREAD0 in templates/fa_bwd_tc.cu.j2
+            problems.append(
+                f"split_roles=True loads each query row's lse and D with one thread of the dS "
+                f"warps: block_m={self.block_m} is over their {self.threads // 2} threads with "
+                f"num_warps={self.num_warps}; use block_m={self.threads // 2} or more warps"
             )
         if self.softcap or self.score_mod is not None:
             problems.append(

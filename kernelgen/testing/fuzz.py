@@ -1,15 +1,20 @@
-"""A randomized differential sweep of the forward kernels through the CPU emulator.
+"""A randomized differential sweep of the generated kernels through the CPU emulator.
 
-Each case draws a valid forward spec and a problem (:mod:`kernelgen.testing.fuzz_space`), runs
-the spec's generated CUDA on the emulator (hazard checks on) through
-:func:`kernelgen.calls.emulated.emulate_attention`, and compares out and lse with the float64
-reference (:func:`kernelgen.references.attention.naive_attention`) under the test suite's
-limits (docs/design.md). Every case and every refused draw is one JSON line with a reproducer::
+Each case draws a valid spec and a problem (:mod:`kernelgen.testing.fuzz_space`; fp8 forward
+specs :mod:`kernelgen.testing.fuzz_fp8`, backward specs :mod:`kernelgen.testing.fuzz_backward`),
+runs the spec's generated CUDA on the emulator (hazard checks on) and compares the results with
+float64 references under the test suite's limits (docs/design.md): a forward's out and lse with
+:func:`kernelgen.references.attention.naive_attention` (:func:`mismatches`), an fp8 forward's with
+:func:`kernelgen.references.fp8.fp8_reference` (:func:`fp8_mismatches`), a backward's dq, dk,
+dv with :func:`kernelgen.references.attention.attention_backward` (:func:`grad_mismatches`).
+Every case and every refused draw is one JSON line with a reproducer::
 
     python -m kernelgen.testing.fuzz --seed 1 --cases 50 --engine wgmma --out fuzz.jsonl
+    python -m kernelgen.testing.fuzz --seed 1 --cases 50 --engine fp8
+    python -m kernelgen.testing.fuzz --seed 1 --cases 50 --family backward --engine mma_sync
     python -m kernelgen.testing.fuzz --replay '<the "case" object of a line>'
 
-docs/emulator.md ("Fuzzing the forward kernels") says what is drawn and how to read a report.
+docs/emulator.md ("Fuzzing the kernels") says what is drawn and how to read a report.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ from typing import Any, TextIO
 import numpy as np
 
 from kernelgen.errors import EmulatorError, InputError, KernelgenError
+from kernelgen.families import spec_of_family
 from kernelgen.references.attention import mismatches, naive_attention
 from kernelgen.references.example_inputs import ProblemSizes, expression_arguments
-from kernelgen.runtime.emulated_launch import from_device_dtype, to_device_dtype
-from kernelgen.specs.forward import KernelSpec, spec_from_dict
+from kernelgen.specs.forward import KernelSpec
+from kernelgen.testing import fuzz_backward, fuzz_fp8
+from kernelgen.testing.fuzz_inputs import additive_mask, documents, draw_values, variant_keywords
 from kernelgen.testing.fuzz_space import (
-    EMPTY_DOC,
     DrawStats,
     FuzzProblem,
     case_engine,
@@ -39,7 +45,8 @@ from kernelgen.testing.fuzz_space import (
     draw_spec,
 )
 
-ENGINES = ("wgmma", "mma_sync", "all")
+ENGINES = ("wgmma", "mma_sync", "fp8", "all")  # the forward's (fp8: wgmma with float8_e4m3)
+FAMILY_ENGINES = {"forward": ENGINES, "backward": fuzz_backward.ENGINES}
 MESSAGE_CHARS = 600  # an error's message in a report line is cut to this
 # Outcomes of a case: the kernels agree with float64 (ok), disagree (mismatch), the emulator
 # raised (a hazard, a deadlock, a launch error), the call refused the problem (call_refused:
@@ -68,13 +75,26 @@ class FuzzCase:
         return cls(dict(data["spec"]), FuzzProblem.from_dict(data["problem"]))
 
 
-def draw_case(seed: int, index: int, engine: str, stats: DrawStats | None = None) -> tuple[
-    FuzzCase, list[tuple[dict[str, Any], str]]
-]:  # fmt: skip
+def draw_case(
+    seed: int, index: int, engine: str, stats: DrawStats | None = None, family: str = "forward"
+) -> tuple[FuzzCase, list[tuple[dict[str, Any], str]]]:
     """Case ``index`` of ``seed`` (deterministic) and the draws refused on the way to it."""
     rng = case_rng(seed, index)
+    if family == "backward":
+        fields, backward_spec, refused = fuzz_backward.draw_spec(rng, engine, stats)
+        return FuzzCase(fields, fuzz_backward.draw_problem(rng, backward_spec)), refused
     fields, spec, refused = draw_spec(rng, case_engine(rng, engine), stats)
-    return FuzzCase(fields, draw_problem(rng, spec)), refused
+    problem = draw_problem(rng, spec)
+    if spec.fp8:
+        problem = fuzz_fp8.fit_problem(rng, problem)
+    return FuzzCase(fields, problem), refused
+
+
+def case_label(fields: dict[str, Any]) -> str:
+    """What a case is counted under in the summary: its engine, ``fp8``, or ``backward/ENGINE``."""
+    if fields.get("family") == "backward":
+        return f"backward/{fields.get('mma', 'simt')}"
+    return "fp8" if fields.get("dtype") == "float8_e4m3" else str(fields["mma"])
 
 
 def replay_command(case: FuzzCase) -> str:
@@ -98,66 +118,19 @@ class Inputs:
     ref_lse: np.ndarray
 
 
-def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
-    return from_device_dtype(to_device_dtype(np.asarray(x, np.float32), dtype), dtype)
-
-
-def _documents(rng: np.random.Generator, p: FuzzProblem) -> dict[str, np.ndarray]:
-    """Document ids of keys (B, Sk: sorted, up to 4 documents) and queries (B, Sq: the
-    document of the key each aligns with, bottom right; before the first key, or in a random
-    stretch, :data:`EMPTY_DOC`)."""
-    kdoc = np.sort(rng.integers(0, 4, (p.batch, p.seqlen_k)), axis=1).astype(np.int32)
-    qdoc = np.full((p.batch, p.seqlen_q), EMPTY_DOC, np.int32)
-    aligned = np.arange(p.seqlen_q) + p.seqlen_k - p.seqlen_q
-    seen = aligned >= 0
-    qdoc[:, seen] = kdoc[:, aligned[seen]]
-    if p.seqlen_q > 8 and rng.random() < 0.3:
-        start = int(rng.integers(p.seqlen_q - 8))
-        qdoc[:, start : start + int(rng.integers(1, 70))] = EMPTY_DOC
-    return {"qdoc": qdoc, "kdoc": kdoc}
-
-
-def _variant_keywords(rng: np.random.Generator, spec: KernelSpec, p: FuzzProblem) -> dict:
-    keywords: dict[str, Any] = {}
-    if spec.window:
-        keywords["window_size"] = p.window
-    if spec.softcap:
-        keywords["softcap"] = p.softcap
-    if spec.alibi:
-        shape = (p.batch, p.heads) if p.alibi_per_batch else (p.heads,)
-        keywords["alibi_slopes"] = rng.uniform(0.01, 0.5, shape).astype(np.float32)
-    if spec.sinks:
-        keywords["sinks"] = (2 * rng.standard_normal(p.heads)).astype(np.float32)
-    return keywords
-
-
 def make_inputs(spec: KernelSpec, p: FuzzProblem) -> Inputs:
     """Random inputs for ``p`` rounded to the spec's dtype, and the float64 reference of each
     batch entry over its own keys (the first seqlens_k[b])."""
     rng = np.random.default_rng(p.data_seed)
     d = spec.head_dim
-
-    def draw(*shape: int) -> np.ndarray:
-        x = rng.standard_normal(shape)
-        if p.wide_range:  # rows scaled by 2^-4 .. 2^4: scores far apart, values of all sizes
-            x = x * np.exp2(rng.integers(-4, 5, shape[:-1]))[..., None]
-        return _rounded(x, spec.dtype)
-
-    q = draw(p.batch, p.heads, p.seqlen_q, d)
-    k = draw(p.batch, p.kv_heads, p.seqlen_k, d)
-    v = draw(p.batch, p.kv_heads, p.seqlen_k, d)
-    mask = None
-    if p.mask == "broadcast":  # empty rows and rows that lose every other key
-        mask = rng.standard_normal((1, p.heads, p.seqlen_q, p.seqlen_k)).astype(np.float32)
-        mask[:, :, ::5, :] = -np.inf
-        mask[:, :, 1::3, ::2] = -np.inf
-    elif p.mask == "full":
-        shape = (p.batch, p.heads, p.seqlen_q, p.seqlen_k)
-        mask = (2 * rng.standard_normal(shape)).astype(np.float32)
-    keywords = _variant_keywords(rng, spec, p)
+    q = draw_values(rng, spec.dtype, p, p.batch, p.heads, p.seqlen_q, d)
+    k = draw_values(rng, spec.dtype, p, p.batch, p.kv_heads, p.seqlen_k, d)
+    v = draw_values(rng, spec.dtype, p, p.batch, p.kv_heads, p.seqlen_k, d)
+    mask = additive_mask(rng, p)
+    keywords = variant_keywords(rng, spec, p)
     hooks: dict[str, Any] = {}
     if spec.has_expressions:
-        inputs = _documents(rng, p) if spec.mask_mod is not None else {}
+        inputs = documents(rng, p) if spec.mask_mod is not None else {}
         sizes = ProblemSizes(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
         expressions, hooks = expression_arguments(spec, sizes, inputs)
         keywords |= expressions
@@ -232,24 +205,34 @@ def _verdict(failed: list[str], error: float, lse_error: float) -> dict[str, Any
 def run_case(case: FuzzCase) -> dict[str, Any]:
     """Run one case on the emulator and judge it: a dict with ``outcome`` (:data:`OUTCOMES`)
     and the errors or the exception's type and message."""
-    from kernelgen.calls.emulated import emulate_attention
-
-    spec = spec_from_dict(case.spec)
-    p = case.problem
+    any_spec = spec_of_family(case.spec)
     try:
-        inputs = make_inputs(spec, p)  # a block-sparse spec's block mask is built here
-        run = emulate_attention(
-            spec, inputs.q, inputs.k, inputs.v, inputs.mask, layout=p.layout, scale=p.scale,
-            num_splits=p.num_splits, page_size=p.page_size,
-            seqlens_k=None if p.seqlens_k is None else np.array(p.seqlens_k, np.int32),
-            want_lse=not p.null_lse, **inputs.keywords,
-        )  # fmt: skip
+        if not isinstance(any_spec, KernelSpec):
+            return fuzz_backward.run(any_spec, case.problem)
+        if any_spec.fp8:
+            keywords = variant_keywords(np.random.default_rng([case.problem.data_seed, 1]),
+                                        any_spec, case.problem)  # fmt: skip
+            return fuzz_fp8.run(any_spec, case.problem, keywords)
+        return _run_forward(any_spec, case.problem)
     except EmulatorError as exc:
         return _raised("emulator_error", exc)
     except InputError as exc:
         return _raised("call_refused", exc)
     except (KernelgenError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
         return _raised("crash", exc)
+
+
+def _run_forward(spec: KernelSpec, p: FuzzProblem) -> dict[str, Any]:
+    """A 16-bit forward case on the emulator, judged by :func:`compare`."""
+    from kernelgen.calls.emulated import emulate_attention
+
+    inputs = make_inputs(spec, p)  # a block-sparse spec's block mask is built here
+    run = emulate_attention(
+        spec, inputs.q, inputs.k, inputs.v, inputs.mask, layout=p.layout, scale=p.scale,
+        num_splits=p.num_splits, page_size=p.page_size,
+        seqlens_k=None if p.seqlens_k is None else np.array(p.seqlens_k, np.int32),
+        want_lse=not p.null_lse, **inputs.keywords,
+    )  # fmt: skip
     return compare(run.out, run.lse, inputs, spec.dtype)
 
 
@@ -262,7 +245,12 @@ def _raised(outcome: str, exc: BaseException) -> dict[str, Any]:
 
 
 def sweep(
-    seed: int, cases: int, engine: str, budget: float | None, out: TextIO
+    seed: int,
+    cases: int,
+    engine: str,
+    budget: float | None,
+    out: TextIO,
+    family: str = "forward",
 ) -> Iterator[dict[str, Any]]:
     """Run cases 0.. of ``seed`` until ``cases`` ran or ``budget`` seconds passed, writing one
     JSON line per case and per refused draw to ``out``; yields each run's line; the last yield
@@ -273,7 +261,7 @@ def sweep(
     for index in range(cases):
         if budget is not None and time.monotonic() - start > budget:
             break
-        case, refused = draw_case(seed, index, engine, stats)
+        case, refused = draw_case(seed, index, engine, stats, family)
         for fields, problem in refused:
             _write(out, {"seed": seed, "index": index, "outcome": "refused", "spec": fields,
                          "message": problem})  # fmt: skip
@@ -283,7 +271,7 @@ def sweep(
         line = {"seed": seed, "index": index, **result, "seconds": seconds,
                 "case": json.loads(case.to_json()), "replay": replay_command(case)}  # fmt: skip
         _write(out, line)
-        by_engine = counts.setdefault(case.spec["mma"], {})
+        by_engine = counts.setdefault(case_label(case.spec), {})
         by_engine[result["outcome"]] = by_engine.get(result["outcome"], 0) + 1
         yield line
     yield {"summary": {"cases": counts, "refusal_rate": stats.rates(), "blamed": stats.blamed,
@@ -298,11 +286,14 @@ def _write(out: TextIO, line: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kernelgen.testing.fuzz",
-        description="Randomized differential sweep of the forward kernels on the CPU emulator.",
+        description="Randomized differential sweep of the kernels on the CPU emulator.",
     )
+    parser.add_argument("--family", choices=tuple(FAMILY_ENGINES), default="forward",
+                        help="forward (16-bit and fp8 specs) or backward specs")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=20, help="cases to run (refusals aside)")
-    parser.add_argument("--engine", choices=ENGINES, default="all")
+    parser.add_argument("--engine", default="all", help="forward: wgmma, mma_sync, fp8 (wgmma "
+                        "with float8_e4m3) or all; backward: simt, mma_sync or all")  # fmt: skip
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="start no case after this many seconds")  # fmt: skip
     parser.add_argument("--out", default=None, help="JSON lines file (default: stdout)")
@@ -314,9 +305,15 @@ def main(argv: list[str] | None = None) -> int:
             f"--cases={args.cases}, --time-budget={args.time_budget}: use a count >= 0 and a "
             "budget > 0 seconds"
         )
+    if args.engine not in FAMILY_ENGINES[args.family]:
+        parser.error(
+            f"--engine={args.engine} is not allowed with --family={args.family}; use one of "
+            f"{', '.join(FAMILY_ENGINES[args.family])}"
+        )
     if args.replay is not None:
         try:
             case = FuzzCase.from_json(args.replay)
+            spec_of_family(case.spec)
         except (ValueError, KeyError, TypeError) as exc:
             parser.error(f"--replay: not a case object ({type(exc).__name__}: {exc})")
         result = run_case(case)
@@ -325,13 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
     failures = 0
     try:
-        for line in sweep(args.seed, args.cases, args.engine, args.time_budget, out):
+        runs = sweep(args.seed, args.cases, args.engine, args.time_budget, out, args.family)
+        for line in runs:
             if "summary" in line:
                 print(json.dumps(line["summary"], indent=1), file=sys.stderr)
                 continue
             failures += line["outcome"] in FAILURES
             print(f"case {line['index']}: {line['outcome']} ({line['seconds']} s) "
-                  f"{spec_from_dict(line['case']['spec']).uri}", file=sys.stderr)  # fmt: skip
+                  f"{spec_of_family(line['case']['spec']).uri}", file=sys.stderr)  # fmt: skip
             if line["outcome"] != "ok":
                 print(f"  {line.get('failed') or line.get('message')}\n  {line['replay']}",
                       file=sys.stderr)  # fmt: skip

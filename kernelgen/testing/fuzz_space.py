@@ -15,14 +15,17 @@ import numpy as np
 
 from kernelgen.errors import SpecError
 from kernelgen.specs.forward import (
+    FP8_BLOCK_N_BY_HEAD_DIM,
+    FP8_HEAD_DIMS,
     WGMMA_BLOCK_N,
     WGMMA_HEAD_DIMS,
     KernelSpec,
     spec_from_dict,
 )
 
-ENGINE_CHOICES = ("wgmma", "mma_sync")
-WGMMA_SHARE = 0.75  # --engine all: the newest code gets most of the cases
+# --engine all: the share of each engine's cases (wgmma with fp8 gets three in four: the newest
+# code gets most of them)
+ENGINE_SHARES = {"wgmma": 0.6, "fp8": 0.15, "mma_sync": 0.25}
 MAX_ATTEMPTS = 500  # draws per case before giving up (a space that refuses everything)
 # A document mask over 2-d document ids (batch entry, position); block-sparse specs list its
 # key tiles (kernelgen.block_mask). Queries sit in the document of the key they align with.
@@ -59,11 +62,12 @@ class FuzzProblem:
     softcap: float | None = None
     alibi_per_batch: bool = False  # slopes (B, H), else (H,)
     null_lse: bool = False  # the call asks for no lse (the kernels get a null pointer)
+    descales: tuple[str, ...] | None = None  # fp8: the descales given (the others None: 1)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FuzzProblem:
         data = dict(data)
-        for name in ("seqlens_k", "window"):
+        for name in ("seqlens_k", "window", "descales"):
             if data.get(name) is not None:
                 data[name] = tuple(data[name])
         return cls(**data)
@@ -120,55 +124,83 @@ def features(fields: dict[str, Any]) -> list[str]:
     return names
 
 
-def _chance(rng: np.random.Generator, p: float) -> bool:
+def chance(rng: np.random.Generator, p: float) -> bool:
     return bool(rng.random() < p)
 
 
-def _pick(rng: np.random.Generator, values: Any) -> Any:
+def pick(rng: np.random.Generator, values: Any) -> Any:
     values = list(values)
     value = values[int(rng.integers(len(values)))]
     return value.item() if isinstance(value, np.generic) else value
 
 
+def draw_fp8_fields(rng: np.random.Generator) -> dict[str, Any]:
+    """One draw of fp8 (e4m3, wgmma) forward spec fields: head dims and key tiles of
+    FP8_BLOCK_N_BY_HEAD_DIM, the loops, causal, and the variants (refused until fp8 has them:
+    the validator decides, and the refusals are counted)."""
+    head_dim = pick(rng, FP8_HEAD_DIMS)
+    fields: dict[str, Any] = {
+        "loop_order": "v2",
+        "mma": "wgmma",
+        "dtype": "float8_e4m3",
+        "head_dim": head_dim,
+        "block_m": pick(rng, (64, 128, 128)),
+        "block_n": pick(rng, FP8_BLOCK_N_BY_HEAD_DIM[head_dim]),
+        "stages": pick(rng, (2, 2, 3, 4)),
+    }
+    for name, p in (
+        ("causal", 0.4), ("overlap", 0.3), ("q_in_registers", 0.3), ("pingpong", 0.08),
+        ("window", 0.08), ("softcap", 0.08), ("alibi", 0.08), ("sinks", 0.08),
+    ):  # fmt: skip
+        if chance(rng, p):
+            fields[name] = True
+    if chance(rng, 0.3):
+        fields["epilogue"] = "tma"
+    return fields
+
+
 def draw_fields(rng: np.random.Generator, engine: str) -> dict[str, Any]:
-    """One draw of forward spec fields for ``engine`` (not checked: the validator decides)."""
+    """One draw of forward spec fields for ``engine`` (wgmma, mma_sync, or fp8: wgmma with
+    float8_e4m3) (not checked: the validator decides)."""
+    if engine == "fp8":
+        return draw_fp8_fields(rng)
     fields: dict[str, Any] = {
         "loop_order": "v2",
         "mma": engine,
-        "dtype": _pick(rng, ("bfloat16", "bfloat16", "float16")),
+        "dtype": pick(rng, ("bfloat16", "bfloat16", "float16")),
     }
     if engine == "wgmma":
-        fields["head_dim"] = _pick(rng, (64, 64, 64, 128, *WGMMA_HEAD_DIMS))
-        fields["block_m"] = _pick(rng, (64, 128))
+        fields["head_dim"] = pick(rng, (64, 64, 64, 128, *WGMMA_HEAD_DIMS))
+        fields["block_m"] = pick(rng, (64, 128))
         common = (32, 64, 128)  # half the draws; the other half any multiple of 16
-        fields["block_n"] = _pick(rng, common if _chance(rng, 0.5) else WGMMA_BLOCK_N)
-        fields["stages"] = _pick(rng, (2, 2, 3, 4))
+        fields["block_n"] = pick(rng, common if chance(rng, 0.5) else WGMMA_BLOCK_N)
+        fields["stages"] = pick(rng, (2, 2, 3, 4))
         for name, p in (("overlap", 0.2), ("pingpong", 0.2), ("q_in_registers", 0.2)):
-            if _chance(rng, p):
+            if chance(rng, p):
                 fields[name] = True
-        if _chance(rng, 0.25):
+        if chance(rng, 0.25):
             fields["epilogue"] = "tma"
-        if _chance(rng, 0.12):
+        if chance(rng, 0.12):
             fields["cluster_m"] = 2
     else:
-        fields["head_dim"] = _pick(rng, MMA_SYNC_HEAD_DIMS)
-        warps = _pick(rng, (1, 2, 4, 4, 8))
+        fields["head_dim"] = pick(rng, MMA_SYNC_HEAD_DIMS)
+        warps = pick(rng, (1, 2, 4, 4, 8))
         fields["num_warps"] = warps
-        fields["block_m"] = warps * _pick(rng, (16, 32))
-        fields["block_n"] = _pick(rng, range(16, 129, 16))
-        fields["stages"] = _pick(rng, (2, 3, 4))
-        fields["smem_layout"] = _pick(rng, ("swizzled", "padded"))
+        fields["block_m"] = warps * pick(rng, (16, 32))
+        fields["block_n"] = pick(rng, range(16, 129, 16))
+        fields["stages"] = pick(rng, (2, 3, 4))
+        fields["smem_layout"] = pick(rng, ("swizzled", "padded"))
     for name, p in (
         ("causal", 0.3), ("window", 0.15), ("softcap", 0.15), ("alibi", 0.15), ("sinks", 0.15),
         ("additive_mask", 0.12), ("split_kv", 0.15), ("pack_gqa", 0.15), ("paged_kv", 0.12),
     ):  # fmt: skip
-        if _chance(rng, p):
+        if chance(rng, p):
             fields[name] = True
-    if _chance(rng, 0.18):  # a document mask, block-sparse four times in five
+    if chance(rng, 0.18):  # a document mask, block-sparse four times in five
         fields["mask_mod"] = DOC_MASK
         fields["mod_inputs"] = list(DOC_INPUTS)
-        fields["block_sparse"] = _chance(rng, 0.8)
-    if _chance(rng, 0.06):
+        fields["block_sparse"] = chance(rng, 0.8)
+    if chance(rng, 0.06):
         fields["score_mod"] = SCORE_MOD
     return fields
 
@@ -194,14 +226,14 @@ def draw_spec(
     raise RuntimeError(f"{MAX_ATTEMPTS} draws for engine {engine!r} were all refused")
 
 
-def _length(rng: np.random.Generator, tile: int) -> int:
+def draw_length(rng: np.random.Generator, tile: int) -> int:
     """A sequence length biased to just off tile multiples (tile x k - 1, + 0, + 1) and to
     1 and 17; else any from 1 to :data:`MAX_SEQLEN`."""
     kind = rng.random()
     if kind < 0.45:
-        return max(1, tile * int(rng.integers(1, 4)) + _pick(rng, (-1, 0, 1)))
+        return max(1, tile * int(rng.integers(1, 4)) + pick(rng, (-1, 0, 1)))
     if kind < 0.6:
-        return _pick(rng, (1, 17, 2, 16, 33))
+        return pick(rng, (1, 17, 2, 16, 33))
     return int(rng.integers(1, MAX_SEQLEN + 1))
 
 
@@ -219,23 +251,23 @@ def _groups(spec: KernelSpec) -> tuple[int, ...]:
     return (1, 2, 3, 4, 8)
 
 
-def _window(rng: np.random.Generator, spec: KernelSpec) -> tuple[int, int]:
+def draw_window(rng: np.random.Generator, spec: KernelSpec) -> tuple[int, int]:
     sides = (-1, 0, 1, 5, 17, spec.block_n - 1, spec.block_n, spec.block_n + 1, 70, 200)
-    left = _pick(rng, sides)
-    right = _pick(rng, (-1, 0, 1, 3, spec.block_n) if left != -1 else (0, 1, 3, spec.block_n))
+    left = pick(rng, sides)
+    right = pick(rng, (-1, 0, 1, 3, spec.block_n) if left != -1 else (0, 1, 3, spec.block_n))
     return left, right
 
 
 def _page_size(rng: np.random.Generator, spec: KernelSpec) -> int:
     """Pages that are and are not multiples of block_n (wgmma: multiples of 16)."""
     n = spec.block_n
-    return _pick(rng, (n, 2 * n, 16, 32, 48, n + 16, max(16, n // 2 // 16 * 16)))
+    return pick(rng, (n, 2 * n, 16, 32, 48, n + 16, max(16, n // 2 // 16 * 16)))
 
 
 def _lengths(rng: np.random.Generator, spec: KernelSpec, batch: int, keys: int) -> tuple[int, ...]:
     choices = (0, 1, keys, keys - 1, spec.block_n - 1, spec.block_n + 1, spec.block_n)
     return tuple(
-        min(keys, max(0, _pick(rng, choices) if _chance(rng, 0.6) else int(rng.integers(keys + 1))))
+        min(keys, max(0, pick(rng, choices) if chance(rng, 0.6) else int(rng.integers(keys + 1))))
         for _ in range(batch)
     )
 
@@ -244,14 +276,14 @@ def draw_problem(rng: np.random.Generator, spec: KernelSpec) -> FuzzProblem:
     """A problem for ``spec`` (sizes within :data:`MAX_WORK`, lengths shrunk to fit)."""
     batch = int(rng.integers(1, 3))
     kv_heads = int(rng.integers(1, 3))
-    heads = kv_heads * _pick(rng, _groups(spec))
-    seqlen_q = _length(rng, spec.block_m)
-    seqlen_k = _length(rng, spec.block_n)
-    if _chance(rng, 0.3):  # the causal diagonal / window offset Sk - Sq just off a tile edge
-        shift = _pick(rng, (-2, -1, 0, 1, 2, spec.block_n - 2, spec.block_n - 1, spec.block_n + 1))
+    heads = kv_heads * pick(rng, _groups(spec))
+    seqlen_q = draw_length(rng, spec.block_m)
+    seqlen_k = draw_length(rng, spec.block_n)
+    if chance(rng, 0.3):  # the causal diagonal / window offset Sk - Sq just off a tile edge
+        shift = pick(rng, (-2, -1, 0, 1, 2, spec.block_n - 2, spec.block_n - 1, spec.block_n + 1))
         seqlen_k = min(MAX_SEQLEN, max(1, seqlen_q + shift))
-    if spec.split_kv and _chance(rng, 0.5):  # decode: a few queries over many keys
-        seqlen_q = _pick(rng, (1, 2, 3, 5))
+    if spec.split_kv and chance(rng, 0.5):  # decode: a few queries over many keys
+        seqlen_q = pick(rng, (1, 2, 3, 5))
     while _work(spec, batch, heads, seqlen_q, seqlen_k) > MAX_WORK:
         if seqlen_k >= seqlen_q and seqlen_k > 1:
             seqlen_k = (seqlen_k + 1) // 2
@@ -264,30 +296,30 @@ def draw_problem(rng: np.random.Generator, spec: KernelSpec) -> FuzzProblem:
         else:  # one tile of one head: as small as the spec goes
             break
     scale = None
-    if _chance(rng, 0.35):
-        scale = round(_pick(rng, (-1.0, -0.3, 0.5, 1.7, 3.0)) / math.sqrt(spec.head_dim), 6)
+    if chance(rng, 0.35):
+        scale = round(pick(rng, (-1.0, -0.3, 0.5, 1.7, 3.0)) / math.sqrt(spec.head_dim), 6)
     seqlens_k = None
-    if spec.paged_kv or _chance(rng, 0.3):
-        seqlens_k = _lengths(rng, spec, batch, seqlen_k) if _chance(rng, 0.8) else None
+    if spec.paged_kv or chance(rng, 0.3):
+        seqlens_k = _lengths(rng, spec, batch, seqlen_k) if chance(rng, 0.8) else None
     return FuzzProblem(
         batch=batch,
         heads=heads,
         kv_heads=kv_heads,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        layout=_pick(rng, ("bhsd", "bshd")),
+        layout=pick(rng, ("bhsd", "bshd")),
         scale=scale,
         data_seed=int(rng.integers(2**31)),
-        wide_range=_chance(rng, 0.2),
-        mask=_pick(rng, ("broadcast", "full")) if spec.additive_mask else None,
+        wide_range=chance(rng, 0.2),
+        mask=pick(rng, ("broadcast", "full")) if spec.additive_mask else None,
         seqlens_k=seqlens_k,
-        nan_past=seqlens_k is not None and _chance(rng, 0.6),
+        nan_past=seqlens_k is not None and chance(rng, 0.6),
         page_size=_page_size(rng, spec) if spec.paged_kv else None,
-        num_splits=_pick(rng, (None, 1, 2, 3, 4, 7)) if spec.split_kv else None,
-        window=_window(rng, spec) if spec.window else None,
-        softcap=_pick(rng, (0.3, 1.5, 5.0, 20.0)) if spec.softcap else None,
-        alibi_per_batch=spec.alibi and _chance(rng, 0.5),
-        null_lse=_chance(rng, 0.1),
+        num_splits=pick(rng, (None, 1, 2, 3, 4, 7)) if spec.split_kv else None,
+        window=draw_window(rng, spec) if spec.window else None,
+        softcap=pick(rng, (0.3, 1.5, 5.0, 20.0)) if spec.softcap else None,
+        alibi_per_batch=spec.alibi and chance(rng, 0.5),
+        null_lse=chance(rng, 0.1),
     )
 
 
@@ -297,7 +329,7 @@ def case_rng(seed: int, index: int) -> np.random.Generator:
 
 
 def case_engine(rng: np.random.Generator, engine: str) -> str:
-    """``engine``, or for ``all`` wgmma with probability :data:`WGMMA_SHARE`, else mma_sync."""
+    """``engine``, or for ``all`` one drawn with the chances of :data:`ENGINE_SHARES`."""
     if engine != "all":
         return engine
-    return "wgmma" if _chance(rng, WGMMA_SHARE) else "mma_sync"
+    return str(rng.choice(list(ENGINE_SHARES), p=list(ENGINE_SHARES.values())))
