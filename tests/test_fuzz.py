@@ -29,7 +29,7 @@ from kernelgen.references.fp8 import (
 from kernelgen.specs.backward import BackwardSpec
 from kernelgen.specs.forward import FP8_BLOCK_N_BY_HEAD_DIM, spec_from_dict
 from kernelgen.testing import fuzz, fuzz_backward
-from kernelgen.testing.fuzz_space import MAX_WORK, DrawStats, FuzzProblem, _work
+from kernelgen.testing.fuzz_space import MAX_WORK, DrawStats, FuzzProblem, work
 
 SEEDS = (0, 1, 7)
 CASES = 25
@@ -54,7 +54,7 @@ def test_draws_are_valid_reproducible_and_fit(engine):
             p = case.problem
             assert p.heads % p.kv_heads == 0 and 1 <= p.batch <= 2
             assert min(p.seqlen_q, p.seqlen_k) >= 1
-            assert _work(spec, p.batch, p.heads, p.seqlen_q, p.seqlen_k) <= MAX_WORK
+            assert work(spec, p.batch, p.heads, p.seqlen_q, p.seqlen_k) <= MAX_WORK
             if spec.pack_gqa and spec.mma == "wgmma":  # the call's rule: the group divides block_m
                 assert spec.block_m % (p.heads // p.kv_heads) == 0
             if p.seqlens_k is not None:

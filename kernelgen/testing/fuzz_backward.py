@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from kernelgen.errors import SpecError
 from kernelgen.families import spec_of_family
 from kernelgen.references.attention import attention_backward, grad_mismatches
 from kernelgen.references.example_inputs import ProblemSizes, expression_arguments
@@ -39,17 +38,16 @@ from kernelgen.testing.fuzz_inputs import (
     variant_keywords,
 )
 from kernelgen.testing.fuzz_space import (
-    DOC_INPUTS,
-    DOC_MASK,
-    MAX_ATTEMPTS,
     MAX_SEQLEN,
-    SCORE_MOD,
     DrawStats,
     FuzzProblem,
     chance,
     draw_length,
+    draw_switches,
+    draw_valid,
     draw_window,
     pick,
+    work,
 )
 
 ENGINES = ("simt", "mma_sync", "all")
@@ -83,19 +81,11 @@ def draw_fields(rng: np.random.Generator, engine: str) -> dict[str, Any]:
         fields["stages"] = pick(rng, TC_STAGES)
         if chance(rng, 0.25):
             fields["split_roles"] = True
-    for name, p in (
+    switches = (
         ("causal", 0.35), ("deterministic", 0.4), ("window", 0.15), ("softcap", 0.15),
         ("alibi", 0.15), ("sinks", 0.15), ("additive_mask", 0.12),
-    ):  # fmt: skip
-        if chance(rng, p):
-            fields[name] = True
-    if chance(rng, 0.15):  # a document mask, block-sparse four times in five
-        fields["mask_mod"] = DOC_MASK
-        fields["mod_inputs"] = list(DOC_INPUTS)
-        fields["block_sparse"] = chance(rng, 0.8)
-    if chance(rng, 0.06):
-        fields["score_mod"] = SCORE_MOD
-    return fields
+    )  # fmt: skip
+    return draw_switches(rng, fields, switches, documents=0.15)
 
 
 def draw_spec(
@@ -105,28 +95,12 @@ def draw_spec(
     first problem)."""
     if engine == "all":  # once per case: the engine whose draws are refused more keeps its half
         engine = pick(rng, ("simt", "mma_sync"))
-    refused = []
-    for _ in range(MAX_ATTEMPTS):
-        fields = draw_fields(rng, engine)
-        try:
-            spec = spec_of_family(fields)
-        except SpecError as exc:
-            if stats is not None:
-                stats.count(fields, exc)
-            refused.append((fields, exc.problems[0]))
-            continue
-        if stats is not None:
-            stats.count(fields, None)
-        assert isinstance(spec, BackwardSpec)
-        return fields, spec, refused
-    raise RuntimeError(f"{MAX_ATTEMPTS} backward draws for engine {engine!r} were all refused")
-
-
-def work(spec: BackwardSpec, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> int:
-    """Multiply-adds of Q K^T over whole tiles (the emulator's cost, a quarter of a case's)."""
-    rows = math.ceil(seqlen_q / spec.block_m) * spec.block_m
-    keys = math.ceil(seqlen_k / spec.block_n) * spec.block_n
-    return batch * heads * rows * keys * spec.head_dim
+    draw = lambda: draw_fields(rng, engine)  # noqa: E731
+    fields, spec, refused = draw_valid(
+        draw, spec_of_family, stats, f"backward draws for engine {engine!r}"
+    )
+    assert isinstance(spec, BackwardSpec)
+    return fields, spec, refused
 
 
 def _shifts(spec: BackwardSpec) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -190,13 +191,26 @@ def draw_fields(rng: np.random.Generator, engine: str) -> dict[str, Any]:
         fields["block_n"] = pick(rng, range(16, 129, 16))
         fields["stages"] = pick(rng, (2, 3, 4))
         fields["smem_layout"] = pick(rng, ("swizzled", "padded"))
-    for name, p in (
+    switches = (
         ("causal", 0.3), ("window", 0.15), ("softcap", 0.15), ("alibi", 0.15), ("sinks", 0.15),
         ("additive_mask", 0.12), ("split_kv", 0.15), ("pack_gqa", 0.15), ("paged_kv", 0.12),
-    ):  # fmt: skip
+    )  # fmt: skip
+    return draw_switches(rng, fields, switches, documents=0.18)
+
+
+def draw_switches(
+    rng: np.random.Generator,
+    fields: dict[str, Any],
+    switches: tuple[tuple[str, float], ...],
+    documents: float,
+) -> dict[str, Any]:
+    """``fields`` with each of ``switches`` (name, probability) turned on by chance, then a
+    document mask with probability ``documents`` (block-sparse four times in five) and a
+    score_mod (6 %): the draws of every family, in this order (a seed's cases depend on it)."""
+    for name, p in switches:
         if chance(rng, p):
             fields[name] = True
-    if chance(rng, 0.18):  # a document mask, block-sparse four times in five
+    if chance(rng, documents):
         fields["mask_mod"] = DOC_MASK
         fields["mod_inputs"] = list(DOC_INPUTS)
         fields["block_sparse"] = chance(rng, 0.8)
@@ -205,16 +219,20 @@ def draw_fields(rng: np.random.Generator, engine: str) -> dict[str, Any]:
     return fields
 
 
-def draw_spec(
-    rng: np.random.Generator, engine: str, stats: DrawStats | None = None
-) -> tuple[dict[str, Any], KernelSpec, list[tuple[dict[str, Any], str]]]:
-    """Draw fields until the validator takes them: (fields, spec, the refused draws with their
-    first problem). Raises RuntimeError after :data:`MAX_ATTEMPTS` refusals."""
+def draw_valid(
+    draw: Callable[[], dict[str, Any]],
+    build: Callable[[dict[str, Any]], Any],
+    stats: DrawStats | None,
+    what: str,
+) -> tuple[dict[str, Any], Any, list[tuple[dict[str, Any], str]]]:
+    """``draw()`` fields until ``build`` (a spec constructor) takes them: (fields, spec, the
+    refused draws with their first problem), each draw counted in ``stats``. Raises
+    RuntimeError after :data:`MAX_ATTEMPTS` refusals of ``what``."""
     refused = []
     for _ in range(MAX_ATTEMPTS):
-        fields = draw_fields(rng, engine)
+        fields = draw()
         try:
-            spec = spec_from_dict(fields)
+            spec = build(fields)
         except SpecError as exc:
             if stats is not None:
                 stats.count(fields, exc)
@@ -223,7 +241,16 @@ def draw_spec(
         if stats is not None:
             stats.count(fields, None)
         return fields, spec, refused
-    raise RuntimeError(f"{MAX_ATTEMPTS} draws for engine {engine!r} were all refused")
+    raise RuntimeError(f"{MAX_ATTEMPTS} {what} were all refused")
+
+
+def draw_spec(
+    rng: np.random.Generator, engine: str, stats: DrawStats | None = None
+) -> tuple[dict[str, Any], KernelSpec, list[tuple[dict[str, Any], str]]]:
+    """Draw fields until the validator takes them: (fields, spec, the refused draws with their
+    first problem). Raises RuntimeError after :data:`MAX_ATTEMPTS` refusals."""
+    draw = lambda: draw_fields(rng, engine)  # noqa: E731
+    return draw_valid(draw, spec_from_dict, stats, f"draws for engine {engine!r}")
 
 
 def draw_length(rng: np.random.Generator, tile: int) -> int:
@@ -237,8 +264,9 @@ def draw_length(rng: np.random.Generator, tile: int) -> int:
     return int(rng.integers(1, MAX_SEQLEN + 1))
 
 
-def _work(spec: KernelSpec, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> int:
-    """Multiply-adds of Q K^T over whole tiles: the emulator's cost of a problem."""
+def work(spec: Any, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> int:
+    """Multiply-adds of Q K^T over whole tiles of ``spec`` (forward or backward: its block_m,
+    block_n and head_dim): the emulator's cost of a problem."""
     rows = math.ceil(seqlen_q / spec.block_m) * spec.block_m
     keys = math.ceil(seqlen_k / spec.block_n) * spec.block_n
     return batch * heads * rows * keys * spec.head_dim
@@ -284,7 +312,7 @@ def draw_problem(rng: np.random.Generator, spec: KernelSpec) -> FuzzProblem:
         seqlen_k = min(MAX_SEQLEN, max(1, seqlen_q + shift))
     if spec.split_kv and chance(rng, 0.5):  # decode: a few queries over many keys
         seqlen_q = pick(rng, (1, 2, 3, 5))
-    while _work(spec, batch, heads, seqlen_q, seqlen_k) > MAX_WORK:
+    while work(spec, batch, heads, seqlen_q, seqlen_k) > MAX_WORK:
         if seqlen_k >= seqlen_q and seqlen_k > 1:
             seqlen_k = (seqlen_k + 1) // 2
         elif seqlen_q > 1:
