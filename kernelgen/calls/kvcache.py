@@ -207,25 +207,9 @@ def attention_with_kvcache(
         _check_write_targets(k_info, v_info, *new_infos)
     arrays = arrays_of(q)
     with arrays.scope(device):
-        if appending:  # the write positions come from the metadata: read device values once
-            for name, values, host in (
-                ("cache_seqlens", cache_seqlens, lengths),
-                ("block_table", block_table, table),
-            ):
-                if host is None and values is not None:
-                    refuse_during_capture(name, values, "host values (lists or NumPy arrays)")
-            if lengths is None:
-                lengths = host_values(cache_seqlens).astype(np.int64)
-            if paged and table is None:
-                table = host_values(block_table).astype(np.int64)
-        elif validate and (lengths is None or (paged and table is None)):
-            validate_on_device(
-                cache_seqlens if lengths is None else lengths,
-                0,
-                max_keys,
-                layout,
-                block_table if table is None else table,
-            )
+        lengths, table = read_metadata(
+            appending, validate, cache_seqlens, block_table, lengths, table, max_keys, layout
+        )
         if lengths is not None:
             check_lengths(lengths, new_len, max_keys, layout.page_size if layout else 0)
             seqlens_k: Any = (lengths + new_len).astype(np.int32)
@@ -292,6 +276,40 @@ def _check_new(k_new: Any, v_new: Any, cache: Any) -> list[TensorInfo]:
 
 MAX_OVERLAP_WORK = 1 << 16  # NumPy's exact overlap test: search bound (then: assumed overlapping)
 _TOO_HARD = getattr(np, "exceptions", np).TooHardError  # numpy.exceptions from NumPy 1.25
+
+
+def read_metadata(
+    appending: bool,
+    validate: bool,
+    cache_seqlens: Any,
+    block_table: Any,
+    lengths: np.ndarray | None,
+    table: np.ndarray | None,
+    max_keys: int,
+    layout: Any,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The cache lengths and block table on the host where the call needs them: an appending
+    call reads device values once (its write positions come from them; refused while a CUDA
+    graph captures), a validating one checks device values where they are (``lengths`` and
+    ``table``: the host values already known, or None). Returns (lengths, table)."""
+    paged = block_table is not None
+    if appending:
+        for name, values, host in (
+            ("cache_seqlens", cache_seqlens, lengths),
+            ("block_table", block_table, table),
+        ):
+            if host is None and values is not None:
+                refuse_during_capture(name, values, "host values (lists or NumPy arrays)")
+        if lengths is None:
+            lengths = host_values(cache_seqlens).astype(np.int64)
+        if paged and table is None:
+            table = host_values(block_table).astype(np.int64)
+    elif validate and (lengths is None or (paged and table is None)):
+        validate_on_device(
+            cache_seqlens if lengths is None else lengths, 0, max_keys, layout,
+            block_table if table is None else table,
+        )  # fmt: skip
+    return lengths, table
 
 
 def _check_write_targets(

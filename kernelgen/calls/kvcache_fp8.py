@@ -17,19 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from kernelgen.calls.attention import Paging, check_num_splits, describe, host_values
+from kernelgen.calls.attention import Paging, check_num_splits, describe
 from kernelgen.calls.expression_inputs import with_expressions
 from kernelgen.calls.fp8 import check_fp8_call, fp8_attention
 from kernelgen.calls.kvcache_checks import (
     check_lengths,
     check_pages,
     paged_slots,
-    validate_on_device,
 )
 from kernelgen.calls.variant_inputs import VariantArgs
 from kernelgen.errors import InputError
 from kernelgen.model.policy import fp8_decode_spec
-from kernelgen.runtime.frameworks import refuse_during_capture
 from kernelgen.specs.forward import KernelSpec
 
 __all__ = ["fp8_attention_with_kvcache"]
@@ -99,22 +97,9 @@ def fp8_attention_with_kvcache(
                 raise InputError(f"{name} is read-only; the call writes k_new/v_new into it")
     lengths = kvcache._lengths(cache_seqlens, batch, q)
     table = layout.host_table if layout is not None else None
-    if appending:  # the write positions: device metadata read once
-        for name, values, host in (
-            ("cache_seqlens", cache_seqlens, lengths),
-            ("block_table", block_table, table),
-        ):
-            if host is None and values is not None:
-                refuse_during_capture(name, values, "host values (lists or NumPy arrays)")
-        if lengths is None:
-            lengths = host_values(cache_seqlens).astype(np.int64)
-        if paged and table is None:
-            table = host_values(block_table).astype(np.int64)
-    elif validate and (lengths is None or (paged and table is None)):
-        validate_on_device(
-            cache_seqlens if lengths is None else lengths, 0, max_keys, layout,
-            block_table if table is None else table,
-        )  # fmt: skip
+    lengths, table = kvcache.read_metadata(
+        appending, validate, cache_seqlens, block_table, lengths, table, max_keys, layout
+    )
     seqlens_k: Any = cache_seqlens
     if lengths is not None:
         check_lengths(lengths, new_len, max_keys, layout.page_size if layout else 0)
