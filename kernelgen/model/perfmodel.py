@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -229,18 +230,22 @@ class LoopBody:
         return sum(m * n * k for m, n, k, _ in self.hgmma) / 4
 
 
+def _loops(rows: list[SassInstruction]) -> Iterator[list[SassInstruction]]:
+    """The instructions of each loop of a kernel's SASS: from a backward branch's target to
+    the branch, one list per backward branch."""
+    for end in rows:
+        start = _backward_target(end)
+        if start is not None:
+            yield [row for row in rows if start <= row.address <= end.address]
+
+
 def hmma_loop(sass: str, family: str | tuple[str, ...] = TENSOR_FAMILIES) -> LoopBody:
     """The largest loop (backward branch, no EXIT inside) whose body holds ``family``
     instructions (by default the tensor instructions, HMMA or HGMMA; "UTMALDG" finds a TMA
     producer's loop)."""
     families = (family,) if isinstance(family, str) else family
-    rows = sass_instructions(sass)
     best: LoopBody | None = None
-    for end in rows:
-        start = _backward_target(end)
-        if start is None:
-            continue
-        body = [row for row in rows if start <= row.address <= end.address]
+    for body in _loops(sass_instructions(sass)):
         skipped = _vote_skipped(body)
         kept = [row for row in body if row.address not in skipped]
         counts = Counter(_TENSOR_ALIASES.get(row.family, row.family) for row in kept)
@@ -268,13 +273,8 @@ def transposer_loop(sass: str) -> LoopBody:
     warps' transpose_v_tile (a 16-key x 4-column block per thread), the smallest loop (no EXIT)
     holding byte permutes and shared-memory stores: the step of a tile whose keys are all the
     entry's (the last tile's key test is a loop of its own)."""
-    rows = sass_instructions(sass)
     best: LoopBody | None = None
-    for end in rows:
-        start = _backward_target(end)
-        if start is None:
-            continue
-        body = [row for row in rows if start <= row.address <= end.address]
+    for body in _loops(sass_instructions(sass)):
         counts = Counter(row.family for row in body)
         if "EXIT" in counts or not (counts["PRMT"] and counts["STS"]):
             continue

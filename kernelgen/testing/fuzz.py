@@ -32,10 +32,9 @@ import numpy as np
 from kernelgen.errors import EmulatorError, InputError, KernelgenError
 from kernelgen.families import spec_of_family
 from kernelgen.references.attention import mismatches, naive_attention
-from kernelgen.references.example_inputs import ProblemSizes, expression_arguments
 from kernelgen.specs.forward import KernelSpec
 from kernelgen.testing import fuzz_backward, fuzz_fp8
-from kernelgen.testing.fuzz_inputs import additive_mask, documents, draw_values, variant_keywords
+from kernelgen.testing.fuzz_inputs import call_arguments, draw_values, variant_keywords
 from kernelgen.testing.fuzz_space import (
     DrawStats,
     FuzzProblem,
@@ -126,14 +125,7 @@ def make_inputs(spec: KernelSpec, p: FuzzProblem) -> Inputs:
     q = draw_values(rng, spec.dtype, p, p.batch, p.heads, p.seqlen_q, d)
     k = draw_values(rng, spec.dtype, p, p.batch, p.kv_heads, p.seqlen_k, d)
     v = draw_values(rng, spec.dtype, p, p.batch, p.kv_heads, p.seqlen_k, d)
-    mask = additive_mask(rng, p)
-    keywords = variant_keywords(rng, spec, p)
-    hooks: dict[str, Any] = {}
-    if spec.has_expressions:
-        inputs = documents(rng, p) if spec.mask_mod is not None else {}
-        sizes = ProblemSizes(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
-        expressions, hooks = expression_arguments(spec, sizes, inputs)
-        keywords |= expressions
+    mask, keywords, hooks = call_arguments(rng, spec, p)
     lengths = p.seqlens_k or (p.seqlen_k,) * p.batch
     ref_out, ref_lse = _reference(spec, p, q, k, v, mask, keywords, hooks, lengths)
     if p.nan_past:

@@ -22,7 +22,6 @@ import numpy as np
 
 from kernelgen.families import spec_of_family
 from kernelgen.references.attention import attention_backward, grad_mismatches
-from kernelgen.references.example_inputs import ProblemSizes, expression_arguments
 from kernelgen.specs.backward import (
     BACKWARD_TILES,
     BACKWARD_WARPS,
@@ -30,13 +29,7 @@ from kernelgen.specs.backward import (
     TC_TILES,
     BackwardSpec,
 )
-from kernelgen.testing.fuzz_inputs import (
-    additive_mask,
-    documents,
-    draw_values,
-    rounded,
-    variant_keywords,
-)
+from kernelgen.testing.fuzz_inputs import call_arguments, draw_values, rounded
 from kernelgen.testing.fuzz_space import (
     MAX_SEQLEN,
     DrawStats,
@@ -187,15 +180,8 @@ def run(spec: BackwardSpec, p: FuzzProblem) -> dict[str, Any]:
     k = draw_values(rng, spec.dtype, p, p.batch, p.kv_heads, p.seqlen_k, d, exponents=wide)
     v = draw_values(rng, spec.dtype, p, p.batch, p.kv_heads, p.seqlen_k, d, exponents=wide)
     dout = draw_values(rng, spec.dtype, p, p.batch, p.heads, p.seqlen_q, d, exponents=wide)
-    mask = additive_mask(rng, p)
-    keywords = variant_keywords(rng, spec, p)
-    hooks: dict[str, Any] = {}
-    if spec.has_expressions:
-        inputs = documents(rng, p) if spec.mask_mod is not None else {}
-        sizes = ProblemSizes(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
-        expressions, hooks = expression_arguments(spec, sizes, inputs)
-        expressions.pop("block_mask", None)  # the backward lists its own tiles
-        keywords |= expressions
+    mask, keywords, hooks = call_arguments(rng, spec, p)
+    keywords.pop("block_mask", None)  # the backward lists its own tiles
     reference_keywords = {k: w for k, w in keywords.items() if k not in ("score_mod", "mask_mod")}
     reference_keywords.pop("mod_inputs", None)
     options = dict(causal=spec.causal, scale=p.scale, mask=mask, **reference_keywords, **hooks)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.references.example_inputs import ProblemSizes, expression_arguments
 from kernelgen.runtime.emulated_launch import from_device_dtype, to_device_dtype
 from kernelgen.testing.fuzz_space import EMPTY_DOC, FuzzProblem
 
@@ -78,3 +79,20 @@ def variant_keywords(rng: np.random.Generator, spec: Any, p: FuzzProblem) -> dic
     if spec.sinks:
         keywords["sinks"] = (2 * rng.standard_normal(p.heads)).astype(np.float32)
     return keywords
+
+
+def call_arguments(
+    rng: np.random.Generator, spec: Any, p: FuzzProblem
+) -> tuple[np.ndarray | None, dict[str, Any], dict[str, Any]]:
+    """What a case's call adds to q, k and v, drawn in this order: the additive mask (or None),
+    the keywords (the variants' values, and with expressions their arguments: a document
+    mask's inputs, a block mask) and the reference's expression hooks."""
+    mask = additive_mask(rng, p)
+    keywords = variant_keywords(rng, spec, p)
+    hooks: dict[str, Any] = {}
+    if spec.has_expressions:
+        inputs = documents(rng, p) if spec.mask_mod is not None else {}
+        sizes = ProblemSizes(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
+        expressions, hooks = expression_arguments(spec, sizes, inputs)
+        keywords |= expressions
+    return mask, keywords, hooks
