@@ -89,7 +89,9 @@ def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:
     """Spec-field overrides for the fp8 (e4m3) wgmma forward: each of its loops at 128-row tiles
     and each key tile the head dim takes (``FP8_BLOCK_N_BY_HEAD_DIM``: d256 one, the others
     two; docs/hopper.md, fp8): plain, Q in registers, ping-pong (2 stages), the overlap alone,
-    with Q in registers and with ping-pong (3 stages). Those a tiling refuses (the overlap and Q
+    with Q in registers and with ping-pong (3 stages), and the plain loop with V transposed in
+    the kernel (``fp8_v_layout: kernel``: the call makes no V^T copy, which the other rows'
+    timings include). Those a tiling refuses (the overlap and Q
     in registers at d256 and at d192 with 128-key tiles) are recorded invalid with kernelgen's
     reason. These rows are where a GPU times the loops against each other."""
     from kernelgen.specs.forward import FP8_BLOCK_N_BY_HEAD_DIM
@@ -103,6 +105,7 @@ def fp8_candidates(head_dim: int = 128) -> list[dict[str, Any]]:
         {"stages": 3, "overlap": True},
         {"stages": 3, "overlap": True, "q_in_registers": True},
         {"stages": 3, "overlap": True, "pingpong": True},
+        {"stages": 2, "fp8_v_layout": "kernel"},  # V^T made in the kernel: no copy per call
     )
     return [
         {**base, "block_n": block_n, **loop}
@@ -121,9 +124,10 @@ def candidate_label(fields: dict[str, Any]) -> str:
         q_regs = "-qr" if fields.get("q_in_registers") else ""
         store = "-tma" if fields.get("epilogue") == "tma" else ""
         cluster = f"-c{fields['cluster_m']}" if fields.get("cluster_m", 1) > 1 else ""
+        v_layout = "-vk" if fields.get("fp8_v_layout") == "kernel" else ""
         return (
             f"{engine}-m{fields['block_m']}n{fields['block_n']}s{fields.get('stages', '?')}"
-            f"{overlap}{turns}{q_regs}{store}{cluster}"
+            f"{overlap}{turns}{q_regs}{store}{cluster}{v_layout}"
         )
     layout = {"swizzled": "swz", "padded": "pad"}.get(fields.get("smem_layout", ""), "?")
     return (

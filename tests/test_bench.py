@@ -456,6 +456,8 @@ def test_fp8_peer_and_its_candidates():
     assert loops == {(False, False, False, 2), (True, False, False, 2), (False, False, True, 2),
                      (False, True, False, 3), (True, True, False, 3),
                      (False, True, True, 3)}  # fmt: skip
+    kernel_layout = [f for f in fp8_candidates() if f.get("fp8_v_layout") == "kernel"]
+    assert [candidate_label(f) for f in kernel_layout] == ["fp8-m128n128s2-vk", "fp8-m128n64s2-vk"]
     assert [candidate_label(f) for f in fp8_candidates()[:2]] == [
         "fp8-m128n128s2", "fp8-m128n128s2-qr"
     ]  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.calls import kvcache_inputs
 from kernelgen.calls.attention import Paging, check_num_splits, describe
 from kernelgen.calls.expression_inputs import with_expressions
 from kernelgen.calls.fp8 import check_fp8_call, fp8_attention
@@ -52,8 +53,6 @@ def fp8_attention_with_kvcache(
     descales: dict[str, Any],
 ) -> Any:
     """:func:`kernelgen.attention_with_kvcache` for fp8 inputs (the arguments as there)."""
-    from kernelgen.calls import kvcache  # the 16-bit module's checks (it imports this one)
-
     paged = block_table is not None
     k_info, v_info = describe(k_cache, "k_cache"), describe(v_cache, "v_cache")
     layout = kv_infos = paging = None
@@ -64,9 +63,9 @@ def fp8_attention_with_kvcache(
                 f"{v_info.shape} and {v_info.strides}; a paged cache's two tensors must share "
                 "their layout"
             )
-        layout = kvcache._paged_layout(k_info, block_table, len(q))
+        layout = kvcache_inputs.paged_layout(k_info, block_table, len(q))
         kv_infos = tuple(
-            replace(kvcache._as_batched(t, layout), name=name)
+            replace(kvcache_inputs.as_batched(t, layout), name=name)
             for t, name in ((k_info, "k"), (v_info, "v"))
         )
         paging = Paging(layout.page_size, layout.kernel_table, layout.row_stride, layout.num_pages)
@@ -91,13 +90,13 @@ def fp8_attention_with_kvcache(
     new_len = 0
     if appending:
         cache_info = kv_infos[0] if kv_infos else k_info
-        new_len = int(kvcache._check_new(k_new, v_new, cache_info)[0].shape[1])
+        new_len = int(kvcache_inputs.check_new(k_new, v_new, cache_info)[0].shape[1])
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(x, np.ndarray) and not x.flags.writeable:
                 raise InputError(f"{name} is read-only; the call writes k_new/v_new into it")
-    lengths = kvcache._lengths(cache_seqlens, batch, q)
+    lengths = kvcache_inputs.cache_lengths(cache_seqlens, batch, q)
     table = layout.host_table if layout is not None else None
-    lengths, table = kvcache.read_metadata(
+    lengths, table = kvcache_inputs.read_metadata(
         appending, validate, cache_seqlens, block_table, lengths, table, max_keys, layout
     )
     seqlens_k: Any = cache_seqlens
@@ -108,12 +107,12 @@ def fp8_attention_with_kvcache(
             check_pages(table, lengths + new_len, layout)
     if appending and new_len:
         if layout is None:
-            kvcache._append(k_cache, k_new, lengths, new_len)
-            kvcache._append(v_cache, v_new, lengths, new_len)
+            kvcache_inputs.append_rows(k_cache, k_new, lengths, new_len)
+            kvcache_inputs.append_rows(v_cache, v_new, lengths, new_len)
         else:
             slots = paged_slots(table, lengths, new_len, layout)
-            kvcache._append_paged(k_cache, k_new, *slots)
-            kvcache._append_paged(v_cache, v_new, *slots)
+            kvcache_inputs.append_paged_rows(k_cache, k_new, *slots)
+            kvcache_inputs.append_paged_rows(v_cache, v_new, *slots)
     return fp8_attention(
         q, k_cache, v_cache, causal=causal, scale=scale, spec=spec, return_lse=return_lse,
         layout="bshd", descales=descales, unsupported={}, variants=variants,
