@@ -314,3 +314,52 @@ def test_fp8_block_sparse_document_mask_on_gpu(named):
     assert ref.bound_ratio(got) <= 1.0
     lse_error = np.abs(lse.cpu().numpy() - ref.lse)
     assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_fp8_serving_decode_through_attention_with_kvcache_on_gpu(paged):
+    """attention_with_kvcache on CUDA e4m3 caches (bshd, rows past each length NaN) with
+    descales: the fp8 decode default (split-KV, packed GQA, V transposed in the kernel), the
+    cache read in place; contiguous, and paged in shuffled 64-key pages. The bound and the
+    lse's, as above."""
+    require_compute_capability_9_0()
+    torch = pytest.importorskip("torch")
+    lengths = [170, 259]
+    q, k, v, descales = problem(4, 2, 8, 2, 1, 320)
+    clean_k = k.copy()
+    for b, length in enumerate(lengths):
+        k[b, :, length:] = v[b, :, length:] = 0x7F  # e4m3 NaN
+        clean_k[b, :, length:] = 0
+
+    def cuda_bshd(x):  # (B, H, S, D) bytes -> (B, S, H, D) float8_e4m3fn on the GPU
+        rows = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+        return torch.from_numpy(rows).cuda().view(torch.float8_e4m3fn)
+
+    k_cache, v_cache = cuda_bshd(k), cuda_bshd(v)
+    extra = {}
+    if paged:  # 5 pages of 64 keys per entry, in shuffled order
+        page, pages = 64, 5
+        order = np.random.default_rng(3).permutation(2 * pages)
+        table = order.reshape(2, pages).astype(np.int32)
+        pool_k = torch.empty((2 * pages, page, 2, 128), dtype=torch.uint8, device="cuda")
+        pool_v = torch.empty_like(pool_k)
+        for b in range(2):
+            for j in range(pages):
+                rows = slice(j * page, (j + 1) * page)
+                pool_k[table[b, j]] = k_cache[b, rows].view(torch.uint8)
+                pool_v[table[b, j]] = v_cache[b, rows].view(torch.uint8)
+        k_cache, v_cache = (x.view(torch.float8_e4m3fn) for x in (pool_k, pool_v))
+        extra["block_table"] = torch.from_numpy(table).cuda()
+    on_gpu = {n: torch.from_numpy(x).cuda() for n, x in descales.items()}
+    out, lse = kernelgen.attention_with_kvcache(
+        cuda_bshd(q), k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+        causal=True, return_lse=True, **extra, **on_gpu,
+    )  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    got = out.float().cpu().numpy().transpose(0, 2, 1, 3).astype(np.float64)
+    scale = 128**-0.5
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=scale, seqlens_k=lengths)
+    assert np.isfinite(got).all()
+    assert ref.bound_ratio(got) <= 1.0
+    lse_error = np.abs(lse.cpu().numpy() - ref.lse)
+    assert (lse_error <= score_error_bound(q, clean_k, descales, scale)).all()
