@@ -865,17 +865,27 @@ def mismatches(
         failed.append("rows that see no key give out = 0")
     lse_error = 0.0
     if lse is not None:
-        lse = np.asarray(lse, dtype=np.float64)
-        if np.isnan(lse).any():
-            failed.append(f"NaN in lse at {np.argwhere(np.isnan(lse))[:5].tolist()}")
-        if not np.array_equal(np.isneginf(lse), empty):
-            where = np.argwhere(np.isneginf(lse) != empty)[:5].tolist()
-            failed.append(f"lse is -inf exactly where a row sees no key (not at {where})")
-        if (~empty).any():
-            lse_error = float(np.max(np.abs(lse[~empty] - ref_lse[~empty])))
-            if not lse_error <= LSE_TOLERANCE:
-                failed.append(f"lse error {lse_error:.3g} > {LSE_TOLERANCE}")
+        lse_failed, lse_error = lse_mismatches(lse, ref_lse, LSE_TOLERANCE)
+        failed += lse_failed
     return Mismatches(tuple(failed), error, lse_error)
+
+
+def lse_mismatches(lse: Any, ref_lse: np.ndarray, tolerance: float) -> tuple[list[str], float]:
+    """What is wrong with a kernel's lse against the reference's (one line each) and its largest
+    error: no NaN, -inf exactly on the rows that see no key, within ``tolerance`` elsewhere."""
+    lse = np.asarray(lse, dtype=np.float64)
+    empty = np.isneginf(ref_lse)
+    failed, lse_error = [], 0.0
+    if np.isnan(lse).any():
+        failed.append(f"NaN in lse at {np.argwhere(np.isnan(lse))[:5].tolist()}")
+    if not np.array_equal(np.isneginf(lse), empty):
+        where = np.argwhere(np.isneginf(lse) != empty)[:5].tolist()
+        failed.append(f"lse is -inf exactly where a row sees no key (not at {where})")
+    if (~empty).any():
+        lse_error = float(np.max(np.abs(lse[~empty] - ref_lse[~empty])))
+        if not lse_error <= tolerance:
+            failed.append(f"lse error {lse_error:.3g} > {tolerance}")
+    return failed, lse_error
 
 
 @dataclass(frozen=True)

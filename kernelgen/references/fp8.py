@@ -25,6 +25,7 @@ from kernelgen.references.attention import (
     _prepare,
     _softmax_parts,
     _with_sinks,
+    lse_mismatches,
     relative_error,
 )
 
@@ -189,15 +190,6 @@ def fp8_mismatches(out: np.ndarray, lse: np.ndarray | None, ref: Fp8Reference) -
         failed.append(f"out relative error {error:.3g} >= {FP8_TOLERANCE}")
     lse_error = 0.0
     if lse is not None:
-        lse = np.asarray(lse, np.float64)
-        empty = np.isneginf(ref.lse)
-        if np.isnan(lse).any():
-            failed.append(f"NaN in lse at {np.argwhere(np.isnan(lse))[:5].tolist()}")
-        if not np.array_equal(np.isneginf(lse), empty):
-            where = np.argwhere(np.isneginf(lse) != empty)[:5].tolist()
-            failed.append(f"lse is -inf exactly where a row sees no key (not at {where})")
-        if (~empty).any():
-            lse_error = float(np.max(np.abs(lse[~empty] - ref.lse[~empty])))
-            if not lse_error <= FP8_LSE_TOLERANCE:
-                failed.append(f"lse error {lse_error:.3g} > {FP8_LSE_TOLERANCE}")
+        lse_failed, lse_error = lse_mismatches(lse, ref.lse, FP8_LSE_TOLERANCE)
+        failed += lse_failed
     return Fp8Mismatches(tuple(failed), ratio, error, lse_error)
