@@ -14,7 +14,6 @@ takes them.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import numpy as np
@@ -34,21 +33,14 @@ WIDE_RANGE_EXPONENTS = (-4, 0)
 DESCALE_P = 0.7  # each descale is given (else None: 1) with this chance
 
 
-def _takes(name: str) -> bool:
-    """Whether emulate_fp8_attention has keyword ``name`` (the fp8 call's forms today)."""
-    from kernelgen.calls.emulated import emulate_fp8_attention
-
-    return name in inspect.signature(emulate_fp8_attention).parameters
-
-
 def fit_problem(rng: np.random.Generator, p: FuzzProblem) -> FuzzProblem:
-    """A forward problem made one of the fp8 call's: bhsd unless it takes a layout, every lse,
-    no per-entry lengths unless it takes them; and which descales are given."""
+    """A forward problem made one of emulate_fp8_attention's: bhsd (it takes no layout), every
+    lse, per-entry lengths as drawn; and which descales are given."""
     given = tuple(name for name in DESCALE_NAMES if chance(rng, DESCALE_P))
-    lengths = p.seqlens_k if _takes("seqlens_k") else None
+    lengths = p.seqlens_k
     return dataclasses.replace(
         p,
-        layout=p.layout if _takes("layout") else "bhsd",
+        layout="bhsd",
         null_lse=False,
         seqlens_k=lengths,
         nan_past=p.nan_past and lengths is not None,

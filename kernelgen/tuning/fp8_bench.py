@@ -25,7 +25,7 @@ from kernelgen.tuning.gpu import (
     bench_variants,
     require_device,
     set_count,
-    variant_scalars,
+    variant_launch_problem,
 )
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc
 
@@ -63,7 +63,6 @@ class Fp8Bench(EventBench):
     :class:`kernelgen.tuning.gpu.CupyBench`'s; checks the winner against float64."""
 
     def __init__(self, problem: ProblemDesc, device: DeviceInfo, seed: int = 0) -> None:
-        from kernelgen.tuning.candidates import launch_problem
 
         self.cupy = require_device()
         torch = self.torch = import_torch()
@@ -109,8 +108,7 @@ class Fp8Bench(EventBench):
         self.tensors = [self._arguments(s) for s in self.sets]
         # host-layout kernels read V^T: its (batch, kv head, head-dim row) strides; kernels
         # that transpose V themselves read v as k
-        scalars = variant_scalars(self.variants)
-        natural = dataclasses.replace(launch_problem(p), variant_scalars=scalars)
+        natural = variant_launch_problem(p, self.variants)
         self.launch_problems = {
             "host": dataclasses.replace(natural, v_strides=v_strides[:3]),
             "kernel": natural,

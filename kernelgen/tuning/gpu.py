@@ -206,7 +206,7 @@ class CupyBench(EventBench):
     """Times specs on the current GPU for one problem, with inputs rotated against L2."""
 
     def __init__(self, problem: ProblemDesc, device: DeviceInfo, seed: int = 0) -> None:
-        from kernelgen.tuning.candidates import launch_problem, pages_per_sequence
+        from kernelgen.tuning.candidates import pages_per_sequence
 
         cupy = self.cupy = require_device()
         p = self.problem = problem
@@ -252,9 +252,7 @@ class CupyBench(EventBench):
                 for s in self.sets:
                     s[name] = values
         self.scale = 1.0 / math.sqrt(p.head_dim)
-        self.launch_problem = dataclasses.replace(
-            launch_problem(p), variant_scalars=variant_scalars(self.variants)
-        )
+        self.launch_problem = variant_launch_problem(p, self.variants)
 
     def _launch(self, spec: KernelSpec, index: int, num_splits: int | None = None) -> None:
         from kernelgen.runtime.launch import runtime_kernel
@@ -403,9 +401,8 @@ def backward_launch_problem(problem: ProblemDesc, variants: dict[str, Any]) -> P
     """The kernel-level problem of a backward problem on contiguous (B, H, S, D) tensors: the
     forward's (:func:`~kernelgen.tuning.candidates.launch_problem`) with the variants' values
     and the strides of dout, out, dq, dk and dv (attention_backward's extra scalars)."""
-    from kernelgen.tuning.candidates import launch_problem
 
-    base = launch_problem(problem)
+    base = variant_launch_problem(problem, variants)
     strides = {"dout": base.q_strides, "out": base.out_strides, "dq": base.q_strides,
                "dk": base.k_strides, "dv": base.v_strides}  # fmt: skip
     extra = tuple(
@@ -413,7 +410,15 @@ def backward_launch_problem(problem: ProblemDesc, variants: dict[str, Any]) -> P
         for tensor, values in strides.items()
         for i, axis in enumerate("bhs")
     )
-    return dataclasses.replace(base, variant_scalars=variant_scalars(variants), extra_scalars=extra)
+    return dataclasses.replace(base, extra_scalars=extra)
+
+
+def variant_launch_problem(problem: ProblemDesc, variants: dict[str, Any]) -> Problem:
+    """The kernel-level problem of ``problem`` (:func:`~kernelgen.tuning.candidates.launch_problem`)
+    with :func:`bench_variants`' scalar values: what every bench launches with."""
+    from kernelgen.tuning.candidates import launch_problem
+
+    return dataclasses.replace(launch_problem(problem), variant_scalars=variant_scalars(variants))
 
 
 def variant_scalars(variants: dict[str, Any]) -> tuple[tuple[str, int | float], ...]:
