@@ -159,6 +159,19 @@ CPU_BACKEND_MARKS = [
 ]
 
 
+@pytest.fixture
+def one_off_emulator_builds(tmp_path, monkeypatch):
+    """An empty emulator build cache whose builds compile the shim as part of each kernel: no
+    precompiled shim and no runtime library, which pay off only when later builds reuse them
+    (a mutated emulator header changes their keys, so each mutation test built both for one
+    kernel: about twice the g++ time)."""
+    from kernelgen.emulator import kernel
+
+    monkeypatch.setenv("KG_EMULATOR_CACHE", str(tmp_path / "emulator-cache"))
+    monkeypatch.setattr(kernel, "_runtime_library", lambda *args: None)
+    monkeypatch.setattr(kernel, "_precompiled_shim", lambda *args: None)
+
+
 @pytest.fixture(autouse=True)
 def _emulator_compiler(request):
     """Tests marked ``emulate`` need the emulator's C++ compiler: a failure in CI, a skip

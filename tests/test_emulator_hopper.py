@@ -1052,14 +1052,13 @@ def test_tensor_map_parameter_needs_a_tensor_map(tma_kernel):
 
 
 @pytest.fixture
-def mutated(tmp_path, monkeypatch):
+def mutated(tmp_path, monkeypatch, one_off_emulator_builds):
     """``mutated(header, old, new)``: later builds use the emulator's headers with one edit (and
     an empty build cache)."""
     import shutil
 
     from kernelgen.emulator import kernel
 
-    monkeypatch.setenv("KG_EMULATOR_CACHE", str(tmp_path / "cache"))
     copy = tmp_path / "include"
     shutil.copytree(kernel.INCLUDE_DIR, copy)
     monkeypatch.setattr(kernel, "INCLUDE_DIR", copy)

@@ -29,14 +29,13 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 
 
 @pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
+def fresh_cache(one_off_emulator_builds):
     """An empty build cache: a mutation of the Python translation must not meet a cached build
     of the real one (the cache keys on the emulator's files, not on patched functions)."""
-    monkeypatch.setenv("KG_EMULATOR_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture
-def mutate_header(tmp_path, monkeypatch):
+def mutate_header(tmp_path, monkeypatch, one_off_emulator_builds):
     """``mutate_header(file, old, new)``: the emulator's headers with one edit (a fresh build)."""
 
     def apply(name: str, old: str, new: str) -> None:
