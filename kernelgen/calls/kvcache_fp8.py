@@ -5,9 +5,10 @@ out is bfloat16. The cache is read in place: the fp8 kernel takes V transposed i
 memory (``fp8_v_layout: kernel``), so no V^T copy of the cache is made per step. Without a
 spec the call runs :func:`~kernelgen.model.policy.fp8_decode_spec` (split-KV, packed GQA where
 the group divides 64 rows; with ``block_table``, paged KV at 64-key tiles). A paged fp8 cache
-takes pages of a multiple of the spec's block_n (each key tile one TMA copy; row copies for
-other page sizes are not built yet). As for 16-bit caches, every check comes before
-``k_new``/``v_new`` are written.
+takes pages of any multiple of 16 keys, as a 16-bit one: pages of a multiple of the spec's
+block_n are one TMA copy per key tile, others are copied row by row with cp.async before the
+in-kernel transpose. As for 16-bit caches, every check comes before ``k_new``/``v_new`` are
+written.
 """
 
 from __future__ import annotations
