@@ -3,8 +3,10 @@
 For every shape of :mod:`bench.decode_shapes` it makes input sets (rotated past 2x L2), an fp32
 reference chunked over (batch, kv head), then checks and times kernelgen's decode kernel (the
 default decode spec, heuristic split count), kernelgen's autotuned launch, kernelgen without
-split-KV and torch SDPA's backends. Figures: median ms, achieved GB/s of the bytes model
-(:data:`bench.metrics.DECODE_BYTES_MODEL`) and its fraction of the measured copy bandwidth.
+split-KV and torch SDPA's backends; on request (``--peers``) kernelgen's fp8 decode on the bf16
+sets rounded to e4m3 (rows of e4m3 shapes, checked against float64 of the rounded inputs).
+Figures: median ms, achieved GB/s of the bytes model (:data:`bench.metrics.DECODE_BYTES_MODEL`)
+and its fraction of the measured copy bandwidth.
 Writes ``<out>/<date>-<gpu>-decode.{json,md}``. ``--help`` and ``--list`` need no GPU; torch,
 CuPy and kernelgen are imported only by a run. Also reachable as ``python -m bench.attention
 --decode``.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import math
 import os
@@ -61,8 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--peers",
-        default=",".join(dr.DECODE_PEER_NAMES),
-        help=f"comma-separated subset of {','.join(dr.DECODE_PEER_NAMES)}",
+        default=",".join(dr.DEFAULT_PEER_NAMES),
+        help=f"comma-separated subset of {','.join(dr.DECODE_PEER_NAMES)} (default: all but "
+        f"{', '.join(dr.FP8_DECODE_PEERS)})",
     )
     p.add_argument(
         "--max-kv-gib",
@@ -157,27 +161,30 @@ def make_sets(env: Any, shape: DecodeShape, count: int, seed: int) -> list[tuple
     return [(randn(q_shape), randn(kv_shape), randn(kv_shape)) for _ in range(count)]
 
 
-def reference(env: Any, q: Any, k: Any, v: Any, chunk_bytes: int = 1 << 30) -> Any:
-    """fp32 attention of q (B, H, Sq, D) over k, v (B, Hkv, Sk, D), query head h reading kv head
-    h // (H / Hkv), in groups of (batch, kv head) pairs whose fp32 K, V and scores fit
-    ``chunk_bytes``."""
+def reference(
+    env: Any, q: Any, k: Any, v: Any, chunk_bytes: int = 1 << 30, dtype: str = "float32"
+) -> Any:
+    """fp32 (or ``dtype``: float64 for the fp8 rows) attention of q (B, H, Sq, D) over k, v
+    (B, Hkv, Sk, D), query head h reading kv head h // (H / Hkv), in groups of (batch, kv head)
+    pairs whose upcast K, V and scores fit ``chunk_bytes``."""
     from bench.gpu import exact_fp32
 
     torch = env.torch
+    cast = getattr(torch, dtype)
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     rows = heads // kv_heads * seqlen_q
     qf = q.reshape(batch * kv_heads, rows, head_dim)
     kf, vf = (t.reshape(batch * kv_heads, seqlen_k, head_dim) for t in (k, v))
-    out = torch.empty((batch * kv_heads, rows, head_dim), device=q.device, dtype=torch.float32)
-    pair_bytes = 4 * seqlen_k * (2 * head_dim + rows)
+    out = torch.empty((batch * kv_heads, rows, head_dim), device=q.device, dtype=cast)
+    pair_bytes = cast.itemsize * seqlen_k * (2 * head_dim + rows)
     step = max(1, chunk_bytes // pair_bytes)
     scale = 1.0 / math.sqrt(head_dim)
     with exact_fp32(torch):
         for start in range(0, batch * kv_heads, step):
             part = slice(start, start + step)
-            scores = torch.bmm(qf[part].float(), kf[part].float().transpose(1, 2)) * scale
-            out[part] = torch.bmm(torch.softmax(scores, dim=-1), vf[part].float())
+            scores = torch.bmm(qf[part].to(cast), kf[part].to(cast).transpose(1, 2)) * scale
+            out[part] = torch.bmm(torch.softmax(scores, dim=-1), vf[part].to(cast))
     return out.view(batch, heads, seqlen_q, head_dim)
 
 
@@ -238,6 +245,52 @@ def paged_impl(env: Any, peer: str, spec: Any, paged: dict[int, tuple]) -> Any:
         return out.transpose(1, 2)
 
     return Impl(peer, call, spec_uri=spec.uri, poison=lambda: poisoned_kernelgen_outputs(env))
+
+
+def fp8_caches(env: Any, sets: list, page_size: int, seed: int) -> dict[int, tuple]:
+    """For each bf16 (q, k, v) set, by ``id(q)``: q rounded to e4m3 as a (B, Sq, H, D) view, the
+    e4m3 caches (contiguous (B, Sk, Hkv, D) views, or with ``page_size`` pools of pages in
+    shuffled order, :func:`paged_sets`, copied as bytes), the int32 lengths (all Sk), the block
+    table (None: contiguous) and the rounded (q, k, v) in (B, H, S, D) for the reference."""
+    torch = env.torch
+    fp8, uint8 = torch.float8_e4m3fn, torch.uint8
+    rounded = [tuple(t.to(fp8) for t in s) for s in sets]
+    as_bytes = [(q8, k8.view(uint8), v8.view(uint8)) for q8, k8, v8 in rounded]
+    pools = paged_sets(env, as_bytes, page_size, seed) if page_size else {}
+    caches = {}
+    for (q, k, _), (q8, k8, v8), (_, k_bytes, _) in zip(sets, rounded, as_bytes, strict=True):
+        if page_size:
+            k_pool, v_pool, table, lengths = pools[id(k_bytes)]
+            k_cache, v_cache = k_pool.view(fp8), v_pool.view(fp8)
+        else:
+            k_cache, v_cache, table = k8.transpose(1, 2), v8.transpose(1, 2), None
+            lengths = torch.full((k.shape[0],), k.shape[2], dtype=torch.int32, device=k.device)
+        caches[id(q)] = (q8.transpose(1, 2), k_cache, v_cache, lengths, table, (q8, k8, v8))
+    return caches
+
+
+def fp8_cache_impl(env: Any, peer: str, spec: Any, caches: dict[int, tuple]) -> Any:
+    """``kernelgen.attention_with_kvcache`` on the e4m3 cache of the set it is called with
+    (:func:`fp8_caches`; out as a (B, H, Sq, D) bf16 view), checked within the fp8 tolerance."""
+    from bench.gpu import Impl, poisoned_kernelgen_outputs
+
+    kg = env.kernelgen
+
+    def call(q: Any, k: Any, v: Any) -> Any:
+        q8, k_cache, v_cache, lengths, table, _ = caches[id(q)]
+        with env.stream():
+            out = kg.attention_with_kvcache(
+                q8, k_cache, v_cache, lengths, block_table=table, spec=spec
+            )
+        return out.transpose(1, 2)
+
+    return Impl(
+        peer,
+        call,
+        spec_uri=spec.uri,
+        poison=lambda: poisoned_kernelgen_outputs(env),
+        tolerance=metrics.tolerance(dr.FP8_DTYPE),
+    )
 
 
 def problem_desc(shape: DecodeShape) -> Any:
@@ -321,6 +374,8 @@ class DecodeRunner(Harness):
         if self.env.kernelgen is None:
             reason = self.env.kernelgen_error
             return report.make_row(shape, peer, report.UNAVAILABLE, reason=reason)
+        if peer in dr.FP8_DECODE_PEERS:
+            return self.fp8_row(shape, peer, sets)
         if peer in dr.WGMMA_DECODE_PEERS:
             if self.env.arch != "sm_90":
                 arch = self.env.arch
@@ -419,6 +474,36 @@ class DecodeRunner(Harness):
             return paged_impl(self.env, peer, spec, pages), facts
 
         return build
+
+    def fp8_row(self, shape: DecodeShape, peer: str, sets: list) -> dict[str, Any]:
+        """An fp8 peer on the e4m3 twin of a bf16 shape (its row, bytes model and tolerance):
+        policy.fp8_decode_spec at the heuristic split count on the rounded sets' caches,
+        checked against float64 attention of the rounded inputs."""
+        from kernelgen.model.policy import fp8_decode_spec
+        from kernelgen.specs.forward import FP8_HEAD_DIMS
+
+        fp8_shape = dataclasses.replace(shape, dtype=dr.FP8_DTYPE)
+        reason = None
+        if self.env.arch != "sm_90":
+            arch = self.env.arch
+            reason = f"fp8 wgmma (sm_90a) runs on compute capability 9.0 only; this GPU is {arch}"
+        elif shape.dtype != "bfloat16" or shape.head_dim not in FP8_HEAD_DIMS:
+            reason = f"fp8 rows round bf16 shapes at head dim {FP8_HEAD_DIMS}"
+        if reason is not None:
+            return report.make_row(fp8_shape, peer, report.UNAVAILABLE, reason=reason)
+        page_size = dr.fp8_page_size_of(peer)
+        caches = fp8_caches(self.env, sets, page_size, seed=self.args.seed)
+        ref = reference(self.env, *caches[id(sets[0][0])][-1], dtype="float64")
+
+        def build(_shape: DecodeShape, _sets: list) -> tuple[Any, dict[str, Any]]:
+            spec = fp8_decode_spec(shape.head_dim, False, shape.group, paged_kv=page_size > 0)
+            self.compiled(spec)
+            splits = self.heuristic_splits(spec, fp8_shape)
+            facts = {**self.launch_facts(spec, fp8_shape, splits), "page_size": page_size}
+            facts["compile_s"] = round(self.compile_s[spec.uri], 3)
+            return fp8_cache_impl(self.env, peer, spec, caches), facts
+
+        return self.kernelgen_row(fp8_shape, peer, build, sets, ref)
 
     def build_tuned(self, shape: DecodeShape, sets: list) -> tuple[Any, dict[str, Any]]:
         """attention(spec=None): the first call tunes (or reads the database); it is timed

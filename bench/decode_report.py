@@ -38,6 +38,14 @@ WGMMA_PAGED_PEERS = (WGMMA_PAGED_PEER, WGMMA_SMALL_PAGED_PEER)
 # kg-decode-wg's spec with the TMA-store epilogue (docs/hopper.md): the split partials staged in
 # shared memory and stored by TMA instead of 8-byte stores from the accumulators.
 WGMMA_TMA_PEER = "kg-decode-wg-tma"
+# fp8 caches (e4m3, 9.0 devices only; not run unless --peers names them): the bf16 sets rounded
+# to e4m3 outside the timed region, read in place by attention_with_kvcache with
+# policy.fp8_decode_spec, contiguous and in pages of WGMMA_SMALL_PAGE_SIZE keys (cp.async row
+# copies). Their rows are e4m3 shapes: the bytes model counts 1-byte q, k and v and bf16 out.
+FP8_DECODE_PEER = "kg-decode-wg-fp8"
+FP8_PAGED_PEER = f"kg-wg-fp8-paged-{WGMMA_SMALL_PAGE_SIZE}"
+FP8_DECODE_PEERS = (FP8_DECODE_PEER, FP8_PAGED_PEER)
+FP8_DTYPE = "float8_e4m3"
 
 DECODE_PEERS: tuple[Peer, ...] = (
     Peer(
@@ -96,10 +104,29 @@ DECODE_PEERS: tuple[Peer, ...] = (
         "kg-decode-wg's spec with epilogue: tma (its partials stored through shared memory by TMA)",
         "kernelgen",
     ),
+    Peer(
+        FP8_DECODE_PEER,
+        "kg-wg-fp8",
+        "kernelgen attention_with_kvcache on an e4m3 cache (the bf16 set rounded, read in place: "
+        "policy.fp8_decode_spec, V transposed in the kernel, split-KV), checked against float64 "
+        "of the rounded inputs; opt-in (--peers)",
+        "kernelgen",
+    ),
+    Peer(
+        FP8_PAGED_PEER,
+        f"kg-wg-fp8-p{WGMMA_SMALL_PAGE_SIZE}",
+        f"kg-decode-wg-fp8 on a paged copy of the cache (pages of {WGMMA_SMALL_PAGE_SIZE} keys in "
+        "shuffled order: key tiles copied row by row with cp.async); opt-in (--peers)",
+        "kernelgen",
+    ),
     *(p for p in PEERS if p.family == "torch"),
 )
 DECODE_PEER_NAMES: tuple[str, ...] = tuple(p.name for p in DECODE_PEERS)
 DECODE_PEERS_BY_NAME: dict[str, Peer] = {p.name: p for p in DECODE_PEERS}
+# what bench.decode runs without --peers (and so bench.session's decode stage): not the fp8 ones
+DEFAULT_PEER_NAMES: tuple[str, ...] = tuple(
+    n for n in DECODE_PEER_NAMES if n not in FP8_DECODE_PEERS
+)
 KERNELGEN_DECODE_PEERS = (DECODE_PEER, TUNED_PEER)
 WGMMA_DECODE_PEERS = (WGMMA_DECODE_PEER, *WGMMA_PAGED_PEERS, WGMMA_TMA_PEER)
 PAGED_PEERS: tuple[str, ...] = tuple(f"{PAGED_PREFIX}{size}" for size in PAGE_SIZES)
@@ -137,6 +164,11 @@ def wgmma_page_size_of(peer: str) -> int:
     """The page size of a wgmma paged peer (``kg-wg-paged-16``: 16), else 0 (contiguous)."""
     digits = peer.removeprefix(WGMMA_PAGED_PREFIX)
     return int(digits) if peer.startswith(WGMMA_PAGED_PREFIX) and digits.isdigit() else 0
+
+
+def fp8_page_size_of(peer: str) -> int:
+    """The page size of an fp8 peer's cache (``kg-wg-fp8-paged-16``: 16), 0: contiguous."""
+    return WGMMA_SMALL_PAGE_SIZE if peer == FP8_PAGED_PEER else 0
 
 
 def _peer_index(peer: str) -> tuple[int, int]:
@@ -224,16 +256,19 @@ SHAPE_HEADER = ["dtype", "B", "H/Hkv", "Sq", "Sk"]
 
 def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
     """One line per shape: ``ms (% of copy)`` per peer, then kg-decode's and kg-decode-tuned's
-    speedups. A shape-wide row (peer ``all``) fills every peer's cell."""
+    speedups. A shape-wide row (peer ``all``) fills every peer's cell. The opt-in fp8 peers have
+    columns only where some row is theirs (their rows are e4m3 shapes of their own)."""
     rows = add_comparisons(rows)
+    ran = {r["peer"] for r in rows}
+    shown = [p for p in DECODE_PEERS if p.name not in FP8_DECODE_PEERS or p.name in ran]
     ratios_header = ["dec/nosplit", "dec/torch", "tuned/torch"]
     ratios_header += [f"p{size}/dec" for size in PAGE_SIZES] + ["wg/dec", "tma/wg"]
-    header = [*SHAPE_HEADER, *(p.short for p in DECODE_PEERS), *ratios_header]
+    header = [*SHAPE_HEADER, *(p.short for p in shown), *ratios_header]
     lines = []
     for _, peers in group_by_shape(rows):
         first = next(iter(peers.values()))
         whole = peers.get(ALL)
-        cells = [cell(whole or peers.get(p.name)) for p in DECODE_PEERS]
+        cells = [cell(whole or peers.get(p.name)) for p in shown]
         decode, tuned = peers.get(DECODE_PEER), peers.get(TUNED_PEER)
         ratios = [
             _ratio_cell(decode, "speedup_vs_nosplit"),
@@ -244,7 +279,7 @@ def markdown_table(rows: Iterable[dict[str, Any]]) -> str:
             _ratio_cell(peers.get(WGMMA_TMA_PEER), "tma_vs_direct"),
         ]
         lines.append([*_shape_cells(first), *cells, *ratios])
-    align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(DECODE_PEERS) + len(ratios_header))
+    align = ["---"] * len(SHAPE_HEADER) + ["---:"] * (len(shown) + len(ratios_header))
     return report.md_table(header, lines, align)
 
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 
 from bench.decode_shapes import DecodeShape
-from bench.shapes import Shape
+from bench.shapes import OUT_ELEM_BYTES, Shape
 
 DEFAULT_L2_BYTES = 50 * 1024 * 1024
 # Relative Frobenius error allowed against the fp32 reference (bf16 has 8 mantissa bits, fp16 11).
@@ -44,10 +44,11 @@ def lse_bytes(shape: Shape) -> int:
 
 
 def tensor_bytes(shape: Shape | DecodeShape) -> dict[str, int]:
-    """Bytes of q, k and v (``kv_heads`` heads) and out."""
-    q = shape.batch * shape.heads * shape.seqlen_q * shape.head_dim * shape.elem_bytes
+    """Bytes of q, k and v (``kv_heads`` heads) and out (fp8 inputs: bf16 out)."""
+    q_elems = shape.batch * shape.heads * shape.seqlen_q * shape.head_dim
     kv = shape.batch * shape.kv_heads * shape.seqlen_k * shape.head_dim * shape.elem_bytes
-    return {"q": q, "k": kv, "v": kv, "out": q}
+    out = q_elems * OUT_ELEM_BYTES.get(shape.dtype, shape.elem_bytes)
+    return {"q": q_elems * shape.elem_bytes, "k": kv, "v": kv, "out": out}
 
 
 def input_set_bytes(shape: Shape) -> int:

@@ -28,8 +28,10 @@ DTYPE_ALIASES = {
     "half": "float16",
     "float16": "float16",
 }
-DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
-ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3": "e4m3"}
+ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
+# Element bytes of out where it is not the inputs' type: fp8 (e4m3) inputs write bf16.
+OUT_ELEM_BYTES = {"float8_e4m3": 2}
 
 
 def heads_for(head_dim: int) -> int:

@@ -573,7 +573,11 @@ def test_memory_rule():
 def test_settings_are_plain(tmp_path):
     args = decode.parse_args(["--out", str(tmp_path)])
     assert isinstance(args, argparse.Namespace) and args.max_kv_gib == 24.0
-    assert args.peers.split(",") == list(dr.DECODE_PEER_NAMES)
+    # every peer but the opt-in fp8 ones (so bench.session's decode stage runs none of them)
+    assert args.peers.split(",") == [n for n in dr.DECODE_PEER_NAMES if "fp8" not in n]
+    assert set(dr.DECODE_PEER_NAMES) - set(dr.DEFAULT_PEER_NAMES) == set(dr.FP8_DECODE_PEERS)
+    named = decode.parse_args(["--peers", "kg-decode,kg-wg-fp8-paged-16"])
+    assert decode.selected_peers(named.peers) == ["kg-decode", "kg-wg-fp8-paged-16"]
 
 
 def test_one_chunk_target_reads_the_sweeps_first_count():
@@ -631,3 +635,45 @@ def test_paged_peers_are_compared_with_kg_decode():
     assert results[("paged", "kg-paged-256")].status == dr.MISS  # wrong on B=8
     assert "failed on" in results[("paged", "kg-paged-256")].detail
     assert dr.page_size_of("kg-paged-256") == 256 and dr.page_size_of("kg-decode") is None
+
+
+# ---- the fp8 cache peers on the emulator (CPU torch tensors, tiny shapes) ----
+@pytest.mark.emulate
+@pytest.mark.filterwarnings("ignore::kernelgen.errors.CPUBackendWarning")
+@pytest.mark.parametrize("page_size", [0, dr.fp8_page_size_of(dr.FP8_PAGED_PEER)])
+def test_fp8_cache_peer_checks_against_float64_by_the_emulator(page_size):
+    """kg-decode-wg-fp8 and kg-wg-fp8-paged-16's implementation on two bf16 sets (GQA 4, 70
+    keys): each call reads its own set's e4m3 cache and is within the fp8 tolerance of float64
+    attention of the rounded inputs; lengths short of the keys break it."""
+    import contextlib
+
+    import kernelgen
+    from kernelgen.model.policy import fp8_decode_spec
+
+    torch = pytest.importorskip("torch")
+    env = SimpleNamespace(
+        torch=torch, kernelgen=kernelgen, stream=contextlib.nullcontext,
+        kg_module=lambda name: importlib.import_module(f"kernelgen.{name}"),
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    shapes = ((2, 4, 1, 128), (2, 1, 70, 128), (2, 1, 70, 128))
+    sets = [tuple(torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes) for _ in "ab"]
+    caches = decode.fp8_caches(env, sets, page_size, seed=0)
+    _, k_cache, _, lengths, table, rounded = caches[id(sets[0][0])]
+    assert k_cache.dtype == torch.float8_e4m3fn and lengths.tolist() == [70, 70]
+    assert (table is None) == (page_size == 0)
+    if page_size:  # 5 pages of 16 keys per entry, in shuffled order
+        assert k_cache.shape == (10, 16, 1, 128) and table.shape == (2, 5)
+    ref = decode.reference(env, *rounded, dtype="float64")
+    assert ref.dtype == torch.float64
+    spec = fp8_decode_spec(128, False, 4, paged_kv=page_size > 0)
+    impl = decode.fp8_cache_impl(env, dr.FP8_DECODE_PEER, spec, caches)
+    assert impl.tolerance == 2.0**-4 and impl.spec_uri == spec.uri
+    with impl.poison():
+        out = impl.call(*sets[0])
+    error, nonfinite = gpu.relative_error(env, out, ref)
+    assert nonfinite == 0 and error < impl.tolerance
+    assert gpu.relative_error(env, impl.call(*sets[1]), ref)[0] > 0.5  # set 1's own cache
+    q8, k_cache, v_cache, lengths, table, rounded = caches[id(sets[0][0])]
+    caches[id(sets[0][0])] = (q8, k_cache, v_cache, lengths - 30, table, rounded)
+    assert gpu.relative_error(env, impl.call(*sets[0]), ref)[0] > impl.tolerance

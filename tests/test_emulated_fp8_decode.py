@@ -5,8 +5,9 @@ the decoded inputs (kernelgen.references.fp8) and its stated bound.
 The default spec (kernelgen.model.policy.fp8_decode_spec, the shipped
 specs/v2_wg_e4m3_d128_m64_n128_s2_vk_gqa_split.yaml at d128) reads the cache in place, V
 transposed in the kernel, split-KV (fp32 partials, the combine) with packed GQA; a paged cache
-(pages of a multiple of 64 keys, each key tile one TMA copy) as well. The cache's rows past
-each entry's length hold NaN. Mutation: the partials without v's descale.
+(pages of a multiple of 64 keys, each key tile one TMA copy) as well; other page sizes (row
+copies by cp.async): tests/test_emulated_fp8_paged_rows.py. The cache's rows past each entry's
+length hold NaN. Mutation: the partials without v's descale.
 """
 
 from __future__ import annotations
@@ -202,16 +203,3 @@ def test_paged_cache_with_shuffled_pages_and_appending_within_the_bound():
     new_lengths = [n + 1 for n in lengths]
     ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, seqlens_k=new_lengths)
     assert_within_bound(out.astype(np.float32).transpose(0, 2, 1, 3), lse, ref)
-
-
-def test_pages_that_are_no_multiple_of_the_key_tile_are_refused():
-    """Row copies of fp8 pages are not built: an InputError names the page size, before the
-    cache is written."""
-    lengths = [40]
-    q, k, v, descales = cache_case(2, lengths, 2, 1, 1)
-    k_pool, v_pool, table = paged_pool(k, v, 32, seed=2)
-    f8 = ml_dtypes.float8_e4m3fn
-    with pytest.raises(InputError, match=r"page_size=32 is not allowed with spec .*block_n=64"):
-        kernelgen.attention_with_kvcache(
-            bshd(q), k_pool.view(f8), v_pool.view(f8), lengths, block_table=table, **descales
-        )

@@ -134,7 +134,7 @@ SYNC_MUTATIONS = {
     ),
     # generic-proxy stores read by wgmma (the async proxy) without the fence
     "no_proxy_fence": (
-        "fence_proxy_async();\n        mbarrier_arrive(v_full + 8 * slot);",
+        "fence_proxy_async();\n      mbarrier_arrive(v_full + 8 * slot);",
         "mbarrier_arrive(v_full + 8 * slot);",
         "no fence.proxy.async after the write",
     ),

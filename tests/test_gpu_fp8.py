@@ -284,6 +284,29 @@ def test_fp8_tuning_on_gpu(tmp_path, monkeypatch):
         clear_memo()
 
 
+def test_fp8_paged_decode_tuning_on_gpu(tmp_path, monkeypatch):
+    """The decode grid's fp8 forms timed by the real Fp8Bench on a paged problem of 48-key
+    pages (row copies at both tiles): every launch kept runs and passes its check (split
+    counts included), and the record's winner is an fp8 paged spec."""
+    require_compute_capability_9_0()
+    pytest.importorskip("torch")
+    from kernelgen.tuning import ProblemDesc, TuningDB, clear_memo, make_key, select_launch
+    from kernelgen.tuning.gpu import detect_device, detect_software
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    clear_memo()
+    try:
+        p = ProblemDesc("float8_e4m3", 4, 32, 8, 1, 4096, 128, page_size=48)
+        device = detect_device()
+        launch = select_launch(p, device, mode="on")
+        record = TuningDB().load(make_key(p, device, detect_software()))
+        assert record is not None and launch.spec.fp8 and launch.spec.paged_kv
+        statuses = {c["uri"]: c["status"] for c in record.candidates}
+        assert set(statuses.values()) <= {"winner", "timed"}, record.candidates
+    finally:
+        clear_memo()
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["shipped-spec", "default-spec"])
 def test_fp8_block_sparse_document_mask_on_gpu(named):
     """kernelgen.attention on CUDA fp8 tensors with a causal document mask and its block mask
@@ -316,13 +339,14 @@ def test_fp8_block_sparse_document_mask_on_gpu(named):
     assert (lse_error <= score_error_bound(q, k, descales, scale)).all()
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_fp8_serving_decode_through_attention_with_kvcache_on_gpu(paged):
+@pytest.mark.parametrize("page_size", [0, 64, 16], ids=["contiguous", "paged64", "paged16"])
+def test_fp8_serving_decode_through_attention_with_kvcache_on_gpu(page_size, monkeypatch):
     """attention_with_kvcache on CUDA e4m3 caches (bshd, rows past each length NaN) with
-    descales: the fp8 decode default (split-KV, packed GQA, V transposed in the kernel), the
-    cache read in place; contiguous, and paged in shuffled 64-key pages. The bound and the
-    lse's, as above."""
+    descales: the fp8 decode default (split-KV, packed GQA, V transposed in the kernel; untuned),
+    the cache read in place; contiguous, and paged in shuffled 64-key pages (one TMA copy per
+    tile) and 16-key pages (cp.async row copies). The bound and the lse's, as above."""
     require_compute_capability_9_0()
+    monkeypatch.setenv("KERNELGEN_AUTOTUNE", "0")  # the default spec, not the tuner's
     torch = pytest.importorskip("torch")
     lengths = [170, 259]
     q, k, v, descales = problem(4, 2, 8, 2, 1, 320)
@@ -337,8 +361,8 @@ def test_fp8_serving_decode_through_attention_with_kvcache_on_gpu(paged):
 
     k_cache, v_cache = cuda_bshd(k), cuda_bshd(v)
     extra = {}
-    if paged:  # 5 pages of 64 keys per entry, in shuffled order
-        page, pages = 64, 5
+    if page_size:  # 320 keys per entry in pages of page_size, in shuffled order
+        page, pages = page_size, 320 // page_size
         order = np.random.default_rng(3).permutation(2 * pages)
         table = order.reshape(2, pages).astype(np.int32)
         pool_k = torch.empty((2 * pages, page, 2, 128), dtype=torch.uint8, device="cuda")

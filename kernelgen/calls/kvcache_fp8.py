@@ -3,11 +3,15 @@
 q, k_cache and v_cache (and k_new/v_new) are ``float8_e4m3fn`` with float32 (B, Hkv) descales,
 out is bfloat16. The cache is read in place: the fp8 kernel takes V transposed in shared
 memory (``fp8_v_layout: kernel``), so no V^T copy of the cache is made per step. Without a
-spec the call runs :func:`~kernelgen.model.policy.fp8_decode_spec` (split-KV, packed GQA where
-the group divides 64 rows; with ``block_table``, paged KV at 64-key tiles). A paged fp8 cache
-takes pages of a multiple of the spec's block_n (each key tile one TMA copy; row copies for
-other page sizes are not built yet). As for 16-bit caches, every check comes before
-``k_new``/``v_new`` are written.
+spec (and without ``num_splits`` or user expressions) a call on a 9.0 GPU runs the autotuner's
+choice among the fp8 forms of the Hopper decode grid (spec and split count; the page size is
+part of its key: :func:`kernelgen.tuning.candidates.wgmma_decode_fields`); otherwise, and with
+``KERNELGEN_AUTOTUNE=0``, :func:`~kernelgen.model.policy.fp8_decode_spec` (split-KV, packed GQA
+where the group divides 64 rows; with ``block_table``, paged KV at 64-key tiles). A paged fp8 cache
+takes pages of any multiple of 16 keys, as a 16-bit one: pages of a multiple of the spec's
+block_n are one TMA copy per key tile, others are copied row by row with cp.async before the
+in-kernel transpose. As for 16-bit caches, every check comes before ``k_new``/``v_new`` are
+written.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from kernelgen.calls import attention as api
 from kernelgen.calls import kvcache_inputs
 from kernelgen.calls.attention import Paging, check_num_splits, describe
 from kernelgen.calls.expression_inputs import with_expressions
-from kernelgen.calls.fp8 import check_fp8_call, fp8_attention
+from kernelgen.calls.fp8 import FP8_CAPABILITY, check_fp8_call, fp8_attention
 from kernelgen.calls.kvcache_checks import (
     check_lengths,
     check_pages,
@@ -29,6 +34,7 @@ from kernelgen.calls.kvcache_checks import (
 from kernelgen.calls.variant_inputs import VariantArgs
 from kernelgen.errors import InputError
 from kernelgen.model.policy import fp8_decode_spec
+from kernelgen.runtime.frameworks import arrays_of
 from kernelgen.specs.forward import KernelSpec
 
 __all__ = ["fp8_attention_with_kvcache"]
@@ -63,7 +69,8 @@ def fp8_attention_with_kvcache(
                 f"{v_info.shape} and {v_info.strides}; a paged cache's two tensors must share "
                 "their layout"
             )
-        layout = kvcache_inputs.paged_layout(k_info, block_table, len(q))
+        batch = describe(q, "q").shape[0]
+        layout = kvcache_inputs.paged_layout(k_info, block_table, batch)
         kv_infos = tuple(
             replace(kvcache_inputs.as_batched(t, layout), name=name)
             for t, name in ((k_info, "k"), (v_info, "v"))
@@ -81,9 +88,16 @@ def fp8_attention_with_kvcache(
     batch, heads, _, head_dim = call.q.shape  # (B, H, Sq, D) whatever the layout
     kv_heads, max_keys = call.k.shape[1], call.k.shape[2]
     if spec is None:
-        flags = call.variants.flags
-        spec = fp8_decode_spec(head_dim, causal, heads // kv_heads, flags, paged_kv=paged)
-        spec = with_expressions(spec, call.expressions)
+        arrays = arrays_of(q)
+        tuned = num_splits is None and not call.expressions.present and not arrays.host
+        if tuned and api.device_arch()[0] == FP8_CAPABILITY:  # (elsewhere fp8_attention refuses)
+            page_size = layout.page_size if layout is not None else 0
+            launch = api.tuned_launch(call, bool(causal), arrays.name, page_size=page_size)
+            spec, num_splits = launch.spec, launch.num_splits
+        else:
+            flags = call.variants.flags
+            spec = fp8_decode_spec(head_dim, causal, heads // kv_heads, flags, paged_kv=paged)
+            spec = with_expressions(spec, call.expressions)
         checked(spec)
     num_splits = check_num_splits(num_splits, spec)
     appending = k_new is not None or v_new is not None

@@ -45,6 +45,9 @@ PAGED_PRODUCER_REGS = 56
 # fp8 with V transposed in the kernel (fp8_v_layout: kernel): warps 1-3 of the producer hold a
 # 16-key x 4-column block of V and its transpose (transpose_v_tile); ptxas spills below this.
 TRANSPOSE_PRODUCER_REGS = 56
+# Both (an fp8 paged spec): the same threads copy rows and transpose V; ptxas spills below 80 at
+# d128 with 128-key tiles (below 72 with 64-key tiles).
+PAGED_TRANSPOSE_PRODUCER_REGS = 80
 MAX_CONSUMER_REGS = 240
 
 
@@ -91,12 +94,13 @@ class WgmmaOperand:
     mma_type: str  # PTX operand type of wgmma.mma_async
     k: int  # the k of one product (m64nNk16, m64nNk32): 32 bytes of every operand row
     transposes: bool  # the instruction takes imm-trans-a/b (16-bit); fp8 operands are K-major
+    storage: str  # C++ type of one element as read from global memory (the paged row copies)
 
 
 WGMMA_OPERAND: dict[str, WgmmaOperand] = {
-    "float16": WgmmaOperand("f16", 16, True),
-    "bfloat16": WgmmaOperand("bf16", 16, True),
-    "float8_e4m3": WgmmaOperand("e4m3", 32, False),
+    "float16": WgmmaOperand("f16", 16, True, "__half"),
+    "bfloat16": WgmmaOperand("bf16", 16, True, "__nv_bfloat16"),
+    "float8_e4m3": WgmmaOperand("e4m3", 32, False, "unsigned char"),  # e4m3 bytes, copied as is
 }
 # A swizzled tile row's bytes (its swizzle span) -> the descriptor's swizzle mode constant
 # (templates/hopper.cuh.j2): wgmma reads each tile in the layout TMA wrote it.
@@ -174,9 +178,10 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
         params = [Param(f"{name}_map", TENSOR_MAP_CTYPE) for name in "qkv"]
         if spec.epilogue == "tma":  # out written by TMA stores (out and its strides stay)
             params.append(Param("out_map", TENSOR_MAP_CTYPE))
-        # pages of any size: rows copied by cp.async from the pools (not fp8's: TMA only)
-        if spec.paged_kv and not spec.fp8:
-            params += [Param("k", f"const {elem}*"), Param("v", f"const {elem}*")]
+        # pages of any size: rows copied by cp.async from the pools, in the input type
+        if spec.paged_kv:
+            pool = WGMMA_OPERAND[spec.dtype].storage
+            params += [Param("k", f"const {pool}*"), Param("v", f"const {pool}*")]
     else:
         params = [
             Param("q", f"const {elem}*"),
@@ -264,7 +269,9 @@ def consumer_registers(spec: KernelSpec) -> int:
 def producer_registers(spec: KernelSpec) -> int:
     """setmaxnreg budget of a wgmma producer thread: :data:`PRODUCER_REGS`, with paged K/V
     :data:`PAGED_PRODUCER_REGS` (its cp.async row copies), with V transposed in the kernel
-    :data:`TRANSPOSE_PRODUCER_REGS`."""
+    :data:`TRANSPOSE_PRODUCER_REGS`, with both :data:`PAGED_TRANSPOSE_PRODUCER_REGS`."""
+    if spec.paged_kv and spec.v_transposed_in_kernel:
+        return PAGED_TRANSPOSE_PRODUCER_REGS
     if spec.paged_kv:
         return PAGED_PRODUCER_REGS
     return TRANSPOSE_PRODUCER_REGS if spec.v_transposed_in_kernel else PRODUCER_REGS

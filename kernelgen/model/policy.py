@@ -304,8 +304,9 @@ def fp8_decode_spec(
     reading the cache in place (``fp8_v_layout: kernel``, V transposed in shared memory),
     split-KV, one consumer warpgroup of 64 rows, packed GQA where the group divides them, the
     head dim's first fp8 key tile (``paged_kv``: a paged cache, 64-key tiles, so pages of a
-    multiple of 64 keys are one TMA copy per tile), 2 stages. Not tuned (docs/hopper.md, "fp8
-    decode")."""
+    multiple of 64 keys are one TMA copy per tile, other multiples of 16 row copies by
+    cp.async), 2 stages. The untuned choice (the tuner's heuristic for fp8 decode and paged
+    problems; docs/hopper.md, "fp8 decode")."""
     base = fp8_default_spec(head_dim, causal, variants)
     return KernelSpec(
         **{

@@ -116,12 +116,6 @@ def check_wgmma_decode(spec: KernelSpec, problem: Any) -> None:
             f"{spec.block_n} is copied by TMA, others row by row with cp.async, {PAGE_ROWS} "
             "rows per step)"
         )
-    if spec.paged_kv and spec.fp8 and problem.page_size % spec.block_n:
-        raise InputError(
-            f"page_size={problem.page_size} is not allowed with spec {spec.uri} (fp8, "
-            f"paged_kv): a multiple of block_n={spec.block_n}, each key tile one TMA copy (fp8 "
-            "row copies for other page sizes: not built yet)"
-        )
     if spec.paged_kv and problem.num_pages <= 0:
         raise InputError(
             f"num_pages={problem.num_pages} is not allowed with spec {spec.uri} (mma='wgmma', "

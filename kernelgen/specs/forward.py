@@ -830,7 +830,7 @@ class KernelSpec(BaseModel):
         # on the descaled scores and the key tiles' positions); the decode forms are not.
         # The decode forms read a cache in place: with V transposed in the kernel only (the
         # host layout would copy the cache's V^T every step); a paged fp8 cache takes pages of
-        # a multiple of block_n (the launch checks it: tensor_maps.check_wgmma_decode).
+        # any multiple of 16 keys, as 16-bit ones (tensor_maps.check_wgmma_decode).
         for field in ("pack_gqa", "split_kv", "paged_kv"):
             value = getattr(self, field)
             if value and not self.v_transposed_in_kernel:
@@ -1022,10 +1022,11 @@ class KernelSpec(BaseModel):
             q_bytes = self.block_m * self.q_region_blocks * row_bytes
             kv_bytes = self.stages * (self.k_tile_bytes + self.v_tile_bytes)
             # Q landed; per slot K landed, V landed, slot free; the last V tile staged; paged:
-            # per slot K and V copied by cp.async (pages that are no multiple of block_n);
-            # block-sparse: per slot the index of its key tile (in 8 bytes)
-            copies = self.paged_kv and not self.fp8  # fp8 pages: TMA copies only
-            slot_barriers = (5 if copies else 4 if self.block_sparse else 3) * self.stages
+            # per slot K and V copied by cp.async (pages that are no multiple of block_n; fp8:
+            # K only, V's copies complete its staged-V barrier); block-sparse (never paged):
+            # per slot the index of its key tile (in 8 bytes)
+            copied = (1 if self.fp8 else 2) if self.paged_kv else 0
+            slot_barriers = (3 + copied + int(self.block_sparse)) * self.stages
             # V transposed in the kernel: per slot, the staged V tile landed
             slot_barriers += self.stages if self.v_transposed_in_kernel else 0
             barriers = (2 + slot_barriers) * WGMMA_BARRIER_BYTES

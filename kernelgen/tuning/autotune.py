@@ -22,11 +22,18 @@ from kernelgen.model.policy import (
     HOPPER_DEVICE_ARCH,
     default_backward_spec,
     default_spec,
+    fp8_decode_spec,
     fp8_default_spec,
     hopper_default_spec,
 )
 from kernelgen.specs.arch import ARCHS
-from kernelgen.tuning.candidates import CompileFn, TunedLaunch, decode_rows, prune
+from kernelgen.tuning.candidates import (
+    CompileFn,
+    TunedLaunch,
+    decode_rows,
+    fp8_decode_problem,
+    prune,
+)
 from kernelgen.tuning.db import TuningDB, TuningRecord
 from kernelgen.tuning.key import DeviceInfo, ProblemDesc, SoftwareInfo, TuningKey
 from kernelgen.tuning.measure import Bench, MeasureSettings, measure
@@ -74,7 +81,8 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
     else kernelgen.model.policy.default_spec (the split-KV decode kernel for decode problems). For a
     backward problem, what attention_backward() uses:
     kernelgen.model.policy.default_backward_spec; for an fp8 problem, the plain fp8 loop
-    (kernelgen.model.policy.fp8_default_spec) on any device."""
+    (kernelgen.model.policy.fp8_default_spec) on any device, for an fp8 decode or paged one the
+    fp8 decode spec (kernelgen.model.policy.fp8_decode_spec)."""
     if problem.family == "backward":
         return default_backward_spec(
             problem.dtype,
@@ -86,6 +94,11 @@ def heuristic_spec(problem: ProblemDesc, device: DeviceInfo) -> AnySpec:
             tensor_cores=ARCHS[device.target_arch].compute_capability >= 80,
             arch=device.target_arch,
         )
+    if problem.fp8 and fp8_decode_problem(problem):
+        return fp8_decode_spec(
+            problem.head_dim, problem.causal, problem.gqa_ratio, problem.variants,
+            paged_kv=problem.page_size > 0,
+        )  # fmt: skip
     if problem.fp8:
         return fp8_default_spec(problem.head_dim, problem.causal, problem.variants)
     prefill = decode_rows(problem) is None and not problem.mask and problem.page_size == 0

@@ -1,7 +1,8 @@
 """Candidate specs for a problem, and the static pruning that runs before any GPU time.
 
 A candidate is a launch: a spec and, for split-KV specs, the number of key chunks. fp8
-problems get the fp8 loops (:data:`FP8_LOOPS`) on a 9.0 device only. Decode
+problems get the fp8 loops (:data:`FP8_LOOPS`) on a 9.0 device only, fp8 decode and paged
+problems the fp8 forms of the Hopper decode grid (:func:`wgmma_decode_fields`). Decode
 problems (:func:`kernelgen.model.policy.decode_rows`: at most 16 queries, or at most 64 packed rows)
 get the split-KV decode grid instead of the prefill grid, each spec with a few split counts
 around the launch heuristic. Backward problems get the backward family's grids, one per engine
@@ -53,6 +54,7 @@ from kernelgen.specs.backward import TC_DTYPES, BackwardSpec
 from kernelgen.specs.backward import TC_STAGES as BACKWARD_TC_STAGES
 from kernelgen.specs.forward import (
     FP8_BLOCK_N_BY_HEAD_DIM,
+    FP8_DTYPE,
     WGMMA_ARCHS,
     WGMMA_HEAD_DIMS,
     KernelSpec,
@@ -109,7 +111,9 @@ DECODE_STAGES = (2, 3)
 # one consumer warpgroup (two past 64 packed rows) x key tiles x split or not, 2 stages. Packing
 # where the group divides block_m (a TMA box holds whole queries); a paged problem takes them all
 # (a tile that lies in one page is one TMA copy, others are copied row by row with cp.async:
-# which is faster is for a GPU to time).
+# which is faster is for a GPU to time). fp8 decode and paged problems take the same grid with
+# V transposed in the kernel (the cache read in place), at the key tiles fp8 has for the head
+# dim: a page size that 64 divides but 128 does not is then timed both ways (TMA and row copies).
 WGMMA_DECODE_BLOCK_N = (64, 128)
 # fp8 (e4m3) grid (wgmma, compute capability 9.0 only; docs/hopper.md, fp8): the loops of each
 # fp8 tiling (128-row tiles, the head dim's key tiles: FP8_BLOCK_N_BY_HEAD_DIM), (stages,
@@ -203,6 +207,12 @@ def decode_rows(problem: ProblemDesc) -> int | None:
     """Packed rows of a decode problem (``seqlen_q`` x GQA ratio), None for other problems
     (:func:`kernelgen.model.policy.decode_rows`)."""
     return policy.decode_rows(problem.seqlen_q, problem.gqa_ratio)
+
+
+def fp8_decode_problem(problem: ProblemDesc) -> bool:
+    """An fp8 problem tuned over the decode grid's fp8 forms: a decode step, or a paged cache
+    (the fp8 kernels read one with ``fp8_v_layout: kernel`` only)."""
+    return problem.fp8 and (decode_rows(problem) is not None or problem.page_size > 0)
 
 
 def block_n_choices(grid: tuple[int, ...], problem: ProblemDesc) -> tuple[int, ...]:
@@ -310,15 +320,20 @@ def wgmma_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     yield from wgmma_grid(head_dim=problem.head_dim)
 
 
-def fp8_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
-    """The fp8 grid (:data:`FP8_LOOPS` at each fp8 tiling of the head dim), for an fp8 problem
-    on a 9.0 device (``arch`` sm_90); any other arch raises InputError (no kernel runs fp8
-    there)."""
+def check_fp8_arch(problem: ProblemDesc, arch: str) -> None:
+    """InputError unless ``arch`` is that of a 9.0 device (no kernel runs fp8 elsewhere)."""
     if arch != HOPPER_DEVICE_ARCH:
         raise InputError(
             f"dtype={problem.dtype!r} problems are tuned on compute capability 9.0 devices only "
             f"(arch {HOPPER_DEVICE_ARCH}: the fp8 kernels are sm_90a); this device is {arch}"
         )
+
+
+def fp8_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
+    """The fp8 grid (:data:`FP8_LOOPS` at each fp8 tiling of the head dim), for an fp8 problem
+    on a 9.0 device (``arch`` sm_90); any other arch raises InputError (no kernel runs fp8
+    there)."""
+    check_fp8_arch(problem, arch)
     for block_n, (stages, switches) in itertools.product(
         FP8_BLOCK_N_BY_HEAD_DIM.get(problem.head_dim, ()), FP8_LOOPS
     ):
@@ -335,17 +350,26 @@ def fp8_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
 
 def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, Any]]:
     """The Hopper decode grid (:data:`WGMMA_DECODE_BLOCK_N`), for fp16/bf16 decode problems on
-    a 9.0 device (``arch`` sm_90) and head dims the wgmma kernels take; nothing elsewhere."""
+    a 9.0 device (``arch`` sm_90) and head dims the wgmma kernels take; nothing elsewhere. An
+    fp8 problem (decode, or paged: :func:`fp8_decode_problem`) gets its fp8 forms: V transposed
+    in the kernel, the key tiles of :data:`FP8_BLOCK_N_BY_HEAD_DIM` among the grid's."""
     rows = decode_rows(problem)
+    if problem.fp8:
+        block_ns = tuple(n for n in WGMMA_DECODE_BLOCK_N
+                         if n in FP8_BLOCK_N_BY_HEAD_DIM.get(problem.head_dim, ()))  # fmt: skip
+        fp8 = {"fp8_v_layout": "kernel"}
+        rows = rows if rows is not None else problem.seqlen_q * problem.gqa_ratio
+    else:
+        block_ns, fp8 = WGMMA_DECODE_BLOCK_N, {}
     if (
         arch != HOPPER_DEVICE_ARCH
-        or problem.dtype not in ("float16", "bfloat16")
+        or problem.dtype not in ("float16", "bfloat16", FP8_DTYPE)
         or problem.head_dim not in WGMMA_HEAD_DIMS
         or rows is None
     ):
         return
     block_m = 64 if rows <= 64 else 128
-    for block_n, split in itertools.product(WGMMA_DECODE_BLOCK_N, (True, False)):
+    for block_n, split in itertools.product(block_ns, (True, False)):
         fields = {
             "loop_order": "v2",
             "mma": "wgmma",
@@ -354,6 +378,7 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
             "stages": 2,
             "pack_gqa": block_m % problem.gqa_ratio == 0,
             "split_kv": split,
+            **fp8,
             "archs": list(WGMMA_ARCHS),
         }
         yield fields
@@ -487,7 +512,9 @@ def valid_candidates(problem: ProblemDesc, arch: str) -> tuple[list[AnySpec], li
     if problem.family == "backward":
         grid = backward_candidate_fields(problem, arch)
     elif problem.fp8:  # the fp8 loops only: no other engine or tiling takes e4m3
-        grid = fp8_fields(problem, arch)
+        check_fp8_arch(problem, arch)
+        decode = fp8_decode_problem(problem)  # the decode grid's fp8 forms
+        grid = wgmma_decode_fields(problem, arch) if decode else fp8_fields(problem, arch)
     else:
         grid = itertools.chain(
             wgmma_fields(problem, arch),

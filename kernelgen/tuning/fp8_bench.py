@@ -6,8 +6,11 @@ them to e4m3), and the kernels get their bytes by raw pointer, as an fp8 call pa
 (:func:`kernelgen.runtime.fp8.v_operand`, made again in each timed launch, as a call makes it)
 or, for a spec with ``fp8_v_layout: kernel``, v in place (no copy), the three descales, and
 the problem's variants with :func:`kernelgen.tuning.gpu.bench_variants`' values (a record
-serves every value). Launches go to torch's current stream (CuPy's while the bench's
-scope is entered); the events and the timing loop are :class:`kernelgen.tuning.gpu.EventBench`'s.
+serves every value). A paged problem's k and v are pools of pages, each sequence's in shuffled
+order, with its block table and key lengths (as :class:`kernelgen.tuning.gpu.CupyBench`'s); a
+split-KV candidate is launched with its split count (the partials and the combine). Launches
+go to torch's current stream (CuPy's while the bench's scope is entered); the events and the
+timing loop are :class:`kernelgen.tuning.gpu.EventBench`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kernelgen.errors import ToolchainMissingError
 from kernelgen.runtime.fp8 import DESCALES, v_operand, v_operand_layout
 from kernelgen.runtime.frameworks import arrays_of, device_of, launch_arg
 from kernelgen.specs.forward import KernelSpec
+from kernelgen.tuning.candidates import pages_per_sequence
 from kernelgen.tuning.gpu import (
     EventBench,
     bench_variants,
@@ -32,6 +36,7 @@ from kernelgen.tuning.key import DeviceInfo, ProblemDesc
 TORCH_DEVICE = "cuda"  # where the inputs live (the emulated test runs the bench on "cpu")
 DESCALE_RANGE = (0.5, 2.0)  # the descales are drawn uniformly from it (never all 1)
 BF16_NAN = 0x7FC0  # the bit pattern that poisons out before the check
+PAGING = ("block_table", "seqlens_k")  # a paged problem's arrays besides the pools
 # The float64 check's slice: batch entry 0, the query heads of K/V head 0, their last rows (as
 # many as keep it to this many scores) against every key.
 CHECK_SCORES = 1 << 21
@@ -72,6 +77,10 @@ class Fp8Bench(EventBench):
         q_shape = (p.batch, p.num_heads, p.seqlen_q, p.head_dim)
         kv_shape = (p.batch, p.num_kv_heads, p.seqlen_k, p.head_dim)
         v_shape, v_strides = v_operand_layout(*kv_shape)
+        pool_shape = None
+        if p.page_size:  # (pages, page_size, Hkv, D) pools, as launch_problem lays them out
+            pages = pages_per_sequence(p)
+            pool_shape = (p.batch * pages, p.page_size, p.num_kv_heads, p.head_dim)
         # bytes per set: q, k, v and a launch's V^T (1 byte), out (2), lse and the descales (4)
         per_set = 3 * math.prod(q_shape) + 2 * math.prod(kv_shape) + math.prod(v_shape)
         count = set_count(device, per_set + 4 * (math.prod(q_shape[:3]) + 3 * p.batch))
@@ -91,11 +100,20 @@ class Fp8Bench(EventBench):
         def empty(shape: tuple[int, ...], dtype: Any) -> Any:
             return torch.empty(shape, dtype=dtype, device=TORCH_DEVICE)
 
+        paged: dict[str, Any] = {}
+        if pool_shape is not None:  # each sequence's pages in shuffled order
+            order = torch.randperm(pool_shape[0], generator=generator, device=TORCH_DEVICE)
+            paged = {
+                "block_table": order.reshape(p.batch, -1).to(torch.int32),
+                "seqlens_k": torch.full((p.batch,), p.seqlen_k, dtype=torch.int32,
+                                        device=TORCH_DEVICE),
+            }  # fmt: skip
         self.sets: list[dict[str, Any]] = []
         for _ in range(count):
-            s = {"q": e4m3(q_shape), "k": e4m3(kv_shape), "v": e4m3(kv_shape),
-                 **{name: descale() for name in DESCALES}, "out": empty(q_shape, torch.bfloat16),
-                 "lse": empty(q_shape[:3], torch.float32)}  # fmt: skip
+            s = {"q": e4m3(q_shape), "k": e4m3(pool_shape or kv_shape),
+                 "v": e4m3(pool_shape or kv_shape), **{name: descale() for name in DESCALES},
+                 "out": empty(q_shape, torch.bfloat16), "lse": empty(q_shape[:3], torch.float32),
+                 **paged}  # fmt: skip
             self.sets.append(s)
         self.variants = bench_variants(p)  # host values; the slopes and sinks also on the GPU
         self.variant_arrays = {
@@ -113,7 +131,10 @@ class Fp8Bench(EventBench):
             "host": dataclasses.replace(natural, v_strides=v_strides[:3]),
             "kernel": natural,
         }
-        self.launches: dict[KernelSpec, Any] = {}  # spec -> its PreparedLaunch
+        # (spec, split count) -> its PreparedLaunch
+        self.launches: dict[tuple[KernelSpec, int | None], Any] = {}
+        # (spec, split count) -> its scratch buffer and the kernels' pointers into it
+        self.scratch: dict[tuple[KernelSpec, int | None], tuple[Any, dict[str, Any]]] = {}
 
     def _arguments(self, s: dict[str, Any]) -> dict[str, Any]:
         """A set's kernel arguments by parameter name but v (each launch's): q and k as their
@@ -121,7 +142,7 @@ class Fp8Bench(EventBench):
         uint8 = self.torch.uint8
         tensors = {"q": s["q"].view(uint8), "k": s["k"].view(uint8),
                    "out": s["out"], "lse": s["lse"], **{n: s[n] for n in DESCALES},
-                   **self.variant_arrays}  # fmt: skip
+                   **{n: s[n] for n in PAGING if n in s}, **self.variant_arrays}  # fmt: skip
         return {name: launch_arg(self.arrays, x) for name, x in tensors.items()}
 
     def _launch(self, spec: Any, index: int, num_splits: int | None = None) -> None:
@@ -130,16 +151,28 @@ class Fp8Bench(EventBench):
         s, tensors = self.sets[index % len(self.sets)], self.tensors[index % len(self.sets)]
         v_bytes = s["v"].view(self.torch.uint8)
         v = v_bytes if spec.v_transposed_in_kernel else v_operand(v_bytes)
-        self.launches[spec]({**tensors, "v": launch_arg(self.arrays, v)})
+        key = self._prepare(spec, num_splits)
+        _, scratch = self.scratch[key]
+        self.launches[key]({**tensors, **scratch, "v": launch_arg(self.arrays, v)})
+
+    def _prepare(self, spec: KernelSpec, num_splits: int | None) -> tuple[KernelSpec, int | None]:
+        """The key of the spec's PreparedLaunch at ``num_splits`` in :attr:`launches` (split-KV;
+        None: the launch's default), built on first use (the kernel, the tensor maps' checks,
+        the partials' scratch: one fp32 buffer, allocated once on the inputs' device)."""
+        key = (spec, num_splits if spec.split_kv else None)
+        if key not in self.launches:
+            kernel = bench_kernel(spec, self.device.arch)
+            problem = self.launch_problems[spec.fp8_v_layout]
+            prepared = self.launches[key] = kernel.prepare(problem, self.scale, key[1])
+            arrays = self.arrays
+            floats = arrays.empty((prepared.scratch_floats,), arrays.float32(), self.device_index)
+            self.scratch[key] = (floats, prepared.scratch_pointers(arrays.pointer(floats)))
+        return key
 
     def compile(self, spec: KernelSpec) -> None:
         """Build (or load) the spec's kernel, prepare its launch (the tensor maps' checks) and
         launch it once, outside the timed region."""
         with self.arrays.scope(self.device_index):
-            if spec not in self.launches:
-                kernel = bench_kernel(spec, self.device.arch)
-                problem = self.launch_problems[spec.fp8_v_layout]
-                self.launches[spec] = kernel.prepare(problem, self.scale)
             self._launch(spec, 0)
             self.cupy.cuda.get_current_stream().synchronize()
 
@@ -172,7 +205,7 @@ class Fp8Bench(EventBench):
         torch, p, s = self.torch, self.problem, self.sets[0]
         with self.arrays.scope(self.device_index):
             s["out"].view(torch.int16).fill_(BF16_NAN)  # poison, so unwritten rows show up
-            self._launch(spec, 0)
+            self._launch(spec, 0, num_splits)
             self.cupy.cuda.get_current_stream().synchronize()
         if not bool(torch.isfinite(s["out"]).all()):
             return "NaN or inf in the output"
@@ -186,8 +219,8 @@ class Fp8Bench(EventBench):
 
         reference = fp8_reference(
             e4m3_bits(s["q"][:1, :group, first:]),
-            e4m3_bits(s["k"][:1, :1]),
-            e4m3_bits(s["v"][:1, :1]),
+            e4m3_bits(self._keys(s, "k")),
+            e4m3_bits(self._keys(s, "v")),
             {name: host(s[name][:1, :1]) for name in DESCALES},
             causal=p.causal,
             scale=self.scale,
@@ -198,3 +231,13 @@ class Fp8Bench(EventBench):
         if error > FP8_TOLERANCE:
             return f"relative error {error:.2e} > {FP8_TOLERANCE:.2e} against float64 (fp8)"
         return None
+
+    def _keys(self, s: dict[str, Any], name: str) -> Any:
+        """k or v of batch entry 0, K/V head 0, as (1, 1, Sk, D) (a paged problem's gathered
+        from its pages)."""
+        p = self.problem
+        if not p.page_size:
+            return s[name][:1, :1]
+        pages = s[name][s["block_table"][0].long()]  # (pages, page_size, Hkv, D)
+        rows = pages.reshape(-1, p.num_kv_heads, p.head_dim)[: p.seqlen_k, 0]
+        return rows[None, None]

@@ -42,14 +42,13 @@ def problem_dtype(name: str) -> str:
         raise InputError(f"dtype={name!r} is not allowed; use one of {allowed}") from None
 
 
-def fp8_problems(head_dim: int, mask: bool, page_size: int, family: str) -> list[str]:
+def fp8_problems(head_dim: int, mask: bool, family: str) -> list[str]:
     """What an fp8 (float8_e4m3) problem may not have: the fp8 kernels' limits (docs/hopper.md,
-    fp8: head dims 64, 96, 128, 192 and 256, no mask, paged cache or backward; the built-in
-    variants are allowed); empty when it fits."""
+    fp8: head dims 64, 96, 128, 192 and 256, no mask or backward; the built-in variants and
+    paged caches are allowed); empty when it fits."""
     limits = (
         ("head_dim", head_dim, head_dim not in FP8_HEAD_DIMS, " or ".join(map(str, FP8_HEAD_DIMS))),
         ("mask", mask, bool(mask), "False"),
-        ("page_size", page_size, bool(page_size), "0"),
         ("family", family, family != "forward", "'forward'"),
     )
     return [
@@ -142,7 +141,7 @@ class ProblemDesc:
                 f"{MAX_HEAD_DIM}"
             )
         if self.dtype == FP8_DTYPE:
-            refused = fp8_problems(self.head_dim, self.mask, self.page_size, self.family)
+            refused = fp8_problems(self.head_dim, self.mask, self.family)
             if refused:
                 raise InputError(refused[0])
 
@@ -442,7 +441,7 @@ def _problem_value_problems(problem: dict) -> list[str]:
     elif family == "backward" and page_size:
         problems.append(f"problem.page_size={page_size} for a backward problem (no paged cache)")
     if problem["dtype"] == FP8_DTYPE:
-        refused = fp8_problems(head_dim, problem["mask"], page_size, family)
+        refused = fp8_problems(head_dim, problem["mask"], family)
         problems += [f"problem.{text}" for text in refused]
     return problems
 
