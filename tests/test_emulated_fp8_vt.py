@@ -142,12 +142,23 @@ SYNC_MUTATIONS = {
 
 
 @pytest.mark.parametrize("mutation", SYNC_MUTATIONS)
-def test_transpose_synchronisation_mutations_are_hazards(mutation):
+def test_transpose_synchronisation_mutations_are_caught(mutation):
+    """A hazard, or for the missing staging wait a wrong result: a transposer that runs before
+    thread 0 has even issued the slot's copy reads the slot's earlier bytes, which no TMA write
+    is pending on (the emulator copies at issue), so only the numbers show it. Which of the two
+    happens depends on how the emulator's threads interleave, which the machine's load moves."""
     old, new, message = SYNC_MUTATIONS[mutation]
-    q, k, v, _ = problem(3, 1, 2, 1, 70, 150)
+    q, k, v, descales = problem(3, 1, 2, 1, 70, 150)
     spec = fp8_spec(causal=True, fp8_v_layout="kernel")
-    with pytest.raises(HazardError, match=message):
-        emulate_fp8_attention(spec, q, k, v, source=mutated(old, new))
+    try:
+        result = emulate_fp8_attention(spec, q, k, v, source=mutated(old, new), **descales)
+    except HazardError as error:
+        assert message in str(error)
+        return
+    assert mutation == "no_staging_wait", "the missing fence went unreported"
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5)
+    ratio = ref.bound_ratio(np.asarray(result.out, np.float64))
+    assert not np.isfinite(ratio) or ratio > 2.0  # NaN: the emulator's garbage fill was read
 
 
 # ---- spec, layout and call path (no emulated run) ---------------------------------------------
