@@ -5,8 +5,8 @@ non-mbarrier or mbarrier.init operations on an initialized mbarrier object resul
 behavior", and (mbarrier.inval) "An mbarrier object must be invalidated before using its memory
 location for any other purpose". The emulator keeps a barrier's state apart from its bytes, so
 it reports such accesses itself: each kind it models (st.shared, ld.shared, a cp.async, bulk and
-tensor TMA destination, a plain C++ store, a second mbarrier.init) is a HazardError naming the
-barrier, while the valid uses (the mbarrier instructions, cp.async.mbarrier.arrive, a TMA's
+tensor TMA destination, a plain C++ store, a second mbarrier.init, another block's
+st.shared::cluster) is a HazardError naming the barrier, while the valid uses (the mbarrier instructions, cp.async.mbarrier.arrive, a TMA's
 complete_tx, try_wait/test_wait, neighbouring bytes, the memory reused after mbarrier.inval, a
 new barrier there) run and give the right bytes.
 """
@@ -175,3 +175,46 @@ extern "C" __global__ void inval_none(int* out) {
     with pytest.raises(EmulatorLaunchError, match=r"mbarrier\.inval: the mbarrier at shared 0x408 "
                        r"was not initialized"):  # fmt: skip
         kernel(grid=1, block=32, shared_mem=64, args=[np.zeros(1, np.int32)], timeout=30)
+
+
+REMOTE_SRC = (
+    COMMON
+    + r"""
+__device__ uint32_t mapa(uint32_t addr, uint32_t rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+}
+__device__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Each block of a 2-block cluster has a live barrier at shared offset 64; rank 0 stores into
+// rank 1's shared memory: beside the barrier (offset 72), or into it (mode 1, offset 68).
+extern "C" __global__ void remote(int* out, int mode) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t bar = smem_u32(smem) + 64;
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (threadIdx.x == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  cluster_sync();
+  if (rank == 0 && threadIdx.x == 0)
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(mapa(bar + (mode ? 4 : 8), 1)),
+                 "r"(7) : "memory");
+  cluster_sync();
+  if (rank == 1 && threadIdx.x == 0) out[0] = reinterpret_cast<int*>(smem)[18];
+}
+"""
+)
+
+
+def test_a_store_into_another_blocks_live_mbarrier_is_a_hazard():
+    """Distributed shared memory: rank 0's st.shared::cluster beside rank 1's barrier lands; one
+    into it is reported, naming the block."""
+    kernel = build_kernel(REMOTE_SRC, "remote", [("int*", "out"), ("int", "mode")])
+    out = np.zeros(1, np.int32)
+    kernel(grid=2, block=32, shared_mem=128, args=[out, 0], cluster=(2, 1, 1), timeout=30)
+    assert out[0] == 7
+    with pytest.raises(HazardError, match=r"shared 0x444 \(\+4 bytes\) of block rank 1 overlaps"):
+        kernel(grid=2, block=32, shared_mem=128, args=[out, 1], cluster=(2, 1, 1), timeout=30)
