@@ -6,9 +6,10 @@ behavior", and (mbarrier.inval) "An mbarrier object must be invalidated before u
 location for any other purpose". The emulator keeps a barrier's state apart from its bytes, so
 it reports such accesses itself: each kind it models (st.shared, ld.shared, a cp.async, bulk and
 tensor TMA destination, a plain C++ store, a second mbarrier.init, another block's
-st.shared::cluster) is a HazardError naming the barrier, while the valid uses (the mbarrier instructions, cp.async.mbarrier.arrive, a TMA's
-complete_tx, try_wait/test_wait, neighbouring bytes, the memory reused after mbarrier.inval, a
-new barrier there) run and give the right bytes.
+st.shared::cluster) is a HazardError naming the barrier, while the valid uses (the mbarrier
+instructions, cp.async.mbarrier.arrive, a TMA's complete_tx, try_wait/test_wait, neighbouring
+bytes, the memory reused after mbarrier.inval, a new barrier there) run and give the right
+bytes.
 """
 
 from __future__ import annotations
