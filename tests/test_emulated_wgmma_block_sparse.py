@@ -3,7 +3,7 @@
 Emulation tier: the producer loads exactly the key tiles a block mask lists (the TMA bytes
 count them), the consumers evaluate the mask_mod on the partly visible tiles only, and a query
 tile with no listed tile writes out 0 and lse -inf, against the float64 reference with hazard
-checks on; four mutations must fail. CPU tier: the spec's refusals, the dispatch of a block-sparse
+checks on; five mutations must fail. CPU tier: the spec's refusals, the dispatch of a block-sparse
 call on a 9.0 device. CI is near its time budget: eight emulated runs, small shapes.
 """
 
@@ -138,6 +138,11 @@ MUTATIONS = {
     "the consumers place the tile at tile_begin + t, not where the producer says": (
         "const int tile = slot_tiles[2 * slot];",
         "const int tile = tile_begin + t;",
+    ),
+    # (the emulator's check that only mbarrier instructions touch a live mbarrier's bytes)
+    "the slot words right after kv_empty, over the v_staged barrier": (
+        "smem + (v_staged + 8 - smem_addr(smem))",
+        "smem + (kv_empty + 8 * STAGES - smem_addr(smem))",
     ),
 }
 

@@ -949,6 +949,13 @@ def _ptx_mbarrier_init(stmt: _AsmStatement, m: re.Match[str], instr: str, args: 
     return f"{_PTX_NS}mbarrier_init({addr}, {stmt.u32(args[1], 'mbarrier.init count')})"
 
 
+def _ptx_mbarrier_inval(
+    stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
+) -> str:
+    _expect(stmt, instr, args, "addr")
+    return f"{_PTX_NS}mbarrier_inval({stmt.shared_addr(args[0], 'mbarrier address')})"
+
+
 def _ptx_mbarrier_arrive(
     stmt: _AsmStatement, m: re.Match[str], instr: str, args: list[tuple]
 ) -> str:
@@ -1260,6 +1267,7 @@ HOPPER_FORMS: tuple[tuple[str, Any], ...] = (
     (r"wgmma\.commit_group\.sync\.aligned", _no_operands("wgmma_commit_group")),
     (r"wgmma\.wait_group\.sync\.aligned", _ptx_wgmma_wait),
     (rf"mbarrier\.init{_SHARED}\.b64", _ptx_mbarrier_init),
+    (rf"mbarrier\.inval{_SHARED}\.b64", _ptx_mbarrier_inval),
     (
         rf"mbarrier\.arrive(\.expect_tx)?(?:\.release)?{_MBAR_SCOPE}\.shared(::cta|::cluster)?"
         r"\.b64",

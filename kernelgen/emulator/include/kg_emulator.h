@@ -304,6 +304,15 @@ struct MbarrierState {
   }
 };
 
+// The 8 bytes of a live mbarrier object (between mbarrier.init and mbarrier.inval): written by
+// mbarrier.init, compared by every mbarrier instruction on it, by mbarrier.inval and at the
+// block's end. Only mbarrier instructions may access the object (PTX ISA, "Parallel
+// Synchronization and Communication Instructions: mbarrier"); the emulator keeps the state in
+// MbarrierState, so a plain C++ store into these bytes shows only as a changed pattern. The
+// instructions it models (st/ld.shared, cp.async, TMA, ldmatrix, ...) are caught at the access
+// (kg_ptx.h: check_no_live_mbarrier).
+constexpr uint64_t kMbarrierObjectBytes = 0x4D4241522D6B6721ull;  // "!gk-RABM"
+
 // One wgmma of a warpgroup as its first thread issued it (kg_wgmma.h): the other 127 threads'
 // wgmma with the same issue number must have the same shape and descriptors.
 struct WarpgroupIssue {
@@ -411,6 +420,9 @@ struct Cta {
   size_t chunks = 0;
   MbarrierState* mbarriers = nullptr;  // one per 8 bytes of the window (guarded by mbar_lock)
   size_t n_mbarriers = 0;
+  // One byte per 8 bytes of the window: 1 while an mbarrier object lives there (init to inval),
+  // what every instruction's access checks (kg_ptx.h: check_no_live_mbarrier).
+  unsigned char* mbarrier_live = nullptr;
   WarpgroupIssue* warpgroup_issues = nullptr;  // kWarpgroupIssueRing per warpgroup (mbar_lock)
   Warpgroup* warpgroups = nullptr;  // one per complete warpgroup of the block
   NamedBarrierState named[kNamedBarriers];
@@ -1145,6 +1157,7 @@ inline void cta_alloc(Cta& C, Launch& L, uint32_t rank, size_t smem_bytes, int f
   C.shadow = new ChunkShadow[C.chunks + 1];
   C.n_mbarriers = C.window / 8;
   C.mbarriers = new MbarrierState[C.n_mbarriers + 1];
+  C.mbarrier_live = new unsigned char[C.n_mbarriers + 1]();
   C.warps = new Warp[L.nwarps];
   C.warpgroup_issues = new WarpgroupIssue[(L.nthreads / 128 + 1) * kWarpgroupIssueRing];
   C.warpgroups = new Warpgroup[L.nwarpgroups + 1];
@@ -1159,6 +1172,7 @@ inline void cta_free(Cta& C) {
   std::free(C.buf);
   delete[] C.shadow;
   delete[] C.mbarriers;
+  delete[] C.mbarrier_live;
   delete[] C.warpgroup_issues;
   delete[] C.warpgroups;
   delete[] C.warps;
@@ -1187,6 +1201,7 @@ inline void cta_reset(Cta& C, int fill, uint3 block) {
   for (size_t i = C.static_offset / 8; i < (C.static_offset + used + 7) / 8; ++i) {
     C.mbarriers[i].reset();
   }
+  std::memset(C.mbarrier_live, 0, C.n_mbarriers + 1);
   for (NamedBarrierState& b : C.named) b.reset();
   const size_t n_issues = (L.nthreads / 128 + 1) * kWarpgroupIssueRing;
   for (size_t i = 0; i < n_issues; ++i) C.warpgroup_issues[i] = WarpgroupIssue{};
@@ -1207,6 +1222,18 @@ inline const char* cta_guard_broken(const Cta& C) {
     if (*p != kGuardByte) return "static";
   }
   return "";
+}
+
+// The first mbarrier of a block that is still live when the block ends and whose 8 bytes no
+// longer hold kMbarrierObjectBytes (a write that was not an mbarrier instruction: a plain C++
+// store, the accesses the emulator models being caught where they happen), or -1.
+inline long long cta_clobbered_mbarrier(const Cta& C) {
+  for (size_t i = 0; i < C.n_mbarriers; ++i) {
+    if (C.mbarrier_live[i] && std::memcmp(C.smem + 8 * i, &kMbarrierObjectBytes, 8) != 0) {
+      return static_cast<long long>(i);
+    }
+  }
+  return -1;
 }
 
 // cfg: grid x,y,z, block x,y,z, dynamic smem bytes, fill byte, per-cluster timeout in ms (<=0:
@@ -1366,6 +1393,16 @@ KG_EMU_RUNTIME_API int launch(void (*thunk)(void**), void (*enter)(Fiber*), void
                  "block (%u,%u,%u) wrote %s its %zu bytes of dynamic shared memory", C.block.x,
                  C.block.y, C.block.z, broken, smem_bytes);
         rc = fail(err, errlen, msg);
+      }
+      const long long clobbered = rc == 0 ? cta_clobbered_mbarrier(C) : -1;
+      if (clobbered >= 0) {
+        snprintf(msg, sizeof msg,
+                 "block (%u,%u,%u) ends with the bytes of its live mbarrier at shared 0x%llx "
+                 "changed by a write that was not an mbarrier instruction (a plain C++ store?): "
+                 "only mbarrier instructions may access an mbarrier object between its "
+                 "mbarrier.init and mbarrier.inval", C.block.x, C.block.y, C.block.z,
+                 0x400ull /* kSharedBase */ + 8 * static_cast<unsigned long long>(clobbered));
+        rc = fail(err, errlen, msg) + 1;  // a hazard
       }
     }
   }

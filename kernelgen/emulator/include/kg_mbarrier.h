@@ -2,10 +2,14 @@
 // Communication Instructions: mbarrier"), and the check that a read of bytes a TMA wrote comes
 // after the reader saw the mbarrier phase of that write complete. Included by kg_ptx.h.
 //
-// State (kg_emulator.h's MbarrierState, one per 8 bytes of dynamic shared memory; the 8 bytes
-// themselves are not touched): expected arrivals per phase, pending arrivals, transaction count,
-// completed phases. A phase completes when pending arrivals and the transaction count are both
-// 0; the pending count then resets to the expected count. Misuse traps.
+// State (kg_emulator.h's MbarrierState, one per 8 bytes of dynamic shared memory): expected
+// arrivals per phase, pending arrivals, transaction count, completed phases. A phase completes
+// when pending arrivals and the transaction count are both 0; the pending count then resets to
+// the expected count. Misuse traps. The 8 bytes hold kMbarrierObjectBytes while the object lives
+// (mbarrier.init to mbarrier.inval): any other access to them is a hazard (PTX ISA: only
+// mbarrier instructions may touch an initialized object), caught at the access for the
+// instructions the emulator models and, for plain C++ stores, by the changed pattern at the
+// barrier's next mbarrier instruction, its mbarrier.inval or the block's end.
 #ifndef KG_MBARRIER_H
 #define KG_MBARRIER_H
 
@@ -25,7 +29,7 @@ struct MbarrierLock {
 
 // The slot of the mbarrier at .shared::cta address `addr` of block C.
 inline uint32_t mbarrier_slot_in(const Cta& C, uint32_t addr, const char* what) {
-  const unsigned char* p = cta_shared_bytes(C, addr, 8, 8, what);
+  const unsigned char* p = cta_shared_span(C, addr, 8, 8, what);
   return static_cast<uint32_t>((p - C.smem) / 8);
 }
 inline uint32_t mbarrier_slot(uint32_t addr, const char* what) {
@@ -47,10 +51,17 @@ inline uint32_t& cluster_passed() { return fiber_local<ClusterPassed, kLocalClus
 // fence.mbarrier_init.release.cluster and a cluster barrier): otherwise a hazard, whatever the
 // order in which the emulator happened to run the two.
 inline MbarrierState& mbarrier_initialized_in(Cta& C, uint32_t addr, const char* what) {
-  MbarrierState& b = C.mbarriers[mbarrier_slot_in(C, addr, what)];
+  const uint32_t slot = mbarrier_slot_in(C, addr, what);
+  MbarrierState& b = C.mbarriers[slot];
   if (!b.initialized) {
     trap_with("%s: the mbarrier at shared 0x%x was not initialized (mbarrier.init) in this block",
               what, addr);
+  }
+  if (std::memcmp(C.smem + 8 * slot, &kMbarrierObjectBytes, 8) != 0) {
+    report_hazard("%s: the bytes of the live mbarrier at shared 0x%x were changed since its "
+                  "mbarrier.init by a write that was not an mbarrier instruction (a plain C++ "
+                  "store?): only mbarrier instructions may access an mbarrier object until "
+                  "mbarrier.inval", what, addr);
   }
   if (&C != tctx().cta && cluster_passed() <= b.init_cluster_phase) {
     report_hazard("%s reaches the mbarrier at shared 0x%x of block rank %u with no "
@@ -132,12 +143,36 @@ inline void mbarrier_init(uint32_t addr, long long count) {
     trap_with("mbarrier.init: count %lld outside [1, 2^20-1]", count);
   }
   MbarrierLock lock;
-  MbarrierState& b = tctx().cta->mbarriers[slot];
+  Cta& C = *tctx().cta;
+  MbarrierState& b = C.mbarriers[slot];
+  if (b.initialized) {
+    report_hazard("mbarrier.init on the live mbarrier at shared 0x%x (initialized, not "
+                  "invalidated): mbarrier.inval it before initializing it again", addr);
+  }
   b.reset();
   b.initialized = 1;
+  C.mbarrier_live[slot] = 1;
+  std::memcpy(C.smem + 8 * slot, &kMbarrierObjectBytes, 8);
   b.init_cluster_phase = tctx().launch->cluster_bar.generation.load();
   b.expected = static_cast<uint32_t>(count);
   b.pending = static_cast<int32_t>(count);
+}
+
+// mbarrier.inval (PTX ISA: "An mbarrier object must be invalidated before using its memory
+// location for any other purpose"): the bytes are ordinary shared memory again, and may hold a
+// new mbarrier after another mbarrier.init. The TMA and cp.async chunks stamped with its phases
+// forget them (a new barrier at the address counts its phases from 0 again).
+inline void mbarrier_inval(uint32_t addr) {
+  MbarrierLock lock;
+  Cta& C = *tctx().cta;
+  MbarrierState& b = mbarrier_initialized(addr, "mbarrier.inval");
+  const uint32_t slot = mbarrier_slot(addr, "mbarrier.inval");
+  b.initialized = 0;
+  C.mbarrier_live[slot] = 0;
+  for (size_t c = 0; c < C.chunks; ++c) {
+    const uint64_t stamp = C.shadow[c].tma.load();
+    if (stamp != 0 && static_cast<uint32_t>(stamp >> 32) - 1u == slot) C.shadow[c].tma.store(0);
+  }
 }
 
 // The returned state is the number of the phase the arrival counted towards. `addr` is a
@@ -297,6 +332,7 @@ inline void check_cp_async_fenced(size_t chunk, const char* what) {
 namespace kg_emu::ptx {
 
 inline void mbarrier_init(uint32_t addr, long long count) { ::kg_emu::mbarrier_init(addr, count); }
+inline void mbarrier_inval(uint32_t addr) { ::kg_emu::mbarrier_inval(addr); }
 // `cluster`: the .shared::cluster form (the address may name another block's barrier).
 inline uint64_t mbarrier_arrive(uint32_t addr, long long count = 1, bool cluster = false) {
   return ::kg_emu::mbarrier_arrive(addr, count, cluster);

@@ -70,9 +70,11 @@ inline uint32_t shared_address_of(const void* p) {
 
 // Host pointer for `bytes` bytes at .shared::cta address `addr` of block C; traps unless they
 // lie inside its dynamic shared memory or static arena and `addr` is a multiple of `align`.
-// `lane` >= 0 names the lane that supplied the address (warp-collective instructions).
-inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t bytes,
-                                       uint32_t align, const char* what, int lane = -1) {
+// `lane` >= 0 names the lane that supplied the address (warp-collective instructions). The
+// mbarrier instructions' own address (kg_mbarrier.h); every other access goes through
+// cta_shared_bytes below.
+inline unsigned char* cta_shared_span(const Cta& C, uint32_t addr, uint32_t bytes,
+                                      uint32_t align, const char* what, int lane = -1) {
   const uint64_t offset = static_cast<uint64_t>(addr) - kSharedBase;
   const bool misaligned = addr % align != 0;
   const uint64_t so = C.static_offset;
@@ -108,6 +110,39 @@ inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t byt
               kSharedBase + C.static_offset + static_cast<size_t>(used));
   }
   return C.smem + offset;
+}
+
+// PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier": "Performing any
+// non-mbarrier or mbarrier.init operations on an initialized mbarrier object results in undefined
+// behavior". An access by any other instruction (st/ld.shared, cp.async, a TMA destination or
+// source, ldmatrix, stmatrix, wgmma operands) to bytes [offset, offset + bytes) of block C that
+// overlap a live mbarrier (mbarrier.init done, no mbarrier.inval since) is a hazard.
+inline void check_no_live_mbarrier(const Cta& C, uint64_t offset, uint32_t bytes,
+                                   const char* what, int lane) {
+  if (bytes == 0) return;
+  const uint64_t first = offset / 8, n = (offset + bytes - 1) / 8 - first + 1;
+  const void* live = std::memchr(C.mbarrier_live + first, 1, n);
+  if (live == nullptr) return;
+  const uint64_t slot =
+      static_cast<uint64_t>(static_cast<const unsigned char*>(live) - C.mbarrier_live);
+  char from[48] = "";
+  if (lane >= 0) snprintf(from, sizeof from, " (from lane %d)", lane);
+  if (&C != tctx().cta) {
+    const size_t n = std::strlen(from);
+    snprintf(from + n, sizeof from - n, " of block rank %u", C.rank);
+  }
+  report_hazard("%s: shared 0x%llx (+%u bytes)%s overlaps the live mbarrier at shared 0x%llx "
+                "(initialized, not invalidated): only mbarrier instructions may access an mbarrier "
+                "object until mbarrier.inval", what,
+                static_cast<unsigned long long>(kSharedBase + offset), bytes, from,
+                static_cast<unsigned long long>(kSharedBase + 8 * slot));
+}
+
+inline unsigned char* cta_shared_bytes(const Cta& C, uint32_t addr, uint32_t bytes,
+                                       uint32_t align, const char* what, int lane = -1) {
+  unsigned char* p = cta_shared_span(C, addr, bytes, align, what, lane);
+  check_no_live_mbarrier(C, static_cast<uint64_t>(p - C.smem), bytes, what, lane);
+  return p;
 }
 
 // The same in the executing thread's block.
