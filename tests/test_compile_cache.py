@@ -109,3 +109,54 @@ def test_an_unsafe_cache_folder_is_skipped_with_a_warning(nvrtc_calls, tmp_path,
         compiled = compile_offline(SOURCE, "twice", "sm_80", sass=False)
     assert compiled.resources is not None and "compile cache off" in caplog.text
     assert not list(folder.iterdir())
+
+
+@pytest.fixture
+def disassemblies(nvrtc_calls, monkeypatch):
+    """A list that records each run of the disassembler (cuobjdump -sass)."""
+    require_toolchain(compile_module.cuobjdump_path() is not None, "cuobjdump and nvdisasm")
+    calls: list[list[str]] = []
+    real = compile_module.subprocess.run
+
+    def counted(command, *args, **kwargs):
+        if "-sass" in command:
+            calls.append(command)
+        return real(command, *args, **kwargs)
+
+    monkeypatch.setattr(compile_module.subprocess, "run", counted)
+    return calls
+
+
+def sass_entries(tmp_path):
+    return sorted((tmp_path / "kg" / "nvrtc" / "sass").glob("*.sass.z"))
+
+
+def test_a_cubins_sass_is_disassembled_once_and_kept(disassemblies, tmp_path):
+    cubin = compile_offline(SOURCE, "twice", "sm_80", sass=False).cubin
+    first = compile_module.disassemble(cubin)
+    assert "Function : twice" in first and "FADD" in first and len(disassemblies) == 1
+    assert compile_module.disassemble(cubin) == first and len(disassemblies) == 1
+    (kept,) = sass_entries(tmp_path)
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    other = compile_offline(SOURCE, "twice", "sm_90", sass=False).cubin  # another cubin
+    assert compile_module.disassemble(other) != first and len(disassemblies) == 2
+    assert len(sass_entries(tmp_path)) == 2
+
+
+def test_a_damaged_sass_entry_is_disassembled_again_with_a_warning(disassemblies, tmp_path, caplog):
+    cubin = compile_offline(SOURCE, "twice", "sm_80", sass=False).cubin
+    good = compile_module.disassemble(cubin)
+    (kept,) = sass_entries(tmp_path)
+    kept.write_bytes(b"not zlib")
+    compile_cache._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="kernelgen.kernels.compile_cache"):
+        assert compile_module.disassemble(cubin) == good
+    assert len(disassemblies) == 2 and "is ignored and rebuilt" in caplog.text
+    assert compile_module.disassemble(cubin) == good and len(disassemblies) == 2  # rewritten
+
+
+def test_sass_is_not_kept_with_the_cache_off(disassemblies, tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_COMPILE_CACHE", "0")
+    cubin = compile_offline(SOURCE, "twice", "sm_80", sass=False).cubin
+    assert compile_module.disassemble(cubin) == compile_module.disassemble(cubin)
+    assert len(disassemblies) == 2 and not (tmp_path / "kg").exists()

@@ -258,20 +258,48 @@ def cuobjdump_path() -> str | None:
     return None
 
 
+def _tool_env(tool: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(tool) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+@cache
+def _cuobjdump_version(tool: str) -> str:
+    """The disassembler's identity in the SASS cache's keys: cuobjdump's version banner (which
+    names its CUDA release) and its path."""
+    done = subprocess.run(
+        [tool, "--version"], capture_output=True, text=True, env=_tool_env(tool), check=False
+    )
+    return f"{tool}\n{done.stdout}"
+
+
 def disassemble(cubin: bytes) -> str | None:
-    """SASS text of a cubin, or None when cuobjdump/nvdisasm are not installed."""
+    """SASS text of a cubin, or None when cuobjdump/nvdisasm are not installed; kept in the
+    compile cache (:func:`kernelgen.kernels.compile_cache.sass_path`), since the same cubins'
+    SASS is read again and again (model, check, the compile tier)."""
     tool = cuobjdump_path()
     if tool is None:
         return None
+    kept = compile_cache.sass_path(cubin, _cuobjdump_version(tool))
+    sass = compile_cache.load_sass(kept) if kept else None
+    if sass is not None:
+        return sass
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        env = dict(os.environ)
-        env["PATH"] = os.path.dirname(tool) + os.pathsep + env.get("PATH", "")
         done = subprocess.run(
-            [tool, "-sass", handle.name], capture_output=True, text=True, env=env, check=False
+            [tool, "-sass", handle.name],
+            capture_output=True,
+            text=True,
+            env=_tool_env(tool),
+            check=False,
         )
-    return done.stdout if done.returncode == 0 else None
+    if done.returncode != 0:
+        return None
+    if kept:
+        compile_cache.store_sass(kept, done.stdout)
+    return done.stdout
 
 
 def sass_instruction_counts(cubin: bytes) -> dict[str, int]:

@@ -10,7 +10,10 @@ report: :func:`kernelgen.kernels.compile.report_options`.)
 
 Entries live in ``$KERNELGEN_CACHE_DIR/nvrtc`` (default ``$XDG_CACHE_HOME/kernelgen/nvrtc``),
 one file each, written atomically; a file that does not read back whole (its checksum) is a
-miss with one warning. ``KERNELGEN_COMPILE_CACHE=0`` turns the cache off.
+miss with one warning. Beside them, ``sass/`` keeps each cubin's disassembly (cuobjdump takes a
+third of a second per kernel, and `model`, `check` and the tests read the same cubins' SASS
+again), zlib-compressed, by the cubin's digest and the disassembler's version.
+``KERNELGEN_COMPILE_CACHE=0`` turns the cache off.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,24 +43,66 @@ class CachedCompile:
     has_report: bool  # whether the log holds ptxas' resource report
 
 
+def _folder(*parts: str) -> Path | None:
+    """The cache's folder (or a subfolder), made private; None where the cache is off, or where
+    the folder is unsafe (a warning: the work goes on without the cache)."""
+    if os.environ.get("KERNELGEN_COMPILE_CACHE", "1").strip().lower() in ("0", "off", "no"):
+        return None
+    try:
+        folder = private_dir(kernelgen_cache_dir() / "nvrtc")
+        for part in parts:
+            folder = private_dir(folder / part)
+    except UnsafeFolderError as exc:
+        log.warning("compile cache off: %s", exc)
+        return None
+    return folder
+
+
+def _digest(*parts: str | bytes) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:40]
+
+
 def entry_path(
     source: str, name: str, arch: str, options: list[str], nvrtc_version: str
 ) -> Path | None:
     """The entry of this compile: a file named by a digest of everything the cubin and the log
     depend on, in the cache folder; None where the cache is off, or where its folder is unsafe
     (a warning: the compile goes on without the cache)."""
-    if os.environ.get("KERNELGEN_COMPILE_CACHE", "1").strip().lower() in ("0", "off", "no"):
+    folder = _folder()
+    if folder is None:
         return None
+    key = _digest(f"format={FORMAT}", name, arch, nvrtc_version, *options, source)
+    return folder / f"{key}.bin"
+
+
+def sass_path(cubin: bytes, tool_version: str) -> Path | None:
+    """Where the disassembly of ``cubin`` by the disassembler of ``tool_version`` is kept;
+    None where the cache is off or unsafe."""
+    folder = _folder("sass")
+    return None if folder is None else folder / f"{_digest(tool_version, cubin)}.sass.z"
+
+
+def load_sass(path: Path) -> str | None:
+    """The kept disassembly, or None (missing, or unreadable: a warning, once)."""
     try:
-        folder = private_dir(kernelgen_cache_dir() / "nvrtc")
-    except UnsafeFolderError as exc:
-        log.warning("compile cache off: %s", exc)
+        return zlib.decompress(path.read_bytes()).decode()
+    except FileNotFoundError:
         return None
-    digest = hashlib.sha256()
-    for part in (f"format={FORMAT}", name, arch, nvrtc_version, *options, source):
-        data = part.encode()
-        digest.update(len(data).to_bytes(8, "little") + data)
-    return folder / f"{digest.hexdigest()[:40]}.bin"
+    except (OSError, zlib.error, UnicodeDecodeError) as exc:
+        _warn(path, str(exc))
+        return None
+
+
+def store_sass(path: Path, sass: str) -> None:
+    """Keep a disassembly (atomically; a folder that cannot be written only logs)."""
+    try:
+        atomic_write_bytes(path, zlib.compress(sass.encode(), 6), private=True)
+    except OSError as exc:
+        log.warning("compile cache: cannot write %s (%s)", path.name, exc.strerror or exc)
 
 
 _WARNED: set[str] = set()
