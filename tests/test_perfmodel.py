@@ -175,10 +175,11 @@ def test_default_tiling_is_the_model_best_of_the_tilings_it_may_use(arch):
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(arch):
-    """Samples of each WIDE_TILES range (its ends and an odd head dim), both dtypes, causal or
-    not; the ends of the RICH_WIDE_TILES ranges with every built-in variant, and of the
-    MASKED_WIDE_TILES ranges; the head dims above them (LARGE_HEAD_TILING) plain, with every
-    variant and with a mask: the untuned default must never be a spilling kernel."""
+    """Samples of each WIDE_TILES range (its ends and an odd head dim), fp16 without the causal
+    mask and bf16 with it (the two dtypes' kernels differ only in conversions); the ends of the
+    RICH_WIDE_TILES ranges with every built-in variant, and of the MASKED_WIDE_TILES ranges; the
+    head dims above them (LARGE_HEAD_TILING) plain, with every variant and with a mask: the
+    untuned default must never be a spilling kernel."""
     from kernelgen.kernels.build import static_problems
     from kernelgen.model.policy import MASKED_WIDE_TILES, RICH_WIDE_TILES, WIDE_TILES, default_spec
 
@@ -188,7 +189,11 @@ def test_wide_default_tiles_compile_without_spills_across_their_head_dim_range(a
     plain = {"variants": (), "additive_mask": False}
     every_variant = {"variants": VARIANT_FLAGS, "additive_mask": False}
     masked = {"variants": (), "additive_mask": True}
-    samples = list(itertools.product(head_dims, ("float16", "bfloat16"), (False, True), [plain]))
+    samples = [
+        (head_dim, dtype, causal, plain)
+        for head_dim in head_dims
+        for dtype, causal in (("float16", False), ("bfloat16", True))
+    ]
     rich_limits = [limit for limit, _ in RICH_WIDE_TILES[arch]]
     samples += itertools.product(rich_limits, ["bfloat16"], (False, True), [every_variant])
     masked_limits = [limit for limit, _ in MASKED_WIDE_TILES[arch]]
