@@ -39,14 +39,8 @@ SREGS = [
     "laneid",
 ]
 
-CLUSTER_SRC = (
-    COMMON
-    + "__device__ void sregs(unsigned* o) {\n"
-    + "\n".join(
-        f'  asm volatile("mov.u32 %0, %%{name};" : "=r"(o[{i}]));' for i, name in enumerate(SREGS)
-    )
-    + r"""
-}
+# A block's .shared::cluster address of another rank's variable, and the cluster barrier.
+CLUSTER_HELPERS = r"""
 __device__ uint32_t mapa(uint32_t addr, uint32_t rank) {
   uint32_t out;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
@@ -56,6 +50,17 @@ __device__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+"""
+
+CLUSTER_SRC = (
+    COMMON
+    + "__device__ void sregs(unsigned* o) {\n"
+    + "\n".join(
+        f'  asm volatile("mov.u32 %0, %%{name};" : "=r"(o[{i}]));' for i, name in enumerate(SREGS)
+    )
+    + "\n}\n"
+    + CLUSTER_HELPERS
+    + r"""
 // Static __shared__ variables (each block's own): the multicast destination, its mbarrier, the
 // words the neighbours exchange, the barrier every block's thread 0 arrives on in rank 0.
 // mode 1: the multicast mask leaves out the last rank (its mbarrier never completes);

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_emulator_hopper import COMMON
+from test_emulator_hopper_cluster import CLUSTER_HELPERS
 
 from kernelgen.emulator import (
     EmulatorLaunchError,
@@ -180,16 +181,8 @@ extern "C" __global__ void inval_none(int* out) {
 
 REMOTE_SRC = (
     COMMON
+    + CLUSTER_HELPERS
     + r"""
-__device__ uint32_t mapa(uint32_t addr, uint32_t rank) {
-  uint32_t out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
-  return out;
-}
-__device__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 // Each block of a 2-block cluster has a live barrier at shared offset 64; rank 0 stores into
 // rank 1's shared memory: beside the barrier (offset 72), or into it (mode 1, offset 68).
 extern "C" __global__ void remote(int* out, int mode) {
