@@ -14,20 +14,36 @@ metadata alone::
 Its autograd formula (``torch.library.register_autograd``) calls a second operator,
 ``torch.ops.kernelgen.attention_backward`` (:func:`kernelgen.attention_backward`, with its own
 fake implementation), so a compiled training step traces both passes. Gradients flow into q, k,
-v and sinks; none into mask or alibi_slopes, nor through the log-sum-exp (non-differentiable).
-Calls with ``seqlens_k`` have no backward (it raises). ``deterministic`` (or
+v and sinks; none into mask, alibi_slopes or mod_inputs, nor through the log-sum-exp
+(non-differentiable). Calls with ``seqlens_k`` have no backward (it raises). ``deterministic`` (or
 ``torch.use_deterministic_algorithms(True)``) makes the backward bitwise reproducible.
 
 The operators' schemas: ``kernelgen::attention(Tensor q, Tensor k, Tensor v, Tensor?
 mask=None, bool causal=False, float? scale=None, str layout="bhsd", Tensor? seqlens_k=None,
 SymInt? num_splits=None, SymInt[]? window=None, float? softcap=None, Tensor? alibi_slopes=None,
 Tensor? sinks=None, bool deterministic=False, Tensor? q_descale=None, Tensor? k_descale=None,
-Tensor? v_descale=None) -> (Tensor, Tensor)``: out and the fp32 log-sum-exp (the descales,
-added last, leave positional callers of the older schema as they were);
-``kernelgen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor
-lse, Tensor? mask, bool causal, float? scale, str layout, SymInt[]? window, float? softcap,
-Tensor? alibi_slopes, Tensor? sinks, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)``:
-dq, dk, dv and dsinks (fp32; empty, shape (0,), without sinks).
+Tensor? v_descale=None, str? score_mod=None, str? mask_mod=None, Tensor[]? mod_inputs=None, str?
+mod_input_names=None, Tensor[]? block_mask=None, SymInt[]? block_mask_sizes=None, str?
+block_mask_mod=None, str? block_mask_inputs=None) -> (Tensor, Tensor)``: out and the fp32
+log-sum-exp (the descales, then the expressions, added last, leave positional callers of the
+older schemas as they were); ``kernelgen::attention_backward(Tensor dout, Tensor q, Tensor k,
+Tensor v, Tensor out, Tensor lse, Tensor? mask, bool causal, float? scale, str layout, SymInt[]?
+window, float? softcap, Tensor? alibi_slopes, Tensor? sinks, bool deterministic, str?
+score_mod=None, str? mask_mod=None, Tensor[]? mod_inputs=None, str? mod_input_names=None,
+Tensor[]? block_mask=None, SymInt[]? block_mask_sizes=None, str? block_mask_mod=None, str?
+block_mask_inputs=None) -> (Tensor, Tensor, Tensor, Tensor)``: dq, dk, dv and dsinks (fp32;
+empty, shape (0,), without sinks).
+
+User expressions and block masks (docs/expressions.md): :func:`attention` takes
+kernelgen.attention's ``score_mod``, ``mask_mod``, ``mod_inputs`` (name -> tensor) and
+``block_mask`` (``kernelgen.block_mask(..., like=q)``) and passes them as the schemas' last
+eight arguments (:mod:`kernelgen.calls.op_expressions`: the texts, the tensors with their names
+joined by commas, a block mask's four lists with its sizes, its mask_mod's text and inputs);
+the operator rebuilds them and kernelgen's checks run on them, in the fake implementations too
+(on metadata), so a bad call fails when traced. The backward operator gets the same ones
+(block-sparse with a mask_mod or block mask). No gradient flows into mod_inputs. A score_mod
+the backward cannot differentiate (``//`` or ``%`` of the score) raises InputError from the
+autograd context, when the call is recorded or traced.
 
 fp8: with q, k and v ``torch.float8_e4m3fn`` (and optional float32 (B, Hkv) descales, the last
 three arguments) the operator runs the fp8 wgmma forward (:mod:`kernelgen.calls.fp8`,
