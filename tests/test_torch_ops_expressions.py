@@ -217,11 +217,36 @@ def test_bad_expression_calls_raise_typed_errors_when_traced(index):
         kt.attention(*(mode.from_tensor(x) for x in (q, k, v)), **keywords)
 
 
-def test_a_bad_block_mask_fails_when_compiled():
-    """torch.compile runs the fake's checks: dynamo reports the typed error's text."""
+class Attention(torch.nn.Module):
+    """kt.attention with fixed keywords (a BlockMask is no pytree: held, not passed)."""
+
+    def __init__(self, **keywords):
+        super().__init__()
+        self.keywords = keywords
+
+    def forward(self, q, k, v):
+        return kt.attention(q, k, v, **self.keywords)
+
+
+def test_a_bad_block_mask_fails_when_exported():
+    """torch.export traces with fake tensors and runs nothing: the fake's checks raise the
+    typed error's text (wrapped by the tracer)."""
     _, q, k, v, keywords, _, message = bad_calls()[1]
     with pytest.raises(Exception, match=re.escape(message)):
-        torch.compile(kt.attention, fullgraph=True, backend="aot_eager")(q, k, v, **keywords)
+        torch.export.export(Attention(**keywords), (q, k, v))
+
+
+def test_torch_export_holds_the_expressions_in_the_graph():
+    """An exported program calls the operator with the expression's text and the mod input's
+    name as constants; run, it gives the eager operator's result."""
+    q, k, v, _, inputs = problem("score_mod", seed=6)
+    q, k, v = (x.detach() for x in (q, k, v))
+    module = Attention(score_mod=SCORE_MOD, mod_inputs=inputs)
+    exported = torch.export.export(module, (q, k, v))
+    calls = [n for n in exported.graph.nodes if n.target == torch.ops.kernelgen.attention.default]
+    assert len(calls) == 1
+    assert [a for a in calls[0].args if isinstance(a, str)] == ["bhsd", SCORE_MOD, "bias"]
+    torch.testing.assert_close(exported.module()(q, k, v), module(q, k, v), rtol=0, atol=0)
 
 
 def test_operator_arguments_that_do_not_fit_raise_input_errors():
