@@ -290,3 +290,24 @@ def test_a_score_mod_without_a_derivative_fails_when_traced_for_training():
     message = "score_mod 'score // 2': its derivative with respect to score"
     with pytest.raises(Exception, match=re.escape(message)):
         step(q, k, v)
+
+
+def test_fp8_calls_take_expressions_when_traced():
+    """fp8 q, k, v with a mask_mod trace to a bfloat16 out (the fp8 forward takes expressions);
+    a block mask in tiles the fp8 kernel does not take fails when traced (fake tensors only:
+    nothing runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    q = torch.zeros((1, 2, 48, 128)).to(torch.float8_e4m3fn)
+    inputs = {"doc": torch.tensor([DOCS[48]], dtype=torch.int32)}
+    blocks = kernelgen.block_mask(MASK_MOD, 1, 1, 48, 48, block_m=16, block_n=16, mod_inputs=inputs)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(q)
+        out, lse = kt.attention(
+            fake, fake, fake, mask_mod=MASK_MOD, mod_inputs=inputs, return_lse=True
+        )
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (1, 2, 48)
+        with pytest.raises(InputError, match=re.escape("block_mask has 16 x 16 tiles")):
+            kt.attention(fake, fake, fake, block_mask=blocks, mod_inputs=inputs)
