@@ -102,7 +102,7 @@ def op_values(
                 "mask_mod (build block masks with kernelgen.block_mask)"
             )
         mask_text = expression.text
-        mask_inputs = NAME_SEPARATOR.join(i.signature for i in expression.inputs)
+        mask_inputs = expression.signature  # name:dtype[rank], joined by commas
     return (
         _text("score_mod", score_mod), _text("mask_mod", mask_mod), tensors, names, lists, sizes,
         mask_text, mask_inputs,
