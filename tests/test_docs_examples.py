@@ -42,6 +42,7 @@ BLOCKS = python_blocks()
 GPU_ONLY = {
     "README.md#1": "the usage tour: CuPy arrays, (2, 16, 1000, 128) inputs",
     "docs/expressions.md#1": "CuPy arrays, (1, 8, 1024, 128) inputs",
+    "docs/expressions.md#3": "CUDA torch tensors, (1, 8, 1024, 128) inputs",
 }
 # Cannot run in a test at all: compiled only.
 COMPILE_ONLY = {
