@@ -96,8 +96,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="merge rows into an existing result file of the same name (run the grid in slices)",
     )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help=f"also the opt-in fp8 cache peers ({', '.join(dr.FP8_DECODE_PEERS)}) beside --peers",
+    )
     p.add_argument("--list", action="store_true", help="print the shapes and peers, then exit")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.fp8:  # one peer list from here on
+        args.peers = ",".join((args.peers, *dr.FP8_DECODE_PEERS))
+    return args
 
 
 def selected_peers(text: str) -> list[str]:

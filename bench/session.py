@@ -88,7 +88,7 @@ def plan(results: str = "{results}") -> list[Stage]:
         "--dtype", "fp16", "--head-dim", "128", "--seqlen", "16384", "--budget-ms", "100",
         "--tag", "session-long", "--out", results,
     )  # fmt: skip
-    decode = ("-m", "bench.decode", "--quick", "--budget-ms", "100", "--out", results)
+    decode = ("-m", "bench.decode", "--quick", "--fp8", "--budget-ms", "100", "--out", results)
     sanitize = ("-m", "kernelgen.selfcheck", "--engines", ",".join(SANITIZED_ENGINES))
     return [
         Stage(
@@ -131,8 +131,8 @@ def plan(results: str = "{results}") -> list[Stage]:
         ),
         Stage(
             "decode",
-            55,  # runs 5-6: 30 s; two more wgmma peers since 2026-11-27
-            "split-KV decode (B 1/8, GQA, 4k/32k keys) against the copy floor",
+            65,  # runs 5-6: 30 s; two more wgmma peers and the two fp8 peers since 2026-11-27
+            "split-KV decode (B 1/8, GQA, 4k/32k keys; bf16 and fp8 caches) against the copy floor",
             python(*decode),
             python(*decode, "--list"),
         ),

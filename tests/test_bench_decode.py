@@ -573,11 +573,15 @@ def test_memory_rule():
 def test_settings_are_plain(tmp_path):
     args = decode.parse_args(["--out", str(tmp_path)])
     assert isinstance(args, argparse.Namespace) and args.max_kv_gib == 24.0
-    # every peer but the opt-in fp8 ones (so bench.session's decode stage runs none of them)
+    # every peer but the opt-in fp8 ones, which --fp8 adds (bench.session's decode stage does)
     assert args.peers.split(",") == [n for n in dr.DECODE_PEER_NAMES if "fp8" not in n]
     assert set(dr.DECODE_PEER_NAMES) - set(dr.DEFAULT_PEER_NAMES) == set(dr.FP8_DECODE_PEERS)
     named = decode.parse_args(["--peers", "kg-decode,kg-wg-fp8-paged-16"])
     assert decode.selected_peers(named.peers) == ["kg-decode", "kg-wg-fp8-paged-16"]
+    with_fp8 = decode.parse_args(["--fp8"])
+    assert decode.selected_peers(with_fp8.peers) == list(dr.DECODE_PEER_NAMES)
+    subset = decode.parse_args(["--peers", "kg-decode-wg,kg-decode-wg-fp8", "--fp8"])
+    assert decode.selected_peers(subset.peers) == ["kg-decode-wg", *dr.FP8_DECODE_PEERS]
 
 
 def test_one_chunk_target_reads_the_sweeps_first_count():
