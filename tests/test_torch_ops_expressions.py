@@ -130,6 +130,40 @@ def test_a_compiled_training_step_takes_expressions_and_block_masks(kind):
         assert error <= OUT_TOLERANCE[dtype], f"{name}: relative error {error:.3g}"
 
 
+def test_a_dynamic_compile_takes_block_masks_of_each_length():
+    """torch.compile(dynamic=True): symbolic sizes reach the wrapper, which reads the block
+    mask's expression signature (made when the mask was built: formatting a symbolic int there
+    failed to trace). Two lengths, each with its own block mask, forward and dq against
+    float64."""
+    step = torch.compile(
+        lambda q, k, v, doc, blocks: kt.attention(
+            q, k, v, mod_inputs={"doc": doc}, block_mask=blocks
+        ),
+        fullgraph=True,
+        dynamic=True,
+        backend="aot_eager",
+    )
+    for seqlen in (48, 64):
+        g = torch.Generator().manual_seed(seqlen)
+        q, k, v = (
+            torch.randn((1, heads, seqlen, 16), generator=g).half().requires_grad_()
+            for heads in (2, 1, 1)
+        )
+        doc = torch.tensor([[3 * i // seqlen for i in range(seqlen)]], dtype=torch.int32)
+        blocks = kernelgen.block_mask(
+            MASK_MOD, 1, 1, seqlen, seqlen, block_m=16, block_n=16, mod_inputs={"doc": doc}
+        )
+        out = step(q, k, v, doc, blocks)
+        dout = torch.randn(q.shape, generator=g).half()
+        (dq,) = torch.autograd.grad((out * dout).sum(), (q,))
+        d = doc.numpy()
+        hooks = {"mask_mod": lambda b, h, i, j, d=d: d[b, i] == d[b, j]}
+        want, _ = reference.naive_attention(host(q), host(k), host(v), **hooks)
+        assert relative_error(host(out), want) <= OUT_TOLERANCE["float16"]
+        grads = reference.attention_backward(*(host(x) for x in (dout, q, k, v)), **hooks)
+        assert relative_error(host(dq), grads.dq) <= OUT_TOLERANCE["float16"]
+
+
 def test_the_operators_with_expressions_pass_torch_library_checks():
     """Schema, fake implementation and autograd registration with a score_mod, a mask_mod and
     their tensor list of mod inputs (torch.library.opcheck), forward and backward."""

@@ -250,6 +250,9 @@ class Expression:
     inputs: tuple[ModInput, ...]
     text: str = field(init=False)
     origin: object = field(default=None, repr=False, compare=False)
+    # the inputs' signature, made once: torch.compile(dynamic=True) traces the operator's
+    # wrapper reading it, and there an int attribute is symbolic and cannot be formatted
+    _signature: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.origin is not _PARSER:  # built by hand: keep only what its text checks to
@@ -264,11 +267,12 @@ class Expression:
         # every tree, dataclasses.replace's copies of parsed ones included, is checked again
         verify_tree(self.kind, self.root, self.inputs)
         object.__setattr__(self, "text", canonical_text(self.root))
+        object.__setattr__(self, "_signature", ",".join(i.signature for i in self.inputs))
 
     @property
     def signature(self) -> str:
         """The declared inputs, in name order: ``name:dtype[rank],...``."""
-        return ",".join(i.signature for i in self.inputs)
+        return self._signature
 
     @property
     def hash(self) -> str:
