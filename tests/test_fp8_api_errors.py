@@ -94,7 +94,7 @@ def test_other_apis_refuse_fp8_naming_kernelgen_attention():
     cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (SQ, SK))
     with raises(InputTypeError, "q has dtype float8_e4m3fn; allowed: float32, float16") as caught:
         kernelgen.attention_varlen(q, k, v, cu_q, cu_k, SQ, SK)
-    assert "only in kernelgen.attention" in str(caught.value)
+    assert "only in kernelgen.attention and attention_with_kvcache" in str(caught.value)
 
 
 def test_fp8_head_dim_other_than_those_of_the_fp8_kernels():

@@ -67,7 +67,7 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 # What a dtype error adds about fp8: where it is taken, and how (docs/hopper.md, fp8).
 FP8_INPUTS = (
     "fp8 (float8_e4m3fn, as torch.float8_e4m3fn tensors or NumPy ml_dtypes.float8_e4m3fn "
-    "arrays) only in kernelgen.attention"
+    "arrays) only in kernelgen.attention and attention_with_kvcache (docs/fp8.md)"
 )
 _TYPESTR_DTYPES = {"<f4": "float32", "<f2": "float16", "<f8": "float64", "<i4": "int32"}
 
