@@ -45,7 +45,12 @@ __all__ = ["DEFAULT_PAGE_SIZE", "EmulatedAttention", "emulate_attention", "emula
 DEFAULT_PAGE_SIZE = 16
 # What the spare page (page 0, which no block-table entry names) holds: NaN in the element
 # type (bfloat16 as its bits), so a read of a wrong page poisons the output.
-_NAN_BITS = {"float16": np.float16(np.nan), "bfloat16": np.uint16(0x7FC0), "float32": np.nan}
+_NAN_BITS = {
+    "float16": np.float16(np.nan),
+    "bfloat16": np.uint16(0x7FC0),
+    "float32": np.nan,
+    "float8_e4m3": np.uint8(0x7F),  # e4m3 bit patterns as uint8
+}
 
 
 @dataclass
@@ -183,7 +188,7 @@ def _paged_attention(
     page_size = page_size or (spec.block_n if spec.engine.warp_specialized else DEFAULT_PAGE_SIZE)
     infos = [_info("q", q)]
     for name in ("k", "v"):  # one block table and page count for both
-        pool, table, info = _paged(inputs[name], name, spec.dtype, layout, page_size)
+        pool, table, info = paged_pool(inputs[name], name, spec.dtype, layout, page_size)
         infos.append(info)
     keys = inputs["k"].shape[2 if layout == "bhsd" else 1]
     if seqlens_k is None:
@@ -222,7 +227,7 @@ def _info(name: str, array: np.ndarray) -> TensorInfo:
     return TensorInfo(name, array.shape, strides, array.dtype.name, array)
 
 
-def _paged(
+def paged_pool(
     x: np.ndarray, name: str, dtype: str, layout: str, page_size: int
 ) -> tuple[np.ndarray, np.ndarray, TensorInfo]:
     """K or V (device dtype, stored in ``layout``) as a pool of pages (1 + B * P, page_size, Hkv,

@@ -34,7 +34,7 @@ from kernelgen.families import spec_of_family
 from kernelgen.references.attention import mismatches, naive_attention
 from kernelgen.specs.forward import KernelSpec
 from kernelgen.testing import fuzz_backward, fuzz_fp8
-from kernelgen.testing.fuzz_inputs import call_arguments, draw_values, variant_keywords
+from kernelgen.testing.fuzz_inputs import call_arguments, draw_values
 from kernelgen.testing.fuzz_space import (
     DrawStats,
     FuzzProblem,
@@ -201,10 +201,10 @@ def run_case(case: FuzzCase) -> dict[str, Any]:
     try:
         if not isinstance(any_spec, KernelSpec):
             return fuzz_backward.run(any_spec, case.problem)
-        if any_spec.fp8:
-            keywords = variant_keywords(np.random.default_rng([case.problem.data_seed, 1]),
-                                        any_spec, case.problem)  # fmt: skip
-            return fuzz_fp8.run(any_spec, case.problem, keywords)
+        if any_spec.fp8:  # no additive mask: the variants' values, then the expressions'
+            rng = np.random.default_rng([case.problem.data_seed, 1])
+            _, keywords, hooks = call_arguments(rng, any_spec, case.problem)
+            return fuzz_fp8.run(any_spec, case.problem, keywords, hooks)
         return _run_forward(any_spec, case.problem)
     except EmulatorError as exc:
         return _raised("emulator_error", exc)

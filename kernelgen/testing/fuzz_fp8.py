@@ -5,10 +5,13 @@ of an fp8 spec may hold, the quantized inputs with their descales, and the run j
 :func:`kernelgen.testing.fuzz_space.draw_fp8_fields`.
 
 Which fp8 forms exist is the validator's to say (``KernelSpec._fp8_problems``): the draw asks for
-the variants too (window, softcap, ALiBi, sinks) and counts the refusals, so the same code draws
-them once the validator takes them. Call arguments that are not spec fields (per-entry
-``seqlens_k``, the bshd layout, no lse) are drawn only where :func:`emulate_fp8_attention`
-takes them.
+the variants, V transposed in the kernel, the decode forms and document masks, and counts the
+refusals. Call arguments that are not spec fields (per-entry ``seqlens_k``, the bshd layout, no
+lse) are drawn only where the calls take them. Specs with a decode form (split_kv, pack_gqa,
+paged_kv) run as a decode step does, through :func:`kernelgen.attention_with_kvcache` on the
+emulator (the cache as (B, S, Hkv, D) e4m3, paged by
+:func:`kernelgen.calls.emulated.paged_pool`: pages in reverse order, NaN past the keys);
+the others through :func:`emulate_fp8_attention` (which takes a block mask).
 """
 
 from __future__ import annotations
@@ -31,6 +34,37 @@ INPUT_SIGMA = (1.5, 2.0)
 DESCALE_RANGE = (0.5, 2.0)
 WIDE_RANGE_EXPONENTS = (-4, 0)
 DESCALE_P = 0.7  # each descale is given (else None: 1) with this chance
+VARIANT_NAMES = ("window_size", "softcap", "alibi_slopes", "sinks")  # the reference takes these
+
+
+def decode_step(
+    spec: KernelSpec, p: FuzzProblem, x: Fp8Inputs, k: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One :func:`kernelgen.attention_with_kvcache` call of a decode-form spec on the cache k, v
+    ((B, Hkv, S, D) bits; paged with p.page_size when the spec is): (out (B, H, Sq, D) float32,
+    lse). The call takes no block mask: the spec's mask_mod and its inputs only."""
+    import ml_dtypes
+
+    import kernelgen
+    from kernelgen.calls.emulated import paged_pool
+
+    def bshd(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.transpose(0, 2, 1, 3))
+
+    k_cache, v_cache, table = bshd(k), bshd(v), None
+    if spec.paged_kv:
+        assert p.page_size is not None
+        k_cache, table, _ = paged_pool(k_cache, "k", spec.dtype, "bshd", p.page_size)
+        v_cache, _, _ = paged_pool(v_cache, "v", spec.dtype, "bshd", p.page_size)
+    lengths = np.array(p.seqlens_k or (p.seqlen_k,) * p.batch, np.int32)
+    keywords = {n: value for n, value in x.keywords.items() if n != "block_mask"}
+    f8 = ml_dtypes.float8_e4m3fn
+    out, lse = kernelgen.attention_with_kvcache(
+        bshd(x.q).view(f8), k_cache.view(f8), v_cache.view(f8), lengths, block_table=table,
+        causal=spec.causal, scale=p.scale, return_lse=True, spec=spec,
+        num_splits=p.num_splits, **x.descales, **keywords,
+    )  # fmt: skip
+    return np.asarray(out, np.float32).transpose(0, 2, 1, 3), np.asarray(lse)
 
 
 def fit_problem(rng: np.random.Generator, p: FuzzProblem) -> FuzzProblem:
@@ -85,17 +119,29 @@ def make_inputs(spec: KernelSpec, p: FuzzProblem, keywords: dict[str, Any]) -> F
     return Fp8Inputs(q, k, v, descales, keywords)
 
 
-def reference(spec: KernelSpec, p: FuzzProblem, x: Fp8Inputs, lengths: tuple[int, ...]) -> Any:
-    """:func:`fp8_reference` entry by entry over its first lengths[b] keys, concatenated."""
+def reference(
+    spec: KernelSpec,
+    p: FuzzProblem,
+    x: Fp8Inputs,
+    lengths: tuple[int, ...],
+    hooks: dict[str, Any],
+) -> Any:
+    """:func:`fp8_reference` entry by entry over its first lengths[b] keys, concatenated (the
+    expression ``hooks`` see the entry's own batch index)."""
     from kernelgen.references.fp8 import Fp8Reference
 
     scale = spec.head_dim**-0.5 if p.scale is None else p.scale
+    variants = {n: x.keywords[n] for n in VARIANT_NAMES if n in x.keywords}
     parts = []
     for b, n in enumerate(lengths):
-        entry = dict(x.keywords)
+        entry = dict(variants)
         slopes = entry.get("alibi_slopes")
         if slopes is not None and slopes.ndim == 2:
             entry["alibi_slopes"] = slopes[b]
+        if "score_mod" in hooks:
+            entry["score_mod"] = lambda s, bb, h, i, j, b=b: hooks["score_mod"](s, bb + b, h, i, j)
+        if "mask_mod" in hooks:
+            entry["mask_mod"] = lambda bb, h, i, j, b=b: hooks["mask_mod"](bb + b, h, i, j)
         descales = {k: None if s is None else s[b : b + 1] for k, s in x.descales.items()}
         qkv = (x.q[b : b + 1], x.k[b : b + 1, :, :n], x.v[b : b + 1, :, :n])
         parts.append(fp8_reference(*qkv, descales, causal=spec.causal, scale=scale, **entry))
@@ -103,26 +149,45 @@ def reference(spec: KernelSpec, p: FuzzProblem, x: Fp8Inputs, lengths: tuple[int
     return Fp8Reference(*(np.concatenate([getattr(r, f) for r in parts]) for f in fields))
 
 
-def run(spec: KernelSpec, p: FuzzProblem, keywords: dict[str, Any]) -> dict[str, Any]:
+def is_decode(spec: KernelSpec) -> bool:
+    """Whether the spec has a decode form (run through attention_with_kvcache)."""
+    return bool(spec.split_kv or spec.pack_gqa or spec.paged_kv)
+
+
+def run(
+    spec: KernelSpec,
+    p: FuzzProblem,
+    keywords: dict[str, Any],
+    hooks: dict[str, Any] | None = None,
+    source: str | None = None,
+) -> dict[str, Any]:
     """Run the fp8 case on the emulator (exceptions propagate to the caller's verdict) and judge
-    out and lse: ``{"outcome", "bound_ratio", "out_error", "lse_error"[, "failed"]}``."""
+    out and lse: ``{"outcome", "bound_ratio", "out_error", "lse_error"[, "failed"]}``.
+    ``hooks``: the reference's expression hooks; ``source`` replaces the kernel's CUDA (a
+    mutation)."""
     from kernelgen.calls.emulated import emulate_fp8_attention
+    from kernelgen.runtime.emulated_launch import recording
 
     x = make_inputs(spec, p, keywords)
     lengths = p.seqlens_k or (p.seqlen_k,) * p.batch
-    ref = reference(spec, p, x, lengths)
+    ref = reference(spec, p, x, lengths, hooks or {})
     k, v = x.k, x.v
-    call: dict[str, Any] = dict(keywords)
-    if p.seqlens_k is not None:
-        call["seqlens_k"] = np.array(p.seqlens_k, np.int32)
-        if p.nan_past:  # e4m3 NaN (0x7f) in the rows past each entry's length
-            k, v = k.copy(), v.copy()
-            for b, n in enumerate(p.seqlens_k):
-                k[b, :, n:] = v[b, :, n:] = 0x7F
-    if p.layout != "bhsd":
-        call["layout"] = p.layout
-    result = emulate_fp8_attention(spec, x.q, k, v, scale=p.scale, **x.descales, **call)
-    found = fp8_mismatches(result.out, result.lse, ref)
+    if p.nan_past:  # e4m3 NaN (0x7f) in the rows past each entry's length
+        k, v = k.copy(), v.copy()
+        for b, n in enumerate(lengths):
+            k[b, :, n:] = v[b, :, n:] = 0x7F
+    if is_decode(spec):
+        with recording(source):
+            out, lse = decode_step(spec, p, x, k, v)
+    else:
+        call: dict[str, Any] = dict(keywords)
+        if p.seqlens_k is not None:
+            call["seqlens_k"] = np.array(p.seqlens_k, np.int32)
+        result = emulate_fp8_attention(
+            spec, x.q, k, v, scale=p.scale, source=source, **x.descales, **call
+        )
+        out, lse = result.out, result.lse
+    found = fp8_mismatches(out, lse, ref)
     return {
         "outcome": "mismatch" if found.failed else "ok",
         "bound_ratio": float(f"{found.bound_ratio:.4g}"),

@@ -39,6 +39,9 @@ MMA_SYNC_HEAD_DIMS = (32, 40, 64, 80, 96, 128, 136)
 # multiply-adds (the emulator runs every CUDA thread on the CPU).
 MAX_WORK = 2**24
 MAX_SEQLEN = 400
+# fp8: the chance of fp8_v_layout=kernel, and the decode forms' (each needs the kernel layout)
+FP8_V_KERNEL_P = 0.4
+FP8_DECODE_SWITCHES = (("split_kv", 0.15), ("pack_gqa", 0.15), ("paged_kv", 0.15))
 
 
 @dataclass(frozen=True)
@@ -137,8 +140,9 @@ def pick(rng: np.random.Generator, values: Any) -> Any:
 
 def draw_fp8_fields(rng: np.random.Generator) -> dict[str, Any]:
     """One draw of fp8 (e4m3, wgmma) forward spec fields: head dims and key tiles of
-    FP8_BLOCK_N_BY_HEAD_DIM, the loops, causal, and the variants (refused until fp8 has them:
-    the validator decides, and the refusals are counted)."""
+    FP8_BLOCK_N_BY_HEAD_DIM, the loops, causal, the variants, the TMA epilogue, V transposed in
+    the kernel, the decode forms (split-KV, packed GQA, paged KV), a document mask and a
+    score_mod (the validator decides what fp8 takes; the refusals are counted)."""
     head_dim = pick(rng, FP8_HEAD_DIMS)
     fields: dict[str, Any] = {
         "loop_order": "v2",
@@ -157,7 +161,11 @@ def draw_fp8_fields(rng: np.random.Generator) -> dict[str, Any]:
             fields[name] = True
     if chance(rng, 0.3):
         fields["epilogue"] = "tma"
-    return fields
+    # The newer forms: V transposed by the producer warps, which the decode forms need (the
+    # validator refuses them with the host's V^T), and a document mask (block-sparse mostly).
+    if chance(rng, FP8_V_KERNEL_P):
+        fields["fp8_v_layout"] = "kernel"
+    return draw_switches(rng, fields, FP8_DECODE_SWITCHES, documents=0.1)
 
 
 def draw_fields(rng: np.random.Generator, engine: str) -> dict[str, Any]:
