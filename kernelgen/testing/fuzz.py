@@ -201,9 +201,8 @@ def run_case(case: FuzzCase) -> dict[str, Any]:
     try:
         if not isinstance(any_spec, KernelSpec):
             return fuzz_backward.run(any_spec, case.problem)
-        if any_spec.fp8:  # no additive mask: the variants' values, then the expressions'
-            rng = np.random.default_rng([case.problem.data_seed, 1])
-            _, keywords, hooks = call_arguments(rng, any_spec, case.problem)
+        if any_spec.fp8:
+            keywords, hooks = fuzz_fp8.call_keywords(any_spec, case.problem)
             return fuzz_fp8.run(any_spec, case.problem, keywords, hooks)
         return _run_forward(any_spec, case.problem)
     except EmulatorError as exc:

@@ -16,6 +16,7 @@ the others through :func:`emulate_fp8_attention` (which takes a block mask).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from kernelgen.references.fp8 import DESCALE_NAMES, fp8_mismatches, fp8_reference, quantize
 from kernelgen.specs.forward import KernelSpec
+from kernelgen.testing.fuzz_inputs import call_arguments
 from kernelgen.testing.fuzz_space import FuzzProblem, chance
 
 # Spread of the drawn values before quantization (q and k, v), and the per (batch, kv head)
@@ -149,6 +151,13 @@ def reference(
     return Fp8Reference(*(np.concatenate([getattr(r, f) for r in parts]) for f in fields))
 
 
+def call_keywords(spec: KernelSpec, p: FuzzProblem) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The case's call keywords (variant values, then the expressions' arguments: document ids,
+    a block mask) and the reference's expression hooks, from the generator (data_seed, 1)."""
+    _, keywords, hooks = call_arguments(np.random.default_rng([p.data_seed, 1]), spec, p)
+    return keywords, hooks
+
+
 def is_decode(spec: KernelSpec) -> bool:
     """Whether the spec has a decode form (run through attention_with_kvcache)."""
     return bool(spec.split_kv or spec.pack_gqa or spec.paged_kv)
@@ -176,8 +185,8 @@ def run(
         k, v = k.copy(), v.copy()
         for b, n in enumerate(lengths):
             k[b, :, n:] = v[b, :, n:] = 0x7F
-    if is_decode(spec):
-        with recording(source):
+    if is_decode(spec):  # (a caller's recording stays in force without a mutation)
+        with recording(source) if source is not None else contextlib.nullcontext():
             out, lse = decode_step(spec, p, x, k, v)
     else:
         call: dict[str, Any] = dict(keywords)
