@@ -15,7 +15,6 @@ off in float16 (seed 201 case 22: the kernel matched the float64 of the rounded 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -36,11 +35,12 @@ from kernelgen.testing.fuzz_space import (
     FuzzProblem,
     chance,
     draw_length,
+    draw_scale,
     draw_switches,
     draw_valid,
     draw_window,
     pick,
-    work,
+    shrink_to_work,
 )
 
 ENGINES = ("simt", "mma_sync", "all")
@@ -120,18 +120,11 @@ def draw_problem(rng: np.random.Generator, spec: BackwardSpec) -> FuzzProblem:
     # one key, seed 202 cases 121 and 611 gave 1e9).
     min_q, min_k = (4, 16) if spec.mask_mod is not None else (1, 2)
     seqlen_q, seqlen_k = max(min_q, seqlen_q), max(min_k, seqlen_k)
-    while work(spec, batch, heads, seqlen_q, seqlen_k) > MAX_WORK:
-        if seqlen_k >= seqlen_q and seqlen_k > min_k:
-            seqlen_k = max(min_k, (seqlen_k + 1) // 2)
-        elif seqlen_q > min_q:
-            seqlen_q = max(min_q, (seqlen_q + 1) // 2)
-        elif batch * heads > 1:
-            batch, heads, kv_heads = 1, 1, 1
-        else:
-            break
-    scale = None
-    if chance(rng, 0.35):
-        scale = round(pick(rng, (-1.0, -0.3, 0.5, 1.7, 3.0)) / math.sqrt(spec.head_dim), 6)
+    sizes = (batch, heads, kv_heads, seqlen_q, seqlen_k)
+    batch, heads, kv_heads, seqlen_q, seqlen_k = shrink_to_work(
+        spec, sizes, min_q=min_q, min_k=min_k, fold_groups=False, max_work=MAX_WORK
+    )
+    scale = draw_scale(rng, spec.head_dim)
     return FuzzProblem(
         batch=batch,
         heads=heads,

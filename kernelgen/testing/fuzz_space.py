@@ -280,6 +280,40 @@ def work(spec: Any, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> int
     return batch * heads * rows * keys * spec.head_dim
 
 
+def shrink_to_work(
+    spec: Any,
+    sizes: tuple[int, int, int, int, int],
+    min_q: int = 1,
+    min_k: int = 1,
+    fold_groups: bool = True,
+    max_work: int = MAX_WORK,
+) -> tuple[int, int, int, int, int]:
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k) halved until :func:`work` fits
+    ``max_work``: the longer length first (not below ``min_q`` / ``min_k``), then (with
+    ``fold_groups``) the GQA group, then one head of one entry; as small as the spec goes else."""
+    batch, heads, kv_heads, seqlen_q, seqlen_k = sizes
+    while work(spec, batch, heads, seqlen_q, seqlen_k) > max_work:
+        if seqlen_k >= seqlen_q and seqlen_k > min_k:
+            seqlen_k = max(min_k, (seqlen_k + 1) // 2)
+        elif seqlen_q > min_q:
+            seqlen_q = max(min_q, (seqlen_q + 1) // 2)
+        elif fold_groups and heads > kv_heads:
+            heads = kv_heads
+        elif batch * heads > 1:
+            batch, heads, kv_heads = 1, 1, 1
+        else:  # one tile of one head: as small as the spec goes
+            break
+    return batch, heads, kv_heads, seqlen_q, seqlen_k
+
+
+def draw_scale(rng: np.random.Generator, head_dim: int) -> float | None:
+    """The softmax scale: the default (None) in about two draws of three, else a multiple of
+    1 / sqrt(head_dim), negative ones included."""
+    if not chance(rng, 0.35):
+        return None
+    return round(pick(rng, (-1.0, -0.3, 0.5, 1.7, 3.0)) / math.sqrt(head_dim), 6)
+
+
 def _groups(spec: KernelSpec) -> tuple[int, ...]:
     """Query heads per key/value head to draw: wgmma's packed GQA takes divisors of block_m."""
     if spec.pack_gqa and spec.engine.warp_specialized:
@@ -320,20 +354,10 @@ def draw_problem(rng: np.random.Generator, spec: KernelSpec) -> FuzzProblem:
         seqlen_k = min(MAX_SEQLEN, max(1, seqlen_q + shift))
     if spec.split_kv and chance(rng, 0.5):  # decode: a few queries over many keys
         seqlen_q = pick(rng, (1, 2, 3, 5))
-    while work(spec, batch, heads, seqlen_q, seqlen_k) > MAX_WORK:
-        if seqlen_k >= seqlen_q and seqlen_k > 1:
-            seqlen_k = (seqlen_k + 1) // 2
-        elif seqlen_q > 1:
-            seqlen_q = (seqlen_q + 1) // 2
-        elif heads > kv_heads:
-            heads = kv_heads
-        elif batch * heads > 1:
-            batch, heads, kv_heads = 1, 1, 1
-        else:  # one tile of one head: as small as the spec goes
-            break
-    scale = None
-    if chance(rng, 0.35):
-        scale = round(pick(rng, (-1.0, -0.3, 0.5, 1.7, 3.0)) / math.sqrt(spec.head_dim), 6)
+    batch, heads, kv_heads, seqlen_q, seqlen_k = shrink_to_work(
+        spec, (batch, heads, kv_heads, seqlen_q, seqlen_k)
+    )
+    scale = draw_scale(rng, spec.head_dim)
     seqlens_k = None
     if spec.paged_kv or chance(rng, 0.3):
         seqlens_k = _lengths(rng, spec, batch, seqlen_k) if chance(rng, 0.8) else None
