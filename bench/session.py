@@ -44,7 +44,9 @@ COMMIT_ENV, DIRTY_ENV = "KERNELGEN_SESSION_COMMIT", "KERNELGEN_SESSION_DIRTY"
 
 # The GPU test tier's part that comes first: the Hopper kernels, the serving APIs (KV caches,
 # paged, varlen), the tuner's choices and the default specs of every dtype and head dim.
-CORRECTNESS_SELECTION = "wgmma or serving or tuned or default_spec or default_decode or backward"
+CORRECTNESS_SELECTION = (
+    "wgmma or serving or tuned or default_spec or default_decode or backward or fp8"
+)
 SANITIZED_ENGINES = ("simt", "mma_sync", "wgmma")
 SANITIZER = ("compute-sanitizer", "--tool")
 # the CUDA libraries' own probes (cuGetProcAddress) are API errors, not kernel faults
@@ -93,8 +95,8 @@ def plan(results: str = "{results}") -> list[Stage]:
     return [
         Stage(
             "correctness",
-            150,  # run 7: 237 tests in 108 s; 284 selected since 2026-11-27
-            "GPU test tier: wgmma, serving, tuned and default specs against float64",
+            150,  # run 8: 314 tests in 119 s; the 24 more fp8 tests took 27 s alone
+            "GPU test tier: wgmma, serving, tuned, default and fp8 specs against float64",
             python(*pytest_gpu, "-k", CORRECTNESS_SELECTION, "--junitxml", f"{results}/gpu.xml"),
             python(*pytest_gpu, "--collect-only", "-k", CORRECTNESS_SELECTION),
         ),
@@ -110,28 +112,28 @@ def plan(results: str = "{results}") -> list[Stage]:
         ),
         Stage(
             "prefill",
-            100,  # run 6: 44 s with 14 wgmma candidates; 28 since 2026-11-27 (ovl-pp twins)
+            90,  # run 8: 76 s with 28 wgmma candidates
             "bf16 d128/d256 4k, causal or not: wgmma against flash and cuDNN",
             python(*prefill),
             python(*prefill, "--list"),
         ),
         Stage(
             "backward",
-            75,  # runs 4-5: 48-51 s
+            65,  # runs 4-5: 48-51 s; run 8: 57 s
             "backward and fwd+bwd bf16 d128 2k, variants: kernelgen against flash, cuDNN, flex",
             python(*backward),
             python(*backward, "--dry-run"),
         ),
         Stage(
             "prefill-long",
-            40,
+            70,  # run 8: cut at 40 s compiling the fp16 kernels cold; 40 s warm
             "fp16 d128 16k, causal or not: wgmma against flash and cuDNN",
             python(*prefill_long),
             python(*prefill_long, "--list"),
         ),
         Stage(
             "decode",
-            65,  # runs 5-6: 30 s; two more wgmma peers and the two fp8 peers since 2026-11-27
+            50,  # run 8: 35 s with the fp8 peers
             "split-KV decode (B 1/8, GQA, 4k/32k keys; bf16 and fp8 caches) against the copy floor",
             python(*decode),
             python(*decode, "--list"),

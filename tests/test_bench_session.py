@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from bench import session
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_plan_fits_the_window_in_priority_order():
@@ -95,3 +98,18 @@ def test_a_tree_that_differs_from_the_stamp_is_refused(tmp_path, monkeypatch, ca
     assert session.run([stage], tmp_path, allow_dirty=False) == 2
     assert "not the stamped commit" in capsys.readouterr().out
     assert not (tmp_path / "session.tgz").exists()
+
+
+def test_profile_launch_builds_the_overridden_spec_and_refuses_bad_input(capsys):
+    from bench import profile_launch
+
+    path = ROOT / "specs" / "v2_wg_bf16_d128_m128_n128_s2.yaml"
+    spec = profile_launch.build_spec(
+        path, [profile_launch.parse_override(x) for x in ("causal=true", "q_in_registers=true")]
+    )
+    assert spec.uri == "fa_fwd_v2_wg_bf16_d128_m128_n128_w12_s2_qr_causal"
+    assert profile_launch.main([str(path), "--set", "block_m=7"]) == 2
+    assert "block_m=7 is not allowed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile_launch.main([str(path), "--set", "causal"])
+    assert "expected FIELD=VALUE" in capsys.readouterr().err
