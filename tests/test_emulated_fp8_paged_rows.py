@@ -8,8 +8,10 @@ Cases: 128-key tiles on pages of 16 and 48 keys (tiles straddling pages), GQA 4 
 split-KV in 3 chunks, shuffled pages with NaN in the spare pages and past the lengths
 (169 and 258: past a page, off the tiles); the default decode spec (64-key tiles) at d64 on
 16-key pages (64-byte rows: a thread's rows 32 keys apart, two pages on), MQA with a group of 3
-(not packed), 2 new tokens appended. Mutations: a row's offset in its page taken from the
-tile's first key, not its page's; the transposers not waiting for the row copies.
+(not packed), 2 new tokens appended; the d128 default (3 stages, 64-key tiles) on 16-key pages
+in one chunk of up to 300 keys, so that each block's ring of 3 slots wraps. Mutations: a row's
+offset in its page taken from the tile's first key, not its page's; the transposers not waiting
+for the row copies; the copies not waiting for a free slot (only a wrapped ring shows it).
 """
 
 from __future__ import annotations
@@ -90,6 +92,36 @@ def test_default_decode_spec_at_d64_on_16_key_pages_with_appending():
     assert found.failed == ()
 
 
+# The d128 paged default: 64-key tiles, 3 stages (kernelgen.model.policy.fp8_decode_spec).
+DEFAULT = fp8_decode_spec(128, True, 4, paged_kv=True)
+RING_LENGTHS = [300, 233]  # 5 and 4 tiles in one chunk: the 3-slot ring wraps
+
+
+def ring_step(page_size: int, source: str | None = None):
+    """One decode step of DEFAULT on :func:`cache_case` 9 (GQA 4, one query, NaN past the
+    lengths) as shuffled pages of ``page_size`` keys, one chunk: (out as (B, H, Sq, D)
+    float32, lse, reference)."""
+    q, k, v, descales = cache_case(9, RING_LENGTHS, 8, 2, 1)
+    k_pool, v_pool, table = paged_pool(k, v, page_size, seed=page_size + 1)
+    with recording(source) as recorded:
+        out, lse = kernelgen.attention_with_kvcache(
+            bshd(q), k_pool.view(F8), v_pool.view(F8), RING_LENGTHS, block_table=table,
+            causal=True, return_lse=True, num_splits=1, spec=DEFAULT, **descales,
+        )  # fmt: skip
+    assert recorded.problem.page_size == page_size and DEFAULT.uri in recorded.stats
+    ref = fp8_reference(q, k, v, descales, causal=True, scale=128**-0.5, seqlens_k=RING_LENGTHS)
+    return out.astype(np.float32).transpose(0, 2, 1, 3), lse, ref
+
+
+def test_the_paged_default_wraps_its_ring_on_row_copies_as_on_tma_pages():
+    assert DEFAULT.stages == 3 and DEFAULT.block_n == 64
+    tma_out, tma_lse, _ = ring_step(64)  # one TMA copy per tile
+    out, lse, ref = ring_step(16)
+    assert fp8_mismatches(out, lse, ref).failed == ()
+    np.testing.assert_array_equal(out, tma_out)
+    np.testing.assert_array_equal(lse, tma_lse)
+
+
 def test_pages_off_the_16_key_steps_are_refused_before_the_cache_is_written():
     lengths = [40]
     q, k, v, descales = cache_case(2, lengths, 2, 1, 1)
@@ -114,6 +146,23 @@ MUTATIONS = {
         "if (!copy_rows) mbarrier_wait(v_landed + 8 * slot, (t / STAGES) & 1);",
     ),
 }
+
+
+RING_MUTATION = (
+    "mbarrier_wait(kv_empty + 8 * slot, ((t / STAGES) & 1) ^ 1);  // as on the TMA path",
+    "if (t < STAGES) mbarrier_wait(kv_empty + 8 * slot, ((t / STAGES) & 1) ^ 1);",
+)
+
+
+def test_row_copies_into_a_slot_still_in_use_fail():
+    """The copies of tile t not waiting for tile t - 3's release: they overwrite K and the
+    staged V while the consumers and transposers still read them."""
+    old, new = RING_MUTATION
+    source = render(DEFAULT)
+    assert source.count(old) == 1, old
+    with pytest.raises((EmulatorError, AssertionError)):
+        out, lse, ref = ring_step(16, source.replace(old, new))
+        assert fp8_mismatches(out, lse, ref).failed == ()
 
 
 @pytest.mark.parametrize("name", MUTATIONS)

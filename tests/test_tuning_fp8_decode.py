@@ -45,9 +45,11 @@ def decode_problem(**overrides: object) -> ProblemDesc:
 
 def decode_uris(paged: bool, block_ns=(64, 128)) -> list[str]:
     """The grid's fp8 forms in order: per key tile, split then not, each with its TMA-store
-    twin (d128, one consumer warpgroup of 64 packed rows)."""
+    twin (d128, one consumer warpgroup of 64 packed rows; 3 stages on a paged cache)."""
+    stages = 3 if paged else 2
     return [
-        f"fa_fwd_v2_wg_e4m3_d128_m64_n{n}_w8_s2{tma}_vk_gqa{split}" + ("_paged" if paged else "")
+        f"fa_fwd_v2_wg_e4m3_d128_m64_n{n}_w8_s{stages}{tma}_vk_gqa{split}"
+        + ("_paged" if paged else "")
         for n in block_ns
         for split in ("_split", "")
         for tma in ("", "_tma")
@@ -130,7 +132,7 @@ def test_an_fp8_cache_call_runs_the_tuned_decode_launch(fp8_gpu, monkeypatch):
     (record,) = [r for _, r in TuningDB().records()]
     winner = record.winner["block_n"], record.winner["split_kv"]
     assert len(calls) == 1 and calls[0].startswith("e4m3_d128_causal_nomask_g4_q1_k512_bh16_page48")
-    uri = f"fa_fwd_v2_wg_e4m3_d128_m64_n{winner[0]}_w8_s2"
+    uri = f"fa_fwd_v2_wg_e4m3_d128_m64_n{winner[0]}_w8_s3"  # 3 stages on a paged cache
     main = [x for x in launches if not x.endswith("_combine")]
     assert len(main) == 2 and all(x.startswith(uri) and x.endswith("_paged") for x in main)
 

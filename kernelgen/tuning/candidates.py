@@ -108,7 +108,8 @@ DECODE_BLOCK_N = (32, 64, 128)
 DECODE_STAGES = (2, 3)
 # Hopper decode grid (wgmma, offered only on compute capability 9.0 devices, beside the mma.sync
 # grid: the untuned decode default stays mma.sync until a GPU has timed these): packed GQA in
-# one consumer warpgroup (two past 64 packed rows) x key tiles x split or not, 2 stages. Packing
+# one consumer warpgroup (two past 64 packed rows) x key tiles x split or not, 2 stages (fp8 on
+# a paged cache 3: see kernelgen.model.policy.fp8_decode_spec). Packing
 # where the group divides block_m (a TMA box holds whole queries); a paged problem takes them all
 # (a tile that lies in one page is one TMA copy, others are copied row by row with cp.async:
 # which is faster is for a GPU to time). fp8 decode and paged problems take the same grid with
@@ -375,7 +376,9 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
             "mma": "wgmma",
             "block_m": block_m,
             "block_n": block_n,
-            "stages": 2,
+            # fp8 on a paged cache: 3 stages, so that the row copies' transposes overlap the
+            # products (kernelgen.model.policy.fp8_decode_spec, the untuned choice)
+            "stages": 3 if problem.fp8 and problem.page_size > 0 else 2,
             "pack_gqa": block_m % problem.gqa_ratio == 0,
             "split_kv": split,
             **fp8,
