@@ -141,6 +141,39 @@ def plan(results: str = "{results}") -> list[Stage]:
     ]
 
 
+def extras(results: str = "{results}") -> list[Stage]:
+    """Stages outside the plan, run only when named (``python -m bench.session profile``): for
+    a second call on a machine the plan left time on."""
+    causal = "specs/v2_wg_bf16_d128_m128_n128_s2_causal.yaml"
+    # ncu of the 128 x 128 loop with Q in shared memory and in registers, causal (issue 33's
+    # open question: bench/NOTES.md, run 8): each kernel's details and per-instruction stalls
+    profile = (
+        "-m", "bench.ncu_pair", "--out", f"{results}/ncu", f"plain={causal}",
+        f"qr={causal},q_in_registers=true",
+    )  # fmt: skip
+    fp8 = (
+        "-m", "bench.attention", "--peers", "torch-cudnn,kg-wgmma,kg-wgmma-fp8",
+        "--dtype", "bf16", "--head-dim", "128", "--seqlen", "4096", "--budget-ms", "100",
+        "--rounds", "2", "--tag", "fp8", "--out", results,
+    )  # fmt: skip
+    return [
+        Stage(
+            "profile",
+            150,  # run 8 by hand: 17-19 s per kernel recorded and exported
+            "ncu of the plain loop and Q in registers, bf16 d128 4k causal",
+            python(*profile),
+            python(*profile, "--dry-run"),
+        ),
+        Stage(
+            "fp8-prefill",
+            120,  # run 8 by hand: 46 s for cuDNN and the 14 fp8 loops alone
+            "bf16-shape d128 4k, causal or not: the fp8 loops against kernelgen bf16 and cuDNN",
+            python(*fp8),
+            python(*fp8, "--list"),
+        ),
+    ]
+
+
 # ---- the stamp: which commit the files are ----------------------------------------------------
 def tracked_files(root: Path = ROOT) -> list[str]:
     done = subprocess.run(
@@ -307,13 +340,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         record = write_stamp()
         print(f"stamped {record['commit'][:12]}: {len(record['files'])} files -> {STAMP}")
         return 0
-    stages = plan()
-    names = [s.name for s in stages]
+    stages, optional = plan(), extras()
+    names = [s.name for s in stages + optional]
     unknown = [n for n in args.stages if n not in names]
     if unknown:
         print(f"session: unknown stage {unknown[0]!r}; stages: {', '.join(names)}, or stamp")
         return 2
-    chosen = [s for s in stages if not args.stages or s.name in args.stages]
+    chosen = [s for s in stages + optional if s.name in args.stages] if args.stages else stages
     return dry_run(chosen) if args.dry_run else run(chosen, args.out, args.allow_dirty)
 
 

@@ -113,3 +113,25 @@ def test_profile_launch_builds_the_overridden_spec_and_refuses_bad_input(capsys)
     with pytest.raises(SystemExit):
         profile_launch.main([str(path), "--set", "causal"])
     assert "expected FIELD=VALUE" in capsys.readouterr().err
+
+
+def test_the_extra_stages_run_only_when_named(capsys):
+    assert not {s.name for s in session.extras()} & {s.name for s in session.plan()}
+    assert session.main(["--dry-run", "profile"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: 1 stages" in out and "profile" in out and "correctness" not in out
+
+
+def test_ncu_pair_reads_labelled_specs_and_builds_them_without_a_gpu(capsys):
+    from bench import ncu_pair
+
+    path = ROOT / "specs" / "v2_wg_bf16_d128_m128_n128_s2_causal.yaml"
+    label, parsed, overrides = ncu_pair.parse_item(f"qr={path},q_in_registers=true")
+    assert (label, parsed, overrides) == ("qr", path, [("q_in_registers", True)])
+    assert ncu_pair.main([f"plain={path}", f"qr={path},q_in_registers=true", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "qr: fa_fwd_v2_wg_bf16_d128_m128_n128_w12_s2_qr_causal" in out
+    assert ncu_pair.main([f"bad={path},block_m=7", "--dry-run"]) == 2
+    assert "block_m=7 is not allowed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ncu_pair.main(["no-label-here", "--dry-run"])

@@ -1,0 +1,121 @@
+"""``python -m bench.ncu_pair``: Nsight Compute reports of a few specs, side by side.
+
+Each ``LABEL=SPEC.yaml[,FIELD=VALUE...]`` item is one forward spec (a shipped YAML with fields
+overridden, as ``bench.profile_launch --set`` takes them). For each, ncu records one launch of
+``python -m bench.profile_launch`` (``--set full``) into ``OUT/LABEL.ncu-rep``, then writes its
+details page (``LABEL-details.txt``) and its per-instruction source page with SASS
+(``LABEL-source.csv.gz``: executed instructions and stall samples per instruction). The
+session's ``profile`` stage runs it on the plain loop and Q in registers (bench/README.md).
+``--dry-run`` only builds the specs (no GPU, no ncu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.profile_launch import build_spec, parse_override
+from kernelgen.errors import KernelgenError
+
+NCU_FALLBACK = "/usr/local/cuda/bin/ncu"
+RECORD_TIMEOUT_S = 120  # one ncu recording (a few launches, --set full replays one)
+EXPORT_TIMEOUT_S = 60
+
+
+def parse_item(text: str) -> tuple[str, Path, list[tuple[str, Any]]]:
+    """``LABEL=PATH[,FIELD=VALUE...]`` -> (label, path, overrides)."""
+    label, sep, rest = text.partition("=")
+    if not sep or not label.isidentifier() or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=SPEC.yaml[,FIELD=VALUE...]")
+    path, *overrides = rest.split(",")
+    return label, Path(path), [parse_override(x) for x in overrides]
+
+
+def ncu_path() -> str | None:
+    found = shutil.which("ncu")
+    return found or (NCU_FALLBACK if os.access(NCU_FALLBACK, os.X_OK) else None)
+
+
+def record(ncu: str, out: Path, label: str, path: Path, overrides: list[tuple[str, Any]],
+           seqlen: int) -> str:  # fmt: skip
+    """Record, export and compress one spec's report; the first line of what went wrong, or ''."""
+    sets = [arg for name, value in overrides for arg in ("--set", f"{name}={_yaml(value)}")]
+    launch = [
+        sys.executable,
+        "-m",
+        "bench.profile_launch",
+        str(path),
+        *sets,
+        "--seqlen",
+        str(seqlen),
+    ]
+    report = out / label
+    steps = [
+        ([ncu, "--kernel-name", "regex:fa_fwd", "--launch-skip", "2", "--launch-count", "1",
+          "--set", "full", "--import-source", "no", "-f", "-o", str(report), *launch],
+         out / f"{label}.log", RECORD_TIMEOUT_S),
+        ([ncu, "--import", f"{report}.ncu-rep", "--page", "details"],
+         out / f"{label}-details.txt", EXPORT_TIMEOUT_S),
+        ([ncu, "--import", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source",
+          "sass"], out / f"{label}-source.csv", EXPORT_TIMEOUT_S),
+    ]  # fmt: skip
+    for command, log, timeout in steps:
+        with open(log, "w") as handle:
+            try:
+                done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT,
+                                      timeout=timeout, check=False)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                return f"{label}: {Path(command[0]).name} timed out after {timeout} s"
+        if done.returncode != 0:
+            return f"{label}: exit {done.returncode} (see {log.name})"
+    source = out / f"{label}-source.csv"
+    with open(source, "rb") as raw, gzip.open(f"{source}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    source.unlink()
+    return ""
+
+
+def _yaml(value: Any) -> str:
+    """A parsed override back in the text form --set reads."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ncu_pair", description=__doc__)
+    parser.add_argument("items", nargs="+", type=parse_item, metavar="LABEL=SPEC[,F=V...]")
+    parser.add_argument("--out", type=Path, default=Path("ncu-out"))
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--dry-run", action="store_true", help="build the specs only")
+    args = parser.parse_args(argv)
+    try:
+        specs = [build_spec(path, overrides) for _, path, overrides in args.items]
+    except (KernelgenError, OSError) as exc:
+        print(f"ncu_pair: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    for (label, _, _), spec in zip(args.items, specs, strict=True):
+        print(f"{label}: {spec.uri}")
+    if args.dry_run:
+        return 0
+    ncu = ncu_path()
+    if ncu is None:
+        print("ncu_pair: no ncu on PATH or at /usr/local/cuda/bin", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    problems = [p for label, path, overrides in args.items
+                if (p := record(ncu, args.out, label, path, overrides, args.seqlen))]  # fmt: skip
+    for p in problems:
+        print(f"ncu_pair: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
