@@ -105,13 +105,15 @@ def test_emulate_counts_the_key_tiles_of_unequal_k_and_v_slots():
 # with 64-key tiles (64-byte V^T rows beside 128-byte Q and K rows) in the overlapped loop; d96
 # in the overlap with Q in registers (three k32 steps of each 128-byte Q row); d192 at 128-key
 # tiles (a 24 KiB V^T slot beside a 32 KiB K slot) with the TMA store (out's three column blocks
-# staged in Q's two and one more).
+# staged in Q's two and one more); d256 in the overlapped loop (168 accumulators: 128 of O, 32
+# of S and 8 of the overlap's extra P, the engine's budget since 2026-11-27).
 CASES = {
     "d64_n64_qr": {"head_dim": 64, "block_n": 64, "q_in_registers": True},
     "d256_n64_pp": {"head_dim": 256, "block_n": 64, "pingpong": True},
     "d128_n64_ovl": {"head_dim": 128, "block_n": 64, "overlap": True, "stages": 3},
     "d96_n128_ovl_qr": {"head_dim": 96, "overlap": True, "q_in_registers": True, "stages": 3},
     "d192_n128_tma": {"head_dim": 192, "epilogue": "tma"},
+    "d256_n64_ovl": {"head_dim": 256, "block_n": 64, "overlap": True, "stages": 3},
 }
 
 

@@ -1,5 +1,6 @@
 """Key tiles of any multiple of 16 on the wgmma kernel (docs/hopper.md, "A spec"): 176 at head
-dim 128 (FlashAttention 3's non-causal tile), and widths that are no power of two (80, 240),
+dim 128 (FlashAttention 3's non-causal tile), 80 at head dim 256 (its d256 tile) and 144 with Q
+in registers at 128 (168 accumulators each), and widths that are no power of two (80, 240),
 against float64, with the loops and forms that compose with them; the limits are typed
 errors (mma_sync stays at 128, and accumulators plus P's registers past what compiles without
 spilling are refused)."""
@@ -28,6 +29,14 @@ WIDE_CASES = [
     ),
     (dict(head_dim=64, block_m=64, block_n=80, epilogue="tma"), Case(2, 2, 1, 70, 161)),
     (dict(head_dim=64, block_m=128, block_n=240), Case(1, 2, 1, 100, 500)),
+    # 168 accumulators: d256 at 80 keys (causal, the diagonal inside a tile, lengths off both
+    # tiles) and with the TMA epilogue; d128 at 144 keys with Q in registers, causal
+    (dict(head_dim=256, block_m=128, block_n=80, causal=True), Case(1, 1, 1, 150, 170)),
+    (dict(head_dim=256, block_m=128, block_n=80, epilogue="tma"), Case(1, 1, 1, 130, 250)),
+    (
+        dict(head_dim=128, block_m=128, block_n=144, q_in_registers=True, causal=True),
+        Case(1, 2, 1, 200, 200, "bshd"),
+    ),
 ]
 
 
@@ -55,6 +64,10 @@ def test_the_176_key_tile_is_named_and_sized():
         (dict(block_n=72), "block_n=72 is not allowed"),
         (dict(head_dim=64, block_n=256), "more than 212 together spill"),
         (dict(block_n=176, q_in_registers=True), "need 184 fp32 accumulators"),
+        (
+            dict(block_n=96, overlap=True, q_in_registers=True, stages=3),
+            "needs 168 fp32 accumulators per thread; at most 160 fit with both",
+        ),
         (
             dict(mma="mma_sync", block_m=64, num_warps=4, block_n=176, archs=("sm_80",)),
             "block_n=176 is not allowed with mma='mma_sync'; use a multiple of 16 up to 128",

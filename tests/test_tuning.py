@@ -48,8 +48,8 @@ def test_candidate_space_is_tens_not_thousands():
     for dtype in ("bfloat16", "float16", "float32"):
         specs, _ = valid_candidates(problem(dtype=dtype), "sm_90")
         # tens (16-bit on 9.0: the valid mma.sync sets, three fallbacks and the Hopper grid's
-        # 18): the static model then compiles the best 16 and times the best 8 of those
-        assert 5 <= len(specs) <= 80, (dtype, len(specs))
+        # 33 at d128): the static model then compiles the best 16 and times the best 8 of those
+        assert 5 <= len(specs) <= 90, (dtype, len(specs))
         assert len({s.uri for s in specs}) == len(specs)
     bf16, _ = valid_candidates(problem(), "sm_90")
     assert any(s.mma == "mma_sync" for s in bf16) and any(s.mma == "simt" for s in bf16)

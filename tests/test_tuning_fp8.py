@@ -185,8 +185,9 @@ def test_an_fp8_problem_with_variants_gets_candidates_and_a_default_that_have_th
 
 def test_the_candidates_at_head_dims_64_and_256_are_the_loops_that_fit():
     """d64: every loop at 128- and 64-key tiles but the TMA store (64-byte Q rows); d256 (64-key
-    tiles): the plain loop, ping-pong and the TMA store; the overlap and Q in registers want
-    more registers than fit (spec validation drops them)."""
+    tiles): the plain loop, the overlap (168 accumulators, the budget), ping-pong and the TMA
+    store; Q in registers wants more registers than fit, alone (192) and with the overlap (200;
+    spec validation drops them)."""
     d64, dropped = valid_candidates(fp8_problem(head_dim=64), "sm_90")
     assert [s.uri for s in d64] == [
         f"fa_fwd_v2_wg_e4m3_d64_m128_n{n}_w12_{loop}"
@@ -198,9 +199,12 @@ def test_the_candidates_at_head_dims_64_and_256_are_the_loops_that_fit():
     ] * 2
     d256, dropped = valid_candidates(fp8_problem(head_dim=256), "sm_90")
     assert [s.uri for s in d256] == [
-        f"fa_fwd_v2_wg_e4m3_d256_m128_n64_w12_{loop}" for loop in ("s2", "s2_pp", "s2_tma", "s2_vk")
+        f"fa_fwd_v2_wg_e4m3_d256_m128_n64_w12_{loop}"
+        for loop in ("s2", "s3_ovl", "s2_pp", "s2_tma", "s2_vk")
     ]
-    assert len(dropped) == 3 and all("fit in registers" in d.reason for d in dropped)
+    assert [d.reason.split("; ")[0].split("need ")[1] for d in dropped] == [
+        f"{n} fp32 accumulators per thread" for n in (192, 200)
+    ]
 
 
 def test_the_candidates_at_head_dims_96_and_192_are_the_loops_that_fit():

@@ -137,6 +137,11 @@ WGMMA_BLOCK_N = tuple(range(32, WGMMA_MAX_BLOCK_N + 1, TILE_STEP))
 # that ptxas compiles without spilling, sm_90a, 240 registers per consumer: 212 (d64 n240,
 # d128 n192: 208, d128 n176: 196) compiled without; d64 n256 (224) spilled 96 bytes.
 WGMMA_MAX_LIVE = 212
+# The engine's accumulator budget (engines.py: 168, FlashAttention 3's 128 x 80 tile at head
+# dim 256 needs it) holds everywhere but for the overlap with Q in registers, where ptxas
+# serialized every product at 168 (d96 n128, d128 n96: its note C7512) and compiled 160 and
+# below without; 20 specs of 161-168 accumulators compiled with no spill or stack (sm_90a).
+WGMMA_OVERLAP_QR_MAX_ACCUMULATORS = 160
 WGMMA_ROWS_PER_WARPGROUP = 64
 WGMMA_COLUMN_BLOCK = 64  # elements of one 128-byte swizzled row (16-bit types)
 WGMMA_ROW_BYTES = 128  # one swizzled row: 64 16-bit or 128 fp8 elements
@@ -570,6 +575,17 @@ class KernelSpec(BaseModel):
                     if self.engine.warp_specialized
                     else "(raise num_warps or lower the tiles)"
                 )
+            )
+        elif (
+            self.overlap
+            and self.q_in_registers
+            and self.accumulators_per_thread > WGMMA_OVERLAP_QR_MAX_ACCUMULATORS
+        ):
+            problems.append(
+                f"overlap=true with q_in_registers=true at block_n={self.block_n}, "
+                f"head_dim={self.head_dim} needs {self.accumulators_per_thread} fp32 "
+                f"accumulators per thread; at most {WGMMA_OVERLAP_QR_MAX_ACCUMULATORS} fit "
+                "with both (ptxas serializes the products; lower block_n or drop one)"
             )
         elif self.engine.warp_specialized and self.live_registers_per_thread > WGMMA_MAX_LIVE:
             problems.append(

@@ -94,8 +94,15 @@ WGMMA_WIDE_TILINGS = ((128, 176),)
 # Tilings of one head dim only: at 192, 128-key tiles do not fit in shared memory (246,848 bytes
 # at 2 stages) and 64-key ones re-read Q twice as often, so the grid adds 96 and 112 keys (895
 # and 898 instructions, 88 and 86 KiB per unit against 1030 and 96 KiB at 64 keys; the model
-# puts 64 keys at the shared-memory bound and these at the tensor one; docs/hopper.md).
-WGMMA_HEAD_DIM_TILINGS: dict[int, tuple[tuple[int, int], ...]] = {192: ((128, 96), (128, 112))}
+# puts 64 keys at the shared-memory bound and these at the tensor one; docs/hopper.md). At 128,
+# 144 keys with Q in registers: 808 instructions and 48 KiB per unit (168 accumulators, the
+# engine's budget). At 256, 128 x 80, FlashAttention 3's d256 tile: 1102 instructions and 122
+# KiB per unit against 1222 and 128 at 64 keys, 168 accumulators, 230,464 bytes of shared memory.
+WGMMA_HEAD_DIM_TILINGS: dict[int, tuple[tuple[int, int], ...]] = {
+    128: ((128, 144),),
+    192: ((128, 96), (128, 112)),
+    256: ((128, 80),),
+}
 # CUDA-core grid (fp32; the first entries double as fp16/bf16 fallbacks).
 SIMT_BLOCK_M = (32, 64, 128)
 SIMT_BLOCK_N = (16, 32, 64)
