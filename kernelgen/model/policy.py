@@ -212,7 +212,8 @@ def default_spec(
 # measured) and 256 (the only ones that fit); the plain loop, without ping-pong. Q in registers
 # only with 64-key tiles: on an H100 (bench/results/2026-11-26-*-run5-session.json, bf16 d128
 # 4k) it ran 0.97x the same 128-key tiling with Q from shared memory (633.1 against 649.8
-# TFLOP/s; causal 0.96x, and 0.90-0.98x in run 4; run 6 on another H100: 1.03x, causal 0.95x),
+# TFLOP/s; causal 0.96x, and 0.90-0.98x in run 4; run 6 on another H100: 1.03x, causal 0.95x;
+# run 8: 0.98x, causal 0.97x, and fp16 16k 1.01x, causal 0.94x),
 # though it takes the unit from 56 to 48 KiB of traffic, while at 64-key tiles, where Q is
 # re-read twice as often, it ran 1.02-1.05x. The overlapped loop (overlap: true, 3 stages) ran
 # 1.01x the plain loop without causality and 0.99x with it: not the default either.
