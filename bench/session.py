@@ -147,9 +147,12 @@ def extras(results: str = "{results}") -> list[Stage]:
     causal = "specs/v2_wg_bf16_d128_m128_n128_s2_causal.yaml"
     # ncu of the 128 x 128 loop with Q in shared memory and in registers, causal (issue 33's
     # open question: bench/NOTES.md, run 8): each kernel's details and per-instruction stalls
+    # and the overlap with ping-pong (run 8's fastest loop without a mask, 1.03x the plain one,
+    # short of FlashAttention 3's 12-14 %: where its warps wait says why)
     profile = (
         "-m", "bench.ncu_pair", "--out", f"{results}/ncu", f"plain={causal}",
         f"qr={causal},q_in_registers=true",
+        f"ovl_pp={causal},overlap=true,pingpong=true,stages=3",
     )  # fmt: skip
     # the quick grid (bf16 d128 2k, causal or not, and the document and softcap variants);
     # FlexAttention (torch.compile, the slowest to start) on the variant cases only
@@ -161,8 +164,8 @@ def extras(results: str = "{results}") -> list[Stage]:
     return [
         Stage(
             "profile",
-            150,  # run 8 by hand: 17-19 s per kernel recorded and exported
-            "ncu of the plain loop and Q in registers, bf16 d128 4k causal",
+            150,  # run 8 by hand: 17-19 s per kernel recorded and exported; 3 kernels
+            "ncu: the plain loop, Q in registers, the overlap with ping-pong; bf16 d128 4k causal",
             python(*profile),
             python(*profile, "--dry-run"),
         ),
