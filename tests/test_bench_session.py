@@ -137,3 +137,24 @@ def test_ncu_pair_reads_labelled_specs_and_builds_them_without_a_gpu(capsys):
     assert "block_m=7 is not allowed" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ncu_pair.main(["no-label-here", "--dry-run"])
+
+
+def test_ncu_summary_reads_run_8s_source_page(capsys, tmp_path):
+    """The committed ncu source page of run 8's plain causal kernel: its totals, the opcode
+    that holds the most stall samples (the waits for wgmma) and the producer's retry wait."""
+    from bench import ncu_summary
+
+    path = ROOT / "bench/results/2026-11-27-h100-run8-ncu-plain-causal-source.csv.gz"
+    kernel, instructions = ncu_summary.read_source(path)
+    assert kernel == "fa_fwd_v2_wg_bf16_d128_m128_n128_w12_s2_causal" and len(instructions) == 2296
+    assert sum(i.executed for i in instructions) == 124_313_335
+    opcodes = ncu_summary.by_opcode(instructions)
+    assert max(opcodes, key=lambda name: opcodes[name][1]) == "WARPGROUP"
+    assert opcodes["HGMMA"][0] == 4_325_376  # 32 per two key tiles of every consumer warp
+    assert ncu_summary.main([str(path), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "| 0x8e40 | SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R6+URZ+0x28028], R3 | 589,721 |" in out
+    bad = tmp_path / "x.csv"
+    bad.write_text("a,b\n1,2\n3,4\n")
+    assert ncu_summary.main([str(bad)]) == 2
+    assert "not an ncu source page" in capsys.readouterr().err
