@@ -413,10 +413,13 @@ def test_wgmma_peer_and_its_candidates():
     # for the overlap, which releases a slot a tile later); the wide 128 x 176 tiling without
     # overlap, with its twins but Q in registers
     assert len(grid) == 28 and len(wgmma_candidates(quick=True)) == 28
-    # head dim 192 adds its own 96- and 112-key tilings, each with the overlap and the twins
-    d192 = wgmma_candidates(head_dim=192)
-    assert d192[:28] == grid and {g["block_n"] for g in d192[28:]} == {96, 112}
-    assert len(d192) == 28 + 2 * 8 and wgmma_candidates(head_dim=128) == grid
+    # head dims 128, 192 and 256 add their own tilings (144; 96 and 112; 80 keys), each with
+    # the overlap and the twins (field sets: validation drops those past the registers)
+    for head_dim, own in ((128, {144}), (192, {96, 112}), (256, {80})):
+        extra = wgmma_candidates(head_dim=head_dim)
+        assert extra[:28] == grid and {g["block_n"] for g in extra[28:]} == own
+        assert len(extra) == 28 + len(own) * 8
+    assert wgmma_candidates(head_dim=64) == grid
     overlapped_turns = [g for g in grid if g["overlap"] and g.get("pingpong")]
     assert {(g["block_m"], g["block_n"], g["stages"]) for g in overlapped_turns} == {
         (128, 128, 3), (128, 64, 3)
