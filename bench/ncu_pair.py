@@ -19,7 +19,6 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from bench.profile_launch import build_spec, parse_override
 from kernelgen.errors import KernelgenError
@@ -29,13 +28,16 @@ RECORD_TIMEOUT_S = 120  # one ncu recording (a few launches, --set full replays 
 EXPORT_TIMEOUT_S = 60
 
 
-def parse_item(text: str) -> tuple[str, Path, list[tuple[str, Any]]]:
-    """``LABEL=PATH[,FIELD=VALUE...]`` -> (label, path, overrides)."""
+def parse_item(text: str) -> tuple[str, Path, list[str]]:
+    """``LABEL=PATH[,FIELD=VALUE...]`` -> (label, path, the ``FIELD=VALUE`` texts, each checked
+    by :func:`bench.profile_launch.parse_override`, which reads them again)."""
     label, sep, rest = text.partition("=")
     if not sep or not label.isidentifier() or not rest:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=SPEC.yaml[,FIELD=VALUE...]")
     path, *overrides = rest.split(",")
-    return label, Path(path), [parse_override(x) for x in overrides]
+    for override in overrides:
+        parse_override(override)
+    return label, Path(path), overrides
 
 
 def ncu_path() -> str | None:
@@ -43,10 +45,9 @@ def ncu_path() -> str | None:
     return found or (NCU_FALLBACK if os.access(NCU_FALLBACK, os.X_OK) else None)
 
 
-def record(ncu: str, out: Path, label: str, path: Path, overrides: list[tuple[str, Any]],
-           seqlen: int) -> str:  # fmt: skip
+def record(ncu: str, out: Path, label: str, path: Path, overrides: list[str], seqlen: int) -> str:
     """Record, export and compress one spec's report; the first line of what went wrong, or ''."""
-    sets = [arg for name, value in overrides for arg in ("--set", f"{name}={_yaml(value)}")]
+    sets = [arg for override in overrides for arg in ("--set", override)]
     launch = [
         sys.executable,
         "-m",
@@ -82,13 +83,6 @@ def record(ncu: str, out: Path, label: str, path: Path, overrides: list[tuple[st
     return ""
 
 
-def _yaml(value: Any) -> str:
-    """A parsed override back in the text form --set reads."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ncu_pair", description=__doc__)
     parser.add_argument("items", nargs="+", type=parse_item, metavar="LABEL=SPEC[,F=V...]")
@@ -97,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="build the specs only")
     args = parser.parse_args(argv)
     try:
-        specs = [build_spec(path, overrides) for _, path, overrides in args.items]
+        specs = [build_spec(path, [parse_override(x) for x in overrides])
+                 for _, path, overrides in args.items]  # fmt: skip
     except (KernelgenError, OSError) as exc:
         print(f"ncu_pair: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -206,7 +206,8 @@ def _attention_op(
     the fp8 forward, out in bfloat16 (:mod:`kernelgen.calls.fp8`). The last eight arguments are
     the user expressions and block mask (:mod:`kernelgen.calls.op_expressions`)."""
     expressions = call_keywords(score_mod, mask_mod, mod_inputs, mod_input_names, block_mask,
-                                block_mask_sizes, block_mask_mod, block_mask_inputs)  # fmt: skip
+                                block_mask_sizes, block_mask_mod, block_mask_inputs,
+                                reuse=True)  # fmt: skip
     descales = (q_descale, k_descale, v_descale)
     if wants_fp8(q, k, v, *descales):
         fp8 = _fp8_arguments(mask, causal, scale, layout, seqlens_k, num_splits, window,
@@ -309,7 +310,8 @@ def _attention_backward_op(
     without sinks): :func:`kernelgen.attention_backward` (an operator's outputs are fixed); with
     a mask_mod or block mask, its block-sparse backward."""
     expressions = call_keywords(score_mod, mask_mod, mod_inputs, mod_input_names, block_mask,
-                                block_mask_sizes, block_mask_mod, block_mask_inputs)  # fmt: skip
+                                block_mask_sizes, block_mask_mod, block_mask_inputs,
+                                reuse=True)  # fmt: skip
     grads = _attention_backward(
         dout,
         q,

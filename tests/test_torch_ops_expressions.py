@@ -345,3 +345,36 @@ def test_fp8_calls_take_expressions_when_traced():
         assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (1, 2, 48)
         with pytest.raises(InputError, match=re.escape("block_mask has 16 x 16 tiles")):
             kt.attention(fake, fake, fake, block_mask=blocks, mod_inputs=inputs)
+
+
+def test_a_training_loop_derives_its_block_masks_lists_once(monkeypatch):
+    """Two eager training steps with the same block mask: the operators get back the BlockMask
+    of the first call (its pieces unchanged), so the backward builds the key tiles' query-tile
+    lists once, and both steps' gradients match; an in-place write to a list (its version
+    counter moves) gives a new BlockMask."""
+    from kernelgen.calls import backward_mask, op_expressions
+
+    q, k, v, dout, inputs = problem("block_mask", seed=6)
+    keywords, _ = expression_keywords("block_mask", inputs)
+    built = []
+    tile_lists = backward_mask.tile_lists
+    monkeypatch.setattr(
+        backward_mask, "tile_lists", lambda *a, **kw: built.append(kw) or tile_lists(*a, **kw)
+    )
+    monkeypatch.setattr(op_expressions, "_BLOCK_MASKS", type(op_expressions._BLOCK_MASKS)())
+
+    def step():
+        out = kt.attention(q, k, v, mod_inputs=inputs, **keywords)
+        return torch.autograd.grad((out * dout).sum(), (q, k, v))
+
+    first, second = step(), step()
+    assert len(built) == 1 and built[0]["transposed"]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    assert len(op_expressions._BLOCK_MASKS) == 1
+    (cached,) = op_expressions._BLOCK_MASKS.values()
+    values = op_expressions.op_values(None, None, None, keywords["block_mask"], torch.Tensor)
+    assert op_expressions.call_keywords(*values, reuse=True)["block_mask"] is cached
+    assert op_expressions.call_keywords(*values)["block_mask"] is not cached
+    values[4][0].add_(0)  # an in-place write: the partial counts' version moves
+    assert op_expressions.call_keywords(*values, reuse=True)["block_mask"] is not cached

@@ -23,6 +23,7 @@ kernelgen.attention's keywords, and kernelgen's own checks (kernelgen.calls.expr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,13 @@ OP_ARGUMENTS = (
 )  # fmt: skip
 SIZE_NAMES = ("seqlen_q", "seqlen_k", "block_m", "block_n")  # block_mask_sizes, in order
 NAME_SEPARATOR = ","  # between mod_input_names (and block_mask_inputs' signatures)
+# The operators' BlockMasks by their pieces, so that a training loop that passes the same lists
+# each step gets the same BlockMask back, and the backward reuses the lists it derived from them
+# (BlockMask.derived: the key tiles' query-tile lists) instead of building them every step. A
+# list's key is its address, geometry and version counter (bumped by every in-place write): an
+# entry holds its tensors, so no other tensor takes their address while it is kept.
+BLOCK_MASK_CACHE_SIZE = 16
+_BLOCK_MASKS: OrderedDict[tuple[Any, ...], BlockMask] = OrderedDict()
 
 
 def _text(name: str, value: Any) -> str | None:
@@ -176,17 +184,54 @@ def call_keywords(
     block_mask_sizes: Sequence[int] | None,
     block_mask_mod: str | None,
     block_mask_inputs: str | None,
+    *,
+    reuse: bool = False,
 ) -> dict[str, Any]:
     """The operators' :data:`OP_ARGUMENTS` values as kernelgen.attention's ``score_mod``,
     ``mask_mod``, ``mod_inputs`` (a dict) and ``block_mask`` (a BlockMask, its mask_mod
     checked against ``block_mask_inputs``); InputError names the argument that does not fit.
-    The call's own checks of these keywords run where they are passed."""
+    The call's own checks of these keywords run where they are passed. ``reuse`` (the
+    operators themselves, not their fakes): the BlockMask of earlier calls with the same
+    pieces, where its lists are torch tensors unchanged since (:data:`BLOCK_MASK_CACHE_SIZE`
+    kept)."""
+    pieces = (block_mask, block_mask_sizes, block_mask_mod, block_mask_inputs)
+    key = _block_mask_key(*pieces) if reuse else None
+    mask = _BLOCK_MASKS.get(key) if key is not None else None
+    if mask is None:
+        mask = _block_mask(*pieces)
+        if key is not None:
+            _BLOCK_MASKS[key] = mask
+            while len(_BLOCK_MASKS) > BLOCK_MASK_CACHE_SIZE:
+                _BLOCK_MASKS.popitem(last=False)
+    elif key is not None:
+        _BLOCK_MASKS.move_to_end(key)
     return {
         "score_mod": score_mod,
         "mask_mod": mask_mod,
         "mod_inputs": _mod_inputs(mod_inputs, mod_input_names),
-        "block_mask": _block_mask(block_mask, block_mask_sizes, block_mask_mod, block_mask_inputs),
+        "block_mask": mask,
     }
+
+
+def _block_mask_key(
+    lists: Sequence[Any] | None,
+    sizes: Sequence[int] | None,
+    mask_text: str | None,
+    mask_inputs: str | None,
+) -> tuple[Any, ...] | None:
+    """:data:`_BLOCK_MASKS`' key of a block mask's pieces; None where there is no block mask,
+    or its lists are no torch tensors with a version counter (inference tensors have none)."""
+    if lists is None or sizes is None:
+        return None
+    try:
+        arrays = tuple(
+            (x.data_ptr(), tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device),
+             x._version)
+            for x in lists
+        )  # fmt: skip
+    except (AttributeError, RuntimeError):
+        return None
+    return (mask_text, mask_inputs, tuple(int(n) for n in sizes), arrays)
 
 
 def split_tensors(values: Mapping[str, Any]) -> tuple[list[Any], dict[str, int]]:

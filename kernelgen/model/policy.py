@@ -292,6 +292,11 @@ def fp8_default_spec(head_dim: int, causal: bool, variants: tuple[str, ...] = ()
     )
 
 
+# Stages of an fp8 decode spec on a paged cache (the policy's and the tuner's): see
+# fp8_decode_spec for why 3.
+FP8_PAGED_DECODE_STAGES = 3
+
+
 def fp8_decode_spec(
     head_dim: int,
     causal: bool,
@@ -326,7 +331,7 @@ def fp8_decode_spec(
             "fp8_v_layout": "kernel",
             "paged_kv": paged_kv,
             "block_n": 64 if paged_kv else base.block_n,
-            "stages": 3 if paged_kv else base.stages,
+            "stages": FP8_PAGED_DECODE_STAGES if paged_kv else base.stages,
         }
     )
 

@@ -383,9 +383,8 @@ def wgmma_decode_fields(problem: ProblemDesc, arch: str) -> Iterator[dict[str, A
             "mma": "wgmma",
             "block_m": block_m,
             "block_n": block_n,
-            # fp8 on a paged cache: 3 stages, so that the row copies' transposes overlap the
-            # products (kernelgen.model.policy.fp8_decode_spec, the untuned choice)
-            "stages": 3 if problem.fp8 and problem.page_size > 0 else 2,
+            # fp8 on a paged cache: the untuned choice's stages (policy.fp8_decode_spec)
+            "stages": policy.FP8_PAGED_DECODE_STAGES if problem.fp8 and problem.page_size else 2,
             "pack_gqa": block_m % problem.gqa_ratio == 0,
             "split_kv": split,
             **fp8,
