@@ -323,14 +323,19 @@ def test_wgmma_kernels_use_hopper_instructions_within_their_register_budgets(pat
 @pytest.mark.parametrize(
     "variants", [(), ("window", "softcap", "alibi", "sinks")], ids=["plain", "all-variants"]
 )
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-def test_hopper_defaults_compile_without_spills(head_dim, variants):
+@pytest.mark.parametrize(
+    ("head_dim", "causal"),
+    [(64, True), (96, True), (128, True), (128, False), (256, True)],
+    ids=["d64", "d96", "d128", "d128-noncausal", "d256"],
+)
+def test_hopper_defaults_compile_without_spills(head_dim, causal, variants):
     """What an untuned prefill call runs on a 9.0 device
-    (kernelgen.model.policy.hopper_default_spec), with every built-in variant or none, causal: no
-    spill, no stack."""
+    (kernelgen.model.policy.hopper_default_spec), with every built-in variant or none, causal
+    (and at d128 without causality, where the default holds Q in registers): no spill, no
+    stack."""
     from kernelgen.model.policy import hopper_default_spec
 
-    spec = hopper_default_spec("bfloat16", head_dim, True, variants)
+    spec = hopper_default_spec("bfloat16", head_dim, causal, variants)
     assert spec is not None and spec.mma == "wgmma"
     res = compile_offline(render(spec), spec.uri, "sm_90a", sass=False).resources
     assert (res.spill_store_bytes, res.spill_load_bytes, res.stack_bytes) == (0, 0, 0), spec.uri

@@ -30,12 +30,13 @@ from kernelgen.specs.forward import load_spec, spec_from_dict
 pytestmark = pytest.mark.emulate
 
 
-# The untuned defaults (kernelgen.model.policy.hopper_default_spec at d128) run every case.
+# The untuned defaults (kernelgen.model.policy.hopper_default_spec at d128: Q in registers
+# without causality, from shared memory with it) run every case.
 # Every other spec file runs the two cases that cross several tiles (GQA with partial tiles; both
 # ways with a full mask and a scale) and one of the other four in turn, so each of those still
 # runs on a quarter of the loops, and a spec's own feature has its own test file: 3 emulated
 # runs instead of 6, for CI's time.
-FULL_MATRIX_SPECS = ("v2_wg_bf16_d128_m128_n128_s2", "v2_wg_bf16_d128_m128_n128_s2_causal")
+FULL_MATRIX_SPECS = ("v2_wg_bf16_d128_m128_n128_s2_qr", "v2_wg_bf16_d128_m128_n128_s2_causal")
 ROTATING_CASES = (CASES[1], CASES[2], CASES[4], CASES[5])
 
 
@@ -346,18 +347,25 @@ def test_a_missing_turn_wait_is_reported_as_a_phase_nobody_waited_for():
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "variants"),
-    [(128, ("window", "softcap", "alibi", "sinks")), (64, ()), (192, ())],
+    ("head_dim", "variants", "causal"),
+    [
+        (128, ("window", "softcap", "alibi", "sinks"), True),
+        (128, ("window", "softcap", "alibi", "sinks"), False),
+        (64, (), True),
+        (192, (), True),
+    ],
     ids=str,
 )
-def test_the_untuned_hopper_default_matches_float64(head_dim, variants):
+def test_the_untuned_hopper_default_matches_float64(head_dim, variants, causal):
     """What an untuned prefill call runs on a 9.0 device (policy.hopper_default_spec), with
-    every built-in variant at head dim 128 (its 128-key tiles), against float64."""
+    every built-in variant at head dim 128 (its 128-key tiles; Q in registers without
+    causality), against float64."""
     from attention_cases import example_variants
 
     from kernelgen.model.policy import hopper_default_spec
 
-    spec = hopper_default_spec("bfloat16", head_dim, True, variants)
+    spec = hopper_default_spec("bfloat16", head_dim, causal, variants)
+    assert spec.q_in_registers == (head_dim == 128 and not causal)
     case = Case(1, 2, 1, 150, 300)
     values = example_variants(spec.variants, case.batch, case.heads, 3, window=(70, 5))
     data = make_case(case, spec.dtype, spec.head_dim, spec.causal, 3, values)

@@ -48,9 +48,9 @@ def spec_named(name: str) -> KernelSpec:
 
 
 LOOPS = [
-    "v2_wg_bf16_d128_m128_n128_s2",  # the plain loop (the default at head dim 128)
+    "v2_wg_bf16_d128_m128_n128_s2",  # the plain loop (the causal default at head dim 128)
     "v2_wg_bf16_d128_m128_n128_s3_ovl",  # the intra-warpgroup overlap
-    "v2_wg_bf16_d128_m128_n128_s2_qr",  # Q in registers
+    "v2_wg_bf16_d128_m128_n128_s2_qr",  # Q in registers (the default without causality)
     "v2_wg_bf16_d128_m128_n64_s2_ovl",  # the overlap at 64-key tiles
     "v2_wg_bf16_d128_m128_n64_s2_pp_causal",  # ping-pong
 ]

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -317,23 +318,60 @@ class SassInstruction:
     family: str
     operands: str
     opcode: str = ""
+    # The stall count of the instruction's control bits (bits 41-44 of its upper 64 bits on
+    # sm_70 and later): cycles the warp waits before its next instruction; 0 when the text
+    # lacks the encoding.
+    stall: int = 0
 
 
 _SASS_LINE = re.compile(
     r"^\s+/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<pred>@!?U?P\w+\s+)?"
-    r"(?P<op>[A-Z][A-Z0-9_.]*)(?P<operands>[^;]*);",
+    r"(?P<op>[A-Z][A-Z0-9_.]*)(?P<operands>[^;]*);"
+    r"(?:[ \t]*/\* 0x[0-9a-f]{16} \*/[ \t]*\n[ \t]*/\* (?P<upper>0x[0-9a-f]{16}) \*/)?",
     re.M,
 )
+STALL_SHIFT, STALL_MASK = 41, 0xF  # of the upper 64 bits of an instruction's encoding
 
 
 def sass_instructions(sass: str) -> list[SassInstruction]:
     """The instructions of SASS text in order (any address width). `@!PT` lines never execute
     (ptxas pads with them, e.g. `@!PT LDS RZ, [RZ]`) and are left out."""
     return [
-        SassInstruction(int(m["addr"], 16), m["op"].split(".")[0], m["operands"], m["op"])
+        SassInstruction(
+            int(m["addr"], 16),
+            m["op"].split(".")[0],
+            m["operands"],
+            m["op"],
+            (int(m["upper"], 16) >> STALL_SHIFT) & STALL_MASK if m["upper"] else 0,
+        )
         for m in _SASS_LINE.finditer(sass)
         if (m["pred"] or "").strip() != "@!PT"
     ]
+
+
+_BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def branch_target(row: SassInstruction) -> int | None:
+    """The address a BRA jumps to (None for any other instruction)."""
+    target = _BRANCH_TARGET.search(row.operands) if row.family == "BRA" else None
+    return None if target is None else int(target.group(1), 16)
+
+
+def backward_target(row: SassInstruction) -> int | None:
+    """The target of a branch to an earlier address (a loop's back edge), else None."""
+    target = branch_target(row)
+    return target if target is not None and target < row.address else None
+
+
+def sass_loops(rows: list[SassInstruction]) -> Iterator[list[SassInstruction]]:
+    """The instructions of each loop of a kernel's SASS: from a backward branch's target to
+    the branch, one list per backward branch (ptxas's out-of-line wait blocks branch back from
+    below the kernel's exits: such a range holds an EXIT)."""
+    for end in rows:
+        start = backward_target(end)
+        if start is not None:
+            yield [row for row in rows if start <= row.address <= end.address]
 
 
 def function_sass(sass: str, name: str) -> str:

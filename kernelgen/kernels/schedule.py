@@ -17,7 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kernelgen.kernels.compile import SassInstruction, function_sass, sass_instructions
+from kernelgen.kernels.compile import (
+    SassInstruction,
+    function_sass,
+    sass_instructions,
+    sass_loops,
+)
 from kernelgen.specs.engines import SASS_BY_DTYPE
 from kernelgen.specs.forward import KernelSpec
 
@@ -114,16 +119,99 @@ def serialization_problem(log: str) -> str | None:
     return None
 
 
+# The most cycles a Q K^T with Q in registers may take per product to issue (the stall counts
+# of its control bits, from its first product to its last, over the gaps). Measured offline
+# (NVRTC 13.2 and 13.5, sm_90a, every loop and head dim): 4.0-5.3 with K's descriptors pinned
+# (6.7 in the fp8 overlap's interior variant, where ptxas puts the loop counter between two
+# products), 4.6-5.1 for Q from shared memory (distinct quads filled ahead), 7.4-12 with the
+# descriptors built in the loop (8.6-10.6 at d128).
+MAX_ISSUE_CYCLES_PER_PRODUCT = 7
+
+
+def _destination(instruction: SassInstruction) -> str:
+    """The first operand (the register a product accumulates into)."""
+    return instruction.operands.split(",")[0].split()[-1]
+
+
+def _looped(instructions: Sequence[SassInstruction]) -> set[int]:
+    """Addresses inside a loop of the SASS (a backward branch's range holding no EXIT: not
+    ptxas's out-of-line wait blocks, which branch back from below the exits)."""
+    inside: set[int] = set()
+    for body in sass_loops(list(instructions)):
+        if not any(_is(row, "EXIT") for row in body):
+            inside.update(row.address for row in body)
+    return inside
+
+
+def qk_issue_groups(
+    instructions: Sequence[SassInstruction], product: str = "HGMMA"
+) -> list[tuple[int, int, int]]:
+    """Every Q K^T group of the key-tile loops as (address of its first product, products,
+    encoded stall cycles from its first product to its last): a run of products into one
+    accumulator whose first ignores the old value (``!UPT``), up to the next wait or a product
+    into another accumulator. A group before the loop (a pipelined loop's first tile, once per
+    block, which ptxas interleaves with the block's set-up) is left out."""
+    looped = _looped(instructions)
+    groups = []
+    for start, first in enumerate(instructions):
+        if not (_is(first, product) and "!UPT" in first.operands) or first.address not in looped:
+            continue
+        accumulator, last, count = _destination(first), start, 1
+        for index in range(start + 1, len(instructions)):
+            ins = instructions[index]
+            if _is(ins, "WARPGROUP.DEPBAR") or (
+                _is(ins, product) and _destination(ins) != accumulator
+            ):
+                break
+            if _is(ins, product):
+                last, count = index, count + 1
+        cycles = sum(ins.stall for ins in instructions[start:last])
+        groups.append((first.address, count, cycles))
+    return groups
+
+
+def descriptor_problem(
+    instructions: Sequence[SassInstruction], product: str = "HGMMA"
+) -> str | None:
+    """With Q in registers: None when every Q K^T issues its products at most
+    :data:`MAX_ISSUE_CYCLES_PER_PRODUCT` cycles apart (the control bits' stall counts);
+    otherwise the slowest group, in one line.
+
+    ptxas, left to build K's descriptors inside the loop, computes each one during the issue,
+    into or for the register quad the next product reads, and waits out the arithmetic's
+    latency before every product (8-11 cycles per product at d128 against 4: issue 33's
+    measured loss of Q in registers). Built once before the loop and pinned (``pin_value``),
+    they are only copied in. Q from shared memory is not checked: its products read distinct
+    quads, filled ahead of them."""
+    slow = [
+        (address, count, cycles)
+        for address, count, cycles in qk_issue_groups(instructions, product)
+        if count > 1 and cycles > MAX_ISSUE_CYCLES_PER_PRODUCT * (count - 1)
+    ]
+    if not slow:
+        return None
+    address, count, cycles = max(slow, key=lambda group: group[2] / (group[1] - 1))
+    return (
+        f"Q K^T at {address:#x} takes {cycles} cycles to issue its {count} products (more "
+        f"than {MAX_ISSUE_CYCLES_PER_PRODUCT} per product): its descriptors are computed "
+        "between them, not built before the loop"
+    )
+
+
 def schedule_problem(spec: KernelSpec, sass: str, log: str = "") -> str | None:
     """The schedule check of a wgmma spec on its SASS text (cuobjdump's, every function) and
-    ptxas' log: no serialized products, and with ``overlap: true`` the softmax between the
-    waits. None for other specs or when the schedule is as designed."""
+    ptxas' log: no serialized products; with ``overlap: true`` the softmax between the waits;
+    with ``q_in_registers`` no descriptor arithmetic between Q K^T's products. None for other
+    specs or when the schedule is as designed."""
     if not spec.engine.warp_specialized:
         return None
     serialized = serialization_problem(log)
     if serialized is not None:
         return serialized
-    if not spec.overlap:
-        return None
     product = SASS_BY_DTYPE.get(spec.dtype, {}).get("HGMMA", "HGMMA")  # QGMMA for fp8
-    return overlap_problem(sass_instructions(function_sass(sass, spec.uri)), product)
+    instructions = sass_instructions(function_sass(sass, spec.uri))
+    if spec.q_in_registers:
+        problem = descriptor_problem(instructions, product)
+        if problem is not None:
+            return problem
+    return overlap_problem(instructions, product) if spec.overlap else None

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -37,10 +36,13 @@ from kernelgen.families.backward import render as render_backward
 from kernelgen.kernels.compile import (
     Resources,
     SassInstruction,
+    backward_target,
+    branch_target,
     compile_offline,
     disassemble,
     function_sass,
     sass_instructions,
+    sass_loops,
 )
 from kernelgen.kernels.render import WGMMA_OPERAND, render
 from kernelgen.kernels.schedule import schedule_problem
@@ -101,7 +103,6 @@ BACKWARD_INTERIOR = {
 }
 MMA_SYNC_MACS = 16 * 8 * 16  # multiply-adds of one m16n8k16
 _HGMMA_SHAPE = re.compile(r"[HQ]GMMA\.(\d+)x(\d+)x(\d+)")
-_TARGET = re.compile(r"0x([0-9a-f]+)")
 
 
 @dataclass(frozen=True)
@@ -230,22 +231,13 @@ class LoopBody:
         return sum(m * n * k for m, n, k, _ in self.hgmma) / 4
 
 
-def _loops(rows: list[SassInstruction]) -> Iterator[list[SassInstruction]]:
-    """The instructions of each loop of a kernel's SASS: from a backward branch's target to
-    the branch, one list per backward branch."""
-    for end in rows:
-        start = _backward_target(end)
-        if start is not None:
-            yield [row for row in rows if start <= row.address <= end.address]
-
-
 def hmma_loop(sass: str, family: str | tuple[str, ...] = TENSOR_FAMILIES) -> LoopBody:
     """The largest loop (backward branch, no EXIT inside) whose body holds ``family``
     instructions (by default the tensor instructions, HMMA or HGMMA; "UTMALDG" finds a TMA
     producer's loop)."""
     families = (family,) if isinstance(family, str) else family
     best: LoopBody | None = None
-    for body in _loops(sass_instructions(sass)):
+    for body in sass_loops(sass_instructions(sass)):
         skipped = _vote_skipped(body)
         kept = [row for row in body if row.address not in skipped]
         counts = Counter(_TENSOR_ALIASES.get(row.family, row.family) for row in kept)
@@ -253,7 +245,7 @@ def hmma_loop(sass: str, family: str | tuple[str, ...] = TENSOR_FAMILIES) -> Loo
         # into a loop from below the kernel's exits.
         real = "EXIT" not in counts
         if real and any(counts[f] for f in families) and (best is None or len(kept) > best.issued):
-            inner = sum(_backward_target(row) is not None for row in body[:-1])
+            inner = sum(backward_target(row) is not None for row in body[:-1])
             shapes = Counter(
                 row.opcode + row.operands
                 for row in kept
@@ -274,7 +266,7 @@ def transposer_loop(sass: str) -> LoopBody:
     holding byte permutes and shared-memory stores: the step of a tile whose keys are all the
     entry's (the last tile's key test is a loop of its own)."""
     best: LoopBody | None = None
-    for body in _loops(sass_instructions(sass)):
+    for body in sass_loops(sass_instructions(sass)):
         counts = Counter(row.family for row in body)
         if "EXIT" in counts or not (counts["PRMT"] and counts["STS"]):
             continue
@@ -302,16 +294,6 @@ def _hgmma_operands(instructions: Counter[str]) -> tuple[tuple[int, int, int, bo
     return tuple(found)
 
 
-def _branch_target(row: SassInstruction) -> int | None:
-    target = _TARGET.search(row.operands) if row.family == "BRA" else None
-    return None if target is None else int(target.group(1), 16)
-
-
-def _backward_target(row: SassInstruction) -> int | None:
-    target = _branch_target(row)
-    return target if target is not None and target < row.address else None
-
-
 RESCALE_MIN_FMUL = 8  # a forward-skipped block of at least this many FMUL ...
 RESCALE_FMUL_SHARE = 0.9  # ... that make up this share of it is a rescale of the output
 
@@ -323,7 +305,7 @@ def _vote_skipped(body: list[SassInstruction]) -> set[int]:
     rescales in the next, its vote's result carried across the loop's back edge in a register."""
     skipped: set[int] = set()
     for row in body:
-        end = _branch_target(row)
+        end = branch_target(row)
         if end is None or end <= row.address:
             continue
         block = [r for r in body if row.address < r.address < end]

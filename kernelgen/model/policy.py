@@ -210,10 +210,11 @@ def default_spec(
 # dims 64 and 128 (d128: 560 against 568 TFLOP/s for 64-key tiles, within the noise; causal
 # 497 against 485; and 820 against 1000 instructions per unit), 64-key tiles at 96 (not
 # measured) and 256 (the only ones that fit); the plain loop, without ping-pong. Q in registers
-# only with 64-key tiles: on an H100 (bench/results/2026-11-26-*-run5-session.json, bf16 d128
-# 4k) it ran 0.97x the same 128-key tiling with Q from shared memory (633.1 against 649.8
-# TFLOP/s; causal 0.96x, and 0.90-0.98x in run 4; run 6 on another H100: 1.03x, causal 0.95x;
-# run 8: 0.98x, causal 0.97x, and fp16 16k 1.01x, causal 0.94x),
+# with 64-key tiles, and at d128 x 128 keys only since its fix (below): on an H100
+# (bench/results/2026-11-26-*-run5-session.json, bf16 d128 4k) it ran 0.97x the same 128-key
+# tiling with Q from shared memory (633.1 against 649.8 TFLOP/s; causal 0.96x, and 0.90-0.98x
+# in run 4; run 6 on another H100: 1.03x, causal 0.95x; run 8: 0.98x, causal 0.97x, and fp16
+# 16k 1.01x, causal 0.94x),
 # though it takes the unit from 56 to 48 KiB of traffic, while at 64-key tiles, where Q is
 # re-read twice as often, it ran 1.02-1.05x. The overlapped loop (overlap: true, 3 stages) ran
 # 1.01x the plain loop without causality and 0.99x with it: not the default either.
@@ -222,10 +223,35 @@ def default_spec(
 # 96, the model's choice: 128 keys do not fit in shared memory, and with 64 the operand reads
 # bind (96 KiB per unit, 1030 instructions) where 96 keys leave the tensor term binding (88 KiB,
 # 895 instructions).
+# Why Q in registers lost at d128 x 128 keys, found offline (2026-11-27, sixth session): the
+# H100 runs compiled with NVRTC 13.2, whose SASS of the plain kernel matches run 8's ncu page
+# instruction for instruction. In its Q-in-registers kernel each Q K^T product waited on a K
+# descriptor built between the products (about 9 cycles each, 8 per tile): per two tiles the
+# loop held 27 more instructions and 1.9 % more encoded stall cycles than the plain loop (2.3 %
+# causal), and run 8's ncu measured 2.6 % more cycles and 4.8 % more executed instructions.
+# With the descriptors built once before the loop ("K's descriptors" in docs/hopper.md; the
+# schedule check holds every Q-in-registers spec to it) the loop is 14 instructions shorter
+# than the plain one and 0.4 % below its stall cycles (0.8 % causal), at 48 KiB per unit
+# against 56. So the default holds Q in registers at d128 x 128 keys without causality, where
+# the measured loss (0.97-0.98x in runs 5 and 8, 1.03x in run 6) is what the descriptors
+# explain; causal calls keep Q in shared memory until a GPU times the fix: their loss at fp16
+# 16k (0.90x, 0.94x) was larger than the descriptors explain.
 HOPPER_DEFAULT_BLOCK_N: dict[int, int] = {64: 128, 96: 64, 128: 128, 192: 96, 256: 64}
-Q_IN_REGISTERS_BLOCK_N = 64  # the key tile at which the default holds Q in registers
+Q_IN_REGISTERS_BLOCK_N = 64  # the key tile up to which the default holds Q in registers
 Q_IN_REGISTERS_MAX_HEAD_DIM = 128  # where its head_dim / 4 registers fit
 HOPPER_DEVICE_ARCH = "sm_90"  # the device arch that runs sm_90a code (wgmma: 9.0 only)
+# Head dims whose default holds Q in registers at any key tile when the call is not causal.
+Q_IN_REGISTERS_NONCAUSAL_HEAD_DIMS = (128,)
+
+
+def default_q_in_registers(head_dim: int, block_n: int, causal: bool) -> bool:
+    """Whether the untuned wgmma spec holds Q in registers: up to head dim 128 at key tiles up
+    to 64 (where Q is re-read most), and at d128 without causality (above)."""
+    if head_dim > Q_IN_REGISTERS_MAX_HEAD_DIM:
+        return False
+    return block_n <= Q_IN_REGISTERS_BLOCK_N or (
+        not causal and head_dim in Q_IN_REGISTERS_NONCAUSAL_HEAD_DIMS
+    )
 
 
 def hopper_default_spec(
@@ -240,28 +266,33 @@ def hopper_default_spec(
     ``tiles``: the (block_m, block_n) a block-sparse call's block mask was built in, which the
     kernel must take (None where no wgmma kernel takes them: block_m other than 64 or 128, a
     key tile that is no multiple of 16 from 32 to 256 or does not fit the registers; the call
-    then runs the mma.sync kernel in those tiles). Q in registers at key tiles up to 64."""
+    then runs the mma.sync kernel in those tiles); Q in registers where
+    :func:`default_q_in_registers` says."""
     dtype = normalize_dtype(dtype)
     if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
         return None
     block_m, block_n = tiles or (128, HOPPER_DEFAULT_BLOCK_N[head_dim])
-    try:
-        return KernelSpec(
-            loop_order="v2",
-            mma="wgmma",
-            dtype=dtype,
-            head_dim=head_dim,
-            block_m=block_m,
-            block_n=block_n,
-            stages=2,
-            causal=bool(causal),
-            q_in_registers=block_n <= Q_IN_REGISTERS_BLOCK_N
-            and head_dim <= Q_IN_REGISTERS_MAX_HEAD_DIM,
-            archs=WGMMA_ARCHS,
-            **{name: True for name in variants},
-        )
-    except ValueError:  # a variant or tiles the wgmma kernels do not compile
-        return None
+    q_in_registers = default_q_in_registers(head_dim, block_n, bool(causal))
+    # Q in registers first where the rule says so, then from shared memory: a block mask's key
+    # tile may leave no registers for Q (e.g. 176 keys at d128)
+    for q_held in dict.fromkeys((q_in_registers, False)):
+        try:
+            return KernelSpec(
+                loop_order="v2",
+                mma="wgmma",
+                dtype=dtype,
+                head_dim=head_dim,
+                block_m=block_m,
+                block_n=block_n,
+                stages=2,
+                causal=bool(causal),
+                q_in_registers=q_held,
+                archs=WGMMA_ARCHS,
+                **{name: True for name in variants},
+            )
+        except ValueError:  # a variant or tiles the wgmma kernels do not compile
+            continue
+    return None
 
 
 def fp8_default_spec(head_dim: int, causal: bool, variants: tuple[str, ...] = ()) -> KernelSpec:
