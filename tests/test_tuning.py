@@ -440,6 +440,32 @@ def test_untuned_prefill_on_a_9_0_device_runs_the_hopper_kernel(dtype, head_dim,
 
 
 @pytest.mark.parametrize(
+    ("head_dim", "block_n", "causal", "held"),
+    [
+        (128, 128, False, True),  # d128 without causality: 48 KiB per unit (docs/hopper.md)
+        (128, 128, True, False),  # causal: Q from shared memory until a GPU times the fix
+        (96, 64, True, True),  # 64-key tiles re-read Q most: in registers either way
+        (64, 128, False, False),  # d64: MUFU binds, Q traffic is no cost
+        (256, 64, False, False),  # d256: no registers for Q
+    ],
+)
+def test_where_the_untuned_hopper_kernel_holds_q_in_registers(head_dim, block_n, causal, held):
+    spec = hopper_default_spec("bfloat16", head_dim, causal)
+    assert (spec.block_n, spec.q_in_registers) == (block_n, held)
+
+
+def test_block_mask_tiles_without_registers_for_q_keep_the_hopper_kernel():
+    """A block mask built in 128 x 176 tiles at d128: Q in registers would need 184
+    accumulators per thread, so the untuned spec reads Q from shared memory (still wgmma); 64 x
+    64 tiles hold Q in registers; tiles no wgmma kernel takes give None (the mma.sync kernel)."""
+    wide = hopper_default_spec("bfloat16", 128, False, tiles=(128, 176))
+    assert wide is not None and (wide.block_n, wide.q_in_registers) == (176, False)
+    narrow = hopper_default_spec("bfloat16", 128, False, tiles=(64, 64))
+    assert narrow is not None and narrow.q_in_registers
+    assert hopper_default_spec("bfloat16", 128, False, tiles=(32, 64)) is None
+
+
+@pytest.mark.parametrize(
     "problem",
     [
         ProblemDesc("bfloat16", 2, 32, 8, 1, 4096, 128),  # decode: the split-KV kernel
