@@ -607,3 +607,24 @@ def test_the_tma_epilogue_is_named_and_refused_where_not_built():
                    for p in info.value.problems), info.value.problems  # fmt: skip
     with pytest.raises(SpecError, match="epilogue"):
         spec_from_dict({**WG, "epilogue": "stmatrix"})
+
+
+@pytest.mark.parametrize(
+    ("fields", "pinned"),
+    [
+        ({}, True),  # the plain d128 loop
+        ({"q_in_registers": True}, True),
+        ({"head_dim": 64}, True),
+        ({"overlap": True, "stages": 3}, False),  # ptxas moves uniform work into the window
+        ({"head_dim": 256, "block_n": 64}, False),
+        ({"dtype": "float8_e4m3"}, False),
+        ({"mma": "mma_sync", "block_m": 64, "block_n": 64, "num_warps": 4}, False),
+    ],
+)
+def test_which_specs_pin_v_descriptors(fields, pinned):
+    """V's wgmma descriptors are built once before the loop for 16-bit operands outside the
+    overlapped loops up to head dim 128 (docs/hopper.md, "K's descriptors")."""
+    base = {"loop_order": "v2", "mma": "wgmma", "dtype": "bfloat16", "head_dim": 128,
+            "block_m": 128, "block_n": 128, "archs": ["sm_90a"]}  # fmt: skip
+    spec = spec_from_dict({**base, **fields})
+    assert spec.pins_v_descriptors is pinned
