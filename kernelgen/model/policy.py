@@ -277,22 +277,31 @@ def hopper_default_spec(
     # tile may leave no registers for Q (e.g. 176 keys at d128)
     for q_held in dict.fromkeys((q_in_registers, False)):
         try:
-            return KernelSpec(
-                loop_order="v2",
-                mma="wgmma",
-                dtype=dtype,
-                head_dim=head_dim,
-                block_m=block_m,
-                block_n=block_n,
-                stages=2,
-                causal=bool(causal),
-                q_in_registers=q_held,
-                archs=WGMMA_ARCHS,
+            return _hopper_spec(
+                dtype, head_dim, causal, block_m, block_n, q_in_registers=q_held,
                 **{name: True for name in variants},
-            )
+            )  # fmt: skip
         except ValueError:  # a variant or tiles the wgmma kernels do not compile
             continue
     return None
+
+
+def _hopper_spec(
+    dtype: str, head_dim: int, causal: bool, block_m: int, block_n: int, **fields: Any
+) -> KernelSpec:
+    """A 16-bit wgmma forward spec of the policy's: the v2 loop, 2 stages, sm_90a."""
+    return KernelSpec(
+        loop_order="v2",
+        mma="wgmma",
+        dtype=dtype,
+        head_dim=head_dim,
+        block_m=block_m,
+        block_n=block_n,
+        stages=2,
+        causal=bool(causal),
+        archs=WGMMA_ARCHS,
+        **fields,
+    )
 
 
 def fp8_default_spec(head_dim: int, causal: bool, variants: tuple[str, ...] = ()) -> KernelSpec:
@@ -389,20 +398,11 @@ def hopper_decode_spec(
     if dtype not in ("float16", "bfloat16") or head_dim not in WGMMA_HEAD_DIMS:
         return None
     block_m = 64 if decode_rows <= 64 else 128
-    return KernelSpec(
-        loop_order="v2",
-        mma="wgmma",
-        dtype=dtype,
-        head_dim=head_dim,
-        block_m=block_m,
-        block_n=128 if head_dim in (64, 128) and not paged_kv else 64,
-        stages=2,
-        causal=bool(causal),
-        pack_gqa=block_m % group == 0,
-        split_kv=True,
-        paged_kv=paged_kv,
-        archs=WGMMA_ARCHS,
-    )
+    block_n = 128 if head_dim in (64, 128) and not paged_kv else 64
+    return _hopper_spec(
+        dtype, head_dim, causal, block_m, block_n,
+        pack_gqa=block_m % group == 0, split_kv=True, paged_kv=paged_kv,
+    )  # fmt: skip
 
 
 # The untuned tensor-core backward, by padded head dim: (largest, block_m, block_n, num_warps,
