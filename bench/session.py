@@ -91,6 +91,16 @@ def plan(results: str = "{results}") -> list[Stage]:
         "--tag", "session-long", "--out", results,
     )  # fmt: skip
     decode = ("-m", "bench.decode", "--quick", "--fp8", "--budget-ms", "100", "--out", results)
+    # the host NVRTC's cubins of the d128 loops the static readings compare (issue 33: the
+    # runs' compiler is not this machine's; bench/dump_cubins.py)
+    causal = "specs/v2_wg_bf16_d128_m128_n128_s2_causal.yaml"
+    plain = "specs/v2_wg_bf16_d128_m128_n128_s2.yaml"
+    cubins = (
+        "-m", "bench.dump_cubins", "--out", f"{results}/cubins", f"plain={plain}",
+        f"plain_causal={causal}", f"qr={plain},q_in_registers=true",
+        f"qr_causal={causal},q_in_registers=true",
+        f"ovl_pp_causal={causal},overlap=true,pingpong=true,stages=3",
+    )  # fmt: skip
     sanitize = ("-m", "kernelgen.selfcheck", "--engines", ",".join(SANITIZED_ENGINES))
     return [
         Stage(
@@ -109,6 +119,13 @@ def plan(results: str = "{results}") -> list[Stage]:
                 python(*sanitize, "--dry-run"),
             )
             for tool in ("memcheck", "racecheck")
+        ),
+        Stage(
+            "cubins",
+            10,  # five offline compiles, cached by content: about 5 s (not yet run on a GPU host)
+            "the host NVRTC's cubins of the d128 loops, for reading their SASS offline",
+            python(*cubins),
+            python(*cubins, "--dry-run"),
         ),
         Stage(
             "prefill",

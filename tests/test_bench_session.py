@@ -28,6 +28,11 @@ def test_the_plan_fits_the_window_in_priority_order():
     assert "--quick" in backward.command and "--dry-run" in backward.dry_command
     decode = stages[names.index("decode")]  # the fp8 cache rows too: never timed on a GPU yet
     assert "--fp8" in decode.command and "--fp8" in decode.dry_command
+    # the host compiler's cubins before the long stages: cheap, and what every static reading
+    # of the runs' SASS needs (bench/dump_cubins.py)
+    cubins = stages[names.index("cubins")]
+    assert names.index("racecheck") < names.index("cubins") < names.index("prefill")
+    assert "bench.dump_cubins" in cubins.command and "--dry-run" in cubins.dry_command
 
 
 @pytest.mark.compile
@@ -36,7 +41,7 @@ def test_the_dry_run_checks_every_stage_here(capsys):
     selection, the benchmarks accept their flags (--list), selfcheck compiles each engine."""
     assert session.dry_run(session.plan()) == 0
     out = capsys.readouterr().out
-    assert "plan: 7 stages" in out and out.count(" ok ") == 7, out
+    assert "plan: 8 stages" in out and out.count(" ok ") == 8, out
 
 
 def test_a_dry_run_reports_a_typo_in_a_stage():
@@ -158,3 +163,25 @@ def test_ncu_summary_reads_run_8s_source_page(capsys, tmp_path):
     bad.write_text("a,b\n1,2\n3,4\n")
     assert ncu_summary.main([str(bad)]) == 2
     assert "not an ncu source page" in capsys.readouterr().err
+
+
+@pytest.mark.compile
+def test_dump_cubins_writes_what_the_host_compiler_made(tmp_path):
+    """bench.dump_cubins compiles each item offline and writes its cubin and the NVRTC version
+    (the cubin is the compiler's: the same bytes as kernelgen's own offline compile)."""
+    from conftest import require_toolchain
+
+    from bench import dump_cubins
+    from kernelgen.kernels.compile import compile_offline, nvrtc_available, nvrtc_version
+    from kernelgen.kernels.render import render
+    from kernelgen.specs.forward import load_spec
+
+    require_toolchain(nvrtc_available(), "NVRTC (cuda-bindings + nvidia-cuda-nvrtc wheels)")
+    path = ROOT / "specs" / "v2_wg_bf16_d128_m128_n128_s2.yaml"
+    assert dump_cubins.main(["--out", str(tmp_path), f"qr={path},q_in_registers=true"]) == 0
+    spec = load_spec(path).model_copy(update={"q_in_registers": True})
+    want = compile_offline(render(spec), spec.uri, "sm_90a", sass=False, report=False).cubin
+    assert (tmp_path / "qr.cubin").read_bytes() == want
+    versions = (tmp_path / "versions.txt").read_text().splitlines()
+    assert versions == [f"nvrtc {nvrtc_version()}", f"qr {spec.uri} sm_90a"]
+    assert dump_cubins.main(["--out", str(tmp_path), "qr=no/such.yaml"]) == 2

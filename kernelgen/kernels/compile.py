@@ -87,6 +87,12 @@ def _nvrtc():
     return nvrtc
 
 
+def nvrtc_version() -> str:
+    """The loaded NVRTC's version, e.g. "13.2" (ToolchainMissingError without one)."""
+    _, major, minor = _nvrtc().nvrtcVersion()
+    return f"{major}.{minor}"
+
+
 def nvrtc_available() -> bool:
     try:
         _nvrtc()
