@@ -943,7 +943,7 @@ class KernelSpec(BaseModel):
         encoded stall cycles, NVRTC 13.5): 1.2-2.8 % fewer at d64-d128; the 3-stage overlap
         8-10 % more, fp8 and d192-d256 within +-1 %."""
         return (
-            self.mma == "wgmma"
+            self.engine.warp_specialized  # the wgmma engine's descriptors
             and not self.fp8
             and not self.overlap
             and self.head_dim <= PINNED_V_MAX_HEAD_DIM
