@@ -11,31 +11,18 @@ them) is compiled offline for its arch and written as ``OUT/LABEL.cubin``, with
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from bench.ncu_pair import parse_item
-from bench.profile_launch import build_spec, parse_override
-from kernelgen.errors import KernelgenError
+from bench.profile_launch import build_items, items_parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.dump_cubins", description=__doc__)
-    parser.add_argument("items", nargs="+", type=parse_item, metavar="LABEL=SPEC[,F=V...]")
-    parser.add_argument("--out", type=Path, default=Path("cubins"))
-    parser.add_argument("--dry-run", action="store_true", help="build the specs only")
-    args = parser.parse_args(argv)
-    try:
-        specs = [build_spec(path, [parse_override(x) for x in overrides])
-                 for _, path, overrides in args.items]  # fmt: skip
-    except (KernelgenError, OSError) as exc:
-        print(f"dump_cubins: {str(exc).splitlines()[0]}", file=sys.stderr)
+    args = items_parser("python -m bench.dump_cubins", __doc__, "cubins").parse_args(argv)
+    specs = build_items(args.items, "dump_cubins")
+    if specs is None:
         return 2
-    for (label, _, _), spec in zip(args.items, specs, strict=True):
-        print(f"{label}: {spec.uri} ({', '.join(spec.archs)})")
     if args.dry_run:
         return 0
     from kernelgen.kernels.compile import compile_offline, nvrtc_version

@@ -11,7 +11,6 @@ session's ``profile`` stage runs it on the plain loop and Q in registers (bench/
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import os
 import shutil
@@ -20,24 +19,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.profile_launch import build_spec, parse_override
-from kernelgen.errors import KernelgenError
+from bench.profile_launch import build_items, items_parser
 
 NCU_FALLBACK = "/usr/local/cuda/bin/ncu"
 RECORD_TIMEOUT_S = 120  # one ncu recording (a few launches, --set full replays one)
 EXPORT_TIMEOUT_S = 60
-
-
-def parse_item(text: str) -> tuple[str, Path, list[str]]:
-    """``LABEL=PATH[,FIELD=VALUE...]`` -> (label, path, the ``FIELD=VALUE`` texts, each checked
-    by :func:`bench.profile_launch.parse_override`, which reads them again)."""
-    label, sep, rest = text.partition("=")
-    if not sep or not label.isidentifier() or not rest:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=SPEC.yaml[,FIELD=VALUE...]")
-    path, *overrides = rest.split(",")
-    for override in overrides:
-        parse_override(override)
-    return label, Path(path), overrides
 
 
 def ncu_path() -> str | None:
@@ -84,20 +70,11 @@ def record(ncu: str, out: Path, label: str, path: Path, overrides: list[str], se
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.ncu_pair", description=__doc__)
-    parser.add_argument("items", nargs="+", type=parse_item, metavar="LABEL=SPEC[,F=V...]")
-    parser.add_argument("--out", type=Path, default=Path("ncu-out"))
+    parser = items_parser("python -m bench.ncu_pair", __doc__, "ncu-out")
     parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--dry-run", action="store_true", help="build the specs only")
     args = parser.parse_args(argv)
-    try:
-        specs = [build_spec(path, [parse_override(x) for x in overrides])
-                 for _, path, overrides in args.items]  # fmt: skip
-    except (KernelgenError, OSError) as exc:
-        print(f"ncu_pair: {str(exc).splitlines()[0]}", file=sys.stderr)
+    if build_items(args.items, "ncu_pair") is None:
         return 2
-    for (label, _, _), spec in zip(args.items, specs, strict=True):
-        print(f"{label}: {spec.uri}")
     if args.dry_run:
         return 0
     ncu = ncu_path()

@@ -43,6 +43,43 @@ def build_spec(path: Path, overrides: Sequence[tuple[str, Any]]) -> Any:
     return spec_from_dict(data, str(path))
 
 
+def parse_item(text: str) -> tuple[str, Path, list[str]]:
+    """``LABEL=PATH[,FIELD=VALUE...]`` -> (label, path, the ``FIELD=VALUE`` texts, each checked
+    by :func:`parse_override`, which reads them again): one spec of the tools that take several
+    (``bench.ncu_pair``, ``bench.dump_cubins``)."""
+    label, sep, rest = text.partition("=")
+    if not sep or not label.isidentifier() or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=SPEC.yaml[,FIELD=VALUE...]")
+    path, *overrides = rest.split(",")
+    for override in overrides:
+        parse_override(override)
+    return label, Path(path), overrides
+
+
+def items_parser(prog: str, description: str | None, out: str) -> argparse.ArgumentParser:
+    """The command line of a tool that takes ``LABEL=SPEC[,F=V...]`` items, ``--out`` (default
+    ``out``) and ``--dry-run`` (build the specs only)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("items", nargs="+", type=parse_item, metavar="LABEL=SPEC[,F=V...]")
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument("--dry-run", action="store_true", help="build the specs only")
+    return parser
+
+
+def build_items(items: Sequence[tuple[str, Path, list[str]]], tool: str) -> list[Any] | None:
+    """The specs of parsed items, each label printed with its kernel; None (after one line on
+    stderr naming ``tool``) when one is not a valid spec or its file cannot be read."""
+    try:
+        specs = [build_spec(path, [parse_override(x) for x in overrides])
+                 for _, path, overrides in items]  # fmt: skip
+    except (KernelgenError, OSError) as exc:
+        print(f"{tool}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return None
+    for (label, _, _), spec in zip(items, specs, strict=True):
+        print(f"{label}: {spec.uri} ({', '.join(spec.archs)})")
+    return specs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_launch", description=__doc__)
     parser.add_argument("spec", type=Path, help="a forward spec YAML file")

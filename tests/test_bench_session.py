@@ -130,10 +130,10 @@ def test_the_extra_stages_run_only_when_named(capsys):
 
 
 def test_ncu_pair_reads_labelled_specs_and_builds_them_without_a_gpu(capsys):
-    from bench import ncu_pair
+    from bench import ncu_pair, profile_launch
 
     path = ROOT / "specs" / "v2_wg_bf16_d128_m128_n128_s2_causal.yaml"
-    label, parsed, overrides = ncu_pair.parse_item(f"qr={path},q_in_registers=true")
+    label, parsed, overrides = profile_launch.parse_item(f"qr={path},q_in_registers=true")
     assert (label, parsed, overrides) == ("qr", path, ["q_in_registers=true"])
     assert ncu_pair.main([f"plain={path}", f"qr={path},q_in_registers=true", "--dry-run"]) == 0
     out = capsys.readouterr().out
