@@ -9,7 +9,9 @@ overlaps. In SASS the two waits are ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and ``...,
 ``WARPGROUP.ARRIVE`` and the batch of ``HGMMA`` (``QGMMA`` for fp8 operands) that ends two
 groups; the softmax's exponentials are ``MUFU.EX2``. The check counts the exponentials issued
 between the two waits of every such window. It also reports, for every wgmma spec, when ptxas
-serialized the products altogether (its log says so; the SASS then waits after every HGMMA).
+serialized the products altogether (its log says so; the SASS then waits after every HGMMA),
+and, with Q in registers, when a key loop's Q K^T issues its products slowly (the stall counts
+of the control bits: K's descriptors computed between the products, :func:`descriptor_problem`).
 """
 
 from __future__ import annotations
