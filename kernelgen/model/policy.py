@@ -289,7 +289,7 @@ def hopper_default_spec(
 def _hopper_spec(
     dtype: str, head_dim: int, causal: bool, block_m: int, block_n: int, **fields: Any
 ) -> KernelSpec:
-    """A 16-bit wgmma forward spec of the policy's: the v2 loop, 2 stages, sm_90a."""
+    """A wgmma forward spec of the policy's (16-bit or fp8): the v2 loop, 2 stages, sm_90a."""
     return KernelSpec(
         loop_order="v2",
         mma="wgmma",
@@ -318,18 +318,10 @@ def fp8_default_spec(head_dim: int, causal: bool, variants: tuple[str, ...] = ()
             f"head_dim={head_dim} is not allowed with float8_e4m3 inputs; use "
             f"{' or '.join(map(str, FP8_HEAD_DIMS))} (other head dims: not built yet)"
         )
-    return KernelSpec(
-        loop_order="v2",
-        mma="wgmma",
-        dtype=FP8_DTYPE,
-        head_dim=head_dim,
-        block_m=128,
-        block_n=FP8_BLOCK_N_BY_HEAD_DIM[head_dim][0],
-        stages=2,
-        causal=bool(causal),
-        archs=WGMMA_ARCHS,
+    return _hopper_spec(
+        FP8_DTYPE, head_dim, causal, 128, FP8_BLOCK_N_BY_HEAD_DIM[head_dim][0],
         **{name: True for name in variants},
-    )
+    )  # fmt: skip
 
 
 # Stages of an fp8 decode spec on a paged cache (the policy's and the tuner's): see
